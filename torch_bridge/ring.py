@@ -1,0 +1,86 @@
+"""The ring KV cache: write slots, slot positions and the attention mask of one step.
+
+Every layer of a stack writes the same slots and sees the same positions, so all of it is
+built once per step (`build_step_tables`) and passed to every layer.
+
+Ring convention. A row has written positions 0 .. E-1 (E = offset + T * active after the
+write); position p lives in slot p % C. Slot c is labelled with the position it holds:
+
+    end   = ref % C          delta = c - end  (in -(C-1) .. C-1)
+    pos   = ref + delta       if delta <= 0   (slots at or before `end` hold this lap)
+          = ref + delta - C   otherwise       (slots after `end` hold the previous lap)
+
+with ref = E for "personaplex" and ref = offset + T - 1 (the last position written, Moshi's
+`last_offset`) for "moshi". The `delta <= 0` is deliberate, not an off-by-one: with
+ref = E the slot `end` is the *next* write slot, still holding position E - C, yet it is
+labelled E; no query (positions < E) can see a position >= E, so "personaplex" sees a window
+of C - 1 slots once the ring has wrapped, while "moshi" labels that slot E - C and sees C.
+Both then set pos = -1 where c >= E (never written) or pos < start_offset[b] (recycled).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from personaplex_config import RING_CONVENTIONS
+
+from .rope import rope_tables
+
+
+class StepTables(NamedTuple):
+    """Everything one step shares across layers.
+
+    cos, sin:    float32 [B, 1, T, D/2]  RoPE tables for positions offset[b] + t.
+    write_index: int64 [B, T]            slot written by query t: (offset[b] + t) % C.
+    positions:   int64 [B, C]            position held by each slot, -1 if invisible.
+    mask:        bool [B, 1, T, C]       query t of row b may attend to slot c.
+    end_offset:  int64 [B]               offset after the step: offset + T * active.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    write_index: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    end_offset: torch.Tensor
+
+
+def ring_positions(offset, start_offset, active, T: int, capacity: int, convention: str) -> torch.Tensor:
+    """int64 [B, C]: the position each slot holds after this step's write, or -1."""
+    if convention not in RING_CONVENTIONS:
+        raise ValueError(f"ring_convention must be one of {RING_CONVENTIONS}, got {convention!r}")
+    end_offset = offset + T * active.long()
+    ref = (end_offset if convention == "personaplex" else offset + T - 1).view(-1, 1)
+    slots = torch.arange(capacity, device=offset.device, dtype=torch.long)
+    delta = slots - ref % capacity
+    # `delta <= 0`, not `< 0`: see the module docstring (slot `end` belongs to this lap).
+    pos = torch.where(delta <= 0, ref + delta, ref + delta - capacity)
+    invisible = (slots >= end_offset.view(-1, 1)) | (pos < start_offset.view(-1, 1))
+    return torch.where(invisible, torch.full_like(pos, -1), pos)
+
+
+def build_step_tables(offset, start_offset, active, T: int, *, capacity: int, context: int,
+                      head_dim: int, max_period: float, convention: str) -> StepTables:
+    """All per-step tables from the stack's offsets; offset, start_offset int64 [B], active bool [B]."""
+    cos, sin = rope_tables(offset, T, head_dim, max_period)
+    q_pos = offset.view(-1, 1) + torch.arange(T, device=offset.device, dtype=torch.long)  # [B, T]
+    write_index = q_pos % capacity
+    positions = ring_positions(offset, start_offset, active, T, capacity, convention)
+    delta = q_pos.view(-1, T, 1) - positions.view(-1, 1, capacity)  # [B, T, C]
+    mask = (positions.view(-1, 1, capacity) >= 0) & (delta >= 0) & (delta < context)
+    return StepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.long())
+
+
+def ring_write(ring: torch.Tensor, write_index: torch.Tensor, new: torch.Tensor, active: torch.Tensor) -> None:
+    """In place: ring[b, :, write_index[b, t]] = new[b, :, t] for active rows.
+
+    ring [B, H, C, D], write_index int64 [B, T], new [B, H, T, D], active bool [B].
+    Inactive rows write back what their slots already hold, so the op has a fixed shape
+    (CUDA-graph friendly) and leaves them unchanged.
+    """
+    B, H, T, D = new.shape
+    index = write_index.view(B, 1, T, 1).expand(B, H, T, D)
+    kept = torch.where(active.view(B, 1, 1, 1), new, ring.gather(2, index))
+    ring.scatter_(2, index, kept)
