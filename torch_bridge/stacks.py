@@ -200,9 +200,14 @@ class _StreamingStack(nn.Module):
         return build_step_tables(offset, start_offset, active, T, capacity=c.capacity, context=c.context,
                                  head_dim=c.head_dim, max_period=c.max_period, convention=c.ring_convention)
 
-    def _run_layers(self, x, active, *, tables_per_layer: bool = False) -> torch.Tensor:
-        """Apply every layer; tables built once (default) or, as older code did, in every layer."""
-        state = self.state
+    @torch.no_grad()
+    def step(self, x: torch.Tensor, active: torch.Tensor | None = None, *, tables_per_layer: bool = False):
+        """One streaming step: x [B, T, dim], active bool [B] (default: all rows).
+
+        Inactive rows leave the state as is. `tables_per_layer=True` rebuilds the tables in
+        every layer, as older code did: the same bits, more kernels (oracle and benchmark).
+        """
+        state, active = self._check_step_inputs(x, active)
         c = self.config
         tables = self.step_tables(state.offset, state.start_offset, active, x.shape[1])
         for layer in range(c.num_layers):
@@ -212,6 +217,9 @@ class _StreamingStack(nn.Module):
                                state.k[layer], state.v[layer], tables, active)
         state.offset.copy_(tables.end_offset)
         self.last_tables = tables
+        return self._head(x)
+
+    def _head(self, x: torch.Tensor):
         return x
 
 
@@ -232,12 +240,12 @@ class TemporalStreaming(_StreamingStack):
                    hidden=config.hidden, context=config.context, text_card=config.text_card,
                    max_period=config.max_period, ring_convention=config.ring_convention, **kwargs)
 
-    @torch.no_grad()
-    def step(self, frame_embedding: torch.Tensor, active: torch.Tensor | None = None):
-        """frame_embedding [B, T, dim], active bool [B] (default all) ->
-        (out [B, T, dim], text_logits [B, 1, T, text_card]). Inactive rows leave the state as is."""
-        _, active = self._check_step_inputs(frame_embedding, active)
-        x = self._run_layers(frame_embedding, active)
+    def step(self, frame_embedding: torch.Tensor, active: torch.Tensor | None = None, **kwargs):
+        """frame_embedding [B, T, dim], active bool [B] ->
+        (out [B, T, dim], text_logits [B, 1, T, text_card])."""
+        return super().step(frame_embedding, active, **kwargs)
+
+    def _head(self, x: torch.Tensor):
         out = rms_norm_f32(x, self.out_norm_alpha, self.config.norm_eps)
         return out, torch.nn.functional.linear(out, self.text_linear)[:, None]
 
@@ -257,9 +265,3 @@ class MimiTransformer(_StreamingStack):
         return cls(num_layers=config.num_layers, dim=config.dim, num_heads=config.num_heads,
                    context=config.context, ffn=config.ffn, max_period=config.max_period,
                    ring_convention=config.ring_convention, **kwargs)
-
-    @torch.no_grad()
-    def step(self, x: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, T, dim], active bool [B] (default all) -> [B, T, dim]."""
-        _, active = self._check_step_inputs(x, active)
-        return self._run_layers(x, active)

@@ -1,0 +1,114 @@
+"""Per-step tables shared by every layer: RoPE cos/sin, ring write slots, positions, mask.
+
+Same convention and names as `torch_bridge/ring.py` (its module docstring is the spec):
+a row has written positions 0 .. E-1 (E = offset + T * active after the write), position p
+lives in slot p % C, and slot c is labelled
+
+    end = ref % C, delta = c - end,   pos = ref + delta if delta <= 0 else ref + delta - C
+
+with ref = E ("personaplex") or offset + T - 1 ("moshi"); pos = -1 where c >= E (never
+written) or pos < start_offset (recycled). Integer tables use the offsets' dtype
+(int32, or int64 under jax x64); their values equal the torch path's exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from personaplex_config import RING_CONVENTIONS, StackConfig
+
+
+class StepTables(NamedTuple):
+    """Everything one step shares across layers (see torch_bridge.ring.StepTables).
+
+    cos, sin:    float32 [B, 1, T, D/2]
+    write_index: int [B, T]      slot written by query t: (offset[b] + t) % C
+    positions:   int [B, C]      position held by each slot after the write, -1 if invisible
+    mask:        bool [B, 1, T, C]
+    end_offset:  int [B]         offset + T * active
+    """
+
+    cos: jax.Array
+    sin: jax.Array
+    write_index: jax.Array
+    positions: jax.Array
+    mask: jax.Array
+    end_offset: jax.Array
+
+
+def rope_freqs(head_dim: int, max_period: float) -> jax.Array:
+    """float32 [D/2]: exp(i * (-ln(max_period) * 2 / D)), the factor rounded to float32 first."""
+    ds = jnp.arange(head_dim // 2, dtype=jnp.float32)
+    return jnp.exp(ds * jnp.float32(-math.log(max_period) * 2 / head_dim))
+
+
+def rope_tables(offset: jax.Array, T: int, head_dim: int, max_period: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin float32 [B, 1, T, D/2] for positions offset[b] + t (angle = freq * (f32(offset) + t))."""
+    freqs = rope_freqs(head_dim, max_period)
+    ts = offset.astype(jnp.float32)[:, None] + jnp.arange(T, dtype=jnp.float32)  # [B, T]
+    angles = freqs * ts[:, None, :, None]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def _separate_product(p: jax.Array) -> jax.Array:
+    # The optimization barrier makes XLA round each product to float32 on its own, as eager
+    # torch does, instead of contracting `a*b - c*d` into a fused multiply-add.
+    return lax.optimization_barrier(p)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, exact: bool = True) -> jax.Array:
+    """Rotate GPT-J pairs (2i, 2i+1) of x [B, H, T, D] in float32; returns x's dtype.
+
+    out_r = r*cos - i*sin, out_i = r*sin + i*cos. With exact=True each product is rounded
+    on its own (no FMA contraction), which makes the result bit-identical to the torch path
+    given the same tables; exact=False lets the compiler fuse (faster, <= 1 ulp apart).
+    """
+    B, H, T, D = x.shape
+    pairs = x.reshape(B, H, T, D // 2, 2).astype(jnp.float32)
+    xr, xi = pairs[..., 0], pairs[..., 1]
+    products = (xr * cos, xi * sin, xr * sin, xi * cos)
+    if exact:
+        products = _separate_product(products)
+    rc, is_, rs, ic = products
+    out = jnp.stack([(rc - is_).astype(x.dtype), (rs + ic).astype(x.dtype)], axis=-1)
+    return out.reshape(x.shape)
+
+
+def ring_positions(offset, start_offset, active, T: int, capacity: int, convention: str) -> jax.Array:
+    """int [B, C]: the position each slot holds after this step's write, or -1."""
+    if convention not in RING_CONVENTIONS:
+        raise ValueError(f"ring_convention must be one of {RING_CONVENTIONS}, got {convention!r}")
+    idx = offset.dtype
+    end_offset = offset + T * active.astype(idx)
+    ref = (end_offset if convention == "personaplex" else offset + (T - 1))[:, None]
+    slots = jnp.arange(capacity, dtype=idx)
+    delta = slots - ref % capacity
+    # `delta <= 0`, not `< 0`: see torch_bridge/ring.py (slot `end` belongs to this lap).
+    pos = jnp.where(delta <= 0, ref + delta, ref + delta - capacity)
+    invisible = (slots >= end_offset[:, None]) | (pos < start_offset[:, None])
+    return jnp.where(invisible, jnp.asarray(-1, idx), pos)
+
+
+def build_step_tables(offset, start_offset, active, T: int, *, capacity: int, context: int,
+                      head_dim: int, max_period: float, convention: str) -> StepTables:
+    """All per-step tables; offset, start_offset int [B], active bool [B]."""
+    idx = offset.dtype
+    cos, sin = rope_tables(offset, T, head_dim, max_period)
+    q_pos = offset[:, None] + jnp.arange(T, dtype=idx)  # [B, T]
+    write_index = q_pos % capacity
+    positions = ring_positions(offset, start_offset, active, T, capacity, convention)
+    delta = q_pos[:, :, None] - positions[:, None, :]  # [B, T, C]
+    mask = (positions[:, None, :] >= 0) & (delta >= 0) & (delta < context)
+    return StepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.astype(idx))
+
+
+def step_tables(config: StackConfig, offset, start_offset, active, T: int) -> StepTables:
+    """The tables of one step of a stack, computed once and used by every layer."""
+    c = config
+    return build_step_tables(offset, start_offset, active, T, capacity=c.capacity, context=c.context,
+                             head_dim=c.head_dim, max_period=c.max_period, convention=c.ring_convention)

@@ -1,0 +1,159 @@
+"""Streaming state of a stack as a pytree, and the pure functions that recycle it.
+
+State of a stack with L layers, B rows (sessions), H heads, C = capacity slots, D head dim:
+
+    k, v:          [L, B, H, C, D] in the stack's dtype: one ring per layer, stacked.
+    offset:        [B] positions written so far by each row.
+    start_offset:  [B] first position still visible to each row (slot recycling).
+
+Same meaning as `torch_bridge.streaming.StreamState`; the ring convention is in
+`torch_bridge/ring.py` (and `jax_impl/ring.py`).
+
+Integer width. Offsets are int32 unless jax's x64 mode is on, then int64 (`index_dtype()`).
+In int32 a row overflows once a step would take offset + T past 2**31 - 1 = 2_147_483_647
+positions: at 12.5 Hz frames (temporal, T=1) that is ~5.4 years of continuous streaming, for
+Mimi at 25 Hz (T=2 per 12.5 Hz step) ~2.7 years. The pure `step` does not look at values (that
+would need a device->host sync or recompiles); the `Streamer` wrapper keeps a host-side upper
+bound of every row's offset and refuses a step that could overflow, before launching it (a
+Python integer comparison, no sync, no recompilation) -- see `check_headroom`. RoPE angles are
+computed in float32 from `offset` exactly as the torch path does, so positions past 2**24
+(~15.5 days at 12.5 Hz) are no longer exact in the angle; that is shared with torch and Moshi.
+
+Every function here is pure and jit-able; the row `b` or the `mask` may be traced, so
+recycling never recompiles. A concrete `b` out of range raises; a traced one that is out of
+range matches no row and is a no-op (jit cannot raise on values).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from personaplex_config import StackConfig
+
+INT32_MAX = 2**31 - 1
+
+
+class StreamState(NamedTuple):
+    """k, v [L, B, H, C, D]; offset, start_offset [B] (index_dtype())."""
+
+    k: jax.Array
+    v: jax.Array
+    offset: jax.Array
+    start_offset: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.offset.shape[0]
+
+
+def index_dtype():
+    """int64 when jax x64 mode is enabled, int32 otherwise."""
+    return jax.dtypes.canonicalize_dtype(jnp.int64)
+
+
+def index_max(dtype=None) -> int:
+    """Largest offset representable in the index dtype."""
+    return int(np.iinfo(np.dtype(dtype or index_dtype())).max)
+
+
+def state_shapes(config: StackConfig, batch_size: int) -> tuple[int, ...]:
+    c = config
+    return (c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim)
+
+
+def init_state(config: StackConfig, batch_size: int, dtype=jnp.float32) -> StreamState:
+    """A fresh state: zero rings, offsets at 0."""
+    if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise ValueError(f"init_state(batch_size): must be a positive int, got {batch_size!r}")
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"init_state(dtype): must be a floating dtype, got {dtype}")
+    ring = state_shapes(config, int(batch_size))
+    idx = index_dtype()
+    return StreamState(k=jnp.zeros(ring, dtype), v=jnp.zeros(ring, dtype),
+                       offset=jnp.zeros((batch_size,), idx), start_offset=jnp.zeros((batch_size,), idx))
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_row(op: str, state: StreamState, b):
+    """Validate b; a concrete b must be an in-range integer. Returns the [B] bool row mask."""
+    B = state.offset.shape[0]
+    if _is_concrete(b):
+        arr = np.asarray(b)
+        if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or isinstance(b, bool):
+            raise TypeError(f"{op}(b): b must be an integer row index, got {b!r}")
+        if not 0 <= int(arr) < B:
+            raise IndexError(f"{op}(b): b={int(arr)} is out of range for batch_size {B}")
+    else:
+        if b.shape != () or not jnp.issubdtype(b.dtype, jnp.integer):
+            raise TypeError(f"{op}(b): b must be a scalar integer, got {b.dtype}{list(b.shape)}")
+    return jnp.arange(B) == b
+
+
+def _check_mask(op: str, state: StreamState, mask):
+    B = state.offset.shape[0]
+    shape, dtype = jnp.shape(mask), getattr(mask, "dtype", None)
+    if dtype is None or jnp.dtype(dtype) != jnp.bool_:
+        raise TypeError(f"{op}(mask): mask must be a bool array, got {dtype or type(mask).__name__}")
+    if tuple(shape) != (B,):
+        raise ValueError(f"{op}(mask): mask must have shape [{B}], got {list(shape)}")
+    return jnp.asarray(mask)
+
+
+def reset_slot(state: StreamState, b) -> StreamState:
+    """Row b forgets all it has written (start_offset[b] = offset[b]); positions keep counting."""
+    row = _check_row("reset_slot", state, b)
+    return state._replace(start_offset=jnp.where(row, state.offset, state.start_offset))
+
+
+def bump_slot_start(state: StreamState, b) -> StreamState:
+    """Row b forgets its oldest visible position (start_offset[b] += 1).
+
+    Refused (ValueError) when start_offset[b] == offset[b] and the values are concrete, as on
+    the torch side; under jit (traced state or b) it saturates at offset[b] instead (a no-op).
+    """
+    row = _check_row("bump_slot_start", state, b)
+    if _is_concrete(b) and _is_concrete(state.offset) and _is_concrete(state.start_offset):
+        bi = int(np.asarray(b))
+        start, off = int(state.start_offset[bi]), int(state.offset[bi])
+        if start >= off:
+            raise ValueError(f"bump_slot_start(b): row {bi} has nothing left to forget "
+                             f"(start_offset == offset == {off})")
+    bumped = jnp.minimum(state.start_offset + 1, state.offset)
+    return state._replace(start_offset=jnp.where(row, bumped, state.start_offset))
+
+
+def reset_rows(state: StreamState, mask) -> StreamState:
+    """Rows where mask [B] is True start a fresh stream (offset and start_offset to 0).
+
+    As on the torch side the ring slots are not cleared: with offset 0 no slot is visible.
+    """
+    mask = _check_mask("reset_rows", state, mask)
+    zero = jnp.zeros_like(state.offset)
+    return state._replace(offset=jnp.where(mask, zero, state.offset),
+                          start_offset=jnp.where(mask, zero, state.start_offset))
+
+
+def reset_streaming(state: StreamState) -> StreamState:
+    """Every row back to a fresh stream; rings zeroed."""
+    return jax.tree_util.tree_map(jnp.zeros_like, state)
+
+
+def check_headroom(offset_bound: int, T: int, dtype=None) -> None:
+    """Raise OverflowError if a step of T positions could take an offset past the index dtype.
+
+    offset_bound: a host-side upper bound of every row's offset (the `Streamer` keeps it).
+    """
+    limit = index_max(dtype)
+    if offset_bound + T > limit:
+        raise OverflowError(
+            f"step: offsets could reach {offset_bound + T} > {limit}, the largest "
+            f"{np.dtype(dtype or index_dtype()).name} position; reset_rows() the long-running rows "
+            f"(or enable jax x64 for int64 offsets) before stepping further")

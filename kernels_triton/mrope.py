@@ -1,0 +1,560 @@
+"""MRoPE (multimodal rotary position embedding) as a Triton kernel, with a plain torch reference.
+
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL rotate every query and key head with a cos/sin row assembled
+from three position streams (temporal, height, width).  Frequency ``i`` of the rotary half takes
+its cos/sin from stream ``sel(i)``:
+
+* chunked (``mrope_interleaved=False``, Qwen2-VL/2.5-VL): ``0`` for ``i < t``, ``1`` for
+  ``t <= i < t + h``, ``2`` after;
+* interleaved (``mrope_interleaved=True``, Qwen3-VL): ``1`` where ``i % 3 == 1 and i < 3 * h``,
+  ``2`` where ``i % 3 == 2 and i < 3 * w``, else ``0``.
+
+A one-stream table (``cos``/``sin`` of shape ``[num_tokens, rotary_dim // 2]``, or 1-D
+``positions``) is plain RoPE.
+
+Numerics (shared with ``kernels_pallas.mrope``, which returns the same bits): inputs and cos/sin
+are upcast to float32, each of the four products is rounded to float32 on its own (no fused
+multiply-add), then ``x1' = x1*cos - x2*sin`` and ``x2' = x2*cos + x1*sin`` are rounded once and
+cast back to the input dtype (round to nearest even).  That is what eager torch computes, so the
+kernel is bit-identical to :func:`mrope_native`.  The kernel is compiled with
+``enable_fp_fusion=False`` so that the GPU compiler cannot contract a product into an FMA.
+
+Layout is the serving-engine one: ``q [num_tokens, num_q_heads * head_size]`` (rows may be
+strided, e.g. a slice of a fused qkv projection; the last dimension must be contiguous) and
+``k [num_tokens, num_kv_heads * head_size]``.  The grid is ``(head blocks of q then k, token
+blocks)``: one program rotates a ``[block_tokens, block_heads, rotary_dim // 2]`` tile pair, so a
+short prompt still fills the GPU while a long one streams at copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "mrope",
+    "mrope_",
+    "mrope_from_cache",
+    "mrope_from_cache_",
+    "mrope_native",
+    "mrope_from_cache_native",
+]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_GRID_Y = 65535  # CUDA limit of the second grid dimension (token blocks).
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _stream_of_frequency(
+    i,
+    NUM_STREAMS: tl.constexpr,
+    SECTION_T: tl.constexpr,
+    SECTION_H: tl.constexpr,
+    SECTION_W: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """Position stream (0 = t, 1 = h, 2 = w) that frequency ``i`` reads."""
+    if NUM_STREAMS == 1:
+        sel = tl.zeros_like(i)
+    elif INTERLEAVED:
+        sel = tl.where(
+            (i % 3 == 1) & (i < 3 * SECTION_H),
+            1,
+            tl.where((i % 3 == 2) & (i < 3 * SECTION_W), 2, 0),
+        )
+    else:
+        sel = (i >= SECTION_T).to(tl.int32) + (i >= SECTION_T + SECTION_H).to(tl.int32)
+    return sel
+
+
+@triton.jit
+def _rotate_tile(
+    x_ptr,
+    stride_x,
+    tok,
+    t_mask,
+    head0,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    ROT_HALF: tl.constexpr,
+    ROT_HALF_P2: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Rotate heads ``head0 .. head0 + BLOCK_H`` of the token block in place."""
+    h = head0 + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, ROT_HALF_P2)
+    if IS_NEOX:  # element i pairs with i + rotary_dim / 2
+        first = i
+        second = i + ROT_HALF
+    else:  # GPT-J: element 2i pairs with 2i + 1
+        first = 2 * i
+        second = 2 * i + 1
+    row = tok.to(tl.int64) * stride_x
+    base = row[:, None, None] + (h * HEAD_SIZE)[None, :, None]
+    mask = t_mask[:, None, None] & (h < NUM_HEADS)[None, :, None] & (i < ROT_HALF)[None, None, :]
+    ptr1 = x_ptr + base + first[None, None, :]
+    ptr2 = x_ptr + base + second[None, None, :]
+    x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr2, mask=mask, other=0.0).to(tl.float32)
+    # Four separately rounded products (fp fusion is off), then one rounding per output.
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    tl.store(ptr1, o1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr2, o2.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mrope_kernel(
+    q_ptr,
+    k_ptr,
+    cos_ptr,  # [NUM_STREAMS, num_tokens, ROT_HALF] table, or the cache when FROM_CACHE
+    sin_ptr,
+    pos_ptr,  # [NUM_STREAMS, num_tokens] positions when FROM_CACHE
+    num_tokens,
+    stride_q,
+    stride_k,
+    max_position,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    ROT_HALF: tl.constexpr,
+    ROT_HALF_P2: tl.constexpr,
+    NUM_STREAMS: tl.constexpr,
+    SECTION_T: tl.constexpr,
+    SECTION_H: tl.constexpr,
+    SECTION_W: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    FROM_CACHE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = tok < num_tokens
+    i = tl.arange(0, ROT_HALF_P2)
+    sel = _stream_of_frequency(i, NUM_STREAMS, SECTION_T, SECTION_H, SECTION_W, INTERLEAVED)
+    cs_mask = t_mask[:, None] & (i < ROT_HALF)[None, :]
+    if FROM_CACHE:
+        # Gather cache rows: cos half then sin half of row positions[sel(i), token].
+        pos_t = tl.load(pos_ptr + tok, mask=t_mask, other=0)
+        pos = tl.broadcast_to(pos_t[:, None], (BLOCK_T, ROT_HALF_P2))
+        if NUM_STREAMS == 3:
+            pos_h = tl.load(pos_ptr + num_tokens + tok, mask=t_mask, other=0)
+            pos_w = tl.load(pos_ptr + 2 * num_tokens + tok, mask=t_mask, other=0)
+            pos = tl.where(sel[None, :] == 1, pos_h[:, None], pos)
+            pos = tl.where(sel[None, :] == 2, pos_w[:, None], pos)
+        # Out-of-range positions are never read: they give NaN rows (the wrappers raise first).
+        cs_mask = cs_mask & (pos >= 0) & (pos < max_position)
+        row = pos.to(tl.int64) * (2 * ROT_HALF)
+        cos = tl.load(cos_ptr + row + i[None, :], mask=cs_mask, other=float("nan"))
+        sin = tl.load(sin_ptr + row + ROT_HALF + i[None, :], mask=cs_mask, other=float("nan"))
+    else:
+        offs = (sel[None, :] * num_tokens + tok[:, None]).to(tl.int64) * ROT_HALF + i[None, :]
+        cos = tl.load(cos_ptr + offs, mask=cs_mask, other=0.0)
+        sin = tl.load(sin_ptr + offs, mask=cs_mask, other=0.0)
+    cos = cos.to(tl.float32)[:, None, :]
+    sin = sin.to(tl.float32)[:, None, :]
+
+    num_q_blocks = tl.cdiv(NUM_Q_HEADS, BLOCK_H)
+    if pid_h < num_q_blocks:
+        _rotate_tile(q_ptr, stride_q, tok, t_mask, pid_h * BLOCK_H, cos, sin,
+                     NUM_Q_HEADS, HEAD_SIZE, ROT_HALF, ROT_HALF_P2, IS_NEOX, BLOCK_H)
+    else:
+        _rotate_tile(k_ptr, stride_k, tok, t_mask, (pid_h - num_q_blocks) * BLOCK_H, cos, sin,
+                     NUM_KV_HEADS, HEAD_SIZE, ROT_HALF, ROT_HALF_P2, IS_NEOX, BLOCK_H)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks (kept identical to kernels_pallas.mrope; no shared import keeps the packages
+# free of each other's framework).
+# --------------------------------------------------------------------------------------------
+
+
+def _check_geometry(q_shape, k_shape, head_size, rotary_dim):
+    for name, v in (("head_size", head_size), ("rotary_dim", rotary_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+    if rotary_dim > head_size:
+        raise ValueError(f"rotary_dim must be <= head_size ({head_size}), got {rotary_dim}")
+    for name, shape in (("q", q_shape), ("k", k_shape)):
+        if len(shape) != 2:
+            raise ValueError(
+                f"{name} must be 2-D [num_tokens, num_heads * head_size], got shape {tuple(shape)}"
+            )
+        if shape[1] == 0 or shape[1] % head_size:
+            raise ValueError(
+                f"{name}.shape[1] must be a positive multiple of head_size={head_size}, "
+                f"got shape {tuple(shape)}"
+            )
+    if q_shape[0] != k_shape[0]:
+        raise ValueError(
+            f"q and k must have the same num_tokens, got q {tuple(q_shape)} and k {tuple(k_shape)}"
+        )
+    return q_shape[0], q_shape[1] // head_size, k_shape[1] // head_size
+
+
+def _check_sections(mrope_section, rotary_dim, num_streams):
+    """Returns (t, h, w) section sizes; a one-stream table uses (rotary_dim // 2, 0, 0)."""
+    half = rotary_dim // 2
+    if mrope_section is None:
+        if num_streams == 3:
+            raise ValueError("mrope_section is required for 3-stream cos/sin or positions")
+        return (half, 0, 0)
+    try:
+        sections = tuple(mrope_section)
+    except TypeError:
+        raise ValueError(f"mrope_section must be a sequence [t, h, w], got {mrope_section!r}") from None
+    if len(sections) != 3 or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sections
+    ):
+        raise ValueError(f"mrope_section must be 3 non-negative ints [t, h, w], got {mrope_section!r}")
+    if sum(sections) != half:
+        raise ValueError(
+            f"mrope_section must sum to rotary_dim // 2 = {half}, got {list(sections)} "
+            f"(sum {sum(sections)})"
+        )
+    return sections if num_streams == 3 else (half, 0, 0)
+
+
+def _check_flags(mrope_interleaved, is_neox_style):
+    for name, v in (("mrope_interleaved", mrope_interleaved), ("is_neox_style", is_neox_style)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be a bool, got {v!r}")
+
+
+def _check_table(name, t, num_tokens, rotary_dim):
+    half = rotary_dim // 2
+    if t.ndim not in (2, 3) or t.shape[-2:] != (num_tokens, half) or (t.ndim == 3 and t.shape[0] != 3):
+        raise ValueError(
+            f"{name} must have shape [3, num_tokens, rotary_dim // 2] = [3, {num_tokens}, {half}] or "
+            f"[num_tokens, rotary_dim // 2] = [{num_tokens}, {half}], got {tuple(t.shape)}"
+        )
+
+
+def _check_dtype(name, dtype, allowed):
+    if dtype not in allowed:
+        raise ValueError(f"{name} dtype must be one of {[str(d) for d in allowed]}, got {dtype}")
+
+
+def _pow2_floor(n):
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def default_blocks(num_tokens, num_q_heads, num_kv_heads, rotary_dim):
+    """(block_tokens, block_heads) used when the caller names none.
+
+    ``block_heads`` is the largest power of two <= 8 dividing both head counts (no masked lanes
+    for 28/4 or 32/8), at least 4; ``block_tokens`` aims at ~4K elements per half-tile and keeps
+    the token grid within CUDA's 65535 limit.
+    """
+    g = math.gcd(num_q_heads, num_kv_heads)
+    block_heads = min(8, g & -g)
+    if block_heads < 4:
+        block_heads = min(4, triton.next_power_of_2(max(num_q_heads, num_kv_heads)))
+    half_p2 = triton.next_power_of_2(rotary_dim // 2)
+    block_tokens = max(1, min(16, _pow2_floor(4096 // (block_heads * half_p2))))
+    block_tokens = max(block_tokens, triton.next_power_of_2(triton.cdiv(num_tokens, _MAX_GRID_Y)))
+    return block_tokens, block_heads
+
+
+def _launch(q, k, cos, sin, pos, num_streams, sections, max_position, head_size, rotary_dim,
+            mrope_interleaved, is_neox_style, from_cache, block_tokens, block_heads, num_warps):
+    num_tokens = q.shape[0]
+    hq, hk = q.shape[1] // head_size, k.shape[1] // head_size
+    bt, bh = default_blocks(num_tokens, hq, hk, rotary_dim)
+    bt = bt if block_tokens is None else block_tokens
+    bh = bh if block_heads is None else block_heads
+    for name, v in (("block_tokens", bt), ("block_heads", bh)):
+        if not isinstance(v, int) or v <= 0 or v & (v - 1):
+            raise ValueError(f"{name} must be a positive power of two, got {v!r}")
+    if triton.cdiv(num_tokens, bt) > _MAX_GRID_Y:
+        raise ValueError(f"block_tokens={bt} gives more than {_MAX_GRID_Y} token blocks; use a larger one")
+    grid = (triton.cdiv(hq, bh) + triton.cdiv(hk, bh), triton.cdiv(num_tokens, bt))
+    _mrope_kernel[grid](
+        q, k, cos, sin, pos, num_tokens, q.stride(0), k.stride(0), max_position,
+        NUM_Q_HEADS=hq, NUM_KV_HEADS=hk, HEAD_SIZE=head_size, ROT_HALF=rotary_dim // 2,
+        ROT_HALF_P2=triton.next_power_of_2(rotary_dim // 2), NUM_STREAMS=num_streams,
+        SECTION_T=sections[0], SECTION_H=sections[1], SECTION_W=sections[2],
+        INTERLEAVED=mrope_interleaved, IS_NEOX=is_neox_style, FROM_CACHE=from_cache,
+        BLOCK_T=bt, BLOCK_H=bh, num_warps=num_warps, enable_fp_fusion=False,
+    )
+
+
+def _check_qk(q, k, head_size, rotary_dim):
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    num_tokens, hq, hk = _check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
+    _check_dtype("q", q.dtype, SUPPORTED_DTYPES)
+    if k.dtype != q.dtype:
+        raise ValueError(f"k dtype must equal q dtype {q.dtype}, got {k.dtype}")
+    if k.device != q.device:
+        raise ValueError(f"k must be on q's device {q.device}, got {k.device}")
+    for name, t in (("q", q), ("k", k)):
+        if t.stride(1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    return num_tokens, hq, hk
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def mrope_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mrope_section: Sequence[int] | None,
+    head_size: int,
+    rotary_dim: int,
+    mrope_interleaved: bool = False,
+    is_neox_style: bool = True,
+    *,
+    block_tokens: int | None = None,
+    block_heads: int | None = None,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates ``q`` and ``k`` in place with MRoPE; returns ``(q, k)``.
+
+    Args:
+      q: ``[num_tokens, num_q_heads * head_size]``, float32/bfloat16/float16; rows may be strided.
+      k: ``[num_tokens, num_kv_heads * head_size]``, same dtype and device as ``q``.
+      cos, sin: ``[3, num_tokens, rotary_dim // 2]`` (t/h/w streams) or ``[num_tokens,
+        rotary_dim // 2]`` (text only, plain RoPE); float32/bfloat16/float16 (upcast to float32).
+      mrope_section: ``[t, h, w]`` with ``t + h + w == rotary_dim // 2``; may be None for a
+        one-stream table.
+      head_size: elements per head; ``rotary_dim <= head_size``, the tail passes through.
+      rotary_dim: rotated elements per head (even).
+      mrope_interleaved: Qwen3-VL interleaved sections instead of chunked ones.
+      is_neox_style: NeoX halves (``j`` with ``j + rotary_dim / 2``) or GPT-J pairs (``2j, 2j+1``).
+      block_tokens, block_heads: tile sizes (powers of two); None picks :func:`default_blocks`.
+      num_warps: warps per program.
+    """
+    num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim)
+    _check_flags(mrope_interleaved, is_neox_style)
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check_table(name, t, num_tokens, rotary_dim)
+        _check_dtype(name, t.dtype, SUPPORTED_DTYPES)
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    num_streams = 3 if cos.ndim == 3 else 1
+    sections = _check_sections(mrope_section, rotary_dim, num_streams)
+    if num_tokens == 0:
+        return q, k
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _launch(q, k, cos, sin, cos, num_streams, sections, 0, head_size, rotary_dim,
+            mrope_interleaved, is_neox_style, False, block_tokens, block_heads, num_warps)
+    return q, k
+
+
+def mrope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mrope_section: Sequence[int] | None,
+    head_size: int,
+    rotary_dim: int,
+    mrope_interleaved: bool = False,
+    is_neox_style: bool = True,
+    **block_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Out-of-place :func:`mrope_`: returns rotated copies ``(q, k)`` (same shapes and dtype)."""
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q) if isinstance(q, torch.Tensor) else q
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device).copy_(k) if isinstance(k, torch.Tensor) else k
+    return mrope_(q_out, k_out, cos, sin, mrope_section, head_size, rotary_dim,
+                  mrope_interleaved, is_neox_style, **block_kwargs)
+
+
+def _check_cache_args(positions, cos_sin_cache, num_tokens, rotary_dim, device):
+    if not isinstance(positions, torch.Tensor):
+        raise ValueError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
+    if not isinstance(cos_sin_cache, torch.Tensor):
+        raise ValueError(f"cos_sin_cache must be a torch.Tensor, got {type(cos_sin_cache).__name__}")
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions dtype must be int32 or int64, got {positions.dtype}")
+    if positions.ndim not in (1, 2) or positions.shape[-1] != num_tokens or (
+        positions.ndim == 2 and positions.shape[0] != 3
+    ):
+        raise ValueError(
+            f"positions must have shape [3, num_tokens] = [3, {num_tokens}] or [num_tokens] = "
+            f"[{num_tokens}], got {tuple(positions.shape)}"
+        )
+    if cos_sin_cache.ndim != 2 or cos_sin_cache.shape[1] != rotary_dim or cos_sin_cache.shape[0] == 0:
+        raise ValueError(
+            f"cos_sin_cache must have shape [max_position, rotary_dim] = [max_position, {rotary_dim}], "
+            f"got {tuple(cos_sin_cache.shape)}"
+        )
+    _check_dtype("cos_sin_cache", cos_sin_cache.dtype, (torch.float32,))
+    for name, t in (("positions", positions), ("cos_sin_cache", cos_sin_cache)):
+        if t.device != device:
+            raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+
+
+def _check_positions_range(positions, max_position):
+    if positions.numel() == 0:
+        return
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0 or hi >= max_position:
+        raise ValueError(
+            f"positions must lie in [0, max_position = {max_position}) of cos_sin_cache, "
+            f"got values in [{lo}, {hi}]"
+        )
+
+
+def mrope_from_cache_(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    mrope_section: Sequence[int] | None,
+    head_size: int,
+    rotary_dim: int,
+    mrope_interleaved: bool = False,
+    is_neox_style: bool = True,
+    *,
+    check_positions: bool = True,
+    block_tokens: int | None = None,
+    block_heads: int | None = None,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused gather + :func:`mrope_`: rotates ``q``/``k`` in place with rows of ``cos_sin_cache``.
+
+    Args:
+      positions: ``[3, num_tokens]`` (t/h/w) or ``[num_tokens]`` (text only), int32/int64.
+      cos_sin_cache: ``[max_position, rotary_dim]`` float32, cos half then sin half per row.
+      check_positions: raise ValueError when a position lies outside ``[0, max_position)``.
+        This costs a reduction and a device-to-host sync; with False an out-of-range position is
+        still never read, its token's rotated output is NaN instead.
+      Others as in :func:`mrope_`. The ``[3, num_tokens, rotary_dim // 2]`` tables are never
+      materialised: each program gathers its rows from the cache.
+    """
+    num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim)
+    _check_flags(mrope_interleaved, is_neox_style)
+    _check_cache_args(positions, cos_sin_cache, num_tokens, rotary_dim, q.device)
+    num_streams = 3 if positions.ndim == 2 else 1
+    sections = _check_sections(mrope_section, rotary_dim, num_streams)
+    if check_positions:
+        _check_positions_range(positions, cos_sin_cache.shape[0])
+    if num_tokens == 0:
+        return q, k
+    positions, cache = positions.contiguous(), cos_sin_cache.contiguous()
+    _launch(q, k, cache, cache, positions, num_streams, sections, cache.shape[0], head_size,
+            rotary_dim, mrope_interleaved, is_neox_style, True, block_tokens, block_heads, num_warps)
+    return q, k
+
+
+def mrope_from_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    mrope_section: Sequence[int] | None,
+    head_size: int,
+    rotary_dim: int,
+    mrope_interleaved: bool = False,
+    is_neox_style: bool = True,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Out-of-place :func:`mrope_from_cache_`: returns rotated copies ``(q, k)``."""
+    q_out = q.clone() if isinstance(q, torch.Tensor) else q
+    k_out = k.clone() if isinstance(k, torch.Tensor) else k
+    return mrope_from_cache_(positions, q_out, k_out, cos_sin_cache, mrope_section, head_size,
+                             rotary_dim, mrope_interleaved, is_neox_style, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Plain torch reference (vLLM's forward_native beside the fast path)
+# --------------------------------------------------------------------------------------------
+
+
+def stream_index(rotary_dim: int, mrope_section: Sequence[int], mrope_interleaved: bool) -> list[int]:
+    """Stream (0 = t, 1 = h, 2 = w) of each of the ``rotary_dim // 2`` frequencies."""
+    t, h, w = mrope_section
+    half = rotary_dim // 2
+    if mrope_interleaved:
+        return [1 if (i % 3 == 1 and i < 3 * h) else 2 if (i % 3 == 2 and i < 3 * w) else 0
+                for i in range(half)]
+    return [0 if i < t else 1 if i < t + h else 2 for i in range(half)]
+
+
+def _assemble(table, mrope_section, rotary_dim, mrope_interleaved):
+    if table.ndim == 2:
+        return table
+    sel = torch.tensor(stream_index(rotary_dim, mrope_section, mrope_interleaved), device=table.device)
+    return torch.gather(table, 0, sel.view(1, 1, -1).expand(1, table.shape[1], -1))[0]
+
+
+def _rotate_native(x, cos, sin, head_size, rotary_dim, is_neox_style):
+    n = x.shape[0]
+    xh = x.view(n, -1, head_size)
+    rot = xh[..., :rotary_dim].float()
+    if is_neox_style:
+        x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2:]
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    o = torch.cat((o1, o2), -1) if is_neox_style else torch.stack((o1, o2), -1).flatten(-2)
+    return torch.cat((o.to(x.dtype), xh[..., rotary_dim:]), -1).reshape(x.shape)
+
+
+def mrope_native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mrope_section: Sequence[int] | None,
+    head_size: int,
+    rotary_dim: int,
+    mrope_interleaved: bool = False,
+    is_neox_style: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch reference of :func:`mrope` (same arguments, returns new ``(q, k)``)."""
+    num_tokens, _, _ = _check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
+    _check_flags(mrope_interleaved, is_neox_style)
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check_table(name, t, num_tokens, rotary_dim)
+    sections = _check_sections(mrope_section, rotary_dim, cos.ndim if cos.ndim == 3 else 1)
+    c = _assemble(cos, sections, rotary_dim, mrope_interleaved).float()
+    s = _assemble(sin, sections, rotary_dim, mrope_interleaved).float()
+    return (_rotate_native(q, c, s, head_size, rotary_dim, is_neox_style),
+            _rotate_native(k, c, s, head_size, rotary_dim, is_neox_style))
+
+
+def mrope_from_cache_native(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    mrope_section: Sequence[int] | None,
+    head_size: int,
+    rotary_dim: int,
+    mrope_interleaved: bool = False,
+    is_neox_style: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch reference of :func:`mrope_from_cache`: ``cos_sin_cache[positions]``, split, rotate."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    return mrope_native(q, k, cos, sin, mrope_section, head_size, rotary_dim,
+                        mrope_interleaved, is_neox_style)

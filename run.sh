@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The project's two entry points; each sets up .venv (pinned, from the registries) first.
+#   bash run.sh main [ARGS]   the main job: the torch/JAX cross-check on the embedded default
+#   bash run.sh test [ARGS]   the test suite (CPU; Pallas and Triton kernels in interpret mode)
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+stamp=.venv/.installed-$(cat requirements.txt requirements-test.txt pyproject.toml | sha256sum | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+    [ -x .venv/bin/python ] || "$PY" -m venv .venv
+    .venv/bin/pip install -q -r requirements.txt -r requirements-test.txt
+    # moshi is the external oracle of the tests: its transformer module needs only torch + einops.
+    .venv/bin/pip install -q --no-deps "moshi==0.2.13"
+    .venv/bin/pip install -q --no-deps -e .
+    rm -f .venv/.installed-* && touch "$stamp"
+fi
+cmd=${1:-}
+shift || true
+case "$cmd" in
+    main) exec .venv/bin/personaplex-jax stream "$@" ;;
+    test) TRITON_INTERPRET=1 exec .venv/bin/python -m pytest "$@" ;;
+    *) echo "usage: bash run.sh main|test [ARGS]" >&2; exit 2 ;;
+esac

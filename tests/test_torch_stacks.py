@@ -1,0 +1,195 @@
+"""The torch stacks: hoisted tables are exact, bad input is refused with state unchanged,
+checkpoints round-trip through safetensors in the Moshi layout."""
+
+import copy
+
+import pytest
+import torch
+
+from personaplex_config import PRESETS, CheckpointError, with_options
+from torch_bridge import MimiTransformer, TemporalStreaming
+
+B = 3
+
+
+def make_stack(name, convention="personaplex", seed=0, dtype=torch.float32):
+    config = with_options(PRESETS[f"{name}-small"], ring_convention=convention)
+    cls = TemporalStreaming if name == "temporal" else MimiTransformer
+    stack = cls.from_config(config, dtype=dtype)
+    stack.init_weights(generator=torch.Generator().manual_seed(seed))
+    return stack
+
+
+def random_op(stack, gen):
+    """One random recycle op (or none), applied to `stack`; returns a replayable closure."""
+    u = torch.rand((), generator=gen).item()
+    b = int(torch.randint(B, (), generator=gen))
+    mask = torch.rand(B, generator=gen) < 0.5
+    if u < 0.03:
+        return lambda s: s.reset_slot(b)
+    if u < 0.06 and stack.state.start_offset[b] < stack.state.offset[b]:
+        return lambda s: s.bump_slot_start(b)
+    if u < 0.08:
+        return lambda s: s.reset_rows(mask)
+    return lambda s: None
+
+
+@pytest.mark.parametrize("name,T", [("temporal", 1), ("mimi", 2)])
+@pytest.mark.parametrize("convention", ["personaplex", "moshi"])
+def test_hoisted_tables_equal_per_layer_tables(name, T, convention):
+    hoisted = make_stack(name, convention)
+    per_layer = copy.deepcopy(hoisted)
+    gen = torch.Generator().manual_seed(3)
+    for s in (hoisted, per_layer):
+        s.streaming_init(B)
+    for _ in range(600):
+        op = random_op(hoisted, gen)
+        op(hoisted)
+        op(per_layer)
+        x = torch.randn(B, T, hoisted.config.dim, generator=gen)
+        active = torch.rand(B, generator=gen) < 0.7
+        ya = hoisted.step(x, active)
+        yb = per_layer.step(x, active, tables_per_layer=True)
+        for u, v in zip(torch.utils._pytree.tree_leaves(ya), torch.utils._pytree.tree_leaves(yb)):
+            assert torch.equal(u, v)
+        sa, sb = hoisted.state, per_layer.state
+        for field in ("k", "v", "offset", "start_offset"):
+            assert torch.equal(getattr(sa, field), getattr(sb, field)), field
+        assert torch.equal(hoisted.last_tables.positions, per_layer.last_tables.positions)
+    assert int(hoisted.state.offset.max()) > hoisted.config.context  # the ring wrapped
+
+
+def snapshot(stack):
+    return {k: v.clone() for k, v in vars(stack.state).items()}
+
+
+def assert_state_unchanged(stack, before):
+    for k, v in vars(stack.state).items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("name", ["temporal", "mimi"])
+def test_bad_input_is_refused_and_state_unchanged(name):
+    stack = make_stack(name)
+    dim, T = stack.config.dim, 2
+    with pytest.raises(RuntimeError, match="before streaming_init"):
+        stack.step(torch.zeros(B, T, dim))
+    with pytest.raises(RuntimeError, match="before streaming_init"):
+        stack.reset_slot(0)
+    with pytest.raises(ValueError, match="batch_size"):
+        stack.streaming_init(0)
+    stack.streaming_init(B)
+    stack.step(torch.randn(B, T, dim))
+    before = snapshot(stack)
+    cases = [
+        (lambda: stack.step(torch.zeros(B, T, dim + 1)), ValueError, r"step\(x\).*shape"),
+        (lambda: stack.step(torch.zeros(B + 1, T, dim)), ValueError, r"step\(x\).*shape"),
+        (lambda: stack.step(torch.zeros(B, 0, dim)), ValueError, "T = x.shape"),
+        (lambda: stack.step(torch.zeros(B, stack.config.capacity + 1, dim)), ValueError, "capacity"),
+        (lambda: stack.step(torch.zeros(B, T, dim, dtype=torch.float64)), TypeError, "dtype"),
+        (lambda: stack.step(torch.zeros(B, T, dim), torch.ones(B)), TypeError, r"step\(active\)"),
+        (lambda: stack.step(torch.zeros(B, T, dim), torch.ones(B + 1, dtype=torch.bool)), ValueError,
+         r"step\(active\)"),
+        (lambda: stack.step(torch.zeros(B, T, dim).numpy()), TypeError, "torch.Tensor"),
+        (lambda: stack.reset_slot(B), IndexError, "out of range"),
+        (lambda: stack.reset_slot(-1), IndexError, "out of range"),
+        (lambda: stack.reset_slot(1.0), TypeError, "int row index"),
+        (lambda: stack.bump_slot_start(B), IndexError, "out of range"),
+        (lambda: stack.reset_rows(torch.ones(B)), TypeError, r"reset_rows\(mask\)"),
+        (lambda: stack.reset_rows(torch.ones(2 * B, dtype=torch.bool)), ValueError, r"reset_rows\(mask\)"),
+    ]
+    for call, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            call()
+        assert_state_unchanged(stack, before)
+    stack.reset_slot(1)
+    stack.bump_slot_start(0)
+    stack.bump_slot_start(0)  # start_offset 2 == offset 2: nothing left to forget
+    before = snapshot(stack)
+    with pytest.raises(ValueError, match="nothing left to forget"):
+        stack.bump_slot_start(0)
+    assert_state_unchanged(stack, before)
+
+
+def test_inactive_rows_are_inert():
+    stack = make_stack("mimi")
+    stack.streaming_init(B)
+    for _ in range(4):
+        stack.step(torch.randn(B, 2, stack.config.dim))
+    before = snapshot(stack)
+    active = torch.tensor([True, False, True])
+    stack.step(torch.randn(B, 2, stack.config.dim), active)
+    assert torch.equal(stack.state.k[:, 1], before["k"][:, 1])
+    assert torch.equal(stack.state.v[:, 1], before["v"][:, 1])
+    assert stack.state.offset.tolist() == [10, 8, 10]
+    assert not torch.equal(stack.state.k[:, 0], before["k"][:, 0])
+
+
+def test_reset_ops():
+    stack = make_stack("mimi")
+    stack.streaming_init(B)
+    for _ in range(3):
+        stack.step(torch.randn(B, 2, stack.config.dim))
+    stack.reset_slot(2)
+    stack.bump_slot_start(0)
+    assert stack.state.start_offset.tolist() == [1, 0, 6]
+    stack.step(torch.randn(B, 2, stack.config.dim))
+    assert stack.last_tables.positions[2].tolist() == [-1] * 6 + [6, 7, -1, -1]
+    stack.reset_rows(torch.tensor([True, False, False]))
+    assert stack.state.offset.tolist() == [0, 8, 8] and stack.state.start_offset.tolist() == [0, 0, 6]
+    stack.reset_streaming()
+    assert not stack.state.k.any() and not stack.state.offset.any()
+
+
+@pytest.mark.parametrize("name,prefix", [("temporal", None), ("mimi", "decoder_transformer")])
+def test_checkpoint_round_trip(tmp_path, name, prefix):
+    src = make_stack(name, seed=1)
+    dst = make_stack(name, seed=2)
+    path = tmp_path / "model.safetensors"
+    src.save_safetensors(path, prefix)
+    buffers = {k: v.data_ptr() for k, v in dst.weights().items()}
+    dst.load_safetensors(path, prefix)
+    for k, v in dst.weights().items():
+        assert torch.equal(v, src.weights()[k]), k
+        assert v.data_ptr() == buffers[k], "weights must be loaded in place"
+
+
+def test_checkpoint_errors_list_every_key():
+    stack = make_stack("mimi")
+    sd = stack.export_weights("encoder_transformer")
+    sd.pop("encoder_transformer.transformer.layers.1.linear1.weight")
+    sd.pop("encoder_transformer.transformer.layers.0.norm2.bias")
+    sd["encoder_transformer.transformer.layers.0.linear2.weight"] = torch.zeros(3, 3)
+    sd["encoder_transformer.transformer.layers.7.linear1.weight"] = torch.zeros(3, 3)
+    sd["decoder_transformer.transformer.layers.0.linear1.weight"] = torch.zeros(3, 3)  # other stack: ignored
+    before = {k: v.clone() for k, v in stack.weights().items()}
+    with pytest.raises(CheckpointError) as err:
+        stack.load_weights(sd, "encoder_transformer")
+    msg = str(err.value)
+    assert "missing: encoder_transformer.transformer.layers.1.linear1.weight" in msg
+    assert "missing: encoder_transformer.transformer.layers.0.norm2.bias" in msg
+    assert "unexpected: encoder_transformer.transformer.layers.7.linear1.weight" in msg
+    assert "wrong shape: encoder_transformer.transformer.layers.0.linear2.weight" in msg
+    assert "decoder_transformer" not in msg
+    for k, v in stack.weights().items():
+        assert torch.equal(v, before[k])
+    with pytest.raises(ValueError, match="prefix"):
+        stack.load_weights(sd, "transformer")
+
+
+def test_checkpoint_dtype_widening_only():
+    f32 = make_stack("temporal", dtype=torch.float32)
+    bf16 = make_stack("temporal", dtype=torch.bfloat16)
+    f32.load_weights(bf16.export_weights())  # exact widening
+    assert torch.equal(f32.in_proj, bf16.in_proj.float())
+    with pytest.raises(TypeError, match="narrowing"):
+        bf16.load_weights(make_stack("temporal").export_weights())
+
+
+def test_bfloat16_step_runs_with_float32_tables():
+    stack = make_stack("temporal", dtype=torch.bfloat16)
+    stack.streaming_init(B)
+    out, logits = stack.step(torch.randn(B, 1, stack.config.dim, dtype=torch.bfloat16))
+    assert out.dtype == logits.dtype == stack.state.k.dtype == torch.bfloat16
+    assert stack.last_tables.cos.dtype == torch.float32
+    assert torch.isfinite(out).all()
