@@ -1,0 +1,81 @@
+"""Distances between two arrays for parity checks (numpy-based; used by tests and the cross-check tool).
+
+`ulp_distance(a, b)` works on the raw bits: floats are mapped to integers ordered like the
+reals (sign-magnitude -> two's complement, +0 == -0), so the distance is the number of
+representable values between a and b. Supports float16, bfloat16 (ml_dtypes), float32,
+float64. Inputs may be numpy, jax, or torch arrays (torch bfloat16 included, via DLPack).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+NAN_DISTANCE = np.iinfo(np.uint64).max
+
+
+def as_numpy(x) -> np.ndarray:
+    """A numpy array of x without changing its dtype (bf16 stays ml_dtypes.bfloat16)."""
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        return np.asarray(x)
+    except (TypeError, RuntimeError):  # e.g. a torch bfloat16 tensor: go through DLPack
+        from .weights import to_jax
+
+        return np.asarray(to_jax(x))
+
+
+def _float_dtype_check(a: np.ndarray, b: np.ndarray) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"ulp_distance: dtypes differ ({a.dtype} vs {b.dtype}); compare like with like")
+    if a.dtype.kind not in "fV" and "bfloat16" not in str(a.dtype):
+        raise TypeError(f"ulp_distance: a floating dtype is needed, got {a.dtype}")
+    if a.shape != b.shape:
+        raise ValueError(f"ulp_distance: shapes differ ({a.shape} vs {b.shape})")
+
+
+def ulp_distance(a, b) -> np.ndarray:
+    """Elementwise distance in units in the last place, uint64 (NaN vs non-NaN: NAN_DISTANCE)."""
+    a, b = as_numpy(a), as_numpy(b)
+    _float_dtype_check(a, b)
+    size = a.dtype.itemsize
+    ut = _UINT[size]
+    sign = np.uint64(1) << np.uint64(8 * size - 1)
+    ua = np.ascontiguousarray(a).view(ut).astype(np.uint64)
+    ub = np.ascontiguousarray(b).view(ut).astype(np.uint64)
+    ma, mb = ua & ~sign, ub & ~sign
+    sa, sb = (ua & sign) != 0, (ub & sign) != 0
+    same = sa == sb
+    dist = np.where(same, np.where(ma > mb, ma - mb, mb - ma), ma + mb)
+    af, bf = a.astype(np.float64), b.astype(np.float64)
+    na, nb = np.isnan(af), np.isnan(bf)
+    dist = np.where(na & nb, np.uint64(0), dist)
+    return np.where(na ^ nb, np.uint64(NAN_DISTANCE), dist).astype(np.uint64)
+
+
+def max_ulp(a, b) -> int:
+    d = ulp_distance(a, b)
+    return int(d.max()) if d.size else 0
+
+
+def max_abs(a, b) -> float:
+    a, b = as_numpy(a).astype(np.float64), as_numpy(b).astype(np.float64)
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+def max_rel(a, b, floor: float | None = None) -> float:
+    """max |a - b| / max(|b|, floor); floor defaults to 1e-3 * max|b| (ignores tiny entries)."""
+    a, b = as_numpy(a).astype(np.float64), as_numpy(b).astype(np.float64)
+    if not a.size:
+        return 0.0
+    if floor is None:
+        floor = 1e-3 * float(np.max(np.abs(b))) or np.finfo(np.float64).tiny
+    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), floor)))
+
+
+def compare(a, b) -> dict:
+    """{"identical", "max_abs", "max_rel", "max_ulp"} of a against reference b."""
+    a_np, b_np = as_numpy(a), as_numpy(b)
+    return {"identical": bool(a_np.shape == b_np.shape and max_ulp(a_np, b_np) == 0),
+            "max_abs": max_abs(a_np, b_np), "max_rel": max_rel(a_np, b_np), "max_ulp": max_ulp(a_np, b_np)}
