@@ -77,6 +77,23 @@ def _stream_of_frequency(
 
 
 @triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """float32 -> ``dtype``, round to nearest even.
+
+    bfloat16 is rounded with integer ops: the interpreter's own float32 -> bfloat16 cast
+    truncates, while the GPU's ``cvt.rn.bf16.f32`` rounds to nearest even; this form gives the
+    GPU's bits everywhere (NaN becomes the canonical quiet NaN 0x7FC0).
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        bits = tl.where(x != x, 0x7FC00000, bits)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def _rotate_tile(
     x_ptr,
     stride_x,
@@ -111,8 +128,8 @@ def _rotate_tile(
     # Four separately rounded products (fp fusion is off), then one rounding per output.
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
-    tl.store(ptr1, o1.to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr2, o2.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr1, _round_to(o1, x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr2, _round_to(o2, x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -380,8 +397,8 @@ def mrope(
     **block_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Out-of-place :func:`mrope_`: returns rotated copies ``(q, k)`` (same shapes and dtype)."""
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device).copy_(q) if isinstance(q, torch.Tensor) else q
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device).copy_(k) if isinstance(k, torch.Tensor) else k
+    q_out = q.clone() if isinstance(q, torch.Tensor) else q
+    k_out = k.clone() if isinstance(k, torch.Tensor) else k
     return mrope_(q_out, k_out, cos, sin, mrope_section, head_size, rotary_dim,
                   mrope_interleaved, is_neox_style, **block_kwargs)
 
@@ -536,7 +553,7 @@ def mrope_native(
     _check_flags(mrope_interleaved, is_neox_style)
     for name, t in (("cos", cos), ("sin", sin)):
         _check_table(name, t, num_tokens, rotary_dim)
-    sections = _check_sections(mrope_section, rotary_dim, cos.ndim if cos.ndim == 3 else 1)
+    sections = _check_sections(mrope_section, rotary_dim, 3 if cos.ndim == 3 else 1)
     c = _assemble(cos, sections, rotary_dim, mrope_interleaved).float()
     s = _assemble(sin, sections, rotary_dim, mrope_interleaved).float()
     return (_rotate_native(q, c, s, head_size, rotary_dim, is_neox_style),
