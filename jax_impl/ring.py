@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
+import numpy as np
 
 from personaplex_config import RING_CONVENTIONS, StackConfig
 
@@ -41,10 +41,16 @@ class StepTables(NamedTuple):
     end_offset: jax.Array
 
 
-def rope_freqs(head_dim: int, max_period: float) -> jax.Array:
-    """float32 [D/2]: exp(i * (-ln(max_period) * 2 / D)), the factor rounded to float32 first."""
-    ds = jnp.arange(head_dim // 2, dtype=jnp.float32)
-    return jnp.exp(ds * jnp.float32(-math.log(max_period) * 2 / head_dim))
+def rope_freqs(head_dim: int, max_period: float) -> np.ndarray:
+    """float32 [D/2]: exp(i * (-ln(max_period) * 2 / D)), the factor rounded to float32 first.
+
+    The argument is formed in float32 as torch does (bit-identical); the exp is taken on the
+    host in float64 and rounded once, so the table is the same on every backend. torch's
+    vectorized expf (Sleef, <= 1 ulp) differs from it in a few entries by 1 ulp (D=128: 2 of 64).
+    """
+    ds = np.arange(head_dim // 2, dtype=np.float32)
+    arg = ds * np.float32(-math.log(max_period) * 2 / head_dim)
+    return np.exp(arg.astype(np.float64)).astype(np.float32)
 
 
 def rope_tables(offset: jax.Array, T: int, head_dim: int, max_period: float) -> tuple[jax.Array, jax.Array]:
@@ -56,9 +62,12 @@ def rope_tables(offset: jax.Array, T: int, head_dim: int, max_period: float) -> 
 
 
 def _separate_product(p: jax.Array) -> jax.Array:
-    # The optimization barrier makes XLA round each product to float32 on its own, as eager
-    # torch does, instead of contracting `a*b - c*d` into a fused multiply-add.
-    return lax.optimization_barrier(p)
+    """p, rounded on its own: XLA's CPU (and GPU) backends let LLVM contract `a*b - c*d` into a
+    fused multiply-add, which eager torch does not do. `optimization_barrier`, `reduce_precision`
+    and a bitcast round trip are all simplified away before code generation; a select on
+    `p != p` (keeps NaN as NaN) is not, and LLVM does not contract an fmul through a select.
+    """
+    return jnp.where(p != p, jnp.asarray(jnp.nan, p.dtype), p)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, exact: bool = True) -> jax.Array:
@@ -73,7 +82,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, exact: bool = Tr
     xr, xi = pairs[..., 0], pairs[..., 1]
     products = (xr * cos, xi * sin, xr * sin, xi * cos)
     if exact:
-        products = _separate_product(products)
+        products = tuple(_separate_product(p) for p in products)
     rc, is_, rs, ic = products
     out = jnp.stack([(rc - is_).astype(x.dtype), (rs + ic).astype(x.dtype)], axis=-1)
     return out.reshape(x.shape)
