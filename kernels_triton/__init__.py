@@ -1,6 +1,6 @@
 """Triton kernels (torch tensors) with plain torch references beside them."""
 
-from kernels_triton.mrope import (
+from kernels_triton.rotary_mrope import (
     mrope,
     mrope_,
     mrope_from_cache,

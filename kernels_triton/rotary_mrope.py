@@ -12,7 +12,7 @@ its cos/sin from stream ``sel(i)``:
 A one-stream table (``cos``/``sin`` of shape ``[num_tokens, rotary_dim // 2]``, or 1-D
 ``positions``) is plain RoPE.
 
-Numerics (shared with ``kernels_pallas.mrope``, which returns the same bits): inputs and cos/sin
+Numerics (shared with ``kernels_pallas.rotary_mrope``, which returns the same bits): inputs and cos/sin
 are upcast to float32, each of the four products is rounded to float32 on its own (no fused
 multiply-add), then ``x1' = x1*cos - x2*sin`` and ``x2' = x2*cos + x1*sin`` are rounded once and
 cast back to the input dtype (round to nearest even).  That is what eager torch computes, so the
@@ -196,7 +196,7 @@ def _mrope_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Argument checks (kept identical to kernels_pallas.mrope; no shared import keeps the packages
+# Argument checks (kept identical to kernels_pallas.rotary_mrope; no shared import keeps the packages
 # free of each other's framework).
 # --------------------------------------------------------------------------------------------
 
@@ -324,7 +324,7 @@ def _check_qk(q, k, head_size, rotary_dim):
     if k.device != q.device:
         raise ValueError(f"k must be on q's device {q.device}, got {k.device}")
     for name, t in (("q", q), ("k", k)):
-        if t.stride(1) != 1:
+        if t.numel() and t.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
     return num_tokens, hq, hk
 
@@ -524,7 +524,7 @@ def _assemble(table, mrope_section, rotary_dim, mrope_interleaved):
 
 def _rotate_native(x, cos, sin, head_size, rotary_dim, is_neox_style):
     n = x.shape[0]
-    xh = x.view(n, -1, head_size)
+    xh = x.view(n, x.shape[1] // head_size, head_size)
     rot = xh[..., :rotary_dim].float()
     if is_neox_style:
         x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2:]

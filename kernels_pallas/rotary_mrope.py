@@ -1,0 +1,523 @@
+"""MRoPE (multimodal rotary position embedding) as a Pallas kernel, with a plain jax.numpy reference.
+
+Same operation, signature and bits as ``kernels_triton.rotary_mrope`` (see that module for the section
+rules).  Frequency ``i`` of the rotary half takes its cos/sin from stream ``sel(i)``: chunked
+(Qwen2-VL/2.5-VL) ``0`` for ``i < t``, ``1`` for ``t <= i < t + h``, ``2`` after; interleaved
+(Qwen3-VL) ``1`` where ``i % 3 == 1 and i < 3h``, ``2`` where ``i % 3 == 2 and i < 3w``, else ``0``.
+A one-stream table / 1-D ``positions`` is plain RoPE.
+
+Numerics: upcast to float32, four products each rounded to float32 (no fused multiply-add), one
+rounding for each of ``x1*cos - x2*sin`` and ``x2*cos + x1*sin``, round to nearest even into the
+input dtype.  XLA contracts ``a*b - c*d`` into an FMA on CPU and LLVM may do the same inside the
+Triton backend on GPU, so the products are made opaque to contraction:
+
+* compiled for the GPU: each product is one ``mul.rn.f32`` (inline PTX; ``.rn`` also stops ptxas
+  from fusing it);
+* interpreted (CPU, CI) and in :func:`mrope_native`: ``where(isnan(p), nan, p)`` sits between the
+  product and the add; XLA cannot see through the select.  NaN payloads are not preserved.
+
+The kernel takes ``q``/``k`` flattened to 1-D and aliases them to its outputs
+(``input_output_aliases``), so under ``jax.jit(..., donate_argnums=...)`` it rotates in place
+and the partial-rotary tail is never touched.  The grid is ``(head blocks of q then k, token
+blocks)``; one program rotates one ``[block_tokens, block_heads, rotary_dim // 2]`` tile pair
+with gathers/scatters (``pallas.triton.load/store`` with index arrays and masks), which lets any
+head count (28/4, 5/3, ...) use power-of-two tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+__all__ = ["mrope", "mrope_from_cache", "mrope_native", "mrope_from_cache_native", "default_blocks"]
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_MAX_GRID_Y = 65535  # CUDA limit of the second grid dimension (token blocks).
+_MAX_INT32 = 2**31 - 1
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+
+def _stream_of_frequency(i, num_streams, sections, interleaved):
+    """Position stream (0 = t, 1 = h, 2 = w) that frequency ``i`` reads."""
+    t, h, w = sections
+    if num_streams == 1:
+        return jnp.zeros_like(i)
+    if interleaved:
+        return jnp.where((i % 3 == 1) & (i < 3 * h), 1, jnp.where((i % 3 == 2) & (i < 3 * w), 2, 0))
+    return (i >= t).astype(jnp.int32) + (i >= t + h).astype(jnp.int32)
+
+
+def _rounded_product(a, b, compiled_gpu):
+    """``a * b`` rounded to float32, never contracted into an FMA with a following add."""
+    if compiled_gpu:
+        a, b = jnp.broadcast_arrays(a, b)
+        [p] = pltriton.elementwise_inline_asm(
+            "mul.rn.f32 $0, $1, $2;",
+            args=[a, b],
+            constraints="=f,f,f",
+            pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+        )
+        return p
+    p = a * b
+    return jnp.where(jnp.isnan(p), jnp.float32(jnp.nan), p)
+
+
+def _rotate(x1, x2, cos, sin, compiled_gpu):
+    mul = functools.partial(_rounded_product, compiled_gpu=compiled_gpu)
+    return mul(x1, cos) - mul(x2, sin), mul(x2, cos) + mul(x1, sin)
+
+
+def _rotate_tile(x_in, x_out, tok, t_mask, head0, cos, sin, *, num_heads, head_size, half, half_p2,
+                 is_neox, block_h, compiled_gpu):
+    """Rotate heads ``head0 .. head0 + block_h`` of the token block (flat refs, in place)."""
+    h = head0 + jnp.arange(block_h, dtype=jnp.int32)
+    i = jnp.arange(half_p2, dtype=jnp.int32)
+    first, second = (i, i + half) if is_neox else (2 * i, 2 * i + 1)
+    base = (tok[:, None, None] * num_heads + h[None, :, None]) * head_size
+    mask = t_mask[:, None, None] & (h < num_heads)[None, :, None] & (i < half)[None, None, :]
+    # Masked lanes point one past the end: the interpreter's scatter drops them instead of
+    # racing with a live lane that aliases the same element.
+    size = x_in.shape[0]
+    off1 = jnp.where(mask, base + first[None, None, :], size)
+    off2 = jnp.where(mask, base + second[None, None, :], size)
+    x1 = pltriton.load(x_in.at[off1], mask=mask, other=0).astype(jnp.float32)
+    x2 = pltriton.load(x_in.at[off2], mask=mask, other=0).astype(jnp.float32)
+    o1, o2 = _rotate(x1, x2, cos, sin, compiled_gpu)
+    pltriton.store(x_out.at[off1], o1.astype(x_out.dtype), mask=mask)
+    pltriton.store(x_out.at[off2], o2.astype(x_out.dtype), mask=mask)
+
+
+def _mrope_kernel(q_in, k_in, cos_ref, sin_ref, q_out, k_out, *, num_tokens, num_q_heads,
+                  num_kv_heads, head_size, half, num_streams, sections, interleaved, is_neox,
+                  from_cache, max_position, block_t, block_h, compiled_gpu):
+    # When from_cache: cos_ref holds positions [num_streams * num_tokens], sin_ref the cache.
+    pid_h = pl.program_id(0)
+    pid_t = pl.program_id(1)
+    half_p2 = _next_pow2(half)
+    tok = pid_t * block_t + jnp.arange(block_t, dtype=jnp.int32)
+    t_mask = tok < num_tokens
+    i = jnp.arange(half_p2, dtype=jnp.int32)
+    sel = _stream_of_frequency(i, num_streams, sections, interleaved)
+    cs_mask = t_mask[:, None] & (i < half)[None, :]
+    if from_cache:
+        pos_ref, cache_ref = cos_ref, sin_ref
+        n_pos = pos_ref.shape[0]
+
+        def stream(s):
+            idx = jnp.where(t_mask, s * num_tokens + tok, n_pos)
+            return pltriton.load(pos_ref.at[idx], mask=t_mask, other=0).astype(jnp.int32)[:, None]
+
+        pos = jnp.broadcast_to(stream(0), (block_t, half_p2))
+        if num_streams == 3:
+            pos = jnp.where(sel[None, :] == 1, stream(1), pos)
+            pos = jnp.where(sel[None, :] == 2, stream(2), pos)
+        # Out-of-range positions are never read: they give NaN rows (the wrappers raise first
+        # whenever positions are concrete).
+        cs_mask = cs_mask & (pos >= 0) & (pos < max_position)
+        row = pos * (2 * half) + i[None, :]
+        n_cache = cache_ref.shape[0]
+        cos = pltriton.load(cache_ref.at[jnp.where(cs_mask, row, n_cache)], mask=cs_mask, other=jnp.nan)
+        sin = pltriton.load(cache_ref.at[jnp.where(cs_mask, row + half, n_cache)], mask=cs_mask,
+                            other=jnp.nan)
+    else:
+        offs = (sel[None, :] * num_tokens + tok[:, None]) * half + i[None, :]
+        offs = jnp.where(cs_mask, offs, cos_ref.shape[0])
+        cos = pltriton.load(cos_ref.at[offs], mask=cs_mask, other=0)
+        sin = pltriton.load(sin_ref.at[offs], mask=cs_mask, other=0)
+    cos = cos.astype(jnp.float32)[:, None, :]
+    sin = sin.astype(jnp.float32)[:, None, :]
+
+    tile = functools.partial(_rotate_tile, tok=tok, t_mask=t_mask, cos=cos, sin=sin,
+                             head_size=head_size, half=half, half_p2=half_p2, is_neox=is_neox,
+                             block_h=block_h, compiled_gpu=compiled_gpu)
+    num_q_blocks = -(-num_q_heads // block_h)
+
+    @pl.when(pid_h < num_q_blocks)
+    def _():
+        tile(q_in, q_out, head0=pid_h * block_h, num_heads=num_q_heads)
+
+    @pl.when(pid_h >= num_q_blocks)
+    def _():
+        tile(k_in, k_out, head0=(pid_h - num_q_blocks) * block_h, num_heads=num_kv_heads)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks (kept identical to kernels_triton.rotary_mrope)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_geometry(q_shape, k_shape, head_size, rotary_dim):
+    for name, v in (("head_size", head_size), ("rotary_dim", rotary_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+    if rotary_dim > head_size:
+        raise ValueError(f"rotary_dim must be <= head_size ({head_size}), got {rotary_dim}")
+    for name, shape in (("q", q_shape), ("k", k_shape)):
+        if len(shape) != 2:
+            raise ValueError(
+                f"{name} must be 2-D [num_tokens, num_heads * head_size], got shape {tuple(shape)}"
+            )
+        if shape[1] == 0 or shape[1] % head_size:
+            raise ValueError(
+                f"{name}.shape[1] must be a positive multiple of head_size={head_size}, "
+                f"got shape {tuple(shape)}"
+            )
+    if q_shape[0] != k_shape[0]:
+        raise ValueError(
+            f"q and k must have the same num_tokens, got q {tuple(q_shape)} and k {tuple(k_shape)}"
+        )
+    return q_shape[0], q_shape[1] // head_size, k_shape[1] // head_size
+
+
+def _check_sections(mrope_section, rotary_dim, num_streams):
+    """Returns (t, h, w) section sizes; a one-stream table uses (rotary_dim // 2, 0, 0)."""
+    half = rotary_dim // 2
+    if mrope_section is None:
+        if num_streams == 3:
+            raise ValueError("mrope_section is required for 3-stream cos/sin or positions")
+        return (half, 0, 0)
+    try:
+        sections = tuple(mrope_section)
+    except TypeError:
+        raise ValueError(f"mrope_section must be a sequence [t, h, w], got {mrope_section!r}") from None
+    if len(sections) != 3 or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sections
+    ):
+        raise ValueError(f"mrope_section must be 3 non-negative ints [t, h, w], got {mrope_section!r}")
+    if sum(sections) != half:
+        raise ValueError(
+            f"mrope_section must sum to rotary_dim // 2 = {half}, got {list(sections)} "
+            f"(sum {sum(sections)})"
+        )
+    return sections if num_streams == 3 else (half, 0, 0)
+
+
+def _check_flags(mrope_interleaved, is_neox_style):
+    for name, v in (("mrope_interleaved", mrope_interleaved), ("is_neox_style", is_neox_style)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be a bool, got {v!r}")
+
+
+def _check_table(name, t, num_tokens, rotary_dim):
+    half = rotary_dim // 2
+    if t.ndim not in (2, 3) or t.shape[-2:] != (num_tokens, half) or (t.ndim == 3 and t.shape[0] != 3):
+        raise ValueError(
+            f"{name} must have shape [3, num_tokens, rotary_dim // 2] = [3, {num_tokens}, {half}] or "
+            f"[num_tokens, rotary_dim // 2] = [{num_tokens}, {half}], got {tuple(t.shape)}"
+        )
+
+
+def _check_dtype(name, dtype, allowed):
+    if dtype not in allowed:
+        raise ValueError(f"{name} dtype must be one of {[str(d) for d in allowed]}, got {dtype}")
+
+
+def _check_array(name, x):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be a jax array, got {type(x).__name__}")
+    return jnp.asarray(x)
+
+
+def _check_qk(q, k, head_size, rotary_dim):
+    for name, x in (("q", q), ("k", k)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be a jax array, got {type(x).__name__}")
+    dims = _check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
+    # Check the caller's dtypes before jnp.asarray, which would turn float64 into float32.
+    _check_dtype("q", jnp.dtype(q.dtype), SUPPORTED_DTYPES)
+    if jnp.dtype(k.dtype) != jnp.dtype(q.dtype):
+        raise ValueError(f"k dtype must equal q dtype {q.dtype}, got {k.dtype}")
+    q, k = jnp.asarray(q), jnp.asarray(k)
+    for name, x in (("q", q), ("k", k)):
+        if x.size > _MAX_INT32:
+            raise ValueError(f"{name} must have fewer than 2**31 elements (int32 offsets), got {x.size}")
+    return q, k, dims
+
+
+def _pow2_floor(n):
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def _next_pow2(n):
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def default_blocks(num_tokens, num_q_heads, num_kv_heads, rotary_dim):
+    """(block_tokens, block_heads) used when the caller names none (same rule as the Triton one)."""
+    g = math.gcd(num_q_heads, num_kv_heads)
+    block_heads = min(8, g & -g)
+    if block_heads < 4:
+        block_heads = min(4, _next_pow2(max(num_q_heads, num_kv_heads)))
+    half_p2 = _next_pow2(rotary_dim // 2)
+    block_tokens = max(1, min(16, _pow2_floor(4096 // (block_heads * half_p2))))
+    block_tokens = max(block_tokens, _next_pow2(-(-num_tokens // _MAX_GRID_Y)))
+    return block_tokens, block_heads
+
+
+def _use_interpret(interpret):
+    if interpret is None:
+        return jax.default_backend() != "gpu"
+    return bool(interpret)
+
+
+def _call(q, k, a, b, *, from_cache, num_streams, sections, max_position, head_size, rotary_dim,
+          mrope_interleaved, is_neox_style, interpret, block_tokens, block_heads, num_warps):
+    num_tokens = q.shape[0]
+    hq, hk = q.shape[1] // head_size, k.shape[1] // head_size
+    bt, bh = default_blocks(num_tokens, hq, hk, rotary_dim)
+    bt = bt if block_tokens is None else block_tokens
+    bh = bh if block_heads is None else block_heads
+    for name, v in (("block_tokens", bt), ("block_heads", bh)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v & (v - 1):
+            raise ValueError(f"{name} must be a positive power of two, got {v!r}")
+    if -(-num_tokens // bt) > _MAX_GRID_Y:
+        raise ValueError(f"block_tokens={bt} gives more than {_MAX_GRID_Y} token blocks; use a larger one")
+    interpret = _use_interpret(interpret)
+    kernel = functools.partial(
+        _mrope_kernel, num_tokens=num_tokens, num_q_heads=hq, num_kv_heads=hk, head_size=head_size,
+        half=rotary_dim // 2, num_streams=num_streams, sections=tuple(sections),
+        interleaved=mrope_interleaved, is_neox=is_neox_style, from_cache=from_cache,
+        max_position=max_position, block_t=bt, block_h=bh, compiled_gpu=not interpret)
+    grid = (-(-hq // bh) + -(-hk // bh), -(-num_tokens // bt))
+    q_flat, k_flat = q.reshape(-1), k.reshape(-1)
+    q_out, k_out = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct(q_flat.shape, q.dtype), jax.ShapeDtypeStruct(k_flat.shape, k.dtype)),
+        grid=grid,
+        input_output_aliases={0: 0, 1: 1},
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="mrope_from_cache" if from_cache else "mrope",
+    )(q_flat, k_flat, a.reshape(-1), b.reshape(-1))
+    return q_out.reshape(q.shape), k_out.reshape(k.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def mrope(
+    q: jax.Array,
+    k: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    mrope_section: Sequence[int] | None,
+    head_size: int,
+    rotary_dim: int,
+    mrope_interleaved: bool = False,
+    is_neox_style: bool = True,
+    *,
+    interpret: bool | None = None,
+    block_tokens: int | None = None,
+    block_heads: int | None = None,
+    num_warps: int = 4,
+) -> tuple[jax.Array, jax.Array]:
+    """MRoPE-rotated ``(q, k)``; in place when the caller donates ``q`` and ``k``.
+
+    Args:
+      q: ``[num_tokens, num_q_heads * head_size]``, float32/bfloat16/float16.
+      k: ``[num_tokens, num_kv_heads * head_size]``, same dtype.
+      cos, sin: ``[3, num_tokens, rotary_dim // 2]`` (t/h/w streams) or ``[num_tokens,
+        rotary_dim // 2]`` (text only, plain RoPE); float32/bfloat16/float16 (upcast to float32).
+      mrope_section: ``[t, h, w]`` with ``t + h + w == rotary_dim // 2``; may be None for a
+        one-stream table.
+      head_size: elements per head; ``rotary_dim <= head_size``, the tail passes through.
+      rotary_dim: rotated elements per head (even).
+      mrope_interleaved: Qwen3-VL interleaved sections instead of chunked ones.
+      is_neox_style: NeoX halves (``j`` with ``j + rotary_dim / 2``) or GPT-J pairs (``2j, 2j+1``).
+      interpret: run the kernel in the Pallas interpreter; None picks it on non-GPU backends.
+      block_tokens, block_heads: tile sizes (powers of two); None picks :func:`default_blocks`.
+      num_warps: warps per program on the GPU.
+
+    Returns:
+      ``(q, k)`` with the shapes and dtype of the inputs.
+    """
+    q, k, (num_tokens, _, _) = _check_qk(q, k, head_size, rotary_dim)
+    _check_flags(mrope_interleaved, is_neox_style)
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check_array(name, t)
+        _check_table(name, t, num_tokens, rotary_dim)
+        _check_dtype(name, jnp.dtype(t.dtype), SUPPORTED_DTYPES)
+    cos, sin = jnp.asarray(cos), jnp.asarray(sin)
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    num_streams = 3 if cos.ndim == 3 else 1
+    sections = _check_sections(mrope_section, rotary_dim, num_streams)
+    if num_tokens == 0:
+        return q, k
+    return _call(q, k, cos, sin, from_cache=False, num_streams=num_streams, sections=sections,
+                 max_position=0, head_size=head_size, rotary_dim=rotary_dim,
+                 mrope_interleaved=mrope_interleaved, is_neox_style=is_neox_style,
+                 interpret=interpret, block_tokens=block_tokens, block_heads=block_heads,
+                 num_warps=num_warps)
+
+
+def _check_positions_range(positions, max_position):
+    """Raises ValueError for positions outside the cache when they are concrete.
+
+    Under ``jax.jit`` positions are tracers and cannot be inspected here; the kernel then masks
+    the out-of-range rows (never reading outside the cache) and their tokens come out NaN.
+    """
+    try:
+        host = np.asarray(positions)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return False
+    if host.size and (host.min() < 0 or host.max() >= max_position):
+        raise ValueError(
+            f"positions must lie in [0, max_position = {max_position}) of cos_sin_cache, "
+            f"got values in [{host.min()}, {host.max()}]"
+        )
+    return True
+
+
+def mrope_from_cache(
+    positions: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    cos_sin_cache: jax.Array,
+    mrope_section: Sequence[int] | None,
+    head_size: int,
+    rotary_dim: int,
+    mrope_interleaved: bool = False,
+    is_neox_style: bool = True,
+    *,
+    interpret: bool | None = None,
+    block_tokens: int | None = None,
+    block_heads: int | None = None,
+    num_warps: int = 4,
+) -> tuple[jax.Array, jax.Array]:
+    """Fused gather + :func:`mrope`: rotates with rows ``cos_sin_cache[positions]``.
+
+    Args:
+      positions: ``[3, num_tokens]`` (t/h/w) or ``[num_tokens]`` (text only), int32 (int64 with
+        x64). Positions outside ``[0, max_position)`` raise ValueError when they are concrete
+        (eager call); under ``jax.jit`` they cannot be checked on the host, so the kernel masks
+        them: no out-of-bounds read, and the affected tokens' rotated elements are NaN.
+      cos_sin_cache: ``[max_position, rotary_dim]`` float32, cos half then sin half per row.
+      Others as in :func:`mrope`. The ``[3, num_tokens, rotary_dim // 2]`` tables are never
+      materialised: each program gathers its rows from the cache.
+    """
+    q, k, (num_tokens, _, _) = _check_qk(q, k, head_size, rotary_dim)
+    _check_flags(mrope_interleaved, is_neox_style)
+    positions = _check_array("positions", positions)
+    _check_array("cos_sin_cache", cos_sin_cache)
+    _check_dtype("cos_sin_cache", jnp.dtype(cos_sin_cache.dtype), (jnp.dtype(jnp.float32),))
+    cache = jnp.asarray(cos_sin_cache)
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions dtype must be an integer type (int32), got {positions.dtype}")
+    if positions.ndim not in (1, 2) or positions.shape[-1] != num_tokens or (
+        positions.ndim == 2 and positions.shape[0] != 3
+    ):
+        raise ValueError(
+            f"positions must have shape [3, num_tokens] = [3, {num_tokens}] or [num_tokens] = "
+            f"[{num_tokens}], got {tuple(positions.shape)}"
+        )
+    if cache.ndim != 2 or cache.shape[1] != rotary_dim or cache.shape[0] == 0:
+        raise ValueError(
+            f"cos_sin_cache must have shape [max_position, rotary_dim] = [max_position, {rotary_dim}], "
+            f"got {tuple(cache.shape)}"
+        )
+    _check_dtype("cos_sin_cache", cache.dtype, (jnp.dtype(jnp.float32),))
+    if cache.size > _MAX_INT32:
+        raise ValueError(f"cos_sin_cache must have fewer than 2**31 elements, got {cache.size}")
+    num_streams = 3 if positions.ndim == 2 else 1
+    sections = _check_sections(mrope_section, rotary_dim, num_streams)
+    _check_positions_range(positions, cache.shape[0])
+    if num_tokens == 0:
+        return q, k
+    return _call(q, k, positions, cache, from_cache=True, num_streams=num_streams,
+                 sections=sections, max_position=cache.shape[0], head_size=head_size,
+                 rotary_dim=rotary_dim, mrope_interleaved=mrope_interleaved,
+                 is_neox_style=is_neox_style, interpret=interpret, block_tokens=block_tokens,
+                 block_heads=block_heads, num_warps=num_warps)
+
+
+# --------------------------------------------------------------------------------------------
+# Plain jax.numpy reference (vLLM's forward_native beside the fast path)
+# --------------------------------------------------------------------------------------------
+
+
+def stream_index(rotary_dim: int, mrope_section: Sequence[int], mrope_interleaved: bool) -> list[int]:
+    """Stream (0 = t, 1 = h, 2 = w) of each of the ``rotary_dim // 2`` frequencies."""
+    t, h, w = mrope_section
+    half = rotary_dim // 2
+    if mrope_interleaved:
+        return [1 if (i % 3 == 1 and i < 3 * h) else 2 if (i % 3 == 2 and i < 3 * w) else 0
+                for i in range(half)]
+    return [0 if i < t else 1 if i < t + h else 2 for i in range(half)]
+
+
+def _assemble(table, sections, rotary_dim, mrope_interleaved):
+    if table.ndim == 2:
+        return table
+    sel = jnp.asarray(stream_index(rotary_dim, sections, mrope_interleaved))
+    return table[sel[None, :], jnp.arange(table.shape[1])[:, None], jnp.arange(rotary_dim // 2)[None, :]]
+
+
+def _rotate_native(x, cos, sin, head_size, rotary_dim, is_neox_style):
+    n = x.shape[0]
+    xh = x.reshape(n, x.shape[1] // head_size, head_size)
+    rot = xh[..., :rotary_dim].astype(jnp.float32)
+    if is_neox_style:
+        x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2:]
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    o1, o2 = _rotate(x1, x2, cos[:, None, :], sin[:, None, :], compiled_gpu=False)
+    o = jnp.concatenate((o1, o2), -1) if is_neox_style else jnp.stack((o1, o2), -1).reshape(rot.shape)
+    return jnp.concatenate((o.astype(x.dtype), xh[..., rotary_dim:]), -1).reshape(x.shape)
+
+
+def mrope_native(
+    q: jax.Array,
+    k: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    mrope_section: Sequence[int] | None,
+    head_size: int,
+    rotary_dim: int,
+    mrope_interleaved: bool = False,
+    is_neox_style: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Plain jax.numpy reference of :func:`mrope` (same arguments and result)."""
+    num_tokens, _, _ = _check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
+    _check_flags(mrope_interleaved, is_neox_style)
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check_table(name, t, num_tokens, rotary_dim)
+    sections = _check_sections(mrope_section, rotary_dim, 3 if cos.ndim == 3 else 1)
+    c = _assemble(cos, sections, rotary_dim, mrope_interleaved).astype(jnp.float32)
+    s = _assemble(sin, sections, rotary_dim, mrope_interleaved).astype(jnp.float32)
+    return (_rotate_native(q, c, s, head_size, rotary_dim, is_neox_style),
+            _rotate_native(k, c, s, head_size, rotary_dim, is_neox_style))
+
+
+def mrope_from_cache_native(
+    positions: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    cos_sin_cache: jax.Array,
+    mrope_section: Sequence[int] | None,
+    head_size: int,
+    rotary_dim: int,
+    mrope_interleaved: bool = False,
+    is_neox_style: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Plain reference of :func:`mrope_from_cache`: ``cos_sin_cache[positions]``, split, rotate."""
+    rows = cos_sin_cache[positions]
+    cos, sin = rows[..., : rotary_dim // 2], rows[..., rotary_dim // 2:]
+    return mrope_native(q, k, cos, sin, mrope_section, head_size, rotary_dim,
+                        mrope_interleaved, is_neox_style)

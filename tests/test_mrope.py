@@ -1,0 +1,390 @@
+"""MRoPE: Pallas (interpret) vs Triton (interpret) bit identity, each vs its reference, errors.
+
+Run on CPU as ``TRITON_INTERPRET=1 python -m pytest tests/test_mrope*.py``.  Bits are compared as
+unsigned integers through numpy, so ``-0.0 != 0.0`` and any rounding difference fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton on CPU needs TRITON_INTERPRET=1", allow_module_level=True)
+
+import kernels_pallas as kp  # noqa: E402
+import kernels_triton as kt  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from kernels_pallas import rotary_mrope as kp_mod  # noqa: E402
+from kernels_triton import rotary_mrope as kt_mod  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+UINT = {2: np.uint16, 4: np.uint32}
+TORCH_INT = {2: torch.int16, 4: torch.int32}
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def to_torch(a: np.ndarray) -> torch.Tensor:
+    """numpy (incl. ml_dtypes bfloat16) -> torch with identical bits."""
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(DEVICE)
+    return torch.from_numpy(a.copy()).to(DEVICE)
+
+
+def bits_torch(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    return t.view(TORCH_INT[t.element_size()]).numpy().view(UINT[t.element_size()])
+
+
+def bits_jax(x) -> np.ndarray:
+    a = np.asarray(x)
+    return a.view(UINT[a.dtype.itemsize])
+
+
+def assert_same_bits(a: np.ndarray, b: np.ndarray, what: str):
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    bad = np.flatnonzero(a.ravel() != b.ravel())
+    assert bad.size == 0, f"{what}: {bad.size} of {a.size} elements differ, first at {bad[:5]}"
+
+
+def make_case(seed, num_tokens, hq, hk, head_size, rotary_dim, dtype, streams, table_dtype="float32",
+              max_position=97):
+    rng = np.random.default_rng(seed)
+    half = rotary_dim // 2
+    q = rng.standard_normal((num_tokens, hq * head_size), np.float32).astype(NP_DTYPES[dtype])
+    k = rng.standard_normal((num_tokens, hk * head_size), np.float32).astype(NP_DTYPES[dtype])
+    inv = 1.0 / (10000.0 ** (np.arange(half, dtype=np.float64) * 2 / rotary_dim))
+    ang = np.arange(max_position)[:, None] * inv[None, :]
+    cache = np.concatenate([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+    shape = (3, num_tokens) if streams == 3 else (num_tokens,)
+    pos = rng.integers(0, max_position, shape).astype(np.int32)
+    rows = cache[pos]
+    cos = rows[..., :half].astype(NP_DTYPES[table_dtype])
+    sin = rows[..., half:].astype(NP_DTYPES[table_dtype])
+    return q, k, cos, sin, pos, cache
+
+
+def run_all(case, sections, head_size, rotary_dim, interleaved, neox, **blocks):
+    """Runs all six forms; returns {name: (q_bits, k_bits)}."""
+    q, k, cos, sin, pos, cache = case
+    args = (sections, head_size, rotary_dim, interleaved, neox)
+    out = {}
+    jq, jk = jnp.asarray(q), jnp.asarray(k)
+    r = kp.mrope(jq, jk, jnp.asarray(cos), jnp.asarray(sin), *args, **blocks)
+    out["pallas"] = tuple(map(bits_jax, r))
+    r = kp.mrope_from_cache(jnp.asarray(pos), jq, jk, jnp.asarray(cache), *args, **blocks)
+    out["pallas_cache"] = tuple(map(bits_jax, r))
+    ref = jax.jit(functools.partial(kp.mrope_native, mrope_section=sections, head_size=head_size,
+                                    rotary_dim=rotary_dim, mrope_interleaved=interleaved,
+                                    is_neox_style=neox))
+    out["jnp_ref"] = tuple(map(bits_jax, ref(jq, jk, jnp.asarray(cos), jnp.asarray(sin))))
+    tq, tk = to_torch(q), to_torch(k)
+    r = kt.mrope(tq, tk, to_torch(cos), to_torch(sin), *args, **blocks)
+    out["triton"] = tuple(map(bits_torch, r))
+    r = kt.mrope_from_cache(to_torch(pos).long(), tq, tk, to_torch(cache), *args, **blocks)
+    out["triton_cache"] = tuple(map(bits_torch, r))
+    out["torch_ref"] = tuple(map(bits_torch, kt.mrope_native(tq, tk, to_torch(cos), to_torch(sin), *args)))
+    # Inputs untouched by the out-of-place forms.
+    assert_same_bits(bits_torch(tq), bits_jax(q), "triton mrope modified its input")
+    return out
+
+
+def check_all_equal(out, table_dtype="float32"):
+    names = ["pallas", "jnp_ref", "triton", "torch_ref"]
+    if table_dtype == "float32":  # the cache is float32: same rows as a float32 table
+        names += ["pallas_cache", "triton_cache"]
+    else:
+        assert_same_bits(out["pallas_cache"][0], out["triton_cache"][0], "q pallas_cache vs triton_cache")
+        assert_same_bits(out["pallas_cache"][1], out["triton_cache"][1], "k pallas_cache vs triton_cache")
+    for name in names[1:]:
+        assert_same_bits(out[names[0]][0], out[name][0], f"q {names[0]} vs {name}")
+        assert_same_bits(out[names[0]][1], out[name][1], f"k {names[0]} vs {name}")
+
+
+# --------------------------------------------------------------------- curated feature matrix
+
+QWEN25 = dict(hq=28, hk=4, head_size=16, rotary_dim=16)  # Qwen2.5-VL-7B head counts, small heads
+ODD = dict(hq=5, hk=3, head_size=24, rotary_dim=24)
+PARTIAL = dict(hq=3, hk=1, head_size=40, rotary_dim=24)  # rotary half 12: not a power of two
+
+CASES = [
+    # (id, geometry, num_tokens, dtype, layout, neox)
+    ("qwen25-f32-chunked-neox", QWEN25, 7, "float32", "chunked", True),
+    ("qwen25-bf16-chunked-neox", QWEN25, 7, "bfloat16", "chunked", True),
+    ("qwen25-f16-interleaved-gptj", QWEN25, 5, "float16", "interleaved", False),
+    ("qwen25-bf16-text-gptj", QWEN25, 3, "bfloat16", "text", False),
+    ("odd-f32-interleaved-neox", ODD, 1, "float32", "interleaved", True),
+    ("odd-bf16-interleaved-gptj", ODD, 19, "bfloat16", "interleaved", False),
+    ("odd-f16-chunked-neox", ODD, 11, "float16", "chunked", True),
+    ("odd-f32-text-neox", ODD, 9, "float32", "text", True),
+    ("partial-f32-chunked-gptj", PARTIAL, 17, "float32", "chunked", False),
+    ("partial-bf16-interleaved-neox", PARTIAL, 13, "bfloat16", "interleaved", True),
+    ("partial-f16-text-gptj", PARTIAL, 1, "float16", "text", False),
+    ("partial-bf16-chunked-neox", PARTIAL, 33, "bfloat16", "chunked", True),
+]
+
+
+def sections_for(rotary_dim, layout):
+    half = rotary_dim // 2
+    if layout == "text":
+        return None
+    t = half // 4 or 1
+    h = (half - t) // 2
+    return [t, h, half - t - h]
+
+
+@pytest.mark.parametrize("geom,num_tokens,dtype,layout,neox", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_bit_identity_matrix(geom, num_tokens, dtype, layout, neox):
+    streams = 1 if layout == "text" else 3
+    case = make_case(num_tokens * 7 + len(dtype), num_tokens, geom["hq"], geom["hk"], geom["head_size"],
+                     geom["rotary_dim"], dtype, streams)
+    out = run_all(case, sections_for(geom["rotary_dim"], layout), geom["head_size"], geom["rotary_dim"],
+                  layout == "interleaved", neox)
+    check_all_equal(out)
+    # The rotation did something (not a pass-through) and the tail passed through.
+    q = case[0]
+    assert not np.array_equal(out["pallas"][0], bits_jax(q)) or num_tokens == 0
+    hs, rd = geom["head_size"], geom["rotary_dim"]
+    tail_in = bits_jax(q).reshape(num_tokens, -1, hs)[..., rd:]
+    assert_same_bits(out["pallas"][0].reshape(num_tokens, -1, hs)[..., rd:], tail_in, "tail")
+
+
+@pytest.mark.parametrize("table_dtype", ["bfloat16", "float16"])
+def test_low_precision_tables(table_dtype):
+    case = make_case(3, 6, 5, 3, 24, 24, "bfloat16", 3, table_dtype=table_dtype)
+    out = run_all(case, [3, 4, 5], 24, 24, False, True)
+    check_all_equal(out, table_dtype)
+
+
+@pytest.mark.parametrize("block_tokens,block_heads", [(1, 1), (2, 8), (32, 2)])
+def test_block_sizes_do_not_change_bits(block_tokens, block_heads):
+    case = make_case(5, 11, 5, 3, 16, 16, "bfloat16", 3)
+    out = run_all(case, [2, 3, 3], 16, 16, True, False, block_tokens=block_tokens,
+                  block_heads=block_heads)
+    check_all_equal(out)
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_zero_tokens(streams):
+    case = make_case(0, 0, 3, 1, 16, 16, "bfloat16", streams)
+    out = run_all(case, None if streams == 1 else [2, 3, 3], 16, 16, False, True)
+    check_all_equal(out)
+    assert out["pallas"][0].shape == (0, 48)
+
+
+def test_many_tokens():
+    """num_tokens past 100k (tiny heads, large token blocks keep the interpreters quick)."""
+    n = 100_003
+    case = make_case(11, n, 1, 1, 8, 8, "bfloat16", 3, max_position=4096)
+    blocks = dict(block_tokens=8192, block_heads=1)
+    q, k, cos, sin, pos, cache = case
+    a = kp.mrope_from_cache(jnp.asarray(pos), jnp.asarray(q), jnp.asarray(k), jnp.asarray(cache),
+                            [1, 2, 1], 8, 8, **blocks)
+    b = kt.mrope_from_cache(to_torch(pos), to_torch(q), to_torch(k), to_torch(cache), [1, 2, 1], 8, 8,
+                            **blocks)
+    r = kt.mrope_native(to_torch(q), to_torch(k), to_torch(cos), to_torch(sin), [1, 2, 1], 8, 8)
+    for x, y, z in zip(a, b, r):
+        assert_same_bits(bits_jax(x), bits_torch(y), "pallas vs triton")
+        assert_same_bits(bits_torch(y), bits_torch(z), "triton vs torch_ref")
+
+
+def test_default_blocks_respect_grid_limit():
+    for fn in (kp_mod.default_blocks, kt_mod.default_blocks):
+        assert fn(1024, 28, 4, 128) == (16, 4)
+        assert fn(10, 5, 3, 24) == (16, 4)
+        bt, _ = fn(5_000_000, 28, 4, 128)
+        assert -(-5_000_000 // bt) <= 65535
+    for args in [(1, 1, 1, 2), (33, 28, 4, 80), (300_000, 7, 7, 64), (12, 32, 8, 128)]:
+        assert kp_mod.default_blocks(*args) == kt_mod.default_blocks(*args)
+
+
+# -------------------------------------------------------------------------------- hypothesis
+
+
+@st.composite
+def mrope_problems(draw):
+    hq = draw(st.integers(1, 6))
+    hk = draw(st.integers(1, 3))
+    half = draw(st.integers(1, 10))
+    rotary_dim = 2 * half
+    head_size = rotary_dim + 2 * draw(st.integers(0, 3))
+    layout = draw(st.sampled_from(["chunked", "interleaved", "text"]))
+    if layout == "text":
+        sections = None
+    else:
+        t = draw(st.integers(0, half))
+        h = draw(st.integers(0, half - t))
+        sections = [t, h, half - t - h]
+    return dict(
+        num_tokens=draw(st.sampled_from([0, 1, 2, 3, 5, 9, 17, 31])), hq=hq, hk=hk,
+        head_size=head_size, rotary_dim=rotary_dim, sections=sections, layout=layout,
+        neox=draw(st.booleans()), dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(mrope_problems())
+def test_bit_identity_hypothesis(p):
+    streams = 1 if p["layout"] == "text" else 3
+    case = make_case(p["seed"], p["num_tokens"], p["hq"], p["hk"], p["head_size"], p["rotary_dim"],
+                     p["dtype"], streams)
+    out = run_all(case, p["sections"], p["head_size"], p["rotary_dim"], p["layout"] == "interleaved",
+                  p["neox"])
+    check_all_equal(out)
+
+
+# ----------------------------------------------------------------------- in place / donation
+
+
+def test_triton_in_place_on_strided_view():
+    """mrope_ rotates a q/k slice of a fused qkv buffer in place, leaving v and the tail alone."""
+    q, k, cos, sin, pos, cache = make_case(2, 9, 4, 2, 24, 16, "bfloat16", 3)
+    v = np.ones_like(k)
+    qkv = to_torch(np.concatenate([q, k, v], 1))
+    before = bits_torch(qkv)
+    tq, tk = qkv[:, : q.shape[1]], qkv[:, q.shape[1]: q.shape[1] + k.shape[1]]
+    assert tq.stride(0) == qkv.shape[1]
+    expect = kt.mrope_native(to_torch(q), to_torch(k), to_torch(cos), to_torch(sin), [2, 3, 3], 24, 16)
+    rq, rk = kt.mrope_from_cache_(to_torch(pos), tq, tk, to_torch(cache), [2, 3, 3], 24, 16)
+    assert rq.data_ptr() == qkv.data_ptr()
+    assert_same_bits(bits_torch(tq), bits_torch(expect[0]), "q in place")
+    assert_same_bits(bits_torch(tk), bits_torch(expect[1]), "k in place")
+    assert_same_bits(bits_torch(qkv)[:, q.shape[1] + k.shape[1]:], before[:, q.shape[1] + k.shape[1]:], "v")
+
+
+def test_pallas_donated_jit():
+    q, k, cos, sin, pos, cache = make_case(4, 6, 5, 3, 24, 16, "float32", 3)
+    fn = jax.jit(functools.partial(kp.mrope_from_cache, mrope_section=[2, 3, 3], head_size=24,
+                                   rotary_dim=16), donate_argnums=(1, 2))
+    expect = kp.mrope_native(jnp.asarray(q), jnp.asarray(k), jnp.asarray(cos), jnp.asarray(sin),
+                             [2, 3, 3], 24, 16)
+    got = fn(jnp.asarray(pos), jnp.asarray(q), jnp.asarray(k), jnp.asarray(cache))
+    for g, e in zip(got, expect):
+        assert_same_bits(bits_jax(g), bits_jax(e), "donated")
+
+
+def test_out_of_range_positions_under_jit_give_nan_not_garbage():
+    """Traced positions cannot be checked on the host: the kernels mask the row to NaN."""
+    q, k, cos, sin, pos, cache = make_case(6, 4, 2, 1, 8, 8, "float32", 3, max_position=16)
+    pos = pos.copy()
+    pos[1, 2] = 16  # token 2, stream h: one past the end
+    fn = jax.jit(functools.partial(kp.mrope_from_cache, mrope_section=[1, 2, 1], head_size=8, rotary_dim=8))
+    jq, _ = fn(jnp.asarray(pos), jnp.asarray(q), jnp.asarray(k), jnp.asarray(cache))
+    tq, _ = kt.mrope_from_cache(to_torch(pos), to_torch(q), to_torch(k), to_torch(cache), [1, 2, 1], 8, 8,
+                                check_positions=False)
+    for x in (np.asarray(jq), tq.cpu().numpy()):
+        bad = np.isnan(x).reshape(4, 2, 8)
+        assert bad[2].any() and not bad[[0, 1, 3]].any()
+
+
+# ----------------------------------------------------------------------------------- errors
+
+
+def _good():
+    q, k, cos, sin, pos, cache = make_case(1, 4, 2, 1, 16, 8, "float32", 3)
+    return dict(q=q, k=k, cos=cos, sin=sin, pos=pos, cache=cache, sec=[1, 2, 1], hs=16, rd=8)
+
+
+def _bad(**over):
+    g = _good()
+    g.update(over)
+    return g
+
+
+ERROR_CASES = [
+    ("odd rotary", _bad(rd=7), "rotary_dim"),
+    ("rotary > head", _bad(rd=32, cos=np.zeros((3, 4, 16), np.float32), sin=np.zeros((3, 4, 16), np.float32),
+                           cache=np.zeros((97, 32), np.float32), sec=[4, 6, 6]), "rotary_dim"),
+    ("head_size 0", _bad(hs=0), "head_size"),
+    ("sections sum", _bad(sec=[1, 1, 1]), "mrope_section"),
+    ("sections len", _bad(sec=[2, 2]), "mrope_section"),
+    ("sections negative", _bad(sec=[-1, 3, 2]), "mrope_section"),
+    ("sections missing", _bad(sec=None), "mrope_section"),
+    ("q not multiple", _bad(q=np.zeros((4, 30), np.float32)), "q.shape[1]"),
+    ("q 3-D", _bad(q=np.zeros((4, 2, 16), np.float32)), "q must be 2-D"),
+    ("token mismatch", _bad(k=np.zeros((5, 16), np.float32)), "num_tokens"),
+    ("q int", _bad(q=np.zeros((4, 32), np.int32), k=np.zeros((4, 16), np.int32)), "q dtype"),
+    ("q float64", _bad(q=np.zeros((4, 32), np.float64), k=np.zeros((4, 16), np.float64)), "q dtype"),
+    ("k dtype", _bad(k=np.zeros((4, 16), np.float16)), "k dtype"),
+    ("cos shape", _bad(cos=np.zeros((3, 4, 5), np.float32)), "cos must have shape"),
+    ("cos 2 streams", _bad(cos=np.zeros((2, 4, 4), np.float32), sin=np.zeros((2, 4, 4), np.float32)),
+     "cos must have shape"),
+    ("sin vs cos", _bad(sin=np.zeros((4, 4), np.float32)), "same shape"),
+    ("cos dtype", _bad(cos=np.zeros((3, 4, 4), np.int32)), "cos dtype"),
+]
+
+CACHE_ERROR_CASES = [
+    ("position too large", _bad(pos=np.full((3, 4), 97, np.int32)), "positions must lie"),
+    ("position negative", _bad(pos=np.full((3, 4), -1, np.int32)), "positions must lie"),
+    ("positions float", _bad(pos=np.zeros((3, 4), np.float32)), "positions dtype"),
+    ("positions shape", _bad(pos=np.zeros((2, 4), np.int32)), "positions must have shape"),
+    ("positions tokens", _bad(pos=np.zeros((3, 5), np.int32)), "positions must have shape"),
+    ("cache shape", _bad(cache=np.zeros((97, 6), np.float32)), "cos_sin_cache must have shape"),
+    ("cache dtype", _bad(cache=np.zeros((97, 8), np.float16)), "cos_sin_cache dtype"),
+    ("sections sum", _bad(sec=[4, 0, 1]), "mrope_section"),
+    ("odd rotary", _bad(rd=7), "rotary_dim"),
+]
+
+
+def _call_pallas(g, cache_form, **kw):
+    # numpy in, so that float64 reaches the check (jnp.asarray would make it float32).
+    if cache_form:
+        return kp.mrope_from_cache(g["pos"], g["q"], g["k"], g["cache"], g["sec"], g["hs"], g["rd"], **kw)
+    return kp.mrope(g["q"], g["k"], g["cos"], g["sin"], g["sec"], g["hs"], g["rd"], **kw)
+
+
+def _call_triton(g, cache_form, **kw):
+    t = {name: torch.from_numpy(np.asarray(g[name])) for name in ("q", "k", "cos", "sin", "pos", "cache")}
+    if cache_form:
+        return kt.mrope_from_cache(t["pos"], t["q"], t["k"], t["cache"], g["sec"], g["hs"], g["rd"], **kw)
+    return kt.mrope(t["q"], t["k"], t["cos"], t["sin"], g["sec"], g["hs"], g["rd"], **kw)
+
+
+@pytest.mark.parametrize("impl", [_call_pallas, _call_triton], ids=["pallas", "triton"])
+@pytest.mark.parametrize("g,match", [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES])
+def test_errors(impl, g, match):
+    with pytest.raises(ValueError, match=match.replace("[", r"\[")):
+        impl(g, cache_form=False)
+
+
+@pytest.mark.parametrize("impl", [_call_pallas, _call_triton], ids=["pallas", "triton"])
+@pytest.mark.parametrize("g,match", [c[1:] for c in CACHE_ERROR_CASES], ids=[c[0] for c in CACHE_ERROR_CASES])
+def test_cache_errors(impl, g, match):
+    with pytest.raises(ValueError, match=match.replace("[", r"\[")):
+        impl(g, cache_form=True)
+
+
+@pytest.mark.parametrize("impl", [_call_pallas, _call_triton], ids=["pallas", "triton"])
+@pytest.mark.parametrize("kw,match", [
+    (dict(block_tokens=3), "block_tokens"),
+    (dict(block_heads=0), "block_heads"),
+])
+def test_block_size_errors(impl, kw, match):
+    with pytest.raises(ValueError, match=match):
+        impl(_good(), cache_form=False, **kw)
+
+
+@pytest.mark.parametrize("flag", ["mrope_interleaved", "is_neox_style"])
+def test_flag_errors(flag):
+    g = _good()
+    with pytest.raises(ValueError, match=flag):
+        kp.mrope(jnp.asarray(g["q"]), jnp.asarray(g["k"]), jnp.asarray(g["cos"]), jnp.asarray(g["sin"]),
+                 g["sec"], 16, 8, **{flag: 1})
+    t = [torch.from_numpy(g[n]) for n in ("q", "k", "cos", "sin")]
+    with pytest.raises(ValueError, match=flag):
+        kt.mrope(*t, g["sec"], 16, 8, **{flag: "yes"})
