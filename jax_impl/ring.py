@@ -78,7 +78,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, exact: bool = Tr
     given the same tables; exact=False lets the compiler fuse (faster, <= 1 ulp apart).
     """
     B, H, T, D = x.shape
-    pairs = x.reshape(B, H, T, D // 2, 2).astype(jnp.float32)
+    # float32 for f32/bf16/f16 as torch's `.float()`; float64 inputs stay float64 (gradient checks).
+    pairs = x.reshape(B, H, T, D // 2, 2).astype(jnp.promote_types(x.dtype, jnp.float32))
     xr, xi = pairs[..., 0], pairs[..., 1]
     products = (xr * cos, xi * sin, xr * sin, xi * cos)
     if exact:

@@ -205,7 +205,7 @@ def test_checkpoint_and_stacked_weights_agree(stack):
         jax.tree_util.tree_map(lambda x, y: np.testing.assert_array_equal(_jnp_f32(x), _jnp_f32(y)), a, b)
         assert jax.tree_util.tree_leaves(a)[0].dtype == jnp.dtype(str(tdt).split(".")[1])
         # back to torch: the exported checkpoint loads into the torch stack bit for bit
-        back = {k: torch.from_numpy(np.asarray(jnp.asarray(v).astype(jnp.float32))).to(tdt)
+        back = {k: torch.from_numpy(np.array(jnp.asarray(v).astype(jnp.float32))).to(tdt)
                 for k, v in jx.export_checkpoint(cfg, a, prefix).items()}
         tm2 = cls.from_config(cfg, dtype=tdt)
         tm2.load_weights(back, prefix)

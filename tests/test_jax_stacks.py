@@ -1,0 +1,281 @@
+"""The JAX path on its own: pure state functions, compile-once, in-place rings, validation,
+weights I/O, gradients (float64 finite differences), vmap, overflow guard."""
+
+from __future__ import annotations
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_impl as jx
+from personaplex_config import PRESETS, CheckpointError, TemporalConfig, MimiConfig, with_options
+
+TCFG = PRESETS["temporal-small"]
+MCFG = PRESETS["mimi-small"]
+B = 3
+
+
+@pytest.fixture(scope="module")
+def tparams():
+    return jx.init_params(TCFG, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def mparams():
+    return jx.init_params(MCFG, jax.random.key(1))
+
+
+# ------------------------------------------------------------------------------ state functions
+class TestStateFunctions(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_recycling_semantics(self):
+        s = jx.init_state(TCFG, 4)
+        chex.assert_shape([s.k, s.v], (2, 4, 4, 24, 16))
+        assert s.offset.dtype == jx.index_dtype() == jnp.int32
+        s = s._replace(offset=jnp.array([5, 7, 0, 3], jnp.int32), start_offset=jnp.array([1, 0, 0, 3], jnp.int32))
+        reset_slot = self.variant(jx.reset_slot)
+        bump = self.variant(jx.bump_slot_start)
+        reset_rows = self.variant(jx.reset_rows)
+        s1 = reset_slot(s, jnp.int32(1))
+        np.testing.assert_array_equal(s1.start_offset, [1, 7, 0, 3])
+        s2 = bump(s, jnp.int32(0))
+        np.testing.assert_array_equal(s2.start_offset, [2, 0, 0, 3])
+        s3 = reset_rows(s, jnp.array([True, False, False, True]))
+        np.testing.assert_array_equal(s3.offset, [0, 7, 0, 0])
+        np.testing.assert_array_equal(s3.start_offset, [0, 0, 0, 0])
+        chex.assert_trees_all_equal_shapes_and_dtypes(s, s1, s2, s3)
+        s4 = self.variant(jx.reset_streaming)(s._replace(k=s.k + 1))
+        assert not np.asarray(s4.k).any() and not np.asarray(s4.offset).any()
+
+    def test_traced_out_of_range_is_noop_and_concrete_raises(self):
+        s = jx.init_state(TCFG, 2)._replace(offset=jnp.array([3, 3], jnp.int32))
+        out = jax.jit(jx.reset_slot)(s, jnp.int32(5))
+        np.testing.assert_array_equal(out.start_offset, [0, 0])
+        with pytest.raises(IndexError, match="b=5 is out of range"):
+            jx.reset_slot(s, 5)
+        with pytest.raises(TypeError, match="b must be an integer"):
+            jx.reset_slot(s, 1.0)
+        with pytest.raises(ValueError, match="nothing left to forget"):
+            jx.bump_slot_start(s._replace(start_offset=s.offset), 0)
+        with pytest.raises(ValueError, match=r"mask must have shape \[2\]"):
+            jx.reset_rows(s, jnp.array([True]))
+        with pytest.raises(TypeError, match="mask must be a bool"):
+            jx.reset_rows(s, jnp.array([1, 0]))
+
+
+# ------------------------------------------------------------------------------ compile once
+def test_thousands_of_steps_compile_once(tparams):
+    traces = []
+
+    def counted(params, state, x, active):
+        traces.append(1)  # runs only while tracing
+        return jx.step_fn(TCFG)(params, state, x, active)
+
+    step = jax.jit(counted, donate_argnums=(1,))
+    rs, bump, rr = (jax.jit(f, donate_argnums=(0,)) for f in (jx.reset_slot, jx.bump_slot_start, jx.reset_rows))
+    rng = np.random.default_rng(0)
+    state = jx.init_state(TCFG, B)
+    x = jnp.asarray(rng.standard_normal((16, B, 1, TCFG.dim)), jnp.float32)
+    actives = jnp.asarray(rng.random((16, B)) < 0.7)
+    for i in range(2000):
+        (out, logits), state = step(tparams, state, x[i % 16], actives[i % 7])
+        if i % 13 == 0:
+            state = rs(state, jnp.int32(i % B))
+        if i % 17 == 0:
+            state = bump(state, jnp.int32(i % B))
+        if i % 101 == 0:
+            state = rr(state, actives[i % 5])
+    assert len(traces) == 1
+    assert step._cache_size() == 1 and rs._cache_size() == 1 and bump._cache_size() == 1 and rr._cache_size() == 1
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+# ------------------------------------------------------------------------------ in place
+def test_donated_ring_is_updated_in_place():
+    cfg = with_options(TCFG, num_layers=4, context=64)
+    params = jx.init_params(cfg, jax.random.key(0))
+    state = jx.init_state(cfg, 2)
+    x, active = jnp.ones((2, 1, cfg.dim)), jnp.array([True, False])
+    ring = "f32[%s]" % ",".join(map(str, state.k.shape))
+    for unroll in (1, True):
+        donated = jax.jit(jx.step_fn(cfg, unroll=unroll), donate_argnums=(1,))
+        hlo = donated.lower(params, state, x, active).compile().as_text()
+        # 1) the compiled program aliases outputs to the donated k and v (and offsets) buffers,
+        aliases = re.search(r"input_output_alias=\{([^\n]*)\}", hlo)
+        assert aliases and len(re.findall(r"may-alias|must-alias", aliases.group(1))) >= 3, hlo[:400]
+        # 2) and copies no full ring (only T slots per layer are scattered);
+        assert not [ln for ln in hlo.splitlines() if " copy(" in ln and ring in ln]
+        # the same program without donation must copy the rings (so the check above means something).
+        plain = jax.jit(jx.step_fn(cfg, unroll=unroll)).lower(params, state, x, active).compile().as_text()
+        assert [ln for ln in plain.splitlines() if " copy(" in ln and ring in ln]
+    # 3) at run time the returned ring lives in the donated buffer.
+    step = jx.make_step(cfg)
+    state = jx.init_state(cfg, 2)
+    _, state = step(params, state, x, active)
+    ptr_k, ptr_v = state.k.unsafe_buffer_pointer(), state.v.unsafe_buffer_pointer()
+    old = state
+    _, state = step(params, state, x, active)
+    assert old.k.is_deleted() and state.k.unsafe_buffer_pointer() == ptr_k
+    assert state.v.unsafe_buffer_pointer() == ptr_v
+
+
+# ------------------------------------------------------------------------------ validation
+def test_bad_inputs_raise_naming_the_argument(tparams):
+    step = jx.step_fn(TCFG)
+    state = jx.init_state(TCFG, B)
+    x = jnp.zeros((B, 1, TCFG.dim))
+    with pytest.raises(ValueError, match=r"step\(x\): x must have shape \[B=3, T, dim=64\]"):
+        step(tparams, state, jnp.zeros((B, 1, 8)), None)
+    with pytest.raises(ValueError, match=r"step\(x\): T = x.shape\[1\] must be in 1..capacity=24"):
+        step(tparams, state, jnp.zeros((B, 25, TCFG.dim)), None)
+    with pytest.raises(TypeError, match=r"step\(x\): x has dtype bfloat16"):
+        step(tparams, state, x.astype(jnp.bfloat16), None)
+    with pytest.raises(TypeError, match=r"step\(active\): active must be a bool"):
+        step(tparams, state, x, jnp.ones((B,), jnp.int32))
+    with pytest.raises(ValueError, match=r"step\(active\): active must have shape \[3\]"):
+        step(tparams, state, x, jnp.ones((2,), bool))
+    bad = {"params": {**tparams["params"], "extra": jnp.zeros(3),
+                      "layers": {k: v for k, v in tparams["params"]["layers"].items() if k != "in_proj"}}}
+    bad["params"]["text_linear"] = jnp.zeros((5, 64))
+    with pytest.raises(jx.ParamsError) as e:
+        jax.jit(step)(bad, state, x, None)
+    msg = str(e.value)
+    assert "missing: layers/in_proj" in msg and "unexpected: extra" in msg and "wrong shape: text_linear" in msg
+    with pytest.raises(jx.ParamsError, match="wrong dtype"):
+        step(jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), tparams), state, x, None)
+    with pytest.raises(ValueError, match=r"step\(state\): rings must be"):
+        step(tparams, jx.init_state(MCFG, B), x, None)
+
+
+# ------------------------------------------------------------------------------ weights
+def test_weights_io(tmp_path, tparams, mparams):
+    ck = jx.export_checkpoint(TCFG, tparams)
+    back = jx.params_from_checkpoint(TCFG, ck)
+    chex.assert_trees_all_equal(back, tparams)
+    path = tmp_path / "m.safetensors"
+    jx.save_safetensors(MCFG, mparams, path, "encoder_transformer")
+    chex.assert_trees_all_equal(jx.load_safetensors(MCFG, path, "encoder_transformer"), mparams)
+    flat = jx.stacked_weights(TCFG, tparams)
+    chex.assert_trees_all_equal(jx.params_from_stacked(TCFG, {k: np.asarray(v) for k, v in flat.items()}), tparams)
+    # one error listing every problem
+    bad = dict(ck)
+    del bad["transformer.layers.0.self_attn.in_proj_weight"]
+    bad["transformer.layers.9.foo"] = np.zeros(1)
+    bad["out_norm.alpha"] = np.zeros(3)
+    with pytest.raises(CheckpointError) as e:
+        jx.params_from_checkpoint(TCFG, bad)
+    assert str(e.value).count("\n") == 3
+    with pytest.raises(jx.ParamsError, match="missing: in_proj"):
+        jx.params_from_stacked(TCFG, {k: v for k, v in flat.items() if k != "in_proj"})
+    bf = jx.params_from_checkpoint(TCFG, {k: v.astype(jnp.bfloat16) for k, v in ck.items()})
+    assert jax.tree_util.tree_leaves(bf)[0].dtype == jnp.bfloat16
+    wide = jx.params_from_checkpoint(TCFG, {k: v.astype(jnp.bfloat16) for k, v in ck.items()}, dtype=jnp.float32)
+    assert jax.tree_util.tree_leaves(wide)[0].dtype == jnp.float32
+    with pytest.raises(TypeError, match="narrow"):
+        jx.params_from_checkpoint(TCFG, ck, dtype=jnp.bfloat16)
+
+
+# ------------------------------------------------------------------------------ research use
+def _x64():
+    return jax.enable_x64(True)
+
+
+def test_grad_matches_finite_differences_float64():
+    cfg = TemporalConfig(dim=8, num_layers=2, num_heads=2, hidden=12, context=3, text_card=5)
+    with _x64():
+        params = jx.init_params(cfg, jax.random.key(0), jnp.float64)
+        params = jax.tree_util.tree_map(lambda a: a * 10 if a.ndim >= 2 else a, params)  # livelier
+        xs = jax.random.normal(jax.random.key(1), (4, 2, 1, cfg.dim), jnp.float64)
+        actives = jnp.array([[True, True], [True, False], [False, True], [True, True]])
+        wts = jax.random.normal(jax.random.key(2), (4, 2, 1, cfg.dim), jnp.float64)
+        step = jx.step_fn(cfg)
+
+        def loss(params, xs):
+            state = jx.init_state(cfg, 2, jnp.float64)
+            total = 0.0
+            for i in range(4):  # through the ring (context 3: wraps) and an inactive row
+                (out, logits), state = step(params, state, xs[i], actives[i])
+                total = total + jnp.sum(out * wts[i]) + 0.1 * jnp.sum(jnp.tanh(logits))
+            return total
+
+        g_p, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, xs)
+        f = jax.jit(loss)
+        rng = np.random.default_rng(0)
+        for _ in range(3):
+            up = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.standard_normal(a.shape)), params)
+            ux = jnp.asarray(rng.standard_normal(xs.shape))
+            eps = 1e-6
+            plus = f(jax.tree_util.tree_map(lambda a, u: a + eps * u, params, up), xs + eps * ux)
+            minus = f(jax.tree_util.tree_map(lambda a, u: a - eps * u, params, up), xs - eps * ux)
+            fd = (plus - minus) / (2 * eps)
+            an = sum(jnp.vdot(g, u) for g, u in zip(jax.tree_util.tree_leaves(g_p), jax.tree_util.tree_leaves(up)))
+            an = an + jnp.vdot(g_x, ux)
+            assert abs(float(fd) - float(an)) <= 1e-6 * max(1.0, abs(float(an))), (float(fd), float(an))
+        assert jx.init_state(cfg, 1).offset.dtype == jnp.int64
+    assert jx.init_state(cfg, 1).offset.dtype == jnp.int32  # x64 left off for the other tests
+
+
+def test_vmap_over_sessions_equals_one_big_batch(mparams):
+    step = jx.step_fn(MCFG)
+    G, b = 3, 2
+    x = jax.random.normal(jax.random.key(3), (G, b, 2, MCFG.dim))
+    active = jnp.array([[True, False], [True, True], [False, True]])
+    states = jax.vmap(lambda _: jx.init_state(MCFG, b))(jnp.arange(G))
+    vstep = jax.jit(jax.vmap(step, in_axes=(None, 0, 0, 0)))
+    big = jax.jit(step)
+    bstate = jx.init_state(MCFG, G * b)
+    for _ in range(3):
+        vo, states = vstep(mparams, states, x, active)
+        bo, bstate = big(mparams, bstate, x.reshape(G * b, 2, -1), active.reshape(-1))
+        np.testing.assert_allclose(np.asarray(vo).reshape(G * b, 2, -1), np.asarray(bo), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(states.offset).reshape(-1), np.asarray(bstate.offset))
+
+
+def test_unroll_and_fused_rope_agree(tparams):
+    state = jx.init_state(TCFG, B)
+    x = jax.random.normal(jax.random.key(4), (B, 1, TCFG.dim))
+    a = jnp.array([True, False, True])
+    (o1, l1), s1 = jax.jit(jx.step_fn(TCFG))(tparams, state, x, a)
+    (o2, l2), s2 = jax.jit(jx.step_fn(TCFG, unroll=True))(tparams, state, x, a)
+    (o3, _), _ = jax.jit(jx.step_fn(TCFG, exact_rope=False))(tparams, state, x, a)
+    np.testing.assert_allclose(o1, o2, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(s1.k, s2.k, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(o1, o3, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_and_mimi_step(mparams):
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), mparams)
+    step = jx.make_step(MCFG)
+    state = jx.init_state(MCFG, B, jnp.bfloat16)
+    out, state = step(params, state, jnp.ones((B, 10, MCFG.dim), jnp.bfloat16), None)
+    assert out.dtype == jnp.bfloat16 and state.k.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(state.offset, [10, 10, 10])
+    tables = jx.step_tables(MCFG, state.offset, state.start_offset, jnp.ones((B,), bool), 2)
+    assert tables.cos.dtype == jnp.float32
+
+
+def test_overflow_guard_refuses_before_stepping(tparams):
+    s = jx.Streamer(TCFG, tparams, 2)
+    near = jx.INT32_MAX - 2
+    s.state = s.state._replace(offset=jnp.full((2,), near, jnp.int32), start_offset=jnp.full((2,), near, jnp.int32))
+    s.offset_bound = near
+    x = jnp.ones((2, 1, TCFG.dim))
+    s.step(x)
+    s.step(x)  # offset reaches 2**31 - 1: the last representable position
+    np.testing.assert_array_equal(s.state.offset, [jx.INT32_MAX] * 2)
+    before = s.state
+    with pytest.raises(OverflowError, match="2147483648 > 2147483647"):
+        s.step(x)
+    assert s.state is before and not before.k.is_deleted()
+    s.reset_rows(np.array([True, True]))
+    assert s.offset_bound == 0
+    s.step(x)
+    with pytest.raises(ValueError, match="nothing left to forget"):
+        s.reset_slot(0)
+        s.bump_slot_start(0)
+    with pytest.raises(IndexError):
+        s.reset_slot(2)
