@@ -66,7 +66,8 @@ def expected_shapes(config: StackConfig) -> dict[str, tuple[int, ...]]:
     return {s.name: s.stacked_shape(config.num_layers) for s in weight_specs(config)}
 
 
-def _nest(config: StackConfig, flat: Mapping[str, Any]) -> dict:
+def nest_params(config: StackConfig, flat: Mapping[str, Any]) -> dict:
+    """Flax variables from a flat dict name -> stacked array (the arrays are used as they are)."""
     layers = {s.name: flat[s.name] for s in weight_specs(config) if s.per_layer}
     top = {s.name: flat[s.name] for s in weight_specs(config) if not s.per_layer}
     return {"params": {"layers": layers, **top}}
@@ -122,7 +123,7 @@ def params_from_stacked(config: StackConfig, weights: Mapping[str, Any], dtype=N
         raise ParamsError("\n".join([f"stacked weights do not fit {type(config).__name__}(dim={config.dim}, "
                                      f"num_layers={config.num_layers}):", *("  " + q for q in problems)]))
     dtype = None if dtype is None else jnp.dtype(dtype)
-    return _nest(config, {k: _cast(k, to_jax(weights[k]), dtype) for k in want})
+    return nest_params(config, {k: _cast(k, to_jax(weights[k]), dtype) for k in want})
 
 
 def params_from_checkpoint(config: StackConfig, state_dict: Mapping[str, Any], prefix: str | None = None,
@@ -147,7 +148,7 @@ def params_from_checkpoint(config: StackConfig, state_dict: Mapping[str, Any], p
     if len(dtypes) > 1:
         raise TypeError(f"state_dict mixes dtypes {sorted(map(str, dtypes))}: pass dtype= to pick one")
     flat.update({name: jnp.stack(arrs) for name, arrs in per_layer.items()})
-    return _nest(config, flat)
+    return nest_params(config, flat)
 
 
 def load_safetensors(config: StackConfig, path: str | os.PathLike, prefix: str | None = None, dtype=None) -> dict:

@@ -41,7 +41,7 @@ class _StreamingStack(nn.Module):
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
         self.config = config
         self._layer_fn = layer_fn
-        self.state: StreamState | None = None
+        self._state: StreamState | None = None
         self.last_tables: StepTables | None = None  # the tables of the latest step, for parity checks
         for spec in weight_specs(config):
             shape = spec.stacked_shape(config.num_layers)
@@ -122,19 +122,24 @@ class _StreamingStack(nn.Module):
         save_file(self.export_weights(prefix), os.fspath(path))
 
     # ----------------------------------------------------------------------------- streaming
+    @property
+    def state(self) -> StreamState | None:
+        """The streaming state (None before `streaming_init`)."""
+        return self._state
+
     def streaming_init(self, batch_size: int) -> None:
         """Allocate a fresh state for `batch_size` rows (zeros, offsets at 0)."""
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         c = self.config
-        self.state = StreamState.zeros(c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim,
+        self._state = StreamState.zeros(c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim,
                                        self.dtype, self.device)
         self.last_tables = None
 
-    def _require_state(self, op: str) -> StreamState:
-        if self.state is None:
+    def _require_state(self, op: str):
+        if self._state is None:
             raise RuntimeError(f"{op}() called before streaming_init(batch_size)")
-        return self.state
+        return self._state
 
     def _check_row(self, op: str, b) -> int:
         state = self._require_state(op)
@@ -154,27 +159,32 @@ class _StreamingStack(nn.Module):
             raise ValueError(f"{name} is on {mask.device}; the stack is on {self.device}")
         return mask
 
+    def _apply(self, op: str, *args) -> None:
+        """Run a validated state operation (`StreamState.<op>`); the JAX steppers override this."""
+        getattr(self._state, op)(*args)
+
     def reset_streaming(self) -> None:
         """Every row back to a fresh stream; rings zeroed."""
-        self._require_state("reset_streaming").reset()
+        self._require_state("reset_streaming")
+        self._apply("reset")
 
     def reset_slot(self, b: int) -> None:
         """Row b forgets all it has written (start_offset[b] = offset[b]); positions keep counting."""
-        self._check_row("reset_slot", b)
-        self.state.reset_slot(b)
+        self._apply("reset_slot", self._check_row("reset_slot", b))
 
     def bump_slot_start(self, b: int) -> None:
         """Row b forgets its oldest visible position (start_offset[b] += 1, at most offset[b])."""
         self._check_row("bump_slot_start", b)
-        if int(self.state.start_offset[b]) >= int(self.state.offset[b]):
+        start, offset = int(self.state.start_offset[b]), int(self.state.offset[b])
+        if start >= offset:
             raise ValueError(f"bump_slot_start(b): row {b} has nothing left to forget "
-                             f"(start_offset == offset == {int(self.state.offset[b])})")
-        self.state.bump_slot_start(b)
+                             f"(start_offset == offset == {offset})")
+        self._apply("bump_slot_start", b)
 
     def reset_rows(self, mask: torch.Tensor) -> None:
         """Rows where mask [B] is True start a fresh stream (offset and start_offset to 0)."""
         state = self._require_state("reset_rows")
-        state.reset_rows(self._check_row_mask("reset_rows(mask)", mask, state))
+        self._apply("reset_rows", self._check_row_mask("reset_rows(mask)", mask, state))
 
     # ----------------------------------------------------------------------------- step
     def _check_step_inputs(self, x, active) -> tuple[StreamState, torch.Tensor]:

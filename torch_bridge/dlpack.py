@@ -1,0 +1,99 @@
+"""Zero-copy handoff between torch tensors and JAX arrays through DLPack.
+
+`to_jax(tensor)` and `to_torch(array)` share the buffer (same address) or refuse:
+
+- dtypes: float32, bfloat16, float16, int32, int64, bool. int64 needs JAX's x64 mode; with
+  x64 off JAX would silently narrow to int32 (a copy), so it is refused.
+- layout: JAX arrays are dense row-major. A non-contiguous tensor (or, on the CPU, a view whose
+  address JAX will not take as is) is refused.
+- device: the array lands on the JAX device matching the tensor's (CPU, or CUDA ordinal).
+
+`copy=True` turns each refusal into a copy that says so (a `BridgeCopyWarning`), e.g. int64 ->
+int32 after checking the values fit. Nothing is ever copied, narrowed or moved silently.
+
+Stream order on the GPU: both directions go through the DLPack stream protocol. JAX's
+`from_dlpack` passes the stream it will read on to `tensor.__dlpack__`, and torch makes that
+stream wait for the work queued on torch's current stream; `torch.from_dlpack(array)` passes
+torch's current stream to `array.__dlpack__`, and JAX makes it wait until the array is
+written. Neither blocks the host. `tests/test_bridge_gpu.py` proves it with a long producer.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+SUPPORTED = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.bool)
+
+
+class BridgeCopyWarning(UserWarning):
+    """A DLPack handoff had to copy (only ever with copy=True)."""
+
+
+def _refuse_or_copy(copy: bool, why: str, fix: str) -> None:
+    if not copy:
+        raise ValueError(f"to_jax(tensor): cannot share this tensor's buffer with JAX: {why}. {fix}, "
+                         f"or pass copy=True to copy it")
+    warnings.warn(f"to_jax copied the tensor: {why}", BridgeCopyWarning, stacklevel=3)
+
+
+def _jax_device_for(tensor: torch.Tensor):
+    platform = "cpu" if tensor.device.type == "cpu" else "gpu"
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError:
+        devices = []
+    index = tensor.device.index or 0
+    if index >= len(devices):
+        raise ValueError(f"to_jax(tensor): the tensor is on {tensor.device}, and JAX has no such device "
+                         f"(JAX backends: {[d.platform for d in jax.devices()]})")
+    return devices[index]
+
+
+def to_jax(tensor: torch.Tensor, *, copy: bool = False) -> jax.Array:
+    """The JAX array sharing `tensor`'s buffer: same shape, dtype and device.
+
+    Raises TypeError for an unsupported dtype and ValueError when sharing is impossible
+    (see the module docstring) unless copy=True, which copies and warns.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"to_jax(tensor): expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED:
+        raise TypeError(f"to_jax(tensor): dtype {tensor.dtype} is not supported; expected one of {SUPPORTED}")
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    device = _jax_device_for(tensor)
+    if tensor.dtype == torch.int64 and not jax.config.jax_enable_x64:
+        _refuse_or_copy(copy, "int64 needs jax x64 mode (jax.config.update('jax_enable_x64', True))",
+                        "Enable x64")
+        info = torch.iinfo(torch.int32)
+        if tensor.numel() and (tensor.min() < info.min or tensor.max() > info.max):
+            raise OverflowError("to_jax(tensor): int64 values do not fit in int32; enable jax x64 mode")
+        return jax.device_put(jnp.asarray(tensor.int().cpu().numpy()), device)
+    if not tensor.is_contiguous():
+        _refuse_or_copy(copy, f"it is not contiguous (strides {tensor.stride()})", "Call .contiguous()")
+        tensor = tensor.contiguous()
+    array = jnp.from_dlpack(tensor)
+    if tensor.numel() and array.unsafe_buffer_pointer() != tensor.data_ptr():
+        # JAX copied on import (on the CPU it does so for buffers it finds misaligned).
+        _refuse_or_copy(copy, f"JAX copied it on import (address {tensor.data_ptr():#x} not accepted as is)",
+                        "Pass a tensor that owns its storage (e.g. .clone())")
+    return array
+
+
+def to_torch(array: jax.Array) -> torch.Tensor:
+    """The torch tensor sharing `array`'s buffer (JAX arrays are always dense and shareable).
+
+    While the tensor is alive, JAX will not donate that buffer to a jitted call (it copies
+    instead), so the tensor keeps its values; drop it to let the in-place updates resume.
+    """
+    if not isinstance(array, jax.Array):
+        raise TypeError(f"to_torch(array): expected a jax.Array, got {type(array).__name__}")
+    if jnp.dtype(array.dtype) not in {jnp.dtype(np.dtype(d)) for d in ("float32", "float16", "int32", "int64",
+                                                                        "bool")} | {jnp.dtype(jnp.bfloat16)}:
+        raise TypeError(f"to_torch(array): dtype {array.dtype} is not supported")
+    return torch.from_dlpack(array)

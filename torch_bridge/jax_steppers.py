@@ -1,0 +1,119 @@
+"""Drop-in torch-facing steppers backed by the JAX path.
+
+`JaxTemporalStreaming` and `JaxMimiTransformer` take the same constructor keywords and have
+the same methods as `TemporalStreaming` and `MimiTransformer` (they are subclasses: weights,
+checkpoint I/O and input validation are shared), take and return torch tensors on the
+module's device, and keep the streaming state as JAX arrays, stepped by the jitted JAX step
+with the state donated. The JAX parameters are DLPack views of the module's own weight
+buffers: no copy, and an in-place edit of a buffer (`load_weights`, `init_weights`, ...) is
+seen by the next step.
+
+`from_torch(module)` builds the JAX stepper on the very same buffers as a torch stack.
+"""
+
+from __future__ import annotations
+
+import jax
+import torch
+
+import jax_impl
+
+from .dlpack import to_jax, to_torch
+from .stacks import MimiTransformer, TemporalStreaming, _StreamingStack
+from .streaming import StreamState
+
+_JAX_OPS = {
+    "reset": jax_impl.jit_reset_streaming,
+    "reset_slot": jax_impl.jit_reset_slot,
+    "bump_slot_start": jax_impl.jit_bump_slot_start,
+    "reset_rows": jax_impl.jit_reset_rows,
+}
+
+
+class _JaxBacked:
+    """Mixin over a torch stack: the state lives in JAX, the step is `jax_impl.make_step`."""
+
+    def __init__(self, *args, unroll: int | bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._unroll = unroll
+        self._jax_state = None
+        self._offset_bound = 0  # host-side upper bound of every offset (overflow guard, no sync)
+
+    def jax_params(self) -> dict:
+        """The Flax variables, as zero-copy JAX views of this module's weight buffers."""
+        weights = {name: to_jax(w) for name, w in self.weights().items()}
+        return jax_impl.weights.nest_params(self.config, weights)
+
+    @property
+    def jax_state(self) -> jax_impl.StreamState | None:
+        return self._jax_state
+
+    @property
+    def state(self) -> StreamState | None:
+        """Torch views (DLPack, no copy) of the JAX state; offsets are int32 unless jax x64 is on.
+
+        While a view is alive the next step cannot donate that buffer and copies it instead:
+        look, then let the views go (or `.clone()` what you keep).
+        """
+        s = self._jax_state
+        return None if s is None else StreamState(*(to_torch(a) for a in (s.k, s.v, s.offset, s.start_offset)))
+
+    def _require_state(self, op: str):
+        if self._jax_state is None:
+            raise RuntimeError(f"{op}() called before streaming_init(batch_size)")
+        return self._jax_state
+
+    def streaming_init(self, batch_size: int) -> None:
+        super().streaming_init(batch_size)  # validates, then allocates a torch state we replace
+        self._state = None
+        params = self.jax_params()
+        self._jax_params = params
+        device = params["params"]["layers"]["in_proj"].devices().pop()
+        state = jax_impl.init_state(self.config, batch_size, self._jax_params_dtype(params))
+        self._jax_state = jax.device_put(state, device)
+        self._offset_bound = 0
+        self._step_fn = jax_impl.make_step(self.config, unroll=self._unroll)
+
+    @staticmethod
+    def _jax_params_dtype(params):
+        return params["params"]["layers"]["in_proj"].dtype
+
+    def _apply(self, op: str, *args) -> None:
+        args = [to_jax(a) if isinstance(a, torch.Tensor) else jax.numpy.asarray(a, jax_impl.index_dtype())
+                for a in args]
+        self._jax_state = _JAX_OPS[op](self._jax_state, *args)
+        if op == "reset":
+            self._offset_bound = 0
+
+    def step(self, x: torch.Tensor, active: torch.Tensor | None = None):
+        """Same contract as the torch stack's step; returns torch tensors on the module's device."""
+        _, active = self._check_step_inputs(x, active)
+        T = x.shape[1]
+        jax_impl.check_headroom(self._offset_bound, T, self._jax_state.offset.dtype)
+        outputs, self._jax_state = self._step_fn(self._jax_params, self._jax_state,
+                                                 to_jax(x.contiguous()), to_jax(active))
+        self._offset_bound += T
+        return jax.tree_util.tree_map(to_torch, outputs)
+
+
+class JaxTemporalStreaming(_JaxBacked, TemporalStreaming):
+    """`TemporalStreaming`, stepped by JAX. step(frame_embedding [B,T,dim], active [B]) ->
+    (out [B,T,dim], text_logits [B,1,T,text_card]) as torch tensors."""
+
+
+class JaxMimiTransformer(_JaxBacked, MimiTransformer):
+    """`MimiTransformer`, stepped by JAX. step(x [B,T,dim], active [B]) -> [B,T,dim] torch tensor."""
+
+
+def from_torch(module: _StreamingStack, *, unroll: int | bool = True) -> _JaxBacked:
+    """A JAX-backed stepper on the very same weight buffers as `module` (no copy)."""
+    if isinstance(module, _JaxBacked):
+        raise TypeError("from_torch(module): module is already JAX-backed")
+    if not isinstance(module, (TemporalStreaming, MimiTransformer)):
+        raise TypeError(f"from_torch(module): expected TemporalStreaming or MimiTransformer, "
+                        f"got {type(module).__name__}")
+    cls = JaxTemporalStreaming if isinstance(module, TemporalStreaming) else JaxMimiTransformer
+    stepper = cls.from_config(module.config, dtype=module.dtype, device="meta", unroll=unroll)
+    for name, buffer in module.weights().items():
+        setattr(stepper, name, buffer)  # nn.Module routes this to the registered buffer
+    return stepper
