@@ -518,7 +518,13 @@ def stream_index(rotary_dim: int, mrope_section: Sequence[int], mrope_interleave
 def _assemble(table, mrope_section, rotary_dim, mrope_interleaved):
     if table.ndim == 2:
         return table
-    sel = torch.tensor(stream_index(rotary_dim, mrope_section, mrope_interleaved), device=table.device)
+    t, h, w = mrope_section
+    # Built on the device (no host-to-device copy), so the reference can be CUDA-graph captured.
+    i = torch.arange(rotary_dim // 2, device=table.device)
+    if mrope_interleaved:
+        sel = torch.where((i % 3 == 1) & (i < 3 * h), 1, torch.where((i % 3 == 2) & (i < 3 * w), 2, 0))
+    else:
+        sel = (i >= t).long() + (i >= t + h).long()
     return torch.gather(table, 0, sel.view(1, 1, -1).expand(1, table.shape[1], -1))[0]
 
 
