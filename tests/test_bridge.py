@@ -1,0 +1,146 @@
+"""The DLPack bridge and the JAX-backed drop-in steppers (CPU)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from personaplex_config import PRESETS
+from torch_bridge import MimiTransformer, TemporalStreaming
+from torch_bridge.dlpack import BridgeCopyWarning, to_jax, to_torch
+from torch_bridge.jax_steppers import JaxMimiTransformer, JaxTemporalStreaming, from_torch
+
+SHAREABLE = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", SHAREABLE)
+def test_zero_copy_both_ways(dtype):
+    t = (torch.arange(24) % 3).to(dtype).view(4, 6)
+    a = to_jax(t)
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    assert a.shape == (4, 6) and str(a.dtype) == str(t.dtype).removeprefix("torch.")
+    back = to_torch(a)
+    assert back.data_ptr() == t.data_ptr() and back.dtype == dtype
+    assert torch.equal(back, t)
+
+
+def test_torch_write_is_seen_by_jax():
+    t = torch.zeros(8)
+    a = to_jax(t)
+    t[3] = 5.0
+    assert float(a[3]) == 5.0
+
+
+def test_int64_is_refused_without_x64_or_copied_with_a_warning():
+    t = torch.tensor([1, 2, 2**31 - 1])
+    with pytest.raises(ValueError, match="int64 needs jax x64"):
+        to_jax(t)
+    with pytest.warns(BridgeCopyWarning, match="int64"):
+        a = to_jax(t, copy=True)
+    assert a.dtype == jnp.int32 and a.tolist() == [1, 2, 2**31 - 1]
+    with pytest.warns(BridgeCopyWarning), pytest.raises(OverflowError, match="do not fit"):
+        to_jax(torch.tensor([2**31]), copy=True)
+
+
+def test_non_contiguous_and_misaligned_views_are_refused_or_copied_with_a_warning():
+    t = torch.arange(12.0).view(3, 4)
+    with pytest.raises(ValueError, match="not contiguous"):
+        to_jax(t.t())
+    with pytest.warns(BridgeCopyWarning, match="not contiguous"):
+        a = to_jax(t.t(), copy=True)
+    np.testing.assert_array_equal(np.asarray(a), t.t().numpy())
+    view = torch.arange(13.0)[1:]  # storage offset of 4 bytes: the CPU client copies it
+    with pytest.raises(ValueError, match="copied it on import"):
+        to_jax(view)
+
+
+def test_bad_types_are_refused():
+    with pytest.raises(TypeError, match="dtype torch.float64"):
+        to_jax(torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        to_jax(np.zeros(2))
+    with pytest.raises(TypeError, match="expected a jax.Array"):
+        to_torch(torch.zeros(2))
+
+
+@pytest.mark.parametrize("name", ["temporal", "mimi"])
+def test_from_torch_shares_the_weight_buffers(name):
+    cls = TemporalStreaming if name == "temporal" else MimiTransformer
+    module = cls.from_config(PRESETS[f"{name}-small"])
+    stepper = from_torch(module)
+    params = stepper.jax_params()["params"]
+    for spec_name, buffer in module.weights().items():
+        leaf = params["layers"][spec_name] if spec_name in params["layers"] else params[spec_name]
+        assert stepper.weights()[spec_name] is buffer
+        assert leaf.unsafe_buffer_pointer() == buffer.data_ptr(), spec_name
+    # an edit on the torch side is seen by the JAX stepper
+    B, T = 2, 1 if name == "temporal" else 2
+    x = torch.randn(B, T, module.config.dim)
+    stepper.streaming_init(B)
+    before = stepper.step(x)
+    with torch.no_grad():
+        module.out_proj.mul_(2.0)
+    stepper.reset_streaming()
+    after = stepper.step(x)
+    module.streaming_init(B)
+    expected = module.step(x)
+    first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731
+    assert not torch.equal(first(before), first(after))
+    torch.testing.assert_close(first(after), first(expected), rtol=1e-5, atol=1e-5)
+
+
+def serve(stack_class, steps=40):
+    """A user's serving loop: runs unchanged on a torch stack or its JAX-backed drop-in."""
+    torch.manual_seed(0)
+    model = stack_class(dim=64, num_layers=2, num_heads=4, hidden=176, context=24, text_card=96)
+    model.init_weights(generator=torch.Generator().manual_seed(1))
+    model.streaming_init(3)
+    tokens = []
+    for step in range(steps):
+        active = torch.tensor([True, step % 3 != 0, True])
+        if step == 20:
+            model.reset_slot(1)
+            model.bump_slot_start(0)
+        if step == 30:
+            model.reset_rows(torch.tensor([False, False, True]))
+        out, text_logits = model.step(torch.randn(3, 1, 64), active)
+        tokens.append(text_logits.argmax(-1).flatten())
+    return torch.stack(tokens), out, [int(o) for o in model.state.offset]
+
+
+def test_drop_in_script_runs_unchanged_on_either_class():
+    tok_t, out_t, off_t = serve(TemporalStreaming)
+    tok_j, out_j, off_j = serve(JaxTemporalStreaming)
+    assert off_t == off_j == [40, 26, 10]
+    assert torch.equal(tok_t, tok_j)
+    assert isinstance(out_j, torch.Tensor) and out_j.dtype == out_t.dtype and out_j.shape == out_t.shape
+    torch.testing.assert_close(out_j, out_t, rtol=1e-5, atol=1e-5)
+
+
+def test_drop_in_refuses_bad_input_with_state_unchanged():
+    model = JaxMimiTransformer(num_layers=2, dim=32, num_heads=4, context=10, ffn=64)
+    with pytest.raises(RuntimeError, match="before streaming_init"):
+        model.step(torch.zeros(2, 2, 32))
+    model.streaming_init(2)
+    model.step(torch.randn(2, 2, 32))
+    before = {k: v.clone() for k, v in vars(model.state).items()}
+    for call, exc in [(lambda: model.step(torch.zeros(2, 2, 31)), ValueError),
+                      (lambda: model.step(torch.zeros(2, 2, 32), torch.ones(2)), TypeError),
+                      (lambda: model.reset_slot(2), IndexError),
+                      (lambda: model.reset_rows(torch.ones(3, dtype=torch.bool)), ValueError)]:
+        with pytest.raises(exc):
+            call()
+    for k, v in vars(model.state).items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_state_views_are_zero_copy():
+    model = JaxMimiTransformer(num_layers=2, dim=32, num_heads=4, context=10, ffn=64)
+    model.streaming_init(2)
+    model.step(torch.randn(2, 2, 32))
+    view = model.state
+    assert view.k.data_ptr() == model.jax_state.k.unsafe_buffer_pointer()
+    assert view.offset.tolist() == [2, 2]
+    model.step(torch.randn(2, 2, 32))  # cannot donate the viewed buffers: JAX copies them instead
+    assert view.offset.tolist() == [2, 2]  # the view kept the old buffer alive and intact
+    assert model.state.offset.tolist() == [4, 4]
