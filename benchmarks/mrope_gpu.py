@@ -295,24 +295,26 @@ def run_timing(sizes, sweep):
         if sweep:
             for form in ("table", "cache"):
                 cands = []
-                for bt in (4, 8, 16, 32):
-                    for nw in (4, 8):
-                        kw = dict(block_tokens=bt, block_heads=4, num_warps=nw)
-                        try:
-                            if form == "table":
-                                us = time_torch_graph(lambda kw=kw: kt.mrope_(q, k, cos, sin, *args, **kw),
-                                                      iters=10, reps=5)
-                            else:
-                                us = time_torch_graph(lambda kw=kw: kt.mrope_from_cache_(
-                                    pos, q, k, cache, *args, check_positions=False, **kw), iters=10, reps=5)
-                            cands.append((us, bt, nw))
-                        except Exception as e:
-                            print(f"[sweep] {form} bt={bt} nw={nw} failed: {e!r}"[:300], flush=True)
+                for bt, bh, nw in [(bt, bh, nw) for bt in (2, 4, 8, 16) for bh in (4, 8) for nw in (2, 4, 8)
+                                   if bt * bh <= 64]:
+                    kw = dict(block_tokens=bt, block_heads=bh, num_warps=nw)
+                    try:
+                        if form == "table":
+                            us = time_torch_graph(lambda kw=kw: kt.mrope_(q, k, cos, sin, *args, **kw),
+                                                  iters=10, reps=5)
+                        else:
+                            us = time_torch_graph(lambda kw=kw: kt.mrope_from_cache_(
+                                pos, q, k, cache, *args, check_positions=False, **kw), iters=10, reps=5)
+                        cands.append((us, bt, bh, nw))
+                    except Exception as e:
+                            print(f"[sweep] {form} bt={bt} bh={bh} nw={nw} failed: {e!r}"[:300], flush=True)
                 if cands:
-                    us, bt, nw = min(cands)
-                    best[form] = (bt, 4, nw)
-                    row[f"sweep_{form}"] = [dict(us=u, block_tokens=b, num_warps=w) for u, b, w in cands]
-                    print(f"[sweep] n={n} {form}: best block_tokens={bt} num_warps={nw} ({us:.2f} us)", flush=True)
+                    us, bt, bh, nw = min(cands)
+                    best[form] = (bt, bh, nw)
+                    row[f"sweep_{form}"] = [dict(us=u, block_tokens=b, block_heads=h, num_warps=w)
+                                            for u, b, h, w in cands]
+                    print(f"[sweep] n={n} {form}: best block_tokens={bt} block_heads={bh} num_warps={nw} "
+                          f"({us:.2f} us)", flush=True)
         row["best_blocks"] = {f: dict(block_tokens=b[0], block_heads=b[1], num_warps=b[2]) for f, b in best.items()}
         bkw = {f: dict(block_tokens=b[0], block_heads=b[1], num_warps=b[2]) for f, b in best.items()}
 

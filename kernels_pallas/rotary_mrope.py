@@ -79,6 +79,17 @@ def _rotate(x1, x2, cos, sin, compiled_gpu):
     return mul(x1, cos) - mul(x2, sin), mul(x2, cos) + mul(x1, sin)
 
 
+def _masked_offsets(offs, mask, size, compiled_gpu):
+    """Offsets for a masked gather/scatter.
+
+    Interpreted, masked lanes are sent one past the end, so the interpreter's scatter drops them
+    instead of racing with a live lane that aliases the same element (head or frequency padding).
+    Compiled, masked lanes are never dereferenced, and a select here would hide the offsets'
+    contiguity from Triton and turn 16-byte vector accesses into 2-byte ones.
+    """
+    return offs if compiled_gpu else jnp.where(mask, offs, size)
+
+
 def _rotate_tile(x_in, x_out, tok, t_mask, head0, cos, sin, *, num_heads, head_size, half, half_p2,
                  is_neox, block_h, compiled_gpu):
     """Rotate heads ``head0 .. head0 + block_h`` of the token block (flat refs, in place)."""
@@ -87,11 +98,8 @@ def _rotate_tile(x_in, x_out, tok, t_mask, head0, cos, sin, *, num_heads, head_s
     first, second = (i, i + half) if is_neox else (2 * i, 2 * i + 1)
     base = (tok[:, None, None] * num_heads + h[None, :, None]) * head_size
     mask = t_mask[:, None, None] & (h < num_heads)[None, :, None] & (i < half)[None, None, :]
-    # Masked lanes point one past the end: the interpreter's scatter drops them instead of
-    # racing with a live lane that aliases the same element.
-    size = x_in.shape[0]
-    off1 = jnp.where(mask, base + first[None, None, :], size)
-    off2 = jnp.where(mask, base + second[None, None, :], size)
+    off1 = _masked_offsets(base + first[None, None, :], mask, x_in.shape[0], compiled_gpu)
+    off2 = _masked_offsets(base + second[None, None, :], mask, x_in.shape[0], compiled_gpu)
     x1 = pltriton.load(x_in.at[off1], mask=mask, other=0).astype(jnp.float32)
     x2 = pltriton.load(x_in.at[off2], mask=mask, other=0).astype(jnp.float32)
     o1, o2 = _rotate(x1, x2, cos, sin, compiled_gpu)
@@ -116,7 +124,7 @@ def _mrope_kernel(q_in, k_in, cos_ref, sin_ref, q_out, k_out, *, num_tokens, num
         n_pos = pos_ref.shape[0]
 
         def stream(s):
-            idx = jnp.where(t_mask, s * num_tokens + tok, n_pos)
+            idx = _masked_offsets(s * num_tokens + tok, t_mask, n_pos, compiled_gpu)
             return pltriton.load(pos_ref.at[idx], mask=t_mask, other=0).astype(jnp.int32)[:, None]
 
         pos = jnp.broadcast_to(stream(0), (block_t, half_p2))
@@ -128,12 +136,13 @@ def _mrope_kernel(q_in, k_in, cos_ref, sin_ref, q_out, k_out, *, num_tokens, num
         cs_mask = cs_mask & (pos >= 0) & (pos < max_position)
         row = pos * (2 * half) + i[None, :]
         n_cache = cache_ref.shape[0]
-        cos = pltriton.load(cache_ref.at[jnp.where(cs_mask, row, n_cache)], mask=cs_mask, other=jnp.nan)
-        sin = pltriton.load(cache_ref.at[jnp.where(cs_mask, row + half, n_cache)], mask=cs_mask,
-                            other=jnp.nan)
+        cos = pltriton.load(cache_ref.at[_masked_offsets(row, cs_mask, n_cache, compiled_gpu)],
+                            mask=cs_mask, other=jnp.nan)
+        sin = pltriton.load(cache_ref.at[_masked_offsets(row + half, cs_mask, n_cache, compiled_gpu)],
+                            mask=cs_mask, other=jnp.nan)
     else:
         offs = (sel[None, :] * num_tokens + tok[:, None]) * half + i[None, :]
-        offs = jnp.where(cs_mask, offs, cos_ref.shape[0])
+        offs = _masked_offsets(offs, cs_mask, cos_ref.shape[0], compiled_gpu)
         cos = pltriton.load(cos_ref.at[offs], mask=cs_mask, other=0)
         sin = pltriton.load(sin_ref.at[offs], mask=cs_mask, other=0)
     cos = cos.astype(jnp.float32)[:, None, :]
