@@ -17,7 +17,7 @@ fi
 cmd=${1:-}
 shift || true
 case "$cmd" in
-    main) exec .venv/bin/personaplex-jax stream "$@" ;;
+    main) exec .venv/bin/personaplex-jax crosscheck "$@" ;;
     test) TRITON_INTERPRET=1 exec .venv/bin/python -m pytest "$@" ;;
     *) echo "usage: bash run.sh main|test [ARGS]" >&2; exit 2 ;;
 esac

@@ -182,6 +182,7 @@ class _StackBase(nn.Module):
     param_dtype: Any = jnp.float32
     unroll: int | bool = 1       # lax.scan unroll over layers (True: fully unrolled)
     exact_rope: bool = True      # keep RoPE products unfused (bit-identical to torch's rope)
+    rope_freqs: tuple | None = None  # RoPE frequency table override (default: ring.rope_freqs)
 
 
 class TemporalStack(_StackBase):
@@ -192,7 +193,7 @@ class TemporalStack(_StackBase):
     def __call__(self, state: StreamState, x, active):
         c = self.config
         assert isinstance(c, TemporalConfig)
-        tables = step_tables(c, state.offset, state.start_offset, active, x.shape[1])
+        tables = step_tables(c, state.offset, state.start_offset, active, x.shape[1], self.rope_freqs)
         x, state = _scan_layers(TemporalLayer, self, state, x, tables, active)
         alpha = self.param("out_norm_alpha", nn.initializers.ones, (c.dim,), self.param_dtype)
         text_linear = self.param("text_linear", _normal(), (c.text_card, c.dim), self.param_dtype)
@@ -207,10 +208,12 @@ class MimiStack(_StackBase):
     def __call__(self, state: StreamState, x, active):
         c = self.config
         assert isinstance(c, MimiConfig)
-        tables = step_tables(c, state.offset, state.start_offset, active, x.shape[1])
+        tables = step_tables(c, state.offset, state.start_offset, active, x.shape[1], self.rope_freqs)
         return _scan_layers(MimiLayer, self, state, x, tables, active)
 
 
-def stack_module(config, param_dtype=jnp.float32, unroll: int | bool = 1, exact_rope: bool = True) -> nn.Module:
+def stack_module(config, param_dtype=jnp.float32, unroll: int | bool = 1, exact_rope: bool = True,
+                 rope_freqs: tuple | None = None) -> nn.Module:
     cls = TemporalStack if isinstance(config, TemporalConfig) else MimiStack
-    return cls(config, param_dtype=jnp.dtype(param_dtype), unroll=unroll, exact_rope=exact_rope)
+    return cls(config, param_dtype=jnp.dtype(param_dtype), unroll=unroll, exact_rope=exact_rope,
+               rope_freqs=rope_freqs)

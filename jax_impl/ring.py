@@ -53,9 +53,14 @@ def rope_freqs(head_dim: int, max_period: float) -> np.ndarray:
     return np.exp(arg.astype(np.float64)).astype(np.float32)
 
 
-def rope_tables(offset: jax.Array, T: int, head_dim: int, max_period: float) -> tuple[jax.Array, jax.Array]:
-    """cos, sin float32 [B, 1, T, D/2] for positions offset[b] + t (angle = freq * (f32(offset) + t))."""
-    freqs = rope_freqs(head_dim, max_period)
+def rope_tables(offset: jax.Array, T: int, head_dim: int, max_period: float,
+                freqs: tuple[float, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos, sin float32 [B, 1, T, D/2] for positions offset[b] + t (angle = freq * (f32(offset) + t)).
+
+    freqs: the [D/2] frequency table to use instead of `rope_freqs` (e.g. the torch path's,
+    computed by torch's expf, to share its exact table).
+    """
+    freqs = rope_freqs(head_dim, max_period) if freqs is None else np.asarray(freqs, np.float32)
     ts = offset.astype(jnp.float32)[:, None] + jnp.arange(T, dtype=jnp.float32)  # [B, T]
     angles = freqs * ts[:, None, :, None]
     return jnp.cos(angles), jnp.sin(angles)
@@ -105,10 +110,11 @@ def ring_positions(offset, start_offset, active, T: int, capacity: int, conventi
 
 
 def build_step_tables(offset, start_offset, active, T: int, *, capacity: int, context: int,
-                      head_dim: int, max_period: float, convention: str) -> StepTables:
+                      head_dim: int, max_period: float, convention: str,
+                      freqs: tuple[float, ...] | None = None) -> StepTables:
     """All per-step tables; offset, start_offset int [B], active bool [B]."""
     idx = offset.dtype
-    cos, sin = rope_tables(offset, T, head_dim, max_period)
+    cos, sin = rope_tables(offset, T, head_dim, max_period, freqs)
     q_pos = offset[:, None] + jnp.arange(T, dtype=idx)  # [B, T]
     write_index = q_pos % capacity
     positions = ring_positions(offset, start_offset, active, T, capacity, convention)
@@ -117,8 +123,10 @@ def build_step_tables(offset, start_offset, active, T: int, *, capacity: int, co
     return StepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.astype(idx))
 
 
-def step_tables(config: StackConfig, offset, start_offset, active, T: int) -> StepTables:
+def step_tables(config: StackConfig, offset, start_offset, active, T: int,
+                freqs: tuple[float, ...] | None = None) -> StepTables:
     """The tables of one step of a stack, computed once and used by every layer."""
     c = config
     return build_step_tables(offset, start_offset, active, T, capacity=c.capacity, context=c.context,
-                             head_dim=c.head_dim, max_period=c.max_period, convention=c.ring_convention)
+                             head_dim=c.head_dim, max_period=c.max_period, convention=c.ring_convention,
+                             freqs=freqs)

@@ -63,20 +63,22 @@ def check_step_inputs(config: StackConfig, params, state: StreamState, x, active
 
 
 def step_fn(config: StackConfig, *, unroll: int | bool = 1, exact_rope: bool = True,
-            with_tables: bool = False) -> Callable:
+            with_tables: bool = False, rope_freqs: tuple[float, ...] | None = None) -> Callable:
     """The pure step `(params, state, x, active=None) -> (outputs, new_state)` (not jitted).
 
     outputs: (out, text_logits) for the temporal stack, out for Mimi. with_tables=True
     returns (outputs, new_state, tables) with this step's `StepTables` (for parity checks).
     unroll: the layer scan's unroll (1 = rolled; True = fully unrolled, faster on GPU).
+    rope_freqs: a [D/2] RoPE frequency table (tuple of floats) instead of `ring.rope_freqs`;
+    the torch bridge passes the torch path's own table so both share its exact bits.
     """
 
     def step(params, state, x, active=None):
         active = check_step_inputs(config, params, state, x, active)
-        module = stack_module(config, state.k.dtype, unroll, exact_rope)
+        module = stack_module(config, state.k.dtype, unroll, exact_rope, rope_freqs)
         outputs, new_state = module.apply(params, state, x, active)
         if with_tables:
-            tables = step_tables(config, state.offset, state.start_offset, active, x.shape[1])
+            tables = step_tables(config, state.offset, state.start_offset, active, x.shape[1], rope_freqs)
             return outputs, new_state, tables
         return outputs, new_state
 
@@ -85,13 +87,14 @@ def step_fn(config: StackConfig, *, unroll: int | bool = 1, exact_rope: bool = T
 
 @functools.lru_cache(maxsize=None)
 def make_step(config: StackConfig, *, unroll: int | bool = 1, exact_rope: bool = True,
-              donate: bool = True, with_tables: bool = False) -> Callable:
+              donate: bool = True, with_tables: bool = False,
+              rope_freqs: tuple[float, ...] | None = None) -> Callable:
     """`jax.jit(step_fn(config, ...))` with the state donated (rings updated in place).
 
     Cached per arguments, so every caller shares one compiled function per shape and dtype.
     After a donated call the state passed in is invalid: keep only the returned one.
     """
-    fn = step_fn(config, unroll=unroll, exact_rope=exact_rope, with_tables=with_tables)
+    fn = step_fn(config, unroll=unroll, exact_rope=exact_rope, with_tables=with_tables, rope_freqs=rope_freqs)
     return jax.jit(fn, donate_argnums=(1,) if donate else ())
 
 

@@ -9,7 +9,10 @@
 - device: the array lands on the JAX device matching the tensor's (CPU, or CUDA ordinal).
 
 `copy=True` turns each refusal into a copy that says so (a `BridgeCopyWarning`), e.g. int64 ->
-int32 after checking the values fit. Nothing is ever copied, narrowed or moved silently.
+int32 after checking the values fit. `copy=None` copies a tensor whose *layout* JAX cannot
+take (non-contiguous or misaligned) without a warning, for per-step inputs whose callers
+document it (the steppers' `x` and `active`); it still refuses int64 narrowing. Nothing is
+ever narrowed or moved silently.
 
 Stream order on the GPU: both directions go through the DLPack stream protocol. JAX's
 `from_dlpack` passes the stream it will read on to `tensor.__dlpack__`, and torch makes that
@@ -24,21 +27,22 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.bool)
+_JAX_SHAREABLE = {jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int64, jnp.bool_)}
 
 
 class BridgeCopyWarning(UserWarning):
     """A DLPack handoff had to copy (only ever with copy=True)."""
 
 
-def _refuse_or_copy(copy: bool, why: str, fix: str) -> None:
-    if not copy:
+def _refuse_or_copy(copy: bool | None, why: str, fix: str) -> None:
+    if copy is False:
         raise ValueError(f"to_jax(tensor): cannot share this tensor's buffer with JAX: {why}. {fix}, "
                          f"or pass copy=True to copy it")
-    warnings.warn(f"to_jax copied the tensor: {why}", BridgeCopyWarning, stacklevel=3)
+    if copy:
+        warnings.warn(f"to_jax copied the tensor: {why}", BridgeCopyWarning, stacklevel=3)
 
 
 def _jax_device_for(tensor: torch.Tensor):
@@ -54,11 +58,12 @@ def _jax_device_for(tensor: torch.Tensor):
     return devices[index]
 
 
-def to_jax(tensor: torch.Tensor, *, copy: bool = False) -> jax.Array:
+def to_jax(tensor: torch.Tensor, *, copy: bool | None = False) -> jax.Array:
     """The JAX array sharing `tensor`'s buffer: same shape, dtype and device.
 
     Raises TypeError for an unsupported dtype and ValueError when sharing is impossible
-    (see the module docstring) unless copy=True, which copies and warns.
+    (see the module docstring) unless copy=True, which copies and warns (copy=None: layout
+    copies without a warning).
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"to_jax(tensor): expected a torch.Tensor, got {type(tensor).__name__}")
@@ -68,7 +73,7 @@ def to_jax(tensor: torch.Tensor, *, copy: bool = False) -> jax.Array:
         tensor = tensor.detach()
     device = _jax_device_for(tensor)
     if tensor.dtype == torch.int64 and not jax.config.jax_enable_x64:
-        _refuse_or_copy(copy, "int64 needs jax x64 mode (jax.config.update('jax_enable_x64', True))",
+        _refuse_or_copy(bool(copy), "int64 needs jax x64 mode (jax.config.update('jax_enable_x64', True))",
                         "Enable x64")
         info = torch.iinfo(torch.int32)
         if tensor.numel() and (tensor.min() < info.min or tensor.max() > info.max):
@@ -78,7 +83,7 @@ def to_jax(tensor: torch.Tensor, *, copy: bool = False) -> jax.Array:
         _refuse_or_copy(copy, f"it is not contiguous (strides {tensor.stride()})", "Call .contiguous()")
         tensor = tensor.contiguous()
     array = jnp.from_dlpack(tensor)
-    if tensor.numel() and array.unsafe_buffer_pointer() != tensor.data_ptr():
+    if tensor.numel() and array.unsafe_buffer_pointer() != tensor.data_ptr() and copy is not None:
         # JAX copied on import (on the CPU it does so for buffers it finds misaligned).
         _refuse_or_copy(copy, f"JAX copied it on import (address {tensor.data_ptr():#x} not accepted as is)",
                         "Pass a tensor that owns its storage (e.g. .clone())")
@@ -93,7 +98,6 @@ def to_torch(array: jax.Array) -> torch.Tensor:
     """
     if not isinstance(array, jax.Array):
         raise TypeError(f"to_torch(array): expected a jax.Array, got {type(array).__name__}")
-    if jnp.dtype(array.dtype) not in {jnp.dtype(np.dtype(d)) for d in ("float32", "float16", "int32", "int64",
-                                                                        "bool")} | {jnp.dtype(jnp.bfloat16)}:
+    if array.dtype not in _JAX_SHAREABLE:
         raise TypeError(f"to_torch(array): dtype {array.dtype} is not supported")
     return torch.from_dlpack(array)

@@ -72,7 +72,7 @@ class _JaxBacked:
         state = jax_impl.init_state(self.config, batch_size, self._jax_params_dtype(params))
         self._jax_state = jax.device_put(state, device)
         self._offset_bound = 0
-        self._step_fn = jax_impl.make_step(self.config, unroll=self._unroll)
+        self._step_fn = jax_impl.make_step(self.config, unroll=self._unroll, rope_freqs=self.rope_freqs())
 
     @staticmethod
     def _jax_params_dtype(params):
@@ -86,12 +86,16 @@ class _JaxBacked:
             self._offset_bound = 0
 
     def step(self, x: torch.Tensor, active: torch.Tensor | None = None):
-        """Same contract as the torch stack's step; returns torch tensors on the module's device."""
+        """Same contract as the torch stack's step; returns torch tensors on the module's device.
+
+        x and active are shared with JAX when it can take them as they are, copied otherwise
+        (a non-contiguous or misaligned input: a few KB per step).
+        """
         _, active = self._check_step_inputs(x, active)
         T = x.shape[1]
         jax_impl.check_headroom(self._offset_bound, T, self._jax_state.offset.dtype)
         outputs, self._jax_state = self._step_fn(self._jax_params, self._jax_state,
-                                                 to_jax(x.contiguous()), to_jax(active))
+                                                 to_jax(x, copy=None), to_jax(active, copy=None))
         self._offset_bound += T
         return jax.tree_util.tree_map(to_torch, outputs)
 

@@ -11,15 +11,20 @@ import math
 import torch
 
 
+def rope_freqs(head_dim: int, max_period: float, device=None) -> torch.Tensor:
+    """float32 [head_dim // 2]: freq_i = exp(i * (-ln(max_period) * 2 / head_dim)), torch's expf."""
+    ds = torch.arange(head_dim // 2, device=device, dtype=torch.float32)
+    return torch.exp(ds * (-math.log(max_period) * 2 / head_dim))
+
+
 def rope_tables(offset: torch.Tensor, T: int, head_dim: int, max_period: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables for positions `offset[b] + t`.
 
-    offset: int64 [B]. Returns two float32 tensors [B, 1, T, head_dim // 2].
-    freq_i = exp(i * (-ln(max_period) * 2 / head_dim)), angle = freq_i * (offset[b] + t).
+    offset: int64 [B]. Returns two float32 tensors [B, 1, T, head_dim // 2],
+    angle = freq_i * (offset[b] + t) with `rope_freqs`.
     """
     B = offset.shape[0]
-    ds = torch.arange(head_dim // 2, device=offset.device, dtype=torch.float32)
-    freqs = torch.exp(ds * (-math.log(max_period) * 2 / head_dim))
+    freqs = rope_freqs(head_dim, max_period, offset.device)
     ts = offset.float().view(-1, 1) + torch.arange(T, device=offset.device, dtype=torch.float32)
     angles = freqs * ts.view(B, 1, T, 1)
     return torch.cos(angles), torch.sin(angles)

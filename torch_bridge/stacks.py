@@ -25,11 +25,24 @@ from personaplex_config import (
 
 from .layers import mimi_layer, rms_norm_f32, temporal_layer
 from .ring import StepTables, build_step_tables
+from .rope import rope_freqs
 from .streaming import StreamState
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Loading a checkpoint may widen (exactly), never narrow.
 _LOSSLESS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
+
+
+def check_safetensors(path: str | os.PathLike, config: StackConfig, prefix: str | None = None) -> None:
+    """Check a safetensors file's keys and shapes against a stack (reads the header only)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except SafetensorError as err:
+        raise ValueError(f"{os.fspath(path)} is not a readable safetensors file: {err}") from None
+    check_checkpoint(shapes, config, prefix)
 
 
 class _StreamingStack(nn.Module):
@@ -110,9 +123,8 @@ class _StreamingStack(nn.Module):
         """Load a Moshi/PersonaPlex safetensors checkpoint (only this stack's keys are read)."""
         from safetensors import safe_open
 
+        check_safetensors(path, self.config, prefix)
         with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-            check_checkpoint(shapes, self.config, prefix)
             tensors = {k: f.get_tensor(k) for k in checkpoint_keys(self.config, prefix)}
         self.load_weights(tensors, prefix)
 
@@ -204,6 +216,10 @@ class _StreamingStack(nn.Module):
         if active is None:
             active = torch.ones(state.batch_size, dtype=torch.bool, device=self.device)
         return state, self._check_row_mask("step(active)", active, state)
+
+    def rope_freqs(self) -> tuple[float, ...]:
+        """This stack's RoPE frequency table, computed on its device (the JAX path can share it)."""
+        return tuple(rope_freqs(self.config.head_dim, self.config.max_period, self.device).tolist())
 
     def step_tables(self, offset, start_offset, active, T: int) -> StepTables:
         c = self.config
