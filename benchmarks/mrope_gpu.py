@@ -34,14 +34,14 @@ import traceback
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import triton
 
-import kernels_pallas as kp  # noqa: E402
-import kernels_triton as kt  # noqa: E402
+import kernels_pallas as kp
+import kernels_triton as kt
 
 COPY_CEILING = 4.26e12  # bytes/s, device-to-device copy (read + written) measured on an H200 here
 ENGINE_KERNEL_US = {1024: 10.2, 8192: 39.8, 32768: 139.0}  # serving engine's Triton MRoPE kernel
@@ -122,7 +122,7 @@ def check_case(n, geom, dtype, layout, neox):
     res["torch_native"] = kt.mrope_native(q, k, cos, sin, *args)
     jq, jk, jc, js = map(jax_from_torch, (q, k, cos, sin))
     jpos, jcache = jax_from_torch(pos.int()), jax_from_torch(cache)
-    kw = dict(mrope_section=sections, head_size=hs, rotary_dim=rd, mrope_interleaved=inter, is_neox_style=neox)
+    kw = {"mrope_section": sections, "head_size": hs, "rotary_dim": rd, "mrope_interleaved": inter, "is_neox_style": neox}
     res["pallas"] = jax.jit(functools.partial(kp.mrope, **kw))(jq, jk, jc, js)
     res["pallas_cache"] = jax.jit(functools.partial(kp.mrope_from_cache, **kw))(jpos, jq, jk, jcache)
     res["jnp_native"] = jax.jit(functools.partial(kp.mrope_native, **kw))(jq, jk, jc, js)
@@ -131,12 +131,12 @@ def check_case(n, geom, dtype, layout, neox):
     for name, val in res.items():
         conv = bits_t if name.startswith(("triton", "torch")) else bits_j
         cmp = [compare(base[i], conv(val[i])) for i in range(2)]
-        out[name] = dict(diff=cmp[0][0] + cmp[1][0], max_ulp=max(cmp[0][1], cmp[1][1]))
+        out[name] = {"diff": cmp[0][0] + cmp[1][0], "max_ulp": max(cmp[0][1], cmp[1][1])}
     # Each kernel vs its own framework's reference.
     pj = [bits_j(x) for x in res["pallas"]]
     nj = [bits_j(x) for x in res["jnp_native"]]
     c = [compare(pj[i], nj[i]) for i in range(2)]
-    out["pallas_vs_jnp_native"] = dict(diff=c[0][0] + c[1][0], max_ulp=max(c[0][1], c[1][1]))
+    out["pallas_vs_jnp_native"] = {"diff": c[0][0] + c[1][0], "max_ulp": max(c[0][1], c[1][1])}
     return out
 
 
@@ -164,11 +164,11 @@ def run_correctness(quick, max_cases=None):
     for gname, geom, n, dtype, layout, neox in cases:
         try:
             r = check_case(n, geom, dtype, layout, neox)
-        except Exception as e:  # keep going: one failure must not hide the rest
+        except Exception as e:  # keep going: one failure must not hide the rest  # noqa: BLE001
             traceback.print_exc()
             r = {"error": repr(e)[:300]}
-        rows.append(dict(geometry=gname, num_tokens=n, dtype=dtype, layout=layout,
-                         style="neox" if neox else "gptj", result=r))
+        rows.append({"geometry": gname, "num_tokens": n, "dtype": dtype, "layout": layout,
+                         "style": "neox" if neox else "gptj", "result": r})
         flag = "OK" if "error" not in r and all(v["diff"] == 0 for v in r.values()) else "DIFF"
         print(f"[bits] {gname:8s} n={n:5d} {dtype:9s} {layout:11s} {'neox' if neox else 'gptj'}: {flag} "
               + " ".join(f"{k}={v['diff']}/{v['max_ulp']}" for k, v in r.items() if isinstance(v, dict)),
@@ -223,12 +223,18 @@ def time_torch_events(fn, iters=20, reps=15):
     return statistics.median(times)
 
 
-def time_jax_loop(step, carry, consts, iters=50, reps=9):
-    """Median microseconds per step: jitted fori_loop of `iters` steps, carry donated."""
+def time_jax_loop(step, carry, consts, iters=20, reps=15):
+    """Median microseconds per step: one jit of `iters` chained (unrolled) steps, carry donated.
+
+    Unrolled rather than a fori_loop: XLA's while loop adds a per-iteration predicate round trip
+    that is larger than the kernel at 1024 tokens.
+    """
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def loop(carry, consts):
-        return jax.lax.fori_loop(0, iters, lambda _, c: step(c, consts), carry)
+        for _ in range(iters):
+            carry = step(carry, consts)
+        return carry
 
     carry = loop(carry, consts)
     jax.block_until_ready(carry)
@@ -255,113 +261,116 @@ def time_jax_calls(fn, carry, consts, iters=50, reps=9):
     return statistics.median(times)
 
 
-def run_timing(sizes, sweep):
+def time_size(n, sweep):
     hq, hk, hs, rd = 28, 4, 128, 128
     sections = [16, 24, 24]
     max_position = 128000
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(n, hq * hs, generator=g).to(torch.bfloat16).to(DEV)
+    k = torch.randn(n, hk * hs, generator=g).to(torch.bfloat16).to(DEV)
+    inv = 1.0 / (1000000.0 ** (torch.arange(rd // 2, dtype=torch.float64) * 2 / rd))
+    ang = torch.arange(max_position, dtype=torch.float64)[:, None] * inv[None, :]
+    cache = torch.cat([ang.cos(), ang.sin()], -1).float().to(DEV)
+    pos = torch.stack([torch.arange(n), torch.randint(0, 64, (n,), generator=g),
+                       torch.randint(0, 64, (n,), generator=g)]).to(DEV)
+    cos, sin = cache[pos].chunk(2, -1)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    qk_bytes = 2 * (q.numel() + k.numel()) * 2  # bf16 read + written
+    table_bytes = 2 * n * (rd // 2) * 4  # one float32 cos and sin value per token and frequency
+    pos_bytes = pos.numel() * pos.element_size()
+    byts = {"table": qk_bytes + table_bytes, "cache": qk_bytes + table_bytes + pos_bytes}
+    args = (sections, hs, rd, False, True)
+    row = {"num_tokens": n, "bytes_table": byts["table"], "bytes_cache": byts["cache"]}
+
+    def record(name, us, kind):
+        row[name] = {"us": us, "TBps": byts[kind] / (us * 1e-6) / 1e12,
+                     "of_copy_ceiling": byts[kind] / (us * 1e-6) / COPY_CEILING}
+        print(f"[time] n={n:6d} {name:32s} {us:9.2f} us  {row[name]['TBps']:.2f} TB/s", flush=True)
+
+    def attempt(name, kind, fn):
+        try:
+            record(name, fn(), kind)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row[name] = {"error": repr(e)[:300]}
+
+    # Block-size sweep for the Triton kernel (the Pallas kernel then takes the winner).
+    best = {"table": (None, None, None), "cache": (None, None, None)}
+    if sweep:
+        for form in ("table", "cache"):
+            cands = []
+            for bt, bh, nw in [(bt, bh, nw) for bt in (2, 4, 8, 16) for bh in (4, 8) for nw in (2, 4, 8)
+                               if bt * bh <= 64]:
+                kw = {"block_tokens": bt, "block_heads": bh, "num_warps": nw}
+                try:
+                    if form == "table":
+                        us = time_torch_graph(lambda kw=kw: kt.mrope_(q, k, cos, sin, *args, **kw),
+                                              iters=10, reps=5)
+                    else:
+                        us = time_torch_graph(lambda kw=kw: kt.mrope_from_cache_(
+                            pos, q, k, cache, *args, check_positions=False, **kw), iters=10, reps=5)
+                    cands.append((us, bt, bh, nw))
+                except Exception as e:  # noqa: BLE001
+                        print(f"[sweep] {form} bt={bt} bh={bh} nw={nw} failed: {e!r}"[:300], flush=True)
+            if cands:
+                us, bt, bh, nw = min(cands)
+                best[form] = (bt, bh, nw)
+                row[f"sweep_{form}"] = [{"us": u, "block_tokens": b, "block_heads": h, "num_warps": w}
+                                        for u, b, h, w in cands]
+                print(f"[sweep] n={n} {form}: best block_tokens={bt} block_heads={bh} num_warps={nw} "
+                      f"({us:.2f} us)", flush=True)
+    row["best_blocks"] = {f: {"block_tokens": b[0], "block_heads": b[1], "num_warps": b[2]} for f, b in best.items()}
+    bkw = {f: {"block_tokens": b[0], "block_heads": b[1], "num_warps": b[2]} for f, b in best.items()}
+
+    attempt("torch_native", "table", lambda: time_torch_graph(lambda: kt.mrope_native(q, k, cos, sin, *args)))
+    attempt("torch_native_gather", "cache",
+            lambda: time_torch_graph(lambda: kt.mrope_from_cache_native(pos, q, k, cache, *args)))
+    attempt("triton_inplace_default", "table",
+            lambda: time_torch_graph(lambda: kt.mrope_(q, k, cos, sin, *args)))
+    attempt("triton_inplace", "table",
+            lambda: time_torch_graph(lambda: kt.mrope_(q, k, cos, sin, *args, **bkw["table"])))
+    attempt("triton_inplace_no_graph", "table",
+            lambda: time_torch_events(lambda: kt.mrope_(q, k, cos, sin, *args, **bkw["table"])))
+    attempt("triton_fused_gather", "cache", lambda: time_torch_graph(
+        lambda: kt.mrope_from_cache_(pos, q, k, cache, *args, check_positions=False, **bkw["cache"])))
+    attempt("gather_only(cache[positions])", "cache", lambda: time_torch_graph(lambda: cache[pos]))
+
+    def gather_then_kernel():
+        c, s = cache[pos].chunk(2, -1)
+        kt.mrope_(q, k, c, s, *args, **bkw["table"])  # .contiguous() copies the two halves
+
+    attempt("gather+triton_kernel", "cache", lambda: time_torch_graph(gather_then_kernel))
+
+    jq, jk = jax_from_torch(q), jax_from_torch(k)
+    jc, js = jax_from_torch(cos), jax_from_torch(sin)
+    jpos, jcache = jax_from_torch(pos.int()), jax_from_torch(cache)
+    kw = {"mrope_section": sections, "head_size": hs, "rotary_dim": rd}
+    for form, blocks in (("default", {}), ("tuned", bkw["table"])):
+        p_table = functools.partial(kp.mrope, **kw, **blocks)
+        attempt(f"pallas_donated_{form}", "table", lambda p=p_table: time_jax_loop(
+            lambda c, x: p(c[0], c[1], x[0], x[1]), (jnp.copy(jq), jnp.copy(jk)), (jc, js)))
+    p_cache = functools.partial(kp.mrope_from_cache, **kw, **bkw["cache"])
+    attempt("pallas_fused_gather", "cache", lambda: time_jax_loop(
+        lambda c, x: p_cache(x[0], c[0], c[1], x[1]), (jnp.copy(jq), jnp.copy(jk)), (jpos, jcache)))
+    p_calls = jax.jit(functools.partial(kp.mrope, **kw, **bkw["table"]), donate_argnums=(0, 1))
+    attempt("pallas_donated_per_call", "table",
+            lambda: time_jax_calls(p_calls, (jnp.copy(jq), jnp.copy(jk)), (jc, js)))
+    nat = functools.partial(kp.mrope_native, **kw)
+    attempt("jnp_native", "table", lambda: time_jax_loop(
+        lambda c, x: nat(c[0], c[1], x[0], x[1]), (jnp.copy(jq), jnp.copy(jk)), (jc, js)))
+    nat_c = functools.partial(kp.mrope_from_cache_native, **kw)
+    attempt("jnp_native_gather", "cache", lambda: time_jax_loop(
+        lambda c, x: nat_c(x[0], c[0], c[1], x[1]), (jnp.copy(jq), jnp.copy(jk)), (jpos, jcache)))
+    if "gather_only(cache[positions])" in row and "us" in row["gather_only(cache[positions])"]:
+        row["engine_whole_path_us(est)"] = ENGINE_KERNEL_US.get(n, float("nan")) + row[
+            "gather_only(cache[positions])"]["us"]
+    return row
+
+
+def run_timing(sizes, sweep):
     results = []
     for n in sizes:
-        g = torch.Generator().manual_seed(n)
-        q = torch.randn(n, hq * hs, generator=g).to(torch.bfloat16).to(DEV)
-        k = torch.randn(n, hk * hs, generator=g).to(torch.bfloat16).to(DEV)
-        inv = 1.0 / (1000000.0 ** (torch.arange(rd // 2, dtype=torch.float64) * 2 / rd))
-        ang = torch.arange(max_position, dtype=torch.float64)[:, None] * inv[None, :]
-        cache = torch.cat([ang.cos(), ang.sin()], -1).float().to(DEV)
-        pos = torch.stack([torch.arange(n), torch.randint(0, 64, (n,), generator=g),
-                           torch.randint(0, 64, (n,), generator=g)]).to(DEV)
-        cos, sin = cache[pos].chunk(2, -1)
-        cos, sin = cos.contiguous(), sin.contiguous()
-        qk_bytes = 2 * (q.numel() + k.numel()) * 2  # bf16 read + written
-        table_bytes = 2 * n * (rd // 2) * 4  # one float32 cos and sin value per token and frequency
-        pos_bytes = pos.numel() * pos.element_size()
-        byts = {"table": qk_bytes + table_bytes, "cache": qk_bytes + table_bytes + pos_bytes}
-        args = (sections, hs, rd, False, True)
-        row = {"num_tokens": n, "bytes_table": byts["table"], "bytes_cache": byts["cache"]}
-
-        def record(name, us, kind):
-            row[name] = {"us": us, "TBps": byts[kind] / (us * 1e-6) / 1e12,
-                         "of_copy_ceiling": byts[kind] / (us * 1e-6) / COPY_CEILING}
-            print(f"[time] n={n:6d} {name:32s} {us:9.2f} us  {row[name]['TBps']:.2f} TB/s", flush=True)
-
-        def attempt(name, kind, fn):
-            try:
-                record(name, fn(), kind)
-            except Exception as e:
-                traceback.print_exc()
-                row[name] = {"error": repr(e)[:300]}
-
-        # Block-size sweep for the Triton kernel (the Pallas kernel then takes the winner).
-        best = {"table": (None, None, 4), "cache": (None, None, 4)}
-        if sweep:
-            for form in ("table", "cache"):
-                cands = []
-                for bt, bh, nw in [(bt, bh, nw) for bt in (2, 4, 8, 16) for bh in (4, 8) for nw in (2, 4, 8)
-                                   if bt * bh <= 64]:
-                    kw = dict(block_tokens=bt, block_heads=bh, num_warps=nw)
-                    try:
-                        if form == "table":
-                            us = time_torch_graph(lambda kw=kw: kt.mrope_(q, k, cos, sin, *args, **kw),
-                                                  iters=10, reps=5)
-                        else:
-                            us = time_torch_graph(lambda kw=kw: kt.mrope_from_cache_(
-                                pos, q, k, cache, *args, check_positions=False, **kw), iters=10, reps=5)
-                        cands.append((us, bt, bh, nw))
-                    except Exception as e:
-                            print(f"[sweep] {form} bt={bt} bh={bh} nw={nw} failed: {e!r}"[:300], flush=True)
-                if cands:
-                    us, bt, bh, nw = min(cands)
-                    best[form] = (bt, bh, nw)
-                    row[f"sweep_{form}"] = [dict(us=u, block_tokens=b, block_heads=h, num_warps=w)
-                                            for u, b, h, w in cands]
-                    print(f"[sweep] n={n} {form}: best block_tokens={bt} block_heads={bh} num_warps={nw} "
-                          f"({us:.2f} us)", flush=True)
-        row["best_blocks"] = {f: dict(block_tokens=b[0], block_heads=b[1], num_warps=b[2]) for f, b in best.items()}
-        bkw = {f: dict(block_tokens=b[0], block_heads=b[1], num_warps=b[2]) for f, b in best.items()}
-
-        attempt("torch_native", "table", lambda: time_torch_graph(lambda: kt.mrope_native(q, k, cos, sin, *args)))
-        attempt("torch_native_gather", "cache",
-                lambda: time_torch_graph(lambda: kt.mrope_from_cache_native(pos, q, k, cache, *args)))
-        attempt("triton_inplace_default", "table",
-                lambda: time_torch_graph(lambda: kt.mrope_(q, k, cos, sin, *args)))
-        attempt("triton_inplace", "table",
-                lambda: time_torch_graph(lambda: kt.mrope_(q, k, cos, sin, *args, **bkw["table"])))
-        attempt("triton_inplace_no_graph", "table",
-                lambda: time_torch_events(lambda: kt.mrope_(q, k, cos, sin, *args, **bkw["table"])))
-        attempt("triton_fused_gather", "cache", lambda: time_torch_graph(
-            lambda: kt.mrope_from_cache_(pos, q, k, cache, *args, check_positions=False, **bkw["cache"])))
-        attempt("gather_only(cache[positions])", "cache", lambda: time_torch_graph(lambda: cache[pos]))
-
-        def gather_then_kernel():
-            c, s = cache[pos].chunk(2, -1)
-            kt.mrope_(q, k, c, s, *args, **bkw["table"])  # .contiguous() copies the two halves
-
-        attempt("gather+triton_kernel", "cache", lambda: time_torch_graph(gather_then_kernel))
-
-        jq, jk = jax_from_torch(q), jax_from_torch(k)
-        jc, js = jax_from_torch(cos), jax_from_torch(sin)
-        jpos, jcache = jax_from_torch(pos.int()), jax_from_torch(cache)
-        kw = dict(mrope_section=sections, head_size=hs, rotary_dim=rd)
-        for form, blocks in (("default", {}), ("tuned", bkw["table"])):
-            p_table = functools.partial(kp.mrope, **kw, **blocks)
-            attempt(f"pallas_donated_{form}", "table", lambda p=p_table: time_jax_loop(
-                lambda c, x: p(c[0], c[1], x[0], x[1]), (jnp.copy(jq), jnp.copy(jk)), (jc, js)))
-        p_cache = functools.partial(kp.mrope_from_cache, **kw, **bkw["cache"])
-        attempt("pallas_fused_gather", "cache", lambda: time_jax_loop(
-            lambda c, x: p_cache(x[0], c[0], c[1], x[1]), (jnp.copy(jq), jnp.copy(jk)), (jpos, jcache)))
-        p_calls = jax.jit(functools.partial(kp.mrope, **kw, **bkw["table"]), donate_argnums=(0, 1))
-        attempt("pallas_donated_per_call", "table",
-                lambda: time_jax_calls(p_calls, (jnp.copy(jq), jnp.copy(jk)), (jc, js)))
-        nat = functools.partial(kp.mrope_native, **kw)
-        attempt("jnp_native", "table", lambda: time_jax_loop(
-            lambda c, x: nat(c[0], c[1], x[0], x[1]), (jnp.copy(jq), jnp.copy(jk)), (jc, js)))
-        nat_c = functools.partial(kp.mrope_from_cache_native, **kw)
-        attempt("jnp_native_gather", "cache", lambda: time_jax_loop(
-            lambda c, x: nat_c(x[0], c[0], c[1], x[1]), (jnp.copy(jq), jnp.copy(jk)), (jpos, jcache)))
-        if "gather_only(cache[positions])" in row and "us" in row["gather_only(cache[positions])"]:
-            row["engine_whole_path_us(est)"] = ENGINE_KERNEL_US.get(n, float("nan")) + row[
-                "gather_only(cache[positions])"]["us"]
-        results.append(row)
-        del q, k, cache, pos, cos, sin, jq, jk, jc, js, jpos, jcache
+        results.append(time_size(n, sweep))
         torch.cuda.empty_cache()
     return results
 
@@ -398,15 +407,15 @@ def main():
     ap.add_argument("--max-bits-cases", type=int, default=None)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    env = dict(python=platform.python_version(), jax=jax.__version__, torch=torch.__version__,
-               triton=triton.__version__, jax_backend=jax.default_backend(),
-               device=torch.cuda.get_device_name() if GPU else "cpu",
-               date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    env = {"python": platform.python_version(), "jax": jax.__version__, "torch": torch.__version__,
+               "triton": triton.__version__, "jax_backend": jax.default_backend(),
+               "device": torch.cuda.get_device_name() if GPU else "cpu",
+               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         env["nvidia_smi"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem",
-             "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
-    except Exception as e:
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=20, check=False).stdout.strip()
+    except Exception as e:  # noqa: BLE001
         env["nvidia_smi"] = repr(e)
     print(json.dumps(env), flush=True)
     report = {"env": env}

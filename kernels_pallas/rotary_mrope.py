@@ -36,7 +36,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["mrope", "mrope_from_cache", "mrope_native", "mrope_from_cache_native", "default_blocks"]
+__all__ = ["default_blocks", "mrope", "mrope_from_cache", "mrope_from_cache_native", "mrope_native"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MAX_GRID_Y = 65535  # CUDA limit of the second grid dimension (token blocks).
@@ -218,7 +218,7 @@ def _check_sections(mrope_section, rotary_dim, num_streams):
 def _check_flags(mrope_interleaved, is_neox_style):
     for name, v in (("mrope_interleaved", mrope_interleaved), ("is_neox_style", is_neox_style)):
         if not isinstance(v, bool):
-            raise ValueError(f"{name} must be a bool, got {v!r}")
+            raise ValueError(f"{name} must be a bool, got {v!r}")  # noqa: TRY004
 
 
 def _check_table(name, t, num_tokens, rotary_dim):
@@ -272,7 +272,7 @@ def default_blocks(num_tokens, num_q_heads, num_kv_heads, rotary_dim):
     if block_heads < 4:
         block_heads = min(4, _next_pow2(max(num_q_heads, num_kv_heads)))
     half_p2 = _next_pow2(rotary_dim // 2)
-    block_tokens = max(1, min(16, _pow2_floor(4096 // (block_heads * half_p2))))
+    block_tokens = max(1, min(16, _pow2_floor(1024 // (block_heads * half_p2))))
     block_tokens = max(block_tokens, _next_pow2(-(-num_tokens // _MAX_GRID_Y)))
     return block_tokens, block_heads
 
@@ -295,6 +295,8 @@ def _call(q, k, a, b, *, from_cache, num_streams, sections, max_position, head_s
             raise ValueError(f"{name} must be a positive power of two, got {v!r}")
     if -(-num_tokens // bt) > _MAX_GRID_Y:
         raise ValueError(f"block_tokens={bt} gives more than {_MAX_GRID_Y} token blocks; use a larger one")
+    if num_warps is None:  # 16 elements of each half-tile per thread was best on an H200
+        num_warps = max(1, min(8, bt * bh * _next_pow2(rotary_dim // 2) // 512))
     interpret = _use_interpret(interpret)
     kernel = functools.partial(
         _mrope_kernel, num_tokens=num_tokens, num_q_heads=hq, num_kv_heads=hk, head_size=head_size,
@@ -334,7 +336,7 @@ def mrope(
     interpret: bool | None = None,
     block_tokens: int | None = None,
     block_heads: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """MRoPE-rotated ``(q, k)``; in place when the caller donates ``q`` and ``k``.
 
@@ -351,7 +353,7 @@ def mrope(
       is_neox_style: NeoX halves (``j`` with ``j + rotary_dim / 2``) or GPT-J pairs (``2j, 2j+1``).
       interpret: run the kernel in the Pallas interpreter; None picks it on non-GPU backends.
       block_tokens, block_heads: tile sizes (powers of two); None picks :func:`default_blocks`.
-      num_warps: warps per program on the GPU.
+      num_warps: warps per program on the GPU; None gives one warp per 512 tile elements.
 
     Returns:
       ``(q, k)`` with the shapes and dtype of the inputs.
@@ -408,7 +410,7 @@ def mrope_from_cache(
     interpret: bool | None = None,
     block_tokens: int | None = None,
     block_heads: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Fused gather + :func:`mrope`: rotates with rows ``cos_sin_cache[positions]``.
 

@@ -40,8 +40,8 @@ __all__ = [
     "mrope_",
     "mrope_from_cache",
     "mrope_from_cache_",
-    "mrope_native",
     "mrope_from_cache_native",
+    "mrope_native",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -87,7 +87,7 @@ def _round_to(x, dtype: tl.constexpr):
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        bits = tl.where(x != x, 0x7FC00000, bits)
+        bits = tl.where(x != x, 0x7FC00000, bits)  # noqa: PLR0124
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(dtype)
@@ -252,7 +252,7 @@ def _check_sections(mrope_section, rotary_dim, num_streams):
 def _check_flags(mrope_interleaved, is_neox_style):
     for name, v in (("mrope_interleaved", mrope_interleaved), ("is_neox_style", is_neox_style)):
         if not isinstance(v, bool):
-            raise ValueError(f"{name} must be a bool, got {v!r}")
+            raise ValueError(f"{name} must be a bool, got {v!r}")  # noqa: TRY004
 
 
 def _check_table(name, t, num_tokens, rotary_dim):
@@ -277,7 +277,7 @@ def default_blocks(num_tokens, num_q_heads, num_kv_heads, rotary_dim):
     """(block_tokens, block_heads) used when the caller names none.
 
     ``block_heads`` is the largest power of two <= 8 dividing both head counts (no masked lanes
-    for 28/4 or 32/8), at least 4; ``block_tokens`` aims at ~4K elements per half-tile and keeps
+    for 28/4 or 32/8), at least 4; ``block_tokens`` aims at ~1K elements per half-tile and keeps
     the token grid within CUDA's 65535 limit.
     """
     g = math.gcd(num_q_heads, num_kv_heads)
@@ -285,7 +285,7 @@ def default_blocks(num_tokens, num_q_heads, num_kv_heads, rotary_dim):
     if block_heads < 4:
         block_heads = min(4, triton.next_power_of_2(max(num_q_heads, num_kv_heads)))
     half_p2 = triton.next_power_of_2(rotary_dim // 2)
-    block_tokens = max(1, min(16, _pow2_floor(4096 // (block_heads * half_p2))))
+    block_tokens = max(1, min(16, _pow2_floor(1024 // (block_heads * half_p2))))
     block_tokens = max(block_tokens, triton.next_power_of_2(triton.cdiv(num_tokens, _MAX_GRID_Y)))
     return block_tokens, block_heads
 
@@ -302,6 +302,8 @@ def _launch(q, k, cos, sin, pos, num_streams, sections, max_position, head_size,
             raise ValueError(f"{name} must be a positive power of two, got {v!r}")
     if triton.cdiv(num_tokens, bt) > _MAX_GRID_Y:
         raise ValueError(f"block_tokens={bt} gives more than {_MAX_GRID_Y} token blocks; use a larger one")
+    if num_warps is None:  # 16 elements of each half-tile per thread was best on an H200
+        num_warps = max(1, min(8, bt * bh * triton.next_power_of_2(rotary_dim // 2) // 512))
     grid = (triton.cdiv(hq, bh) + triton.cdiv(hk, bh), triton.cdiv(num_tokens, bt))
     _mrope_kernel[grid](
         q, k, cos, sin, pos, num_tokens, q.stride(0), k.stride(0), max_position,
@@ -316,7 +318,7 @@ def _launch(q, k, cos, sin, pos, num_streams, sections, max_position, head_size,
 def _check_qk(q, k, head_size, rotary_dim):
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
     num_tokens, hq, hk = _check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
     _check_dtype("q", q.dtype, SUPPORTED_DTYPES)
     if k.dtype != q.dtype:
@@ -347,7 +349,7 @@ def mrope_(
     *,
     block_tokens: int | None = None,
     block_heads: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates ``q`` and ``k`` in place with MRoPE; returns ``(q, k)``.
 
@@ -363,7 +365,7 @@ def mrope_(
       mrope_interleaved: Qwen3-VL interleaved sections instead of chunked ones.
       is_neox_style: NeoX halves (``j`` with ``j + rotary_dim / 2``) or GPT-J pairs (``2j, 2j+1``).
       block_tokens, block_heads: tile sizes (powers of two); None picks :func:`default_blocks`.
-      num_warps: warps per program.
+      num_warps: warps per program; None gives one warp per 512 tile elements (16 per thread).
     """
     num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim)
     _check_flags(mrope_interleaved, is_neox_style)
@@ -405,9 +407,9 @@ def mrope(
 
 def _check_cache_args(positions, cos_sin_cache, num_tokens, rotary_dim, device):
     if not isinstance(positions, torch.Tensor):
-        raise ValueError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
+        raise ValueError(f"positions must be a torch.Tensor, got {type(positions).__name__}")  # noqa: TRY004
     if not isinstance(cos_sin_cache, torch.Tensor):
-        raise ValueError(f"cos_sin_cache must be a torch.Tensor, got {type(cos_sin_cache).__name__}")
+        raise ValueError(f"cos_sin_cache must be a torch.Tensor, got {type(cos_sin_cache).__name__}")  # noqa: TRY004
     if positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions dtype must be int32 or int64, got {positions.dtype}")
     if positions.ndim not in (1, 2) or positions.shape[-1] != num_tokens or (
@@ -453,7 +455,7 @@ def mrope_from_cache_(
     check_positions: bool = True,
     block_tokens: int | None = None,
     block_heads: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused gather + :func:`mrope_`: rotates ``q``/``k`` in place with rows of ``cos_sin_cache``.
 
