@@ -24,6 +24,10 @@ from jax import lax
 
 from personaplex_config import MimiConfig, TemporalConfig, weight_specs
 
+from kernels_pallas import mrope
+from kernels_pallas.ring_attention import MIN_QUERIES, fits_int32
+from kernels_pallas.ring_attention import ring_attention as pallas_ring_attention
+
 from .ring import StepTables, apply_rope, step_tables
 from .state import StreamState
 
@@ -92,18 +96,53 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     return (out / jnp.where(l > 0, l, 1.0)).astype(q.dtype)
 
 
+def rope_pallas(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """RoPE of q, k [B, T, H, D] with the Pallas kernel (GPT-J pairs, text-only MRoPE).
+
+    cos, sin: float32 [B, 1, T, D/2]. Returns q, k as [B, H, T, D], bit-identical to
+    `apply_rope(exact=True)`: both round each product on its own, in float32.
+    """
+    B, T, H, D = q.shape
+    cos, sin = cos.reshape(B * T, D // 2), sin.reshape(B * T, D // 2)
+    q, k = mrope(q.reshape(B * T, H * D), k.reshape(B * T, H * D), cos, sin, None, D, D, is_neox_style=False)
+    return (q.reshape(B, T, H, D).transpose(0, 2, 1, 3), k.reshape(B, T, H, D).transpose(0, 2, 1, 3))
+
+
 def ring_attention(h, in_proj, out_proj, num_heads: int, ring_k, ring_v, layer, tables: StepTables,
-                   active, exact_rope: bool = True):
-    """Fused-projection self-attention over the ring; returns (out [B, T, dim], ring_k, ring_v)."""
+                   active, exact_rope: bool = True, kernels: str = "xla", context: int | None = None):
+    """Fused-projection self-attention over the ring; returns (out [B, T, dim], ring_k, ring_v).
+
+    kernels="xla": jax.numpy RoPE and attention over `ring[layer]`; "pallas": the Pallas RoPE
+    kernel and the Pallas ring attention, which reads the layer's slots in place (GPU).
+    """
     B, T, dim = h.shape
-    qkv = linear(h, in_proj).reshape(B, T, 3, num_heads, dim // num_heads).transpose(2, 0, 3, 1, 4)
-    q = apply_rope(qkv[0], tables.cos, tables.sin, exact=exact_rope)
-    k = apply_rope(qkv[1], tables.cos, tables.sin, exact=exact_rope)
+    qkv = linear(h, in_proj).reshape(B, T, 3, num_heads, dim // num_heads)
+    if kernels == "pallas":
+        q, k = rope_pallas(qkv[:, :, 0], qkv[:, :, 1], tables.cos, tables.sin)
+    else:
+        q = apply_rope(qkv[:, :, 0].transpose(0, 2, 1, 3), tables.cos, tables.sin, exact=exact_rope)
+        k = apply_rope(qkv[:, :, 1].transpose(0, 2, 1, 3), tables.cos, tables.sin, exact=exact_rope)
     ring_k = ring_write(ring_k, layer, tables.write_index, k, active)
-    ring_v = ring_write(ring_v, layer, tables.write_index, qkv[2], active)
-    out = masked_attention(q.astype(ring_k.dtype), ring_k[layer], ring_v[layer], tables.mask)
+    ring_v = ring_write(ring_v, layer, tables.write_index, qkv[:, :, 2].transpose(0, 2, 1, 3), active)
+    if kernels == "pallas":
+        out = pallas_ring_attention(q.astype(ring_k.dtype), ring_k, ring_v, layer, tables.positions,
+                                    tables.q_pos, context=context)
+    else:
+        out = masked_attention(q.astype(ring_k.dtype), ring_k[layer], ring_v[layer], tables.mask)
     out = out.transpose(0, 2, 1, 3).reshape(B, T, dim).astype(h.dtype)
     return linear(out, out_proj), ring_k, ring_v
+
+
+def pick_kernels(kernels: str, config, batch_size: int, T: int) -> str:
+    """Resolve kernels="auto": "pallas" on a GPU where the Pallas kernels apply, else "xla"."""
+    if kernels not in ("auto", "xla", "pallas"):
+        raise ValueError(f"kernels must be 'auto', 'xla' or 'pallas', got {kernels!r}")
+    if kernels != "auto":
+        return kernels
+    D = config.head_dim
+    fits = fits_int32((config.num_layers, batch_size, config.num_heads, config.capacity, D))
+    ok = jax.default_backend() == "gpu" and fits and not D & (D - 1) and T <= MIN_QUERIES
+    return "pallas" if ok else "xla"
 
 
 # ------------------------------------------------------------------------------- initializers
@@ -128,6 +167,7 @@ class _LayerBase(nn.Module):
     config: Any
     param_dtype: Any = jnp.float32
     exact_rope: bool = True
+    kernels: str = "xla"
 
     def weights(self) -> dict[str, jax.Array]:
         return {s.name: self.param(s.name, _init_for(s.name), s.shape, self.param_dtype)
@@ -143,7 +183,7 @@ class TemporalLayer(_LayerBase):
         c, w = self.config, self.weights()
         h = rms_norm_f32(x, w["norm1_alpha"], c.norm_eps)
         a, ring_k, ring_v = ring_attention(h, w["in_proj"], w["out_proj"], c.num_heads, ring_k, ring_v,
-                                           layer, tables, active, self.exact_rope)
+                                           layer, tables, active, self.exact_rope, self.kernels, c.context)
         x = x + a
         h = rms_norm_f32(x, w["norm2_alpha"], c.norm_eps)
         B, T, _ = h.shape
@@ -161,7 +201,7 @@ class MimiLayer(_LayerBase):
         c, w = self.config, self.weights()
         h = layer_norm(x, w["norm1_weight"], w["norm1_bias"], c.norm_eps)
         a, ring_k, ring_v = ring_attention(h, w["in_proj"], w["out_proj"], c.num_heads, ring_k, ring_v,
-                                           layer, tables, active, self.exact_rope)
+                                           layer, tables, active, self.exact_rope, self.kernels, c.context)
         x = x + w["scale1"] * a
         h = layer_norm(x, w["norm2_weight"], w["norm2_bias"], c.norm_eps)
         x = x + w["scale2"] * linear(jax.nn.gelu(linear(h, w["linear1"]), approximate=False), w["linear2"])
@@ -172,7 +212,7 @@ def _scan_layers(layer_cls, module: nn.Module, state: StreamState, x, tables: St
     c = module.config
     scanned = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                       in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers, unroll=module.unroll)
-    layers = scanned(c, module.param_dtype, module.exact_rope, name="layers")
+    layers = scanned(c, module.param_dtype, module.exact_rope, module.kernels, name="layers")
     (x, k, v), _ = layers((x, state.k, state.v), jnp.arange(c.num_layers), tables, active)
     return x, state._replace(k=k, v=v, offset=tables.end_offset)
 
@@ -183,6 +223,7 @@ class _StackBase(nn.Module):
     unroll: int | bool = 1       # lax.scan unroll over layers (True: fully unrolled)
     exact_rope: bool = True      # keep RoPE products unfused (bit-identical to torch's rope)
     rope_freqs: tuple | None = None  # RoPE frequency table override (default: ring.rope_freqs)
+    kernels: str = "xla"         # "xla" or "pallas" (RoPE and ring attention; see ring_attention)
 
 
 class TemporalStack(_StackBase):
@@ -213,7 +254,7 @@ class MimiStack(_StackBase):
 
 
 def stack_module(config, param_dtype=jnp.float32, unroll: int | bool = 1, exact_rope: bool = True,
-                 rope_freqs: tuple | None = None) -> nn.Module:
+                 rope_freqs: tuple | None = None, kernels: str = "xla") -> nn.Module:
     cls = TemporalStack if isinstance(config, TemporalConfig) else MimiStack
     return cls(config, param_dtype=jnp.dtype(param_dtype), unroll=unroll, exact_rope=exact_rope,
-               rope_freqs=rope_freqs)
+               rope_freqs=rope_freqs, kernels=kernels)

@@ -31,6 +31,7 @@ class StepTables(NamedTuple):
     positions:   int [B, C]      position held by each slot after the write, -1 if invisible
     mask:        bool [B, 1, T, C]
     end_offset:  int [B]         offset + T * active
+    q_pos:       int [B, T]      the queries' positions offset[b] + t
     """
 
     cos: jax.Array
@@ -39,6 +40,7 @@ class StepTables(NamedTuple):
     positions: jax.Array
     mask: jax.Array
     end_offset: jax.Array
+    q_pos: jax.Array
 
 
 def rope_freqs(head_dim: int, max_period: float) -> np.ndarray:
@@ -120,7 +122,7 @@ def build_step_tables(offset, start_offset, active, T: int, *, capacity: int, co
     positions = ring_positions(offset, start_offset, active, T, capacity, convention)
     delta = q_pos[:, :, None] - positions[:, None, :]  # [B, T, C]
     mask = (positions[:, None, :] >= 0) & (delta >= 0) & (delta < context)
-    return StepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.astype(idx))
+    return StepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.astype(idx), q_pos)
 
 
 def step_tables(config: StackConfig, offset, start_offset, active, T: int,

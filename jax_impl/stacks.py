@@ -22,7 +22,7 @@ import numpy as np
 from personaplex_config import StackConfig, TemporalConfig
 
 from . import state as st
-from .layers import stack_module
+from .layers import pick_kernels, stack_module
 from .ring import StepTables, step_tables
 from .state import StreamState
 from .weights import check_params
@@ -63,7 +63,8 @@ def check_step_inputs(config: StackConfig, params, state: StreamState, x, active
 
 
 def step_fn(config: StackConfig, *, unroll: int | bool = 1, exact_rope: bool = True,
-            with_tables: bool = False, rope_freqs: tuple[float, ...] | None = None) -> Callable:
+            with_tables: bool = False, rope_freqs: tuple[float, ...] | None = None,
+            kernels: str = "auto") -> Callable:
     """The pure step `(params, state, x, active=None) -> (outputs, new_state)` (not jitted).
 
     outputs: (out, text_logits) for the temporal stack, out for Mimi. with_tables=True
@@ -71,11 +72,13 @@ def step_fn(config: StackConfig, *, unroll: int | bool = 1, exact_rope: bool = T
     unroll: the layer scan's unroll (1 = rolled; True = fully unrolled, faster on GPU).
     rope_freqs: a [D/2] RoPE frequency table (tuple of floats) instead of `ring.rope_freqs`;
     the torch bridge passes the torch path's own table so both share its exact bits.
+    kernels: "xla", "pallas" (Pallas RoPE + ring attention) or "auto" (Pallas on a GPU).
     """
 
     def step(params, state, x, active=None):
         active = check_step_inputs(config, params, state, x, active)
-        module = stack_module(config, state.k.dtype, unroll, exact_rope, rope_freqs)
+        impl = pick_kernels(kernels, config, state.batch_size, x.shape[1])
+        module = stack_module(config, state.k.dtype, unroll, exact_rope, rope_freqs, impl)
         outputs, new_state = module.apply(params, state, x, active)
         if with_tables:
             tables = step_tables(config, state.offset, state.start_offset, active, x.shape[1], rope_freqs)
@@ -88,13 +91,14 @@ def step_fn(config: StackConfig, *, unroll: int | bool = 1, exact_rope: bool = T
 @functools.lru_cache(maxsize=None)
 def make_step(config: StackConfig, *, unroll: int | bool = 1, exact_rope: bool = True,
               donate: bool = True, with_tables: bool = False,
-              rope_freqs: tuple[float, ...] | None = None) -> Callable:
+              rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto") -> Callable:
     """`jax.jit(step_fn(config, ...))` with the state donated (rings updated in place).
 
     Cached per arguments, so every caller shares one compiled function per shape and dtype.
     After a donated call the state passed in is invalid: keep only the returned one.
     """
-    fn = step_fn(config, unroll=unroll, exact_rope=exact_rope, with_tables=with_tables, rope_freqs=rope_freqs)
+    fn = step_fn(config, unroll=unroll, exact_rope=exact_rope, with_tables=with_tables, rope_freqs=rope_freqs,
+                 kernels=kernels)
     return jax.jit(fn, donate_argnums=(1,) if donate else ())
 
 

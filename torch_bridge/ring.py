@@ -37,6 +37,7 @@ class StepTables(NamedTuple):
     positions:   int64 [B, C]            position held by each slot, -1 if invisible.
     mask:        bool [B, 1, T, C]       query t of row b may attend to slot c.
     end_offset:  int64 [B]               offset after the step: offset + T * active.
+    q_pos:       int64 [B, T]            the queries' positions offset[b] + t.
     """
 
     cos: torch.Tensor
@@ -45,6 +46,7 @@ class StepTables(NamedTuple):
     positions: torch.Tensor
     mask: torch.Tensor
     end_offset: torch.Tensor
+    q_pos: torch.Tensor
 
 
 def ring_positions(offset, start_offset, active, T: int, capacity: int, convention: str) -> torch.Tensor:
@@ -70,7 +72,7 @@ def build_step_tables(offset, start_offset, active, T: int, *, capacity: int, co
     positions = ring_positions(offset, start_offset, active, T, capacity, convention)
     delta = q_pos.view(-1, T, 1) - positions.view(-1, 1, capacity)  # [B, T, C]
     mask = (positions.view(-1, 1, capacity) >= 0) & (delta >= 0) & (delta < context)
-    return StepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.long())
+    return StepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.long(), q_pos)
 
 
 def ring_write(ring: torch.Tensor, write_index: torch.Tensor, new: torch.Tensor, active: torch.Tensor) -> None:
