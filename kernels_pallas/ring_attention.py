@@ -38,8 +38,8 @@ def fits_int32(ring_shape) -> bool:
     return math.prod(ring_shape) <= _INT32_MAX
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, acc_ref, m_ref, l_ref, *,
@@ -60,7 +60,7 @@ def _kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, acc_ref, m_ref, l
     q = pltriton.load(q_ref.at[offsets((bh * T + t[:, None]) * D + d[None, :], q_mask)], mask=q_mask, other=0)
     q = (q.astype(jnp.float32) * scale).astype(k_ref.dtype)  # [Tp, D]
     q_pos = pltriton.load(qpos_ref.at[offsets(b * T + t, t_ok)], mask=t_ok, other=0)  # [Tp]
-    layer = pltriton.load(layer_ref.at[jnp.zeros((1,), jnp.int32)])[0]
+    layer = layer_ref[0]
     ring_row = (layer * B * H + bh) * C  # first slot of this (layer, b, h)
     start = split * chunk
     stop = jnp.minimum(start + chunk, C)
@@ -108,7 +108,7 @@ def ring_attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, po
     block_c: slots per inner block (a power of two); splits: programs per (b, h) along the
     ring (None: enough for about 4 programs per streaming multiprocessor at these sizes).
     """
-    L, B, H, C, D = ring_k.shape
+    _, B, H, C, D = ring_k.shape
     T = q.shape[2]
     if ring_v.shape != ring_k.shape or q.shape != (B, H, T, D):
         raise ValueError(f"ring_attention: q {q.shape} and rings {ring_k.shape}, {ring_v.shape} do not fit")
@@ -121,9 +121,9 @@ def ring_attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, po
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if splits is None:
-        splits = max(1, min(-(-C // block_c), -(-512 // (B * H))))
-    chunk = -(-(-(-C // splits)) // block_c) * block_c  # slots per split, a multiple of block_c
-    splits = -(-C // chunk)
+        splits = max(1, min(_ceil_div(C, block_c), _ceil_div(512, B * H)))
+    chunk = _ceil_div(_ceil_div(C, splits), block_c) * block_c  # slots per split, a multiple of block_c
+    splits = _ceil_div(C, chunk)
     Tp = MIN_QUERIES
     kernel = functools.partial(_kernel, B=B, H=H, T=T, C=C, D=D, Tp=Tp, context=context, chunk=chunk,
                                block_c=block_c, splits=splits, scale=1.0 / math.sqrt(D),
