@@ -133,15 +133,16 @@ def ring_attention(h, in_proj, out_proj, num_heads: int, ring_k, ring_v, layer, 
     return linear(out, out_proj), ring_k, ring_v
 
 
-def pick_kernels(kernels: str, config, batch_size: int, T: int) -> str:
-    """Resolve kernels="auto": "pallas" on a GPU where the Pallas kernels apply, else "xla"."""
+def pick_kernels(kernels: str, config, batch_size: int, T: int, unroll) -> str:
+    """Resolve kernels="auto": "pallas" on a GPU where the Pallas kernels apply (layers
+    unrolled, so the ring attention gets a constant layer number), else "xla"."""
     if kernels not in ("auto", "xla", "pallas"):
         raise ValueError(f"kernels must be 'auto', 'xla' or 'pallas', got {kernels!r}")
     if kernels != "auto":
         return kernels
     D = config.head_dim
     fits = fits_int32((config.num_layers, batch_size, config.num_heads, config.capacity, D))
-    ok = jax.default_backend() == "gpu" and fits and not D & (D - 1) and T <= MIN_QUERIES
+    ok = jax.default_backend() == "gpu" and fits and not D & (D - 1) and T <= MIN_QUERIES and unroll is True
     return "pallas" if ok else "xla"
 
 
@@ -174,53 +175,92 @@ class _LayerBase(nn.Module):
                 for s in weight_specs(self.config) if s.per_layer}
 
 
+def temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables, active,
+                   exact_rope: bool = True, kernels: str = "xla"):
+    """Helium layer as a pure function: carry (x [B, T, dim], ring_k, ring_v) -> next carry."""
+    x, ring_k, ring_v = carry
+    h = rms_norm_f32(x, w["norm1_alpha"], c.norm_eps)
+    a, ring_k, ring_v = ring_attention(h, w["in_proj"], w["out_proj"], c.num_heads, ring_k, ring_v,
+                                       layer, tables, active, exact_rope, kernels, c.context)
+    x = x + a
+    h = rms_norm_f32(x, w["norm2_alpha"], c.norm_eps)
+    B, T, _ = h.shape
+    gate_in = linear(h, w["linear_in"]).reshape(B, T, 2, -1)
+    x = x + linear(jax.nn.silu(gate_in[..., 0, :]) * gate_in[..., 1, :], w["linear_out"])
+    return x, ring_k, ring_v
+
+
+def mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
+               exact_rope: bool = True, kernels: str = "xla"):
+    """Mimi layer as a pure function: LayerNorm, attention with layer scale, GELU MLP with layer scale."""
+    x, ring_k, ring_v = carry
+    h = layer_norm(x, w["norm1_weight"], w["norm1_bias"], c.norm_eps)
+    a, ring_k, ring_v = ring_attention(h, w["in_proj"], w["out_proj"], c.num_heads, ring_k, ring_v,
+                                       layer, tables, active, exact_rope, kernels, c.context)
+    x = x + w["scale1"] * a
+    h = layer_norm(x, w["norm2_weight"], w["norm2_bias"], c.norm_eps)
+    x = x + w["scale2"] * linear(jax.nn.gelu(linear(h, w["linear1"]), approximate=False), w["linear2"])
+    return x, ring_k, ring_v
+
+
 class TemporalLayer(_LayerBase):
     """Helium layer: carry (x, ring_k, ring_v), layer index, tables, active -> (carry, None)."""
 
     @nn.compact
     def __call__(self, carry, layer, tables: StepTables, active):
-        x, ring_k, ring_v = carry
-        c, w = self.config, self.weights()
-        h = rms_norm_f32(x, w["norm1_alpha"], c.norm_eps)
-        a, ring_k, ring_v = ring_attention(h, w["in_proj"], w["out_proj"], c.num_heads, ring_k, ring_v,
-                                           layer, tables, active, self.exact_rope, self.kernels, c.context)
-        x = x + a
-        h = rms_norm_f32(x, w["norm2_alpha"], c.norm_eps)
-        B, T, _ = h.shape
-        gate_in = linear(h, w["linear_in"]).reshape(B, T, 2, -1)
-        x = x + linear(jax.nn.silu(gate_in[..., 0, :]) * gate_in[..., 1, :], w["linear_out"])
-        return (x, ring_k, ring_v), None
+        return temporal_layer(self.config, self.weights(), carry, layer, tables, active, self.exact_rope,
+                              self.kernels), None
 
 
 class MimiLayer(_LayerBase):
-    """Mimi layer: LayerNorm, attention with layer scale, GELU MLP with layer scale."""
+    """Mimi layer (see `mimi_layer`) as a Flax module."""
 
     @nn.compact
     def __call__(self, carry, layer, tables: StepTables, active):
-        x, ring_k, ring_v = carry
-        c, w = self.config, self.weights()
-        h = layer_norm(x, w["norm1_weight"], w["norm1_bias"], c.norm_eps)
-        a, ring_k, ring_v = ring_attention(h, w["in_proj"], w["out_proj"], c.num_heads, ring_k, ring_v,
-                                           layer, tables, active, self.exact_rope, self.kernels, c.context)
-        x = x + w["scale1"] * a
-        h = layer_norm(x, w["norm2_weight"], w["norm2_bias"], c.norm_eps)
-        x = x + w["scale2"] * linear(jax.nn.gelu(linear(h, w["linear1"]), approximate=False), w["linear2"])
-        return (x, ring_k, ring_v), None
+        return mimi_layer(self.config, self.weights(), carry, layer, tables, active, self.exact_rope,
+                          self.kernels), None
+
+
+class StackedWeights(nn.Module):
+    """The per-layer weights stacked [L, ...] under "layers", as `nn.scan` lays them out."""
+
+    config: Any
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self) -> dict[str, jax.Array]:
+        L = self.config.num_layers
+        return {s.name: self.param(s.name, _init_for(s.name), (L, *s.shape), self.param_dtype)
+                for s in weight_specs(self.config) if s.per_layer}
 
 
 def _scan_layers(layer_cls, module: nn.Module, state: StreamState, x, tables: StepTables, active):
+    """Apply every layer: one `nn.scan`, or (unroll=True) a Python loop with static layer indexes.
+
+    The unrolled loop slices the stacked weights and indexes the rings with constants, so XLA
+    reads both in place and the Pallas ring attention gets a plain layer number.
+    """
     c = module.config
-    scanned = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-                      in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers, unroll=module.unroll)
-    layers = scanned(c, module.param_dtype, module.exact_rope, module.kernels, name="layers")
-    (x, k, v), _ = layers((x, state.k, state.v), jnp.arange(c.num_layers), tables, active)
+    carry = (x, state.k, state.v)
+    if module.unroll is True:
+        fn = temporal_layer if layer_cls is TemporalLayer else mimi_layer
+        stacked = StackedWeights(c, module.param_dtype, name="layers")()
+        for layer in range(c.num_layers):
+            w = {name: a[layer] for name, a in stacked.items()}
+            carry = fn(c, w, carry, layer, tables, active, module.exact_rope, module.kernels)
+    else:
+        scanned = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                          in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers, unroll=module.unroll)
+        layers = scanned(c, module.param_dtype, module.exact_rope, module.kernels, name="layers")
+        carry, _ = layers(carry, jnp.arange(c.num_layers), tables, active)
+    x, k, v = carry
     return x, state._replace(k=k, v=v, offset=tables.end_offset)
 
 
 class _StackBase(nn.Module):
     config: Any
     param_dtype: Any = jnp.float32
-    unroll: int | bool = 1       # lax.scan unroll over layers (True: fully unrolled)
+    unroll: int | bool = 1       # lax.scan unroll over layers (True: a Python loop, static indexes)
     exact_rope: bool = True      # keep RoPE products unfused (bit-identical to torch's rope)
     rope_freqs: tuple | None = None  # RoPE frequency table override (default: ring.rope_freqs)
     kernels: str = "xla"         # "xla" or "pallas" (RoPE and ring attention; see ring_attention)

@@ -77,7 +77,7 @@ def step_fn(config: StackConfig, *, unroll: int | bool = 1, exact_rope: bool = T
 
     def step(params, state, x, active=None):
         active = check_step_inputs(config, params, state, x, active)
-        impl = pick_kernels(kernels, config, state.batch_size, x.shape[1])
+        impl = pick_kernels(kernels, config, state.batch_size, x.shape[1], unroll)
         module = stack_module(config, state.k.dtype, unroll, exact_rope, rope_freqs, impl)
         outputs, new_state = module.apply(params, state, x, active)
         if with_tables:
@@ -88,7 +88,7 @@ def step_fn(config: StackConfig, *, unroll: int | bool = 1, exact_rope: bool = T
     return step
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None, typed=True)  # typed: unroll=True is not unroll=1
 def make_step(config: StackConfig, *, unroll: int | bool = 1, exact_rope: bool = True,
               donate: bool = True, with_tables: bool = False,
               rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto") -> Callable:

@@ -157,12 +157,13 @@ def ring_attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context
     """The plain jax.numpy reference: same signature and semantics as `ring_attention`."""
     D = q.shape[-1]
     k, v = ring_k[layer], ring_v[layer]  # [B, H, C, D]
-    s = jnp.einsum("bhtd,bhcd->bhtc", q, k, preferred_element_type=jnp.float32) / math.sqrt(D)
+    exact = lax.Precision.HIGHEST  # no TF32 for float32 on the GPU
+    s = jnp.einsum("bhtd,bhcd->bhtc", q, k, preferred_element_type=jnp.float32, precision=exact) / math.sqrt(D)
     delta = q_pos[:, None, :, None] - positions[:, None, None, :]
     visible = (positions[:, None, None, :] >= 0) & (delta >= 0) & (delta < context)
     s = jnp.where(visible, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     total = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhtc,bhcd->bhtd", p, v.astype(jnp.float32))
+    out = jnp.einsum("bhtc,bhcd->bhtd", p, v.astype(jnp.float32), precision=exact)
     return (out / jnp.where(total > 0, total, 1.0)).astype(q.dtype)
