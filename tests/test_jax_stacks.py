@@ -77,6 +77,8 @@ def test_thousands_of_steps_compile_once(tparams):
 
     step = jax.jit(counted, donate_argnums=(1,))
     rs, bump, rr = (jax.jit(f, donate_argnums=(0,)) for f in (jx.reset_slot, jx.bump_slot_start, jx.reset_rows))
+    # jit executables are cached per wrapped function, shared with other tests' jits of it: count growth
+    before = [f._cache_size() for f in (rs, bump, rr)]
     rng = np.random.default_rng(0)
     state = jx.init_state(TCFG, B)
     x = jnp.asarray(rng.standard_normal((16, B, 1, TCFG.dim)), jnp.float32)
@@ -90,7 +92,8 @@ def test_thousands_of_steps_compile_once(tparams):
         if i % 101 == 0:
             state = rr(state, actives[i % 5])
     assert len(traces) == 1
-    assert step._cache_size() == 1 and rs._cache_size() == 1 and bump._cache_size() == 1 and rr._cache_size() == 1
+    assert step._cache_size() == 1
+    assert all(f._cache_size() - n <= 1 for f, n in zip((rs, bump, rr), before))
     assert np.isfinite(np.asarray(logits)).all()
 
 
