@@ -26,7 +26,10 @@ from personaplex_config import MimiConfig, TemporalConfig, weight_specs
 
 from kernels_pallas import mrope
 from kernels_pallas.ring_attention import MIN_QUERIES, fits_int32
+from kernels_pallas.ring_attention import ring_attention as pallas_ring_attention
 from kernels_pallas.ring_attention import ring_write_attention as pallas_ring_write_attention
+
+FUSE_RING_WRITE = True  # Pallas path: write k, v inside the attention kernel (else an XLA scatter first)
 
 from .ring import StepTables, apply_rope, step_tables
 from .state import StreamState
@@ -119,7 +122,13 @@ def ring_attention(h, in_proj, out_proj, num_heads: int, ring_k, ring_v, layer, 
     B, T, dim = h.shape
     qkv = linear(h, in_proj).reshape(B, T, 3, num_heads, dim // num_heads)
     v = qkv[:, :, 2].transpose(0, 2, 1, 3)
-    if kernels == "pallas":
+    if kernels == "pallas" and not FUSE_RING_WRITE:
+        q, k = rope_pallas(qkv[:, :, 0], qkv[:, :, 1], tables.cos, tables.sin)
+        ring_k = ring_write(ring_k, layer, tables.write_index, k, active)
+        ring_v = ring_write(ring_v, layer, tables.write_index, v, active)
+        out = pallas_ring_attention(q.astype(ring_k.dtype), ring_k, ring_v, layer, tables.positions, tables.q_pos,
+                                    context=context)
+    elif kernels == "pallas":
         q, k = rope_pallas(qkv[:, :, 0], qkv[:, :, 1], tables.cos, tables.sin)
         out, ring_k, ring_v = pallas_ring_write_attention(
             q.astype(ring_k.dtype), k, v, ring_k, ring_v, layer, tables.write_index, active, tables.positions,

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 MIN_QUERIES = 16  # tensor-core tiles need at least 16 rows
+TARGET_PROGRAMS = 512  # default splits aim at about this many programs in all
 _INT32_MAX = 2**31 - 1
 
 
@@ -142,7 +143,7 @@ def ring_attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, po
     q_pos: int [B, T] the queries' positions. Returns [B, H, T, D] in q's dtype.
     D must be a power of two, T <= MIN_QUERIES, and `fits_int32(ring_k.shape)`.
     block_c: slots per inner block (a power of two); splits: programs per (b, h) along the
-    ring (None: about 2048 programs in all, at most one block per program).
+    ring (None: about TARGET_PROGRAMS programs in all).
     """
     return _call(q, ring_k, ring_v, layer, positions, q_pos, None, context=context, block_c=block_c,
                  splits=splits, num_warps=num_warps, interpret=interpret)[0]
@@ -161,8 +162,8 @@ def _call(q, ring_k, ring_v, layer, positions, q_pos, write, *, context, block_c
                          "use the XLA attention path")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if splits is None:  # about 2048 programs (16 per SM on an H200): measured best for the 7B ring
-        splits = max(1, min(_ceil_div(C, block_c), _ceil_div(2048, B * H)))
+    if splits is None:
+        splits = max(1, min(_ceil_div(C, block_c), _ceil_div(TARGET_PROGRAMS, B * H)))
     chunk = _ceil_div(_ceil_div(C, splits), block_c) * block_c  # slots per split, a multiple of block_c
     splits = _ceil_div(C, chunk)
     Tp = MIN_QUERIES
@@ -187,7 +188,7 @@ def _call(q, ring_k, ring_v, layer, positions, q_pos, write, *, context, block_c
                    jax.ShapeDtypeStruct((parts * Tp,), jnp.float32),
                    jax.ShapeDtypeStruct((parts * Tp,), jnp.float32), flat, flat),
         grid=(B * H, splits),
-        input_output_aliases={2: 3, 3: 4},  # the rings, written in place
+        input_output_aliases={2: 3, 3: 4} if write is not None else {},  # the rings, written in place
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
         name="ring_write_attention" if write is not None else "ring_attention",
