@@ -102,37 +102,11 @@ def sweep_attention(config, T):
     return sorted(results, key=lambda r: r.get("us", 1e9))
 
 
-def variants(args):
-    """GPU time of the Pallas step: ring write fused into the attention or an XLA scatter, split targets."""
-    import jax_impl.layers as layers
-    import kernels_pallas.ring_attention as ra
-
-    report = {}
-    for name in args.stacks.split(","):
-        kind, T = CASES[name]
-        for fuse in (True, False):
-            for target in (512, 2048):
-                layers.FUSE_RING_WRITE, ra.TARGET_PROGRAMS = fuse, target
-                jax_impl.make_step.cache_clear()
-                r = profile_step(PRESETS[kind], T, "pallas")
-                key = f"{name} fuse_write={fuse} target_programs={target}"
-                report[key] = r
-                att = sum(t for n, _, t in r["by_kernel"] if "attention" in n)
-                print(f"{key}: pipelined {r['pipelined_ms']:.3f} ms, GPU busy {r['gpu_ms_total']:.3f} ms, "
-                      f"attention kernels {att:.3f} ms, {r['kernels']} kernels", flush=True)
-                with open(os.path.join(args.out, "step_variants.json"), "w") as f:
-                    json.dump(report, f, indent=1)
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--stacks", default="temporal,mimi2")
-    parser.add_argument("--variants", action="store_true",
-                        help="only time the Pallas step with the ring write fused or not, and two split targets")
     args = parser.parse_args()
-    if args.variants:
-        return variants(args)
     report = {"xla_flags": os.environ.get("XLA_FLAGS", "")}
     for name in args.stacks.split(","):
         kind, T = CASES[name]

@@ -27,9 +27,6 @@ from personaplex_config import MimiConfig, TemporalConfig, weight_specs
 from kernels_pallas import mrope
 from kernels_pallas.ring_attention import MIN_QUERIES, fits_int32
 from kernels_pallas.ring_attention import ring_attention as pallas_ring_attention
-from kernels_pallas.ring_attention import ring_write_attention as pallas_ring_write_attention
-
-FUSE_RING_WRITE = True  # Pallas path: write k, v inside the attention kernel (else an XLA scatter first)
 
 from .ring import StepTables, apply_rope, step_tables
 from .state import StreamState
@@ -115,29 +112,25 @@ def ring_attention(h, in_proj, out_proj, num_heads: int, ring_k, ring_v, layer, 
                    active, exact_rope: bool = True, kernels: str = "xla", context: int | None = None):
     """Fused-projection self-attention over the ring; returns (out [B, T, dim], ring_k, ring_v).
 
-    kernels="xla": jax.numpy RoPE, a scatter of the new k, v and attention over `ring[layer]`;
-    "pallas": the Pallas RoPE kernel, then one Pallas kernel that writes the new k, v into the
-    ring and attends over the layer's slots where they are (GPU).
+    kernels="xla": jax.numpy RoPE and attention over `ring[layer]`; "pallas": the Pallas RoPE
+    kernel and the Pallas ring attention, which reads the layer's slots in place (GPU). Both
+    scatter only the T new slots into the ring (in place under donation). Writing them inside
+    the attention kernel instead (aliased rings) was measured slower on the H200.
     """
     B, T, dim = h.shape
     qkv = linear(h, in_proj).reshape(B, T, 3, num_heads, dim // num_heads)
     v = qkv[:, :, 2].transpose(0, 2, 1, 3)
-    if kernels == "pallas" and not FUSE_RING_WRITE:
+    if kernels == "pallas":
         q, k = rope_pallas(qkv[:, :, 0], qkv[:, :, 1], tables.cos, tables.sin)
-        ring_k = ring_write(ring_k, layer, tables.write_index, k, active)
-        ring_v = ring_write(ring_v, layer, tables.write_index, v, active)
-        out = pallas_ring_attention(q.astype(ring_k.dtype), ring_k, ring_v, layer, tables.positions, tables.q_pos,
-                                    context=context)
-    elif kernels == "pallas":
-        q, k = rope_pallas(qkv[:, :, 0], qkv[:, :, 1], tables.cos, tables.sin)
-        out, ring_k, ring_v = pallas_ring_write_attention(
-            q.astype(ring_k.dtype), k, v, ring_k, ring_v, layer, tables.write_index, active, tables.positions,
-            tables.q_pos, context=context)
     else:
         q = apply_rope(qkv[:, :, 0].transpose(0, 2, 1, 3), tables.cos, tables.sin, exact=exact_rope)
         k = apply_rope(qkv[:, :, 1].transpose(0, 2, 1, 3), tables.cos, tables.sin, exact=exact_rope)
-        ring_k = ring_write(ring_k, layer, tables.write_index, k, active)
-        ring_v = ring_write(ring_v, layer, tables.write_index, v, active)
+    ring_k = ring_write(ring_k, layer, tables.write_index, k, active)
+    ring_v = ring_write(ring_v, layer, tables.write_index, v, active)
+    if kernels == "pallas":
+        out = pallas_ring_attention(q.astype(ring_k.dtype), ring_k, ring_v, layer, tables.positions, tables.q_pos,
+                                    context=context)
+    else:
         out = masked_attention(q.astype(ring_k.dtype), ring_k[layer], ring_v[layer], tables.mask)
     out = out.transpose(0, 2, 1, 3).reshape(B, T, dim).astype(h.dtype)
     return linear(out, out_proj), ring_k, ring_v

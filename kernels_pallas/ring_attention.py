@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 MIN_QUERIES = 16  # tensor-core tiles need at least 16 rows
-TARGET_PROGRAMS = 512  # default splits aim at about this many programs in all
+TARGET_PROGRAMS = 2048  # default splits: about this many programs in all (best measured for the 7B ring)
 _INT32_MAX = 2**31 - 1
 
 
@@ -43,9 +43,8 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, new_k_ref, new_v_ref, widx_ref, active_ref,
-            acc_ref, m_ref, l_ref, k_out, v_out, *, B, H, T, C, D, Tp, context, chunk, block_c, splits, scale,
-            write, compiled_gpu):
+def _kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, acc_ref, m_ref, l_ref, *,
+            B, H, T, C, D, Tp, context, chunk, block_c, splits, scale, compiled_gpu):
     bh = pl.program_id(0)
     split = pl.program_id(1)
     # float32 rings: full-precision products (Triton would otherwise use TF32 tensor cores)
@@ -67,22 +66,6 @@ def _kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, new_k_ref, new_v_
     start = split * chunk
     stop = jnp.minimum(start + chunk, C)
 
-    # Fused ring write: the program whose slot range holds write slot w stores the new k, v
-    # there, and every block it reads sees them (no other program reads that slot).
-    new_rows = []
-    if write:
-        row_active = active_ref[b] != 0
-        for tt in range(T):
-            w = widx_ref[b * T + tt]
-            own = row_active & (w >= start) & (w < stop)
-            src = (bh * T + tt) * D + d
-            new_k = pltriton.load(new_k_ref.at[src])
-            new_v = pltriton.load(new_v_ref.at[src])
-            dst = offsets((ring_row + w) * D + d, jnp.broadcast_to(own, (D,)))
-            pltriton.store(k_out.at[dst], new_k, mask=jnp.broadcast_to(own, (D,)))
-            pltriton.store(v_out.at[dst], new_v, mask=jnp.broadcast_to(own, (D,)))
-            new_rows.append((jnp.where(own, w, -1), new_k, new_v))
-
     def body(i, carry):
         m, l, acc = carry
         c = start + i * block_c + jnp.arange(block_c, dtype=jnp.int32)
@@ -92,10 +75,6 @@ def _kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, new_k_ref, new_v_
         kv_offs = offsets((ring_row + c[:, None]) * D + d[None, :], kv_mask)
         k = pltriton.load(k_ref.at[kv_offs], mask=kv_mask, other=0)  # [block_c, D]
         v = pltriton.load(v_ref.at[kv_offs], mask=kv_mask, other=0)
-        for w, new_k, new_v in new_rows:
-            here = (c == w)[:, None]
-            k = jnp.where(here, new_k[None, :], k)
-            v = jnp.where(here, new_v[None, :], v)
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=precision)  # [Tp, block_c]
         delta = q_pos[:, None] - pos[None, :]
         visible = c_ok[None, :] & (pos[None, :] >= 0) & (delta >= 0) & (delta < context)
@@ -118,21 +97,6 @@ def _kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, new_k_ref, new_v_
     pltriton.store(l_ref.at[part * Tp + t], l)
 
 
-def ring_write_attention(q: jax.Array, new_k: jax.Array, new_v: jax.Array, ring_k: jax.Array, ring_v: jax.Array,
-                         layer, write_index: jax.Array, active: jax.Array, positions: jax.Array,
-                         q_pos: jax.Array, *, context: int, block_c: int = 128, splits: int | None = None,
-                         num_warps: int = 4, interpret: bool | None = None):
-    """Write this step's k, v into layer `layer` of the rings, then attend over that layer.
-
-    q, new_k, new_v: [B, H, T, D] (new_k, new_v in the rings' dtype); ring_k, ring_v:
-    [L, B, H, C, D]; write_index: int [B, T] slots to write; active: bool [B] (inactive rows
-    write nothing). Returns (out [B, H, T, D] in q's dtype, ring_k, ring_v); the rings are
-    aliased to the outputs, so under donation they are updated in place.
-    """
-    return _call(q, ring_k, ring_v, layer, positions, q_pos, (new_k, new_v, write_index, active),
-                 context=context, block_c=block_c, splits=splits, num_warps=num_warps, interpret=interpret)
-
-
 def ring_attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
                    q_pos: jax.Array, *, context: int, block_c: int = 128, splits: int | None = None,
                    num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
@@ -145,11 +109,6 @@ def ring_attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, po
     block_c: slots per inner block (a power of two); splits: programs per (b, h) along the
     ring (None: about TARGET_PROGRAMS programs in all).
     """
-    return _call(q, ring_k, ring_v, layer, positions, q_pos, None, context=context, block_c=block_c,
-                 splits=splits, num_warps=num_warps, interpret=interpret)[0]
-
-
-def _call(q, ring_k, ring_v, layer, positions, q_pos, write, *, context, block_c, splits, num_warps, interpret):
     _, B, H, C, D = ring_k.shape
     T = q.shape[2]
     if ring_v.shape != ring_k.shape or q.shape != (B, H, T, D):
@@ -167,36 +126,23 @@ def _call(q, ring_k, ring_v, layer, positions, q_pos, write, *, context, block_c
     chunk = _ceil_div(_ceil_div(C, splits), block_c) * block_c  # slots per split, a multiple of block_c
     splits = _ceil_div(C, chunk)
     Tp = MIN_QUERIES
-    if write is None:  # nothing to write: placeholders the kernel never reads
-        new_k = new_v = jnp.zeros((1,), ring_k.dtype)
-        widx = active = jnp.zeros((1,), jnp.int32)
-    else:
-        new_k, new_v, widx, active = write
-        if new_k.shape != q.shape or new_v.shape != q.shape or widx.shape != (B, T) or active.shape != (B,):
-            raise ValueError(f"ring_write_attention: new_k {new_k.shape}, new_v {new_v.shape}, write_index "
-                             f"{widx.shape}, active {active.shape} do not fit q {q.shape}")
-        new_k, new_v = new_k.astype(ring_k.dtype).reshape(-1), new_v.astype(ring_k.dtype).reshape(-1)
-        widx, active = widx.astype(jnp.int32).reshape(-1), active.astype(jnp.int32)
     kernel = functools.partial(_kernel, B=B, H=H, T=T, C=C, D=D, Tp=Tp, context=context, chunk=chunk,
                                block_c=block_c, splits=splits, scale=1.0 / math.sqrt(D),
-                               write=write is not None, compiled_gpu=not interpret)
+                               compiled_gpu=not interpret)
     parts = B * H * splits
-    flat = jax.ShapeDtypeStruct((ring_k.size,), ring_k.dtype)
-    acc, m, l, ring_k_out, ring_v_out = pl.pallas_call(
+    acc, m, l = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((parts * Tp * D,), jnp.float32),
                    jax.ShapeDtypeStruct((parts * Tp,), jnp.float32),
-                   jax.ShapeDtypeStruct((parts * Tp,), jnp.float32), flat, flat),
+                   jax.ShapeDtypeStruct((parts * Tp,), jnp.float32)),
         grid=(B * H, splits),
-        input_output_aliases={2: 3, 3: 4} if write is not None else {},  # the rings, written in place
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
-        name="ring_write_attention" if write is not None else "ring_attention",
+        name="ring_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1), ring_v.reshape(-1),
-      positions.astype(jnp.int32).reshape(-1), q_pos.astype(jnp.int32).reshape(-1), new_k, new_v, widx, active)
-    out = combine(acc.reshape(B, H, splits, Tp, D), m.reshape(B, H, splits, Tp),
-                  l.reshape(B, H, splits, Tp))[:, :, :T].astype(q.dtype)
-    return out, ring_k_out.reshape(ring_k.shape), ring_v_out.reshape(ring_v.shape)
+      positions.astype(jnp.int32).reshape(-1), q_pos.astype(jnp.int32).reshape(-1))
+    return combine(acc.reshape(B, H, splits, Tp, D), m.reshape(B, H, splits, Tp),
+                   l.reshape(B, H, splits, Tp))[:, :, :T].astype(q.dtype)
 
 
 def combine(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
@@ -206,19 +152,6 @@ def combine(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     total = jnp.sum(l * w, axis=-2)
     out = jnp.sum(acc * w[..., None], axis=-3)
     return out / jnp.where(total > 0, total, 1.0)[..., None]
-
-
-def ring_write_attention_native(q, new_k, new_v, ring_k, ring_v, layer, write_index, active, positions, q_pos, *,
-                                context: int, **_):
-    """The plain reference of `ring_write_attention`: a jax.numpy scatter, then the attention."""
-    _, B, H, C, _ = ring_k.shape
-    T = q.shape[2]
-    slot = jnp.where(active[:, None], write_index, C + jnp.arange(T, dtype=write_index.dtype))  # C+t: dropped
-    idx = (layer, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], slot[:, None, :])
-    ring_k = ring_k.at[idx].set(new_k.astype(ring_k.dtype), mode="drop")
-    ring_v = ring_v.at[idx].set(new_v.astype(ring_v.dtype), mode="drop")
-    out = ring_attention_native(q, ring_k, ring_v, layer, positions, q_pos, context=context)
-    return out, ring_k, ring_v
 
 
 def ring_attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, **_):
