@@ -12,8 +12,8 @@ Imported by both `torch_bridge` and `jax_impl`; it imports neither torch nor jax
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 RING_CONVENTIONS = ("personaplex", "moshi")
 MIMI_PREFIXES = ("encoder_transformer", "decoder_transformer")
@@ -212,8 +212,8 @@ def check_checkpoint(shapes: Mapping[str, Sequence[int]], config: StackConfig, p
         if k in shapes and tuple(shapes[k]) != spec.ckpt_shape
     ]
     if missing or unexpected or misshaped:
-        lines = [f"checkpoint does not fit {type(config).__name__}(dim={config.dim}, "
-                 f"num_layers={config.num_layers}) with prefix {base or '(none)'!r}:"]
+        lines = [(f"checkpoint does not fit {type(config).__name__}(dim={config.dim}, "
+                  f"num_layers={config.num_layers}) with prefix {base or '(none)'!r}:")]
         lines += [f"  missing: {k}" for k in missing]
         lines += [f"  unexpected: {k}" for k in unexpected]
         lines += [f"  wrong shape: {m}" for m in misshaped]

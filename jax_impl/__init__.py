@@ -12,12 +12,38 @@
 from .layers import MimiLayer, MimiStack, TemporalLayer, TemporalStack, stack_module
 from .parity import max_abs, max_rel, ulp_distance
 from .ring import StepTables, apply_rope, build_step_tables, ring_positions, rope_tables, step_tables
-from .stacks import (Streamer, check_step_inputs, jit_bump_slot_start, jit_reset_rows, jit_reset_slot,
-                     jit_reset_streaming, make_step, step_fn)
-from .state import (INT32_MAX, StreamState, bump_slot_start, check_headroom, index_dtype, init_state,
-                    reset_rows, reset_slot, reset_streaming)
-from .weights import (ParamsError, check_params, export_checkpoint, init_params, load_safetensors,
-                      params_from_checkpoint, params_from_stacked, save_safetensors, stacked_weights)
+from .stacks import (
+                     Streamer,
+                     check_step_inputs,
+                     jit_bump_slot_start,
+                     jit_reset_rows,
+                     jit_reset_slot,
+                     jit_reset_streaming,
+                     make_step,
+                     step_fn,
+)
+from .state import (
+                     INT32_MAX,
+                     StreamState,
+                     bump_slot_start,
+                     check_headroom,
+                     index_dtype,
+                     init_state,
+                     reset_rows,
+                     reset_slot,
+                     reset_streaming,
+)
+from .weights import (
+                     ParamsError,
+                     check_params,
+                     export_checkpoint,
+                     init_params,
+                     load_safetensors,
+                     params_from_checkpoint,
+                     params_from_stacked,
+                     save_safetensors,
+                     stacked_weights,
+)
 
 __all__ = [
     "INT32_MAX", "MimiLayer", "MimiStack", "ParamsError", "StepTables", "StreamState", "Streamer",

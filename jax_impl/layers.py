@@ -22,11 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from personaplex_config import MimiConfig, TemporalConfig, weight_specs
-
 from kernels_pallas import mrope
 from kernels_pallas.ring_attention import MIN_QUERIES, fits_int32
 from kernels_pallas.ring_attention import ring_attention as pallas_ring_attention
+from personaplex_config import MimiConfig, TemporalConfig, weight_specs
 
 from .ring import StepTables, apply_rope, step_tables
 from .state import StreamState

@@ -72,9 +72,9 @@ def _separate_product(p: jax.Array) -> jax.Array:
     """p, rounded on its own: XLA's CPU (and GPU) backends let LLVM contract `a*b - c*d` into a
     fused multiply-add, which eager torch does not do. `optimization_barrier`, `reduce_precision`
     and a bitcast round trip are all simplified away before code generation; a select on
-    `p != p` (keeps NaN as NaN) is not, and LLVM does not contract an fmul through a select.
+    `isnan(p)` (keeps NaN as NaN) is not, and LLVM does not contract an fmul through a select.
     """
-    return jnp.where(p != p, jnp.asarray(jnp.nan, p.dtype), p)
+    return jnp.where(jnp.isnan(p), jnp.asarray(jnp.nan, p.dtype), p)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, exact: bool = True) -> jax.Array:

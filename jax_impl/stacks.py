@@ -13,7 +13,7 @@ functional, the caller's state is never touched.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -170,5 +170,5 @@ class Streamer:
         self.offset_bound = 0
 
 
-__all__ = ["Streamer", "StepTables", "check_step_inputs", "make_step", "step_fn"]
+__all__ = ["StepTables", "Streamer", "check_step_inputs", "make_step", "step_fn"]
 _ = TemporalConfig  # re-exported type for annotations

@@ -11,7 +11,8 @@ do not leak into JAX.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +36,8 @@ def to_jax(x) -> jax.Array:
     if hasattr(x, "__dlpack__"):
         try:
             return jnp.array(jnp.from_dlpack(x), copy=True)
-        except Exception:  # non-contiguous, unsupported device, ...: fall back to __array__
-            pass
+        except (BufferError, TypeError, ValueError, RuntimeError):  # non-contiguous, other device, ...
+            return jnp.array(np.asarray(x))
     return jnp.array(np.asarray(x))
 
 
@@ -104,8 +105,8 @@ def check_params(config: StackConfig, variables, dtype=None, argname: str = "par
         elif dtype is not None and jnp.dtype(getattr(v, "dtype", None)) != jnp.dtype(dtype):
             problems.append(f"wrong dtype: {'/'.join(path)}: expected {jnp.dtype(dtype)}, got {v.dtype}")
     if problems:
-        raise ParamsError("\n".join([f"{argname} do not fit {type(config).__name__}(dim={config.dim}, "
-                                     f"num_layers={config.num_layers}):", *("  " + q for q in problems)]))
+        head = f"{argname} do not fit {type(config).__name__}(dim={config.dim}, num_layers={config.num_layers}):"
+        raise ParamsError("\n".join([head, *("  " + q for q in problems)]))
 
 
 def params_from_stacked(config: StackConfig, weights: Mapping[str, Any], dtype=None) -> dict:
@@ -120,8 +121,9 @@ def params_from_stacked(config: StackConfig, weights: Mapping[str, Any], dtype=N
     problems += [f"wrong shape: {k}: expected {list(want[k])}, got {list(weights[k].shape)}"
                  for k in want if k in weights and tuple(weights[k].shape) != want[k]]
     if problems:
-        raise ParamsError("\n".join([f"stacked weights do not fit {type(config).__name__}(dim={config.dim}, "
-                                     f"num_layers={config.num_layers}):", *("  " + q for q in problems)]))
+        head = (f"stacked weights do not fit {type(config).__name__}(dim={config.dim}, "
+                f"num_layers={config.num_layers}):")
+        raise ParamsError("\n".join([head, *("  " + q for q in problems)]))
     dtype = None if dtype is None else jnp.dtype(dtype)
     return nest_params(config, {k: _cast(k, to_jax(weights[k]), dtype) for k in want})
 
@@ -156,7 +158,7 @@ def load_safetensors(config: StackConfig, path: str | os.PathLike, prefix: str |
     from safetensors import safe_open
 
     with safe_open(os.fspath(path), framework="numpy") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (a safe_open handle)
         check_checkpoint(shapes, config, prefix)
         tensors = {k: f.get_tensor(k) for k in checkpoint_keys(config, prefix)}
     return params_from_checkpoint(config, tensors, prefix, dtype)

@@ -38,9 +38,9 @@ def moshi_stack(config, weights: dict[str, torch.Tensor], batch_size: int):
     Returns (transformer, out_norm or None, text_linear or None).
     """
     tr = _import_moshi_transformer()
-    common = dict(d_model=config.dim, num_heads=config.num_heads, num_layers=config.num_layers,
-                  causal=True, context=config.context, positional_embedding="rope",
-                  max_period=config.max_period)
+    common = {"d_model": config.dim, "num_heads": config.num_heads, "num_layers": config.num_layers,
+              "causal": True, "context": config.context, "positional_embedding": "rope",
+              "max_period": config.max_period}
     if isinstance(config, TemporalConfig):
         # moshi's gating uses hidden = 2 * dim_feedforward // 3 (unless dim_feedforward == 4 * dim)
         dim_feedforward = config.hidden * 3 // 2

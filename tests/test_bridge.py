@@ -84,7 +84,7 @@ def test_from_torch_shares_the_weight_buffers(name):
     after = stepper.step(x)
     module.streaming_init(B)
     expected = module.step(x)
-    first = lambda y: y[0] if isinstance(y, tuple) else y  # noqa: E731
+    first = lambda y: y[0] if isinstance(y, tuple) else y
     assert not torch.equal(first(before), first(after))
     torch.testing.assert_close(first(after), first(expected), rtol=1e-5, atol=1e-5)
 

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 import jax_impl as jx
-from personaplex_config import PRESETS, CheckpointError, TemporalConfig, MimiConfig, with_options
+from personaplex_config import PRESETS, CheckpointError, TemporalConfig, with_options
 
 TCFG = PRESETS["temporal-small"]
 MCFG = PRESETS["mimi-small"]
 B = 3
+EPS = 1e-6  # central finite differences in float64
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def test_thousands_of_steps_compile_once(tparams):
     x = jnp.asarray(rng.standard_normal((16, B, 1, TCFG.dim)), jnp.float32)
     actives = jnp.asarray(rng.random((16, B)) < 0.7)
     for i in range(2000):
-        (out, logits), state = step(tparams, state, x[i % 16], actives[i % 7])
+        (_, logits), state = step(tparams, state, x[i % 16], actives[i % 7])
         if i % 13 == 0:
             state = rs(state, jnp.int32(i % B))
         if i % 17 == 0:
@@ -103,7 +104,7 @@ def test_donated_ring_is_updated_in_place():
     params = jx.init_params(cfg, jax.random.key(0))
     state = jx.init_state(cfg, 2)
     x, active = jnp.ones((2, 1, cfg.dim)), jnp.array([True, False])
-    ring = "f32[%s]" % ",".join(map(str, state.k.shape))
+    ring = f"f32[{','.join(map(str, state.k.shape))}]"
     for unroll in (1, True):
         donated = jax.jit(jx.step_fn(cfg, unroll=unroll), donate_argnums=(1,))
         hlo = donated.lower(params, state, x, active).compile().as_text()
@@ -211,10 +212,9 @@ def test_grad_matches_finite_differences_float64():
         for _ in range(3):
             up = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.standard_normal(a.shape)), params)
             ux = jnp.asarray(rng.standard_normal(xs.shape))
-            eps = 1e-6
-            plus = f(jax.tree_util.tree_map(lambda a, u: a + eps * u, params, up), xs + eps * ux)
-            minus = f(jax.tree_util.tree_map(lambda a, u: a - eps * u, params, up), xs - eps * ux)
-            fd = (plus - minus) / (2 * eps)
+            plus = f(jax.tree_util.tree_map(lambda a, u: a + EPS * u, params, up), xs + EPS * ux)
+            minus = f(jax.tree_util.tree_map(lambda a, u: a - EPS * u, params, up), xs - EPS * ux)
+            fd = (plus - minus) / (2 * EPS)
             an = sum(jnp.vdot(g, u) for g, u in zip(jax.tree_util.tree_leaves(g_p), jax.tree_util.tree_leaves(up)))
             an = an + jnp.vdot(g_x, ux)
             assert abs(float(fd) - float(an)) <= 1e-6 * max(1.0, abs(float(an))), (float(fd), float(an))
@@ -242,8 +242,8 @@ def test_unroll_and_fused_rope_agree(tparams):
     state = jx.init_state(TCFG, B)
     x = jax.random.normal(jax.random.key(4), (B, 1, TCFG.dim))
     a = jnp.array([True, False, True])
-    (o1, l1), s1 = jax.jit(jx.step_fn(TCFG))(tparams, state, x, a)
-    (o2, l2), s2 = jax.jit(jx.step_fn(TCFG, unroll=True))(tparams, state, x, a)
+    (o1, _), s1 = jax.jit(jx.step_fn(TCFG))(tparams, state, x, a)
+    (o2, _), s2 = jax.jit(jx.step_fn(TCFG, unroll=True))(tparams, state, x, a)
     (o3, _), _ = jax.jit(jx.step_fn(TCFG, exact_rope=False))(tparams, state, x, a)
     np.testing.assert_allclose(o1, o2, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(s1.k, s2.k, rtol=1e-6, atol=1e-6)

@@ -97,9 +97,9 @@ class CrosscheckReport:
 
     def summary(self) -> str:
         c = self.config
-        lines = [f"cross-check {self.stack}: dim {c['dim']}, {c['num_layers']} layers, context {c['context']}, "
-                 f"convention {c['ring_convention']}, {self.dtype}, B={self.batch}, T={self.frames}, "
-                 f"{self.steps} steps on {self.device}",
+        lines = [(f"cross-check {self.stack}: dim {c['dim']}, {c['num_layers']} layers, context {c['context']}, "
+                  f"convention {c['ring_convention']}, {self.dtype}, B={self.batch}, T={self.frames}, "
+                  f"{self.steps} steps on {self.device}"),
                  "",
                  f"{'tensor':<14}{'bit-identical':<15}{'steps equal':>12}{'max abs':>11}{'max ULP':>9}  first diff",
                  "-" * 80]

@@ -9,7 +9,7 @@ and every layer uses them.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ def check_safetensors(path: str | os.PathLike, config: StackConfig, prefix: str 
 
     try:
         with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (a safe_open handle)
     except SafetensorError as err:
         raise ValueError(f"{os.fspath(path)} is not a readable safetensors file: {err}") from None
     check_checkpoint(shapes, config, prefix)
@@ -261,7 +261,7 @@ class TemporalStreaming(_StreamingStack):
         super().__init__(config, dtype, device, temporal_layer)
 
     @classmethod
-    def from_config(cls, config: TemporalConfig, **kwargs) -> "TemporalStreaming":
+    def from_config(cls, config: TemporalConfig, **kwargs) -> TemporalStreaming:
         return cls(dim=config.dim, num_layers=config.num_layers, num_heads=config.num_heads,
                    hidden=config.hidden, context=config.context, text_card=config.text_card,
                    max_period=config.max_period, ring_convention=config.ring_convention, **kwargs)
@@ -287,7 +287,7 @@ class MimiTransformer(_StreamingStack):
         super().__init__(config, dtype, device, mimi_layer)
 
     @classmethod
-    def from_config(cls, config: MimiConfig, **kwargs) -> "MimiTransformer":
+    def from_config(cls, config: MimiConfig, **kwargs) -> MimiTransformer:
         return cls(num_layers=config.num_layers, dim=config.dim, num_heads=config.num_heads,
                    context=config.context, ffn=config.ffn, max_period=config.max_period,
                    ring_convention=config.ring_convention, **kwargs)

@@ -22,7 +22,7 @@ class StreamState:
     start_offset: torch.Tensor
 
     @classmethod
-    def zeros(cls, num_layers, batch_size, num_heads, capacity, head_dim, dtype, device) -> "StreamState":
+    def zeros(cls, num_layers, batch_size, num_heads, capacity, head_dim, dtype, device) -> StreamState:
         ring = (num_layers, batch_size, num_heads, capacity, head_dim)
         return cls(
             k=torch.zeros(ring, dtype=dtype, device=device),
