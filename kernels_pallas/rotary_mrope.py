@@ -27,7 +27,6 @@ head count (28/4, 5/3, ...) use power-of-two tiles.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -36,10 +35,20 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from mrope_common import (
+    MAX_GRID_Y,
+    check_dtype,
+    check_flags,
+    check_geometry,
+    check_sections,
+    check_table,
+    default_blocks,
+    next_pow2,
+)
+
 __all__ = ["default_blocks", "mrope", "mrope_from_cache", "mrope_from_cache_native", "mrope_native"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_MAX_GRID_Y = 65535  # CUDA limit of the second grid dimension (token blocks).
 _MAX_INT32 = 2**31 - 1
 
 
@@ -113,7 +122,7 @@ def _mrope_kernel(q_in, k_in, cos_ref, sin_ref, q_out, k_out, *, num_tokens, num
     # When from_cache: cos_ref holds positions [num_streams * num_tokens], sin_ref the cache.
     pid_h = pl.program_id(0)
     pid_t = pl.program_id(1)
-    half_p2 = _next_pow2(half)
+    half_p2 = next_pow2(half)
     tok = pid_t * block_t + jnp.arange(block_t, dtype=jnp.int32)
     t_mask = tok < num_tokens
     i = jnp.arange(half_p2, dtype=jnp.int32)
@@ -162,79 +171,6 @@ def _mrope_kernel(q_in, k_in, cos_ref, sin_ref, q_out, k_out, *, num_tokens, num
         tile(k_in, k_out, head0=(pid_h - num_q_blocks) * block_h, num_heads=num_kv_heads)
 
 
-# --------------------------------------------------------------------------------------------
-# Argument checks (kept identical to kernels_triton.rotary_mrope)
-# --------------------------------------------------------------------------------------------
-
-
-def _check_geometry(q_shape, k_shape, head_size, rotary_dim):
-    for name, v in (("head_size", head_size), ("rotary_dim", rotary_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
-    if rotary_dim > head_size:
-        raise ValueError(f"rotary_dim must be <= head_size ({head_size}), got {rotary_dim}")
-    for name, shape in (("q", q_shape), ("k", k_shape)):
-        if len(shape) != 2:
-            raise ValueError(
-                f"{name} must be 2-D [num_tokens, num_heads * head_size], got shape {tuple(shape)}"
-            )
-        if shape[1] == 0 or shape[1] % head_size:
-            raise ValueError(
-                f"{name}.shape[1] must be a positive multiple of head_size={head_size}, "
-                f"got shape {tuple(shape)}"
-            )
-    if q_shape[0] != k_shape[0]:
-        raise ValueError(
-            f"q and k must have the same num_tokens, got q {tuple(q_shape)} and k {tuple(k_shape)}"
-        )
-    return q_shape[0], q_shape[1] // head_size, k_shape[1] // head_size
-
-
-def _check_sections(mrope_section, rotary_dim, num_streams):
-    """Returns (t, h, w) section sizes; a one-stream table uses (rotary_dim // 2, 0, 0)."""
-    half = rotary_dim // 2
-    if mrope_section is None:
-        if num_streams == 3:
-            raise ValueError("mrope_section is required for 3-stream cos/sin or positions")
-        return (half, 0, 0)
-    try:
-        sections = tuple(mrope_section)
-    except TypeError:
-        raise ValueError(f"mrope_section must be a sequence [t, h, w], got {mrope_section!r}") from None
-    if len(sections) != 3 or not all(
-        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sections
-    ):
-        raise ValueError(f"mrope_section must be 3 non-negative ints [t, h, w], got {mrope_section!r}")
-    if sum(sections) != half:
-        raise ValueError(
-            f"mrope_section must sum to rotary_dim // 2 = {half}, got {list(sections)} "
-            f"(sum {sum(sections)})"
-        )
-    return sections if num_streams == 3 else (half, 0, 0)
-
-
-def _check_flags(mrope_interleaved, is_neox_style):
-    for name, v in (("mrope_interleaved", mrope_interleaved), ("is_neox_style", is_neox_style)):
-        if not isinstance(v, bool):
-            raise ValueError(f"{name} must be a bool, got {v!r}")  # noqa: TRY004
-
-
-def _check_table(name, t, num_tokens, rotary_dim):
-    half = rotary_dim // 2
-    if t.ndim not in (2, 3) or t.shape[-2:] != (num_tokens, half) or (t.ndim == 3 and t.shape[0] != 3):
-        raise ValueError(
-            f"{name} must have shape [3, num_tokens, rotary_dim // 2] = [3, {num_tokens}, {half}] or "
-            f"[num_tokens, rotary_dim // 2] = [{num_tokens}, {half}], got {tuple(t.shape)}"
-        )
-
-
-def _check_dtype(name, dtype, allowed):
-    if dtype not in allowed:
-        raise ValueError(f"{name} dtype must be one of {[str(d) for d in allowed]}, got {dtype}")
-
-
 def _check_array(name, x):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"{name} must be a jax array, got {type(x).__name__}")
@@ -245,9 +181,9 @@ def _check_qk(q, k, head_size, rotary_dim):
     for name, x in (("q", q), ("k", k)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise ValueError(f"{name} must be a jax array, got {type(x).__name__}")
-    dims = _check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
+    dims = check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
     # Check the caller's dtypes before jnp.asarray, which would turn float64 into float32.
-    _check_dtype("q", jnp.dtype(q.dtype), SUPPORTED_DTYPES)
+    check_dtype("q", jnp.dtype(q.dtype), SUPPORTED_DTYPES)
     if jnp.dtype(k.dtype) != jnp.dtype(q.dtype):
         raise ValueError(f"k dtype must equal q dtype {q.dtype}, got {k.dtype}")
     q, k = jnp.asarray(q), jnp.asarray(k)
@@ -255,26 +191,6 @@ def _check_qk(q, k, head_size, rotary_dim):
         if x.size > _MAX_INT32:
             raise ValueError(f"{name} must have fewer than 2**31 elements (int32 offsets), got {x.size}")
     return q, k, dims
-
-
-def _pow2_floor(n):
-    return 1 << (max(int(n), 1).bit_length() - 1)
-
-
-def _next_pow2(n):
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def default_blocks(num_tokens, num_q_heads, num_kv_heads, rotary_dim):
-    """(block_tokens, block_heads) used when the caller names none (same rule as the Triton one)."""
-    g = math.gcd(num_q_heads, num_kv_heads)
-    block_heads = min(8, g & -g)
-    if block_heads < 4:
-        block_heads = min(4, _next_pow2(max(num_q_heads, num_kv_heads)))
-    half_p2 = _next_pow2(rotary_dim // 2)
-    block_tokens = max(1, min(16, _pow2_floor(1024 // (block_heads * half_p2))))
-    block_tokens = max(block_tokens, _next_pow2(-(-num_tokens // _MAX_GRID_Y)))
-    return block_tokens, block_heads
 
 
 def _use_interpret(interpret):
@@ -293,10 +209,10 @@ def _call(q, k, a, b, *, from_cache, num_streams, sections, max_position, head_s
     for name, v in (("block_tokens", bt), ("block_heads", bh)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v & (v - 1):
             raise ValueError(f"{name} must be a positive power of two, got {v!r}")
-    if -(-num_tokens // bt) > _MAX_GRID_Y:
-        raise ValueError(f"block_tokens={bt} gives more than {_MAX_GRID_Y} token blocks; use a larger one")
+    if -(-num_tokens // bt) > MAX_GRID_Y:
+        raise ValueError(f"block_tokens={bt} gives more than {MAX_GRID_Y} token blocks; use a larger one")
     if num_warps is None:  # 16 elements of each half-tile per thread was best on an H200
-        num_warps = max(1, min(8, bt * bh * _next_pow2(rotary_dim // 2) // 512))
+        num_warps = max(1, min(8, bt * bh * next_pow2(rotary_dim // 2) // 512))
     interpret = _use_interpret(interpret)
     kernel = functools.partial(
         _mrope_kernel, num_tokens=num_tokens, num_q_heads=hq, num_kv_heads=hk, head_size=head_size,
@@ -359,16 +275,16 @@ def mrope(
       ``(q, k)`` with the shapes and dtype of the inputs.
     """
     q, k, (num_tokens, _, _) = _check_qk(q, k, head_size, rotary_dim)
-    _check_flags(mrope_interleaved, is_neox_style)
+    check_flags(mrope_interleaved, is_neox_style)
     for name, t in (("cos", cos), ("sin", sin)):
         _check_array(name, t)
-        _check_table(name, t, num_tokens, rotary_dim)
-        _check_dtype(name, jnp.dtype(t.dtype), SUPPORTED_DTYPES)
+        check_table(name, t, num_tokens, rotary_dim)
+        check_dtype(name, jnp.dtype(t.dtype), SUPPORTED_DTYPES)
     cos, sin = jnp.asarray(cos), jnp.asarray(sin)
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     num_streams = 3 if cos.ndim == 3 else 1
-    sections = _check_sections(mrope_section, rotary_dim, num_streams)
+    sections = check_sections(mrope_section, rotary_dim, num_streams)
     if num_tokens == 0:
         return q, k
     return _call(q, k, cos, sin, from_cache=False, num_streams=num_streams, sections=sections,
@@ -424,10 +340,10 @@ def mrope_from_cache(
       materialised: each program gathers its rows from the cache.
     """
     q, k, (num_tokens, _, _) = _check_qk(q, k, head_size, rotary_dim)
-    _check_flags(mrope_interleaved, is_neox_style)
+    check_flags(mrope_interleaved, is_neox_style)
     positions = _check_array("positions", positions)
     _check_array("cos_sin_cache", cos_sin_cache)
-    _check_dtype("cos_sin_cache", jnp.dtype(cos_sin_cache.dtype), (jnp.dtype(jnp.float32),))
+    check_dtype("cos_sin_cache", jnp.dtype(cos_sin_cache.dtype), (jnp.dtype(jnp.float32),))
     cache = jnp.asarray(cos_sin_cache)
     if not jnp.issubdtype(positions.dtype, jnp.integer):
         raise ValueError(f"positions dtype must be an integer type (int32), got {positions.dtype}")
@@ -443,11 +359,11 @@ def mrope_from_cache(
             f"cos_sin_cache must have shape [max_position, rotary_dim] = [max_position, {rotary_dim}], "
             f"got {tuple(cache.shape)}"
         )
-    _check_dtype("cos_sin_cache", cache.dtype, (jnp.dtype(jnp.float32),))
+    check_dtype("cos_sin_cache", cache.dtype, (jnp.dtype(jnp.float32),))
     if cache.size > _MAX_INT32:
         raise ValueError(f"cos_sin_cache must have fewer than 2**31 elements, got {cache.size}")
     num_streams = 3 if positions.ndim == 2 else 1
-    sections = _check_sections(mrope_section, rotary_dim, num_streams)
+    sections = check_sections(mrope_section, rotary_dim, num_streams)
     _check_positions_range(positions, cache.shape[0])
     if num_tokens == 0:
         return q, k
@@ -505,11 +421,11 @@ def mrope_native(
     is_neox_style: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Plain jax.numpy reference of :func:`mrope` (same arguments and result)."""
-    num_tokens, _, _ = _check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
-    _check_flags(mrope_interleaved, is_neox_style)
+    num_tokens, _, _ = check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
+    check_flags(mrope_interleaved, is_neox_style)
     for name, t in (("cos", cos), ("sin", sin)):
-        _check_table(name, t, num_tokens, rotary_dim)
-    sections = _check_sections(mrope_section, rotary_dim, 3 if cos.ndim == 3 else 1)
+        check_table(name, t, num_tokens, rotary_dim)
+    sections = check_sections(mrope_section, rotary_dim, 3 if cos.ndim == 3 else 1)
     c = _assemble(cos, sections, rotary_dim, mrope_interleaved).astype(jnp.float32)
     s = _assemble(sin, sections, rotary_dim, mrope_interleaved).astype(jnp.float32)
     return (_rotate_native(q, c, s, head_size, rotary_dim, is_neox_style),

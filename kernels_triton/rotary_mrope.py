@@ -28,12 +28,21 @@ short prompt still fills the GPU while a long one streams at copy bandwidth.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
+
+from mrope_common import (
+    MAX_GRID_Y,
+    check_dtype,
+    check_flags,
+    check_geometry,
+    check_sections,
+    check_table,
+    default_blocks,
+)
 
 __all__ = [
     "mrope",
@@ -45,7 +54,6 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_GRID_Y = 65535  # CUDA limit of the second grid dimension (token blocks).
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,101 +203,6 @@ def _mrope_kernel(
                      NUM_KV_HEADS, HEAD_SIZE, ROT_HALF, ROT_HALF_P2, IS_NEOX, BLOCK_H)
 
 
-# --------------------------------------------------------------------------------------------
-# Argument checks (kept identical to kernels_pallas.rotary_mrope; no shared import keeps the packages
-# free of each other's framework).
-# --------------------------------------------------------------------------------------------
-
-
-def _check_geometry(q_shape, k_shape, head_size, rotary_dim):
-    for name, v in (("head_size", head_size), ("rotary_dim", rotary_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
-    if rotary_dim > head_size:
-        raise ValueError(f"rotary_dim must be <= head_size ({head_size}), got {rotary_dim}")
-    for name, shape in (("q", q_shape), ("k", k_shape)):
-        if len(shape) != 2:
-            raise ValueError(
-                f"{name} must be 2-D [num_tokens, num_heads * head_size], got shape {tuple(shape)}"
-            )
-        if shape[1] == 0 or shape[1] % head_size:
-            raise ValueError(
-                f"{name}.shape[1] must be a positive multiple of head_size={head_size}, "
-                f"got shape {tuple(shape)}"
-            )
-    if q_shape[0] != k_shape[0]:
-        raise ValueError(
-            f"q and k must have the same num_tokens, got q {tuple(q_shape)} and k {tuple(k_shape)}"
-        )
-    return q_shape[0], q_shape[1] // head_size, k_shape[1] // head_size
-
-
-def _check_sections(mrope_section, rotary_dim, num_streams):
-    """Returns (t, h, w) section sizes; a one-stream table uses (rotary_dim // 2, 0, 0)."""
-    half = rotary_dim // 2
-    if mrope_section is None:
-        if num_streams == 3:
-            raise ValueError("mrope_section is required for 3-stream cos/sin or positions")
-        return (half, 0, 0)
-    try:
-        sections = tuple(mrope_section)
-    except TypeError:
-        raise ValueError(f"mrope_section must be a sequence [t, h, w], got {mrope_section!r}") from None
-    if len(sections) != 3 or not all(
-        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sections
-    ):
-        raise ValueError(f"mrope_section must be 3 non-negative ints [t, h, w], got {mrope_section!r}")
-    if sum(sections) != half:
-        raise ValueError(
-            f"mrope_section must sum to rotary_dim // 2 = {half}, got {list(sections)} "
-            f"(sum {sum(sections)})"
-        )
-    return sections if num_streams == 3 else (half, 0, 0)
-
-
-def _check_flags(mrope_interleaved, is_neox_style):
-    for name, v in (("mrope_interleaved", mrope_interleaved), ("is_neox_style", is_neox_style)):
-        if not isinstance(v, bool):
-            raise ValueError(f"{name} must be a bool, got {v!r}")  # noqa: TRY004
-
-
-def _check_table(name, t, num_tokens, rotary_dim):
-    half = rotary_dim // 2
-    if t.ndim not in (2, 3) or t.shape[-2:] != (num_tokens, half) or (t.ndim == 3 and t.shape[0] != 3):
-        raise ValueError(
-            f"{name} must have shape [3, num_tokens, rotary_dim // 2] = [3, {num_tokens}, {half}] or "
-            f"[num_tokens, rotary_dim // 2] = [{num_tokens}, {half}], got {tuple(t.shape)}"
-        )
-
-
-def _check_dtype(name, dtype, allowed):
-    if dtype not in allowed:
-        raise ValueError(f"{name} dtype must be one of {[str(d) for d in allowed]}, got {dtype}")
-
-
-def _pow2_floor(n):
-    return 1 << (max(int(n), 1).bit_length() - 1)
-
-
-def default_blocks(num_tokens, num_q_heads, num_kv_heads, rotary_dim):
-    """(block_tokens, block_heads) used when the caller names none.
-
-    ``block_heads`` is the largest power of two <= 8 dividing both head counts (no masked lanes
-    for 28/4 or 32/8), at least 4; ``block_tokens`` aims at ~1K elements per half-tile and keeps
-    the token grid within CUDA's 65535 limit.
-    """
-    g = math.gcd(num_q_heads, num_kv_heads)
-    block_heads = min(8, g & -g)
-    if block_heads < 4:
-        block_heads = min(4, triton.next_power_of_2(max(num_q_heads, num_kv_heads)))
-    half_p2 = triton.next_power_of_2(rotary_dim // 2)
-    block_tokens = max(1, min(16, _pow2_floor(1024 // (block_heads * half_p2))))
-    block_tokens = max(block_tokens, triton.next_power_of_2(triton.cdiv(num_tokens, _MAX_GRID_Y)))
-    return block_tokens, block_heads
-
-
 def _launch(q, k, cos, sin, pos, num_streams, sections, max_position, head_size, rotary_dim,
             mrope_interleaved, is_neox_style, from_cache, block_tokens, block_heads, num_warps):
     num_tokens = q.shape[0]
@@ -300,8 +213,8 @@ def _launch(q, k, cos, sin, pos, num_streams, sections, max_position, head_size,
     for name, v in (("block_tokens", bt), ("block_heads", bh)):
         if not isinstance(v, int) or v <= 0 or v & (v - 1):
             raise ValueError(f"{name} must be a positive power of two, got {v!r}")
-    if triton.cdiv(num_tokens, bt) > _MAX_GRID_Y:
-        raise ValueError(f"block_tokens={bt} gives more than {_MAX_GRID_Y} token blocks; use a larger one")
+    if triton.cdiv(num_tokens, bt) > MAX_GRID_Y:
+        raise ValueError(f"block_tokens={bt} gives more than {MAX_GRID_Y} token blocks; use a larger one")
     if num_warps is None:  # 16 elements of each half-tile per thread was best on an H200
         num_warps = max(1, min(8, bt * bh * triton.next_power_of_2(rotary_dim // 2) // 512))
     grid = (triton.cdiv(hq, bh) + triton.cdiv(hk, bh), triton.cdiv(num_tokens, bt))
@@ -319,8 +232,8 @@ def _check_qk(q, k, head_size, rotary_dim):
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
-    num_tokens, hq, hk = _check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
-    _check_dtype("q", q.dtype, SUPPORTED_DTYPES)
+    num_tokens, hq, hk = check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
+    check_dtype("q", q.dtype, SUPPORTED_DTYPES)
     if k.dtype != q.dtype:
         raise ValueError(f"k dtype must equal q dtype {q.dtype}, got {k.dtype}")
     if k.device != q.device:
@@ -368,16 +281,16 @@ def mrope_(
       num_warps: warps per program; None gives one warp per 512 tile elements (16 per thread).
     """
     num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim)
-    _check_flags(mrope_interleaved, is_neox_style)
+    check_flags(mrope_interleaved, is_neox_style)
     for name, t in (("cos", cos), ("sin", sin)):
-        _check_table(name, t, num_tokens, rotary_dim)
-        _check_dtype(name, t.dtype, SUPPORTED_DTYPES)
+        check_table(name, t, num_tokens, rotary_dim)
+        check_dtype(name, t.dtype, SUPPORTED_DTYPES)
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     num_streams = 3 if cos.ndim == 3 else 1
-    sections = _check_sections(mrope_section, rotary_dim, num_streams)
+    sections = check_sections(mrope_section, rotary_dim, num_streams)
     if num_tokens == 0:
         return q, k
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -424,7 +337,7 @@ def _check_cache_args(positions, cos_sin_cache, num_tokens, rotary_dim, device):
             f"cos_sin_cache must have shape [max_position, rotary_dim] = [max_position, {rotary_dim}], "
             f"got {tuple(cos_sin_cache.shape)}"
         )
-    _check_dtype("cos_sin_cache", cos_sin_cache.dtype, (torch.float32,))
+    check_dtype("cos_sin_cache", cos_sin_cache.dtype, (torch.float32,))
     for name, t in (("positions", positions), ("cos_sin_cache", cos_sin_cache)):
         if t.device != device:
             raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
@@ -469,10 +382,10 @@ def mrope_from_cache_(
       materialised: each program gathers its rows from the cache.
     """
     num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim)
-    _check_flags(mrope_interleaved, is_neox_style)
+    check_flags(mrope_interleaved, is_neox_style)
     _check_cache_args(positions, cos_sin_cache, num_tokens, rotary_dim, q.device)
     num_streams = 3 if positions.ndim == 2 else 1
-    sections = _check_sections(mrope_section, rotary_dim, num_streams)
+    sections = check_sections(mrope_section, rotary_dim, num_streams)
     if check_positions:
         _check_positions_range(positions, cos_sin_cache.shape[0])
     if num_tokens == 0:
@@ -557,11 +470,11 @@ def mrope_native(
     is_neox_style: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch reference of :func:`mrope` (same arguments, returns new ``(q, k)``)."""
-    num_tokens, _, _ = _check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
-    _check_flags(mrope_interleaved, is_neox_style)
+    num_tokens, _, _ = check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
+    check_flags(mrope_interleaved, is_neox_style)
     for name, t in (("cos", cos), ("sin", sin)):
-        _check_table(name, t, num_tokens, rotary_dim)
-    sections = _check_sections(mrope_section, rotary_dim, 3 if cos.ndim == 3 else 1)
+        check_table(name, t, num_tokens, rotary_dim)
+    sections = check_sections(mrope_section, rotary_dim, 3 if cos.ndim == 3 else 1)
     c = _assemble(cos, sections, rotary_dim, mrope_interleaved).float()
     s = _assemble(sin, sections, rotary_dim, mrope_interleaved).float()
     return (_rotate_native(q, c, s, head_size, rotary_dim, is_neox_style),

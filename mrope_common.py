@@ -1,0 +1,105 @@
+"""Framework-neutral parts of the MRoPE kernels: argument checks and the default tile plan.
+
+Shared by `kernels_pallas.rotary_mrope` (JAX) and `kernels_triton.rotary_mrope` (torch); it
+imports neither framework, so each package stays free of the other's. Arrays are only asked for
+`shape`, `ndim` and `dtype`.
+"""
+
+from __future__ import annotations
+
+import math
+
+MAX_GRID_Y = 65535  # CUDA limit of the second grid dimension (token blocks).
+
+
+def check_geometry(q_shape, k_shape, head_size, rotary_dim):
+    for name, v in (("head_size", head_size), ("rotary_dim", rotary_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+    if rotary_dim > head_size:
+        raise ValueError(f"rotary_dim must be <= head_size ({head_size}), got {rotary_dim}")
+    for name, shape in (("q", q_shape), ("k", k_shape)):
+        if len(shape) != 2:
+            raise ValueError(
+                f"{name} must be 2-D [num_tokens, num_heads * head_size], got shape {tuple(shape)}"
+            )
+        if shape[1] == 0 or shape[1] % head_size:
+            raise ValueError(
+                f"{name}.shape[1] must be a positive multiple of head_size={head_size}, "
+                f"got shape {tuple(shape)}"
+            )
+    if q_shape[0] != k_shape[0]:
+        raise ValueError(
+            f"q and k must have the same num_tokens, got q {tuple(q_shape)} and k {tuple(k_shape)}"
+        )
+    return q_shape[0], q_shape[1] // head_size, k_shape[1] // head_size
+
+
+def check_sections(mrope_section, rotary_dim, num_streams):
+    """Returns (t, h, w) section sizes; a one-stream table uses (rotary_dim // 2, 0, 0)."""
+    half = rotary_dim // 2
+    if mrope_section is None:
+        if num_streams == 3:
+            raise ValueError("mrope_section is required for 3-stream cos/sin or positions")
+        return (half, 0, 0)
+    try:
+        sections = tuple(mrope_section)
+    except TypeError:
+        raise ValueError(f"mrope_section must be a sequence [t, h, w], got {mrope_section!r}") from None
+    if len(sections) != 3 or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sections
+    ):
+        raise ValueError(f"mrope_section must be 3 non-negative ints [t, h, w], got {mrope_section!r}")
+    if sum(sections) != half:
+        raise ValueError(
+            f"mrope_section must sum to rotary_dim // 2 = {half}, got {list(sections)} "
+            f"(sum {sum(sections)})"
+        )
+    return sections if num_streams == 3 else (half, 0, 0)
+
+
+def check_flags(mrope_interleaved, is_neox_style):
+    for name, v in (("mrope_interleaved", mrope_interleaved), ("is_neox_style", is_neox_style)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be a bool, got {v!r}")  # noqa: TRY004
+
+
+def check_table(name, t, num_tokens, rotary_dim):
+    half = rotary_dim // 2
+    if t.ndim not in (2, 3) or t.shape[-2:] != (num_tokens, half) or (t.ndim == 3 and t.shape[0] != 3):
+        raise ValueError(
+            f"{name} must have shape [3, num_tokens, rotary_dim // 2] = [3, {num_tokens}, {half}] or "
+            f"[num_tokens, rotary_dim // 2] = [{num_tokens}, {half}], got {tuple(t.shape)}"
+        )
+
+
+def check_dtype(name, dtype, allowed):
+    if dtype not in allowed:
+        raise ValueError(f"{name} dtype must be one of {[str(d) for d in allowed]}, got {dtype}")
+
+
+def _pow2_floor(n):
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def next_pow2(n):
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def default_blocks(num_tokens, num_q_heads, num_kv_heads, rotary_dim):
+    """(block_tokens, block_heads) used when the caller names none.
+
+    ``block_heads`` is the largest power of two <= 8 dividing both head counts (no masked lanes
+    for 28/4 or 32/8), at least 4; ``block_tokens`` aims at ~1K elements per half-tile and keeps
+    the token grid within CUDA's 65535 limit.
+    """
+    g = math.gcd(num_q_heads, num_kv_heads)
+    block_heads = min(8, g & -g)
+    if block_heads < 4:
+        block_heads = min(4, next_pow2(max(num_q_heads, num_kv_heads)))
+    half_p2 = next_pow2(rotary_dim // 2)
+    block_tokens = max(1, min(16, _pow2_floor(1024 // (block_heads * half_p2))))
+    block_tokens = max(block_tokens, next_pow2(-(-num_tokens // MAX_GRID_Y)))
+    return block_tokens, block_heads
