@@ -8,6 +8,7 @@ imports neither framework, so each package stays free of the other's. Arrays are
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 MAX_GRID_Y = 65535  # CUDA limit of the second grid dimension (token blocks).
 
@@ -103,3 +104,13 @@ def default_blocks(num_tokens, num_q_heads, num_kv_heads, rotary_dim):
     block_tokens = max(1, min(16, _pow2_floor(1024 // (block_heads * half_p2))))
     block_tokens = max(block_tokens, next_pow2(-(-num_tokens // MAX_GRID_Y)))
     return block_tokens, block_heads
+
+
+def stream_index(rotary_dim: int, mrope_section: Sequence[int], mrope_interleaved: bool) -> list[int]:
+    """Stream (0 = t, 1 = h, 2 = w) of each of the ``rotary_dim // 2`` frequencies."""
+    t, h, w = mrope_section
+    half = rotary_dim // 2
+    if mrope_interleaved:
+        return [1 if (i % 3 == 1 and i < 3 * h) else 2 if (i % 3 == 2 and i < 3 * w) else 0
+                for i in range(half)]
+    return [0 if i < t else 1 if i < t + h else 2 for i in range(half)]

@@ -44,6 +44,7 @@ from mrope_common import (
     check_table,
     default_blocks,
     next_pow2,
+    stream_index,
 )
 
 __all__ = ["default_blocks", "mrope", "mrope_from_cache", "mrope_from_cache_native", "mrope_native"]
@@ -377,16 +378,6 @@ def mrope_from_cache(
 # --------------------------------------------------------------------------------------------
 # Plain jax.numpy reference (vLLM's forward_native beside the fast path)
 # --------------------------------------------------------------------------------------------
-
-
-def stream_index(rotary_dim: int, mrope_section: Sequence[int], mrope_interleaved: bool) -> list[int]:
-    """Stream (0 = t, 1 = h, 2 = w) of each of the ``rotary_dim // 2`` frequencies."""
-    t, h, w = mrope_section
-    half = rotary_dim // 2
-    if mrope_interleaved:
-        return [1 if (i % 3 == 1 and i < 3 * h) else 2 if (i % 3 == 2 and i < 3 * w) else 0
-                for i in range(half)]
-    return [0 if i < t else 1 if i < t + h else 2 for i in range(half)]
 
 
 def _assemble(table, sections, rotary_dim, mrope_interleaved):

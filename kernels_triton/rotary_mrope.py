@@ -420,16 +420,6 @@ def mrope_from_cache(
 # --------------------------------------------------------------------------------------------
 
 
-def stream_index(rotary_dim: int, mrope_section: Sequence[int], mrope_interleaved: bool) -> list[int]:
-    """Stream (0 = t, 1 = h, 2 = w) of each of the ``rotary_dim // 2`` frequencies."""
-    t, h, w = mrope_section
-    half = rotary_dim // 2
-    if mrope_interleaved:
-        return [1 if (i % 3 == 1 and i < 3 * h) else 2 if (i % 3 == 2 and i < 3 * w) else 0
-                for i in range(half)]
-    return [0 if i < t else 1 if i < t + h else 2 for i in range(half)]
-
-
 def _assemble(table, mrope_section, rotary_dim, mrope_interleaved):
     if table.ndim == 2:
         return table
