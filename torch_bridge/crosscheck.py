@@ -36,12 +36,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass
 class TensorRecord:
-    """Agreement of one tensor over the run."""
+    """Agreement of one tensor over the run (ULPs blow up near zero: read them with max rel)."""
 
     name: str
     steps: int = 0
     identical_steps: int = 0
     max_abs: float = 0.0
+    max_rel: float = 0.0  # max |torch - jax| / max |torch|, per step (normwise)
     max_ulp: int = 0
     first_diff: tuple | None = None  # (step, index) of the first differing element
     per_step_ulp: list[int] = field(default_factory=list)
@@ -66,6 +67,8 @@ class TensorRecord:
         self.per_step_ulp.append(worst)
         if worst:
             self.max_abs = max(self.max_abs, float(np.nanmax(diff)))
+            scale = float(np.max(np.abs(a.astype(np.float64)))) or 1.0
+            self.max_rel = max(self.max_rel, float(np.nanmax(diff)) / scale)
             self.max_ulp = max(self.max_ulp, worst)
             if self.first_diff is None:
                 self.first_diff = (step, tuple(int(i) for i in np.argwhere(ulp > 0)[0]))
@@ -101,12 +104,13 @@ class CrosscheckReport:
                   f"convention {c['ring_convention']}, {self.dtype}, B={self.batch}, T={self.frames}, "
                   f"{self.steps} steps on {self.device}"),
                  "",
-                 f"{'tensor':<14}{'bit-identical':<15}{'steps equal':>12}{'max abs':>11}{'max ULP':>9}  first diff",
-                 "-" * 80]
+                 (f"{'tensor':<14}{'bit-identical':<15}{'steps equal':>12}{'max abs':>11}{'max rel':>10}"
+                  f"{'max ULP':>9}  first diff"),
+                 "-" * 90]
         for r in self.tensors.values():
             where = "-" if r.first_diff is None else f"step {r.first_diff[0]} at {list(r.first_diff[1])}"
             lines.append(f"{r.name:<14}{'yes' if r.identical else 'NO':<15}"
-                         f"{f'{r.identical_steps}/{r.steps}':>12}{r.max_abs:>11.3g}{r.max_ulp:>9}  {where}")
+                         f"{f'{r.identical_steps}/{r.steps}':>12}{r.max_abs:>11.3g}{r.max_rel:>10.2g}{r.max_ulp:>9}  {where}")
         lines += ["", f"ms/step (median): torch {self.torch_ms_per_step:.3f}, jax {self.jax_ms_per_step:.3f}"]
         return "\n".join(lines)
 
