@@ -90,6 +90,15 @@ class CrosscheckReport:
     def identical(self, name: str) -> bool:
         return self.tensors[name].identical
 
+    def require(self, identical=(), max_rel: dict[str, float] | None = None) -> None:
+        """For pytest: raise AssertionError (with the summary table) unless every tensor named in
+        `identical` is bit-identical at every step and each `max_rel[name]` bound holds."""
+        failures = [f"{n} is not bit-identical" for n in identical if not self.identical(n)]
+        failures += [f"{n}: max rel {self.tensors[n].max_rel:.3g} > {bound:.3g}"
+                     for n, bound in (max_rel or {}).items() if self.tensors[n].max_rel > bound]
+        if failures:
+            raise AssertionError("; ".join(failures) + "\n" + self.summary())
+
     @property
     def torch_ms_per_step(self) -> float:
         return statistics.median(self.torch_ms)
