@@ -24,6 +24,17 @@ def test_zero_copy_both_ways(dtype):
     assert torch.equal(back, t)
 
 
+def test_int64_zero_copy_with_x64():
+    import jax
+
+    with jax.enable_x64(True):
+        t = torch.arange(6)
+        a = to_jax(t)
+        assert a.dtype == jnp.int64 and a.unsafe_buffer_pointer() == t.data_ptr()
+        back = to_torch(a)
+        assert back.dtype == torch.int64 and back.data_ptr() == t.data_ptr()
+
+
 def test_torch_write_is_seen_by_jax():
     t = torch.zeros(8)
     a = to_jax(t)
