@@ -38,23 +38,14 @@ def _check_common(config) -> None:
         raise ValueError(f"max_period must be > 1, got {config.max_period!r}")
 
 
-@dataclass(frozen=True)
-class TemporalConfig:
-    """Helium temporal transformer: RMSNorm (f32, eps 1e-8), RoPE attention, SiLU gating."""
+class _StackGeometry:
+    """What both stacks derive from their fields; `_positive` names their own positive ints."""
 
-    dim: int = 4096
-    num_layers: int = 32
-    num_heads: int = 32
-    hidden: int = 11264
-    context: int = 3000
-    text_card: int = 32000
-    max_period: float = 10000.0
-    ring_convention: str = "personaplex"
-    norm_eps: float = 1e-8
+    _positive: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_common(self)
-        _check_positive(self, ("hidden", "text_card"))
+        _check_positive(self, self._positive)
 
     @property
     def head_dim(self) -> int:
@@ -67,8 +58,27 @@ class TemporalConfig:
 
 
 @dataclass(frozen=True)
-class MimiConfig:
+class TemporalConfig(_StackGeometry):
+    """Helium temporal transformer: RMSNorm (f32, eps 1e-8), RoPE attention, SiLU gating."""
+
+    _positive = ("hidden", "text_card")
+
+    dim: int = 4096
+    num_layers: int = 32
+    num_heads: int = 32
+    hidden: int = 11264
+    context: int = 3000
+    text_card: int = 32000
+    max_period: float = 10000.0
+    ring_convention: str = "personaplex"
+    norm_eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class MimiConfig(_StackGeometry):
     """Mimi codec transformer: LayerNorm (eps 1e-5), RoPE attention, GELU MLP, layer scales."""
+
+    _positive = ("ffn",)
 
     num_layers: int = 8
     dim: int = 512
@@ -78,18 +88,6 @@ class MimiConfig:
     max_period: float = 10000.0
     ring_convention: str = "personaplex"
     norm_eps: float = 1e-5
-
-    def __post_init__(self):
-        _check_common(self)
-        _check_positive(self, ("ffn",))
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
-
-    @property
-    def capacity(self) -> int:
-        return self.context
 
 
 StackConfig = TemporalConfig | MimiConfig
