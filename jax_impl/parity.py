@@ -21,9 +21,9 @@ def as_numpy(x) -> np.ndarray:
     try:
         return np.asarray(x)
     except (TypeError, RuntimeError):  # e.g. a torch bfloat16 tensor: go through DLPack
-        from .weights import to_jax
+        from .weights import copy_to_jax
 
-        return np.asarray(to_jax(x))
+        return np.asarray(copy_to_jax(x))
 
 
 def _float_dtype_check(a: np.ndarray, b: np.ndarray) -> None:

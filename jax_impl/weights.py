@@ -27,7 +27,7 @@ class ParamsError(ValueError):
     """A parameter tree does not fit a stack; the message lists every problem at once."""
 
 
-def to_jax(x) -> jax.Array:
+def copy_to_jax(x) -> jax.Array:
     """A jax copy of an array-like (jax, numpy, or any object with __dlpack__ / __array__)."""
     if isinstance(x, jax.Array):
         return x
@@ -46,7 +46,7 @@ def _dtype_of(x):
     try:
         return jnp.dtype(dt)
     except TypeError:  # a torch dtype: go through a jax copy
-        return to_jax(x).dtype
+        return copy_to_jax(x).dtype
 
 
 def _widening_ok(src, dst) -> bool:
@@ -125,7 +125,7 @@ def params_from_stacked(config: StackConfig, weights: Mapping[str, Any], dtype=N
                 f"num_layers={config.num_layers}):")
         raise ParamsError("\n".join([head, *("  " + q for q in problems)]))
     dtype = None if dtype is None else jnp.dtype(dtype)
-    return nest_params(config, {k: _cast(k, to_jax(weights[k]), dtype) for k in want})
+    return nest_params(config, {k: _cast(k, copy_to_jax(weights[k]), dtype) for k in want})
 
 
 def params_from_checkpoint(config: StackConfig, state_dict: Mapping[str, Any], prefix: str | None = None,
@@ -141,7 +141,7 @@ def params_from_checkpoint(config: StackConfig, state_dict: Mapping[str, Any], p
     per_layer: dict[str, list] = {}
     flat: dict[str, jax.Array] = {}
     for key, (spec, layer) in keys.items():
-        arr = _cast(key, to_jax(state_dict[key]), dtype).reshape(spec.shape)
+        arr = _cast(key, copy_to_jax(state_dict[key]), dtype).reshape(spec.shape)
         if layer is None:
             flat[spec.name] = arr
         else:

@@ -100,7 +100,7 @@ def run_parity(stack: str, convention: str, dtype: str, steps: int, T: int, B: i
         x = torch.randn(B, T, cfg.dim, generator=gen).to(tdt)
         active = rng.random(B) < 0.75
         t_out = tm.step(x, torch.from_numpy(active))
-        j_out, state, tables = step(params, state, jx.weights.to_jax(x), jnp.asarray(active))
+        j_out, state, tables = step(params, state, jx.weights.copy_to_jax(x), jnp.asarray(active))
         tt = tm.last_tables
         # Integer state: exact, every step.
         for f in INT_FIELDS:
