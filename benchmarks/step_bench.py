@@ -188,7 +188,7 @@ def bench_case(name: str, steps: int, bandwidth: float) -> dict:
     del state
     dropin = from_torch(module, unroll=True)
     dropin.streaming_init(B)
-    dropin._jax_state = fresh_state()
+    dropin._streamer.state = fresh_state()
 
     def dropin_step():
         dropin.step(x, active)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from personaplex_config import StackConfig, TemporalConfig
+from personaplex_config import StackConfig
 
 from . import state as st
 from .layers import pick_kernels, stack_module
@@ -119,13 +119,15 @@ class Streamer:
     """
 
     def __init__(self, config: StackConfig, params, batch_size: int, dtype=jnp.float32, *,
-                 unroll: int | bool = 1, exact_rope: bool = True):
+                 unroll: int | bool = 1, exact_rope: bool = True, rope_freqs: tuple[float, ...] | None = None,
+                 device=None):
         self.config = config
         check_params(config, params, dtype=jnp.dtype(dtype))
         self.params = params
-        self.state = st.init_state(config, batch_size, dtype)
+        state = st.init_state(config, batch_size, dtype)
+        self.state = state if device is None else jax.device_put(state, device)
         self.offset_bound = 0
-        self._step = make_step(config, unroll=unroll, exact_rope=exact_rope)
+        self._step = make_step(config, unroll=unroll, exact_rope=exact_rope, rope_freqs=rope_freqs)
 
     @property
     def batch_size(self) -> int:
@@ -171,4 +173,3 @@ class Streamer:
 
 
 __all__ = ["StepTables", "Streamer", "check_step_inputs", "make_step", "step_fn"]
-_ = TemporalConfig  # re-exported type for annotations

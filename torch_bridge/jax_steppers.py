@@ -5,7 +5,8 @@ the same methods as `TemporalStreaming` and `MimiTransformer` (they are subclass
 checkpoint I/O and input validation are shared), take and return torch tensors on the
 module's device, and keep the streaming state as JAX arrays, stepped by the jitted JAX step
 with the state donated. The JAX parameters are DLPack views of the module's own weight
-buffers: no copy, and an in-place edit of a buffer (`load_weights`, `init_weights`, ...) is
+buffers (taken at `streaming_init`): no copy, and an in-place edit of a buffer (`load_weights`,
+`init_weights`, ...) is
 seen by the next step.
 
 `from_torch(module)` builds the JAX stepper on the very same buffers as a torch stack.
@@ -22,22 +23,15 @@ from .dlpack import to_jax, to_torch
 from .stacks import MimiTransformer, TemporalStreaming, _StreamingStack
 from .streaming import StreamState
 
-_JAX_OPS = {
-    "reset": jax_impl.jit_reset_streaming,
-    "reset_slot": jax_impl.jit_reset_slot,
-    "bump_slot_start": jax_impl.jit_bump_slot_start,
-    "reset_rows": jax_impl.jit_reset_rows,
-}
-
 
 class _JaxBacked:
-    """Mixin over a torch stack: the state lives in JAX, the step is `jax_impl.make_step`."""
+    """Mixin over a torch stack: the state lives in a `jax_impl.Streamer` (jitted step, state
+    donated, host-side overflow guard); inputs and outputs cross through DLPack."""
 
     def __init__(self, *args, unroll: int | bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self._unroll = unroll
-        self._jax_state = None
-        self._offset_bound = 0  # host-side upper bound of every offset (overflow guard, no sync)
+        self._streamer: jax_impl.Streamer | None = None
 
     def jax_params(self) -> dict:
         """The Flax variables, as zero-copy JAX views of this module's weight buffers."""
@@ -46,7 +40,7 @@ class _JaxBacked:
 
     @property
     def jax_state(self) -> jax_impl.StreamState | None:
-        return self._jax_state
+        return None if self._streamer is None else self._streamer.state
 
     @property
     def state(self) -> StreamState | None:
@@ -55,35 +49,25 @@ class _JaxBacked:
         While a view is alive the next step cannot donate that buffer and copies it instead:
         look, then let the views go (or `.clone()` what you keep).
         """
-        s = self._jax_state
+        s = self.jax_state
         return None if s is None else StreamState(*(to_torch(a) for a in (s.k, s.v, s.offset, s.start_offset)))
 
     def _require_state(self, op: str):
-        if self._jax_state is None:
+        if self._streamer is None:
             raise RuntimeError(f"{op}() called before streaming_init(batch_size)")
-        return self._jax_state
+        return self._streamer.state
 
     def streaming_init(self, batch_size: int) -> None:
-        super().streaming_init(batch_size)  # validates, then allocates a torch state we replace
+        super().streaming_init(batch_size)  # validates, then allocates a torch state we drop
         self._state = None
         params = self.jax_params()
-        self._jax_params = params
-        device = params["params"]["layers"]["in_proj"].devices().pop()
-        state = jax_impl.init_state(self.config, batch_size, self._jax_params_dtype(params))
-        self._jax_state = jax.device_put(state, device)
-        self._offset_bound = 0
-        self._step_fn = jax_impl.make_step(self.config, unroll=self._unroll, rope_freqs=self.rope_freqs())
-
-    @staticmethod
-    def _jax_params_dtype(params):
-        return params["params"]["layers"]["in_proj"].dtype
+        in_proj = params["params"]["layers"]["in_proj"]
+        self._streamer = jax_impl.Streamer(self.config, params, batch_size, in_proj.dtype, unroll=self._unroll,
+                                           rope_freqs=self.rope_freqs(), device=in_proj.devices().pop())
 
     def _apply(self, op: str, *args) -> None:
-        args = [to_jax(a) if isinstance(a, torch.Tensor) else jax.numpy.asarray(a, jax_impl.index_dtype())
-                for a in args]
-        self._jax_state = _JAX_OPS[op](self._jax_state, *args)
-        if op == "reset":
-            self._offset_bound = 0
+        args = [to_jax(a) if isinstance(a, torch.Tensor) else a for a in args]
+        getattr(self._streamer, "reset_streaming" if op == "reset" else op)(*args)
 
     def step(self, x: torch.Tensor, active: torch.Tensor | None = None):
         """Same contract as the torch stack's step; returns torch tensors on the module's device.
@@ -92,11 +76,7 @@ class _JaxBacked:
         (a non-contiguous or misaligned input: a few KB per step).
         """
         _, active = self._check_step_inputs(x, active)
-        T = x.shape[1]
-        jax_impl.check_headroom(self._offset_bound, T, self._jax_state.offset.dtype)
-        outputs, self._jax_state = self._step_fn(self._jax_params, self._jax_state,
-                                                 to_jax(x, copy=None), to_jax(active, copy=None))
-        self._offset_bound += T
+        outputs = self._streamer.step(to_jax(x, copy=None), to_jax(active, copy=None))
         return jax.tree_util.tree_map(to_torch, outputs)
 
 
