@@ -6,8 +6,7 @@ checkpoint I/O and input validation are shared), take and return torch tensors o
 module's device, and keep the streaming state as JAX arrays, stepped by the jitted JAX step
 with the state donated. The JAX parameters are DLPack views of the module's own weight
 buffers (taken at `streaming_init`): no copy, and an in-place edit of a buffer (`load_weights`,
-`init_weights`, ...) is
-seen by the next step.
+`init_weights`, ...) is seen by the next step.
 
 `from_torch(module)` builds the JAX stepper on the very same buffers as a torch stack.
 """
