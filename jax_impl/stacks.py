@@ -142,23 +142,13 @@ class Streamer:
         self.offset_bound += T
         return outputs
 
-    def _row(self, op: str, b) -> int:
-        if not isinstance(b, (int, np.integer)) or isinstance(b, bool):
-            raise TypeError(f"{op}(b): b must be an int row index, got {type(b).__name__}")
-        if not 0 <= b < self.batch_size:
-            raise IndexError(f"{op}(b): b={b} is out of range for batch_size {self.batch_size}")
-        return int(b)
-
     def reset_slot(self, b: int) -> None:
-        b = self._row("reset_slot", b)
+        b = st.check_row("reset_slot", self.state, b)
         self.state = jit_reset_slot(self.state, jnp.asarray(b, jnp.int32))
 
     def bump_slot_start(self, b: int) -> None:
-        b = self._row("bump_slot_start", b)
-        start, off = int(self.state.start_offset[b]), int(self.state.offset[b])  # host read, rare op
-        if start >= off:
-            raise ValueError(f"bump_slot_start(b): row {b} has nothing left to forget "
-                             f"(start_offset == offset == {off})")
+        b = st.check_row("bump_slot_start", self.state, b)
+        st.check_can_bump(self.state, b)  # host read: a rare op
         self.state = jit_bump_slot_start(self.state, jnp.asarray(b, jnp.int32))
 
     def reset_rows(self, mask) -> None:

@@ -113,6 +113,20 @@ def reset_slot(state: StreamState, b) -> StreamState:
     return state._replace(start_offset=jnp.where(row, state.offset, state.start_offset))
 
 
+def check_row(op: str, state: StreamState, b) -> int:
+    """A concrete row index b, validated (TypeError / IndexError naming `op`)."""
+    _check_row(op, state, b)
+    return int(np.asarray(b))
+
+
+def check_can_bump(state: StreamState, b: int) -> None:
+    """ValueError unless row b still has a visible position to forget (reads the state on the host)."""
+    start, off = int(state.start_offset[b]), int(state.offset[b])
+    if start >= off:
+        raise ValueError(f"bump_slot_start(b): row {b} has nothing left to forget "
+                         f"(start_offset == offset == {off})")
+
+
 def bump_slot_start(state: StreamState, b) -> StreamState:
     """Row b forgets its oldest visible position (start_offset[b] += 1).
 
@@ -121,11 +135,7 @@ def bump_slot_start(state: StreamState, b) -> StreamState:
     """
     row = _check_row("bump_slot_start", state, b)
     if _is_concrete(b) and _is_concrete(state.offset) and _is_concrete(state.start_offset):
-        bi = int(np.asarray(b))
-        start, off = int(state.start_offset[bi]), int(state.offset[bi])
-        if start >= off:
-            raise ValueError(f"bump_slot_start(b): row {bi} has nothing left to forget "
-                             f"(start_offset == offset == {off})")
+        check_can_bump(state, int(np.asarray(b)))
     bumped = jnp.minimum(state.start_offset + 1, state.offset)
     return state._replace(start_offset=jnp.where(row, bumped, state.start_offset))
 
