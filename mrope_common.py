@@ -7,10 +7,7 @@ imports neither framework, so each package stays free of the other's. Arrays are
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-
-MAX_GRID_Y = 65535  # CUDA limit of the second grid dimension (token blocks).
 
 
 def check_geometry(q_shape, k_shape, head_size, rotary_dim):
@@ -81,29 +78,39 @@ def check_dtype(name, dtype, allowed):
         raise ValueError(f"{name} dtype must be one of {[str(d) for d in allowed]}, got {dtype}")
 
 
-def _pow2_floor(n):
-    return 1 << (max(int(n), 1).bit_length() - 1)
-
-
 def next_pow2(n):
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def default_blocks(num_tokens, num_q_heads, num_kv_heads, rotary_dim):
+TILE_ELEMENTS = 2048  # elements of one half-tile: 16 per thread at 4 warps (best on an H200)
+
+
+def default_blocks(num_q_heads, num_kv_heads, rotary_dim):
     """(block_tokens, block_heads) used when the caller names none.
 
-    ``block_heads`` is the largest power of two <= 8 dividing both head counts (no masked lanes
-    for 28/4 or 32/8), at least 4; ``block_tokens`` aims at ~1K elements per half-tile and keeps
-    the token grid within CUDA's 65535 limit.
+    One program rotates ``block_tokens`` tokens, every head of q then every head of k, in
+    ``[block_tokens, block_heads, rotary_dim // 2]`` tiles (k's tile has at most its own head
+    count, rounded up to a power of two). ``block_heads`` covers all heads of q and k when a tile
+    of one token holds them (28/4 heads of 64 frequencies: 32); ``block_tokens`` then fills the
+    tile to about ``TILE_ELEMENTS``.
     """
-    g = math.gcd(num_q_heads, num_kv_heads)
-    block_heads = min(8, g & -g)
-    if block_heads < 4:
-        block_heads = min(4, next_pow2(max(num_q_heads, num_kv_heads)))
     half_p2 = next_pow2(rotary_dim // 2)
-    block_tokens = max(1, min(16, _pow2_floor(1024 // (block_heads * half_p2))))
-    block_tokens = max(block_tokens, next_pow2(-(-num_tokens // MAX_GRID_Y)))
+    block_heads = min(next_pow2(max(num_q_heads, num_kv_heads)), max(1, TILE_ELEMENTS // half_p2))
+    block_tokens = max(1, TILE_ELEMENTS // (block_heads * half_p2))
     return block_tokens, block_heads
+
+
+def default_num_warps(block_tokens, block_heads, rotary_dim):
+    """One warp per 512 elements of the q half-tile (16 per thread), 1 to 8."""
+    return max(1, min(8, block_tokens * block_heads * next_pow2(rotary_dim // 2) // 512))
+
+
+def check_blocks(block_tokens, block_heads, num_tokens):
+    """Validates caller-given tile sizes; returns the number of token blocks (the grid)."""
+    for name, v in (("block_tokens", block_tokens), ("block_heads", block_heads)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v & (v - 1):
+            raise ValueError(f"{name} must be a positive power of two, got {v!r}")
+    return -(-num_tokens // block_tokens)
 
 
 def stream_index(rotary_dim: int, mrope_section: Sequence[int], mrope_interleaved: bool) -> list[int]:

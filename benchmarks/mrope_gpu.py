@@ -7,12 +7,14 @@
     ``mrope_from_cache`` (jitted) against Triton's, and each against its framework's reference.
     Mismatches are reported as element counts and max ULP.
 (b) Timings for 1024 / 8192 / 32768 tokens (28 q heads, 4 kv heads, head 128, rotary 128, sections
-    [16, 24, 24], bf16, NeoX, chunked): torch-native, Triton in place (table and fused gather),
-    the gather + kernel path, Pallas donated (table and fused gather), jnp-native.  torch forms are
-    timed as CUDA-graph replays (CUDA events, median), JAX forms as a jitted ``fori_loop`` of the
-    kernel with donated carries (block_until_ready + perf_counter, median), so Python launch
-    overhead is out of both.  Bandwidth = bytes read + written / time, against the 4.26 TB/s copy
-    ceiling measured on this card.
+    [16, 24, 24], bf16, NeoX, chunked), default tiles: torch-native, Triton in place (table and
+    fused gather), the gather + kernel path, Pallas donated (table and fused gather).  Every form
+    gets its GPU kernel time from CUPTI (torch.profiler also sees JAX's kernels; median of 20
+    calls), and the time per call of the form a user runs: torch as CUDA-graph replays of 20
+    calls (CUDA events), JAX as one jit of 20 and of 100 chained donated calls (perf_counter +
+    block_until_ready; the difference gives the marginal wall time per call).  Calls rotate over
+    as many q/k sets as make 200 MB, so the 50 MB L2 does not serve them.  Bandwidth = bytes read
+    + written / time, against the copy ceiling measured at the start of the run.
 
 Writes ``mrope_gpu.json`` under ``--out`` and prints a markdown table last.  Without a GPU it runs
 a small correctness smoke test in interpret mode (needs TRITON_INTERPRET=1).
@@ -23,8 +25,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -39,11 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import triton
+from torch.profiler import ProfilerActivity, profile
 
 import kernels_pallas as kp
 import kernels_triton as kt
 
-COPY_CEILING = 4.26e12  # bytes/s, device-to-device copy (read + written) measured on an H200 here
 ENGINE_KERNEL_US = {1024: 10.2, 8192: 39.8, 32768: 139.0}  # serving engine's Triton MRoPE kernel
 ENGINE_NATIVE_US = {1024: 156.0, 8192: 313.0, 32768: 1103.0}  # its torch-native path
 
@@ -179,20 +183,52 @@ def run_correctness(quick, max_cases=None):
 
 # ----------------------------------------------------------------------------------- timing
 
+NOT_KERNEL = re.compile("memcpy|memset|copy", re.IGNORECASE)
+ROTATE_BYTES = 200e6  # q/k sets per size: calls rotate over them so the 50 MB L2 cannot hold them
 
-def time_torch_graph(fn, iters=20, reps=15):
-    """Median microseconds per fn() call, replaying a CUDA graph of `iters` calls."""
+
+def copy_ceiling():
+    """TB/s read + written by a 1 GiB device-to-device copy, CUDA events around each (median).
+
+    Not a graph replay: a memcpy node in a CUDA graph runs on a copy engine at about 2.8 TB/s.
+    """
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(23):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return 2 * src.numel() / statistics.median(times[3:]) / 1e12
+
+
+def kernel_us(run):
+    """(median GPU µs, count) of the kernels run() launches (CUPTI; copies and memsets left out)."""
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    d = [e.device_time_total for e in prof.events()
+         if e.device_type == torch.autograd.DeviceType.CUDA and not NOT_KERNEL.search(e.name)]
+    return (statistics.median(d) if d else float("nan")), len(d)
+
+
+def graph_us(fn, iters=20, reps=15):
+    """Median µs per fn(j) call, j = 0..iters-1, replaying a CUDA graph of the iters calls."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
+        for j in range(3):
+            fn(j)
     torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(iters):
-            fn()
+        for j in range(iters):
+            fn(j)
     g.replay()
     torch.cuda.synchronize()
     times = []
@@ -206,68 +242,58 @@ def time_torch_graph(fn, iters=20, reps=15):
     return statistics.median(times)
 
 
-def time_torch_events(fn, iters=20, reps=15):
-    """Median microseconds per call with CUDA events around plain launches (no graph)."""
-    for _ in range(3):
-        fn()
+def events_us(fn, iters=20, reps=15):
+    """Median µs per fn(j) call with CUDA events around plain launches (no graph)."""
+    for j in range(3):
+        fn(j)
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(iters):
-            fn()
+        for j in range(iters):
+            fn(j)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / iters)
     return statistics.median(times)
 
 
-def time_jax_loop(step, carry, consts, iters=20, reps=15):
-    """Median microseconds per step: one jit of `iters` chained (unrolled) steps, carry donated.
-
-    Unrolled rather than a fori_loop: XLA's while loop adds a per-iteration predicate round trip
-    that is larger than the kernel at 1024 tokens.
-    """
+def jax_chain(step, num_sets, iters):
+    """One jit of `iters` calls of step(q, k, *consts) -> (q, k), call j on set j % num_sets, donated."""
 
     @functools.partial(jax.jit, donate_argnums=(0,))
-    def loop(carry, consts):
-        for _ in range(iters):
-            carry = step(carry, consts)
-        return carry
+    def chain(sets, consts):
+        sets = list(sets)
+        for j in range(iters):
+            sets[j % num_sets] = step(*sets[j % num_sets], *consts)
+        return tuple(sets)
 
-    carry = loop(carry, consts)
-    jax.block_until_ready(carry)
+    return chain
+
+
+def jax_wall_us(chain, sets, consts, iters, reps=15):
+    """Median wall µs per call of a chain (block_until_ready + perf_counter); returns the sets too."""
+    sets = chain(sets, consts)
+    jax.block_until_ready(sets)
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        carry = loop(carry, consts)
-        jax.block_until_ready(carry)
+        sets = chain(sets, consts)
+        jax.block_until_ready(sets)
         times.append((time.perf_counter() - t) * 1e6 / iters)
-    return statistics.median(times)
+    return statistics.median(times), sets
 
 
-def time_jax_calls(fn, carry, consts, iters=50, reps=9):
-    """Median microseconds per call of a donated jitted fn (Python dispatch included)."""
-    carry = fn(*carry, *consts)
-    jax.block_until_ready(carry)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(iters):
-            carry = fn(*carry, *consts)
-        jax.block_until_ready(carry)
-        times.append((time.perf_counter() - t) * 1e6 / iters)
-    return statistics.median(times)
-
-
-def time_size(n, sweep):
+def time_size(n, ceiling):
     hq, hk, hs, rd = 28, 4, 128, 128
     sections = [16, 24, 24]
     max_position = 128000
     g = torch.Generator().manual_seed(n)
-    q = torch.randn(n, hq * hs, generator=g).to(torch.bfloat16).to(DEV)
-    k = torch.randn(n, hk * hs, generator=g).to(torch.bfloat16).to(DEV)
+    qk_bytes = 2 * n * (hq + hk) * hs * 2  # bf16 read + written
+    num_sets = max(1, round(ROTATE_BYTES / qk_bytes))
+    qs = [torch.randn(n, hq * hs, generator=g).to(torch.bfloat16).to(DEV) for _ in range(num_sets)]
+    ks = [torch.randn(n, hk * hs, generator=g).to(torch.bfloat16).to(DEV) for _ in range(num_sets)]
     inv = 1.0 / (1000000.0 ** (torch.arange(rd // 2, dtype=torch.float64) * 2 / rd))
     ang = torch.arange(max_position, dtype=torch.float64)[:, None] * inv[None, :]
     cache = torch.cat([ang.cos(), ang.sin()], -1).float().to(DEV)
@@ -275,125 +301,136 @@ def time_size(n, sweep):
                        torch.randint(0, 64, (n,), generator=g)]).to(DEV)
     cos, sin = cache[pos].chunk(2, -1)
     cos, sin = cos.contiguous(), sin.contiguous()
-    qk_bytes = 2 * (q.numel() + k.numel()) * 2  # bf16 read + written
     table_bytes = 2 * n * (rd // 2) * 4  # one float32 cos and sin value per token and frequency
-    pos_bytes = pos.numel() * pos.element_size()
-    byts = {"table": qk_bytes + table_bytes, "cache": qk_bytes + table_bytes + pos_bytes}
+    byts = {"table": qk_bytes + table_bytes, "cache": qk_bytes + table_bytes + pos.numel() * pos.element_size()}
     args = (sections, hs, rd, False, True)
-    row = {"num_tokens": n, "bytes_table": byts["table"], "bytes_cache": byts["cache"]}
+    row = {"num_tokens": n, "q_k_sets": num_sets, "bytes_table": byts["table"], "bytes_cache": byts["cache"]}
 
-    def record(name, us, kind):
-        row[name] = {"us": us, "TBps": byts[kind] / (us * 1e-6) / 1e12,
-                     "of_copy_ceiling": byts[kind] / (us * 1e-6) / COPY_CEILING}
-        print(f"[time] n={n:6d} {name:32s} {us:9.2f} us  {row[name]['TBps']:.2f} TB/s", flush=True)
+    def record(name, kind, **times):
+        row[name] = {}
+        for key, us in times.items():
+            row[name][key] = us
+            if key.endswith("_us") and not math.isnan(us):
+                row[name][key[:-3] + "_of_copy"] = byts[kind] / (us * 1e-6) / (ceiling * 1e12)
+        print(f"[time] n={n:6d} {name:28s} " + " ".join(f"{k}={v:.2f}" for k, v in row[name].items()), flush=True)
 
     def attempt(name, kind, fn):
         try:
-            record(name, fn(), kind)
-        except Exception as e:  # noqa: BLE001
+            record(name, kind, **fn())
+        except Exception as e:  # noqa: BLE001  keep what was measured
             traceback.print_exc()
             row[name] = {"error": repr(e)[:300]}
 
-    # Block-size sweep for the Triton kernel (the Pallas kernel then takes the winner).
-    best = {"table": (None, None, None), "cache": (None, None, None)}
-    if sweep:
-        for form in ("table", "cache"):
-            cands = []
-            for bt, bh, nw in [(bt, bh, nw) for bt in (2, 4, 8, 16) for bh in (4, 8) for nw in (2, 4, 8)
-                               if bt * bh <= 64]:
-                kw = {"block_tokens": bt, "block_heads": bh, "num_warps": nw}
-                try:
-                    if form == "table":
-                        us = time_torch_graph(lambda kw=kw: kt.mrope_(q, k, cos, sin, *args, **kw),
-                                              iters=10, reps=5)
-                    else:
-                        us = time_torch_graph(lambda kw=kw: kt.mrope_from_cache_(
-                            pos, q, k, cache, *args, check_positions=False, **kw), iters=10, reps=5)
-                    cands.append((us, bt, bh, nw))
-                except Exception as e:  # noqa: BLE001
-                        print(f"[sweep] {form} bt={bt} bh={bh} nw={nw} failed: {e!r}"[:300], flush=True)
-            if cands:
-                us, bt, bh, nw = min(cands)
-                best[form] = (bt, bh, nw)
-                row[f"sweep_{form}"] = [{"us": u, "block_tokens": b, "block_heads": h, "num_warps": w}
-                                        for u, b, h, w in cands]
-                print(f"[sweep] n={n} {form}: best block_tokens={bt} block_heads={bh} num_warps={nw} "
-                      f"({us:.2f} us)", flush=True)
-    row["best_blocks"] = {f: {"block_tokens": b[0], "block_heads": b[1], "num_warps": b[2]} for f, b in best.items()}
-    bkw = {f: {"block_tokens": b[0], "block_heads": b[1], "num_warps": b[2]} for f, b in best.items()}
+    def torch_form(fn):
+        """Kernel time (CUPTI) and CUDA-graph time per call, rotating over the q/k sets."""
+        k_us, _ = kernel_us(lambda: [fn(qs[j % num_sets], ks[j % num_sets]) for j in range(20)])
+        return {"kernel_us": k_us, "graph_us": graph_us(lambda j: fn(qs[j % num_sets], ks[j % num_sets]))}
 
-    attempt("torch_native", "table", lambda: time_torch_graph(lambda: kt.mrope_native(q, k, cos, sin, *args)))
-    attempt("torch_native_gather", "cache",
-            lambda: time_torch_graph(lambda: kt.mrope_from_cache_native(pos, q, k, cache, *args)))
-    attempt("triton_inplace_default", "table",
-            lambda: time_torch_graph(lambda: kt.mrope_(q, k, cos, sin, *args)))
-    attempt("triton_inplace", "table",
-            lambda: time_torch_graph(lambda: kt.mrope_(q, k, cos, sin, *args, **bkw["table"])))
-    attempt("triton_inplace_no_graph", "table",
-            lambda: time_torch_events(lambda: kt.mrope_(q, k, cos, sin, *args, **bkw["table"])))
-    attempt("triton_fused_gather", "cache", lambda: time_torch_graph(
-        lambda: kt.mrope_from_cache_(pos, q, k, cache, *args, check_positions=False, **bkw["cache"])))
-    attempt("gather_only(cache[positions])", "cache", lambda: time_torch_graph(lambda: cache[pos]))
+    attempt("torch_native", "table", lambda: {"graph_us": graph_us(
+        lambda j: kt.mrope_native(qs[j % num_sets], ks[j % num_sets], cos, sin, *args))})
+    attempt("triton_inplace", "table", lambda: torch_form(lambda q, k: kt.mrope_(q, k, cos, sin, *args)))
+    attempt("triton_inplace_no_graph", "table", lambda: {"events_us": events_us(
+        lambda j: kt.mrope_(qs[j % num_sets], ks[j % num_sets], cos, sin, *args))})
+    attempt("triton_fused_gather", "cache", lambda: torch_form(
+        lambda q, k: kt.mrope_from_cache_(pos, q, k, cache, *args, check_positions=False)))
+    attempt("gather_only", "cache", lambda: {"graph_us": graph_us(lambda j: cache[pos])})
 
-    def gather_then_kernel():
+    def gather_then_kernel(q, k):
         c, s = cache[pos].chunk(2, -1)
-        kt.mrope_(q, k, c, s, *args, **bkw["table"])  # .contiguous() copies the two halves
+        kt.mrope_(q, k, c, s, *args)  # .contiguous() inside copies the two halves
 
-    attempt("gather+triton_kernel", "cache", lambda: time_torch_graph(gather_then_kernel))
+    attempt("gather+triton_kernel", "cache", lambda: {"graph_us": graph_us(
+        lambda j: gather_then_kernel(qs[j % num_sets], ks[j % num_sets]))})
 
-    jq, jk = jax_from_torch(q), jax_from_torch(k)
-    jc, js = jax_from_torch(cos), jax_from_torch(sin)
-    jpos, jcache = jax_from_torch(pos.int()), jax_from_torch(cache)
     kw = {"mrope_section": sections, "head_size": hs, "rotary_dim": rd}
-    for form, blocks in (("default", {}), ("tuned", bkw["table"])):
-        p_table = functools.partial(kp.mrope, **kw, **blocks)
-        attempt(f"pallas_donated_{form}", "table", lambda p=p_table: time_jax_loop(
-            lambda c, x: p(c[0], c[1], x[0], x[1]), (jnp.copy(jq), jnp.copy(jk)), (jc, js)))
-    p_cache = functools.partial(kp.mrope_from_cache, **kw, **bkw["cache"])
-    attempt("pallas_fused_gather", "cache", lambda: time_jax_loop(
-        lambda c, x: p_cache(x[0], c[0], c[1], x[1]), (jnp.copy(jq), jnp.copy(jk)), (jpos, jcache)))
-    p_calls = jax.jit(functools.partial(kp.mrope, **kw, **bkw["table"]), donate_argnums=(0, 1))
-    attempt("pallas_donated_per_call", "table",
-            lambda: time_jax_calls(p_calls, (jnp.copy(jq), jnp.copy(jk)), (jc, js)))
-    nat = functools.partial(kp.mrope_native, **kw)
-    attempt("jnp_native", "table", lambda: time_jax_loop(
-        lambda c, x: nat(c[0], c[1], x[0], x[1]), (jnp.copy(jq), jnp.copy(jk)), (jc, js)))
-    nat_c = functools.partial(kp.mrope_from_cache_native, **kw)
-    attempt("jnp_native_gather", "cache", lambda: time_jax_loop(
-        lambda c, x: nat_c(x[0], c[0], c[1], x[1]), (jnp.copy(jq), jnp.copy(jk)), (jpos, jcache)))
-    if "gather_only(cache[positions])" in row and "us" in row["gather_only(cache[positions])"]:
-        row["engine_whole_path_us(est)"] = ENGINE_KERNEL_US.get(n, float("nan")) + row[
-            "gather_only(cache[positions])"]["us"]
+    jconsts = {"table": (jax_from_torch(cos), jax_from_torch(sin)),
+               "cache": (jax_from_torch(pos.int()), jax_from_torch(cache))}
+    steps = {"table": lambda q, k, c, s: kp.mrope(q, k, c, s, **kw),
+             "cache": lambda q, k, p, c: kp.mrope_from_cache(p, q, k, c, **kw)}
+
+    def jax_form(kind):
+        """Kernel time (CUPTI), wall per call in a jit of 20 chained donated calls, and the marginal
+        wall per call (a jit of 100 against one of 20: what one more call costs inside a program)."""
+        sets = tuple((jax_from_torch(q), jax_from_torch(k)) for q, k in zip(qs, ks))
+        chain20, chain100 = (jax_chain(steps[kind], num_sets, it) for it in (20, 100))
+        state = {"sets": sets}
+
+        def run():
+            state["sets"] = chain20(state["sets"], jconsts[kind])
+            jax.block_until_ready(state["sets"])
+
+        k_us, _ = kernel_us(run)
+        w20, sets = jax_wall_us(chain20, state["sets"], jconsts[kind], 20)
+        w100, _ = jax_wall_us(chain100, sets, jconsts[kind], 100)
+        return {"kernel_us": k_us, "chain20_wall_us": w20, "marginal_wall_us": (100 * w100 - 20 * w20) / 80}
+
+    attempt("pallas_donated", "table", lambda: jax_form("table"))
+    attempt("pallas_fused_gather", "cache", lambda: jax_form("cache"))
+    per_call = jax.jit(steps["table"], donate_argnums=(0, 1))
+
+    def pallas_per_call():
+        state = [jax_from_torch(qs[0]), jax_from_torch(ks[0])]
+        state = list(per_call(*state, *jconsts["table"]))
+        jax.block_until_ready(state)
+        times = []
+        for _ in range(9):
+            t = time.perf_counter()
+            for _ in range(50):
+                state = list(per_call(*state, *jconsts["table"]))
+            jax.block_until_ready(state)
+            times.append((time.perf_counter() - t) * 1e6 / 50)
+        return {"dispatch_wall_us": statistics.median(times)}
+
+    attempt("pallas_donated_per_call", "table", pallas_per_call)
+    if "graph_us" in row.get("gather_only", {}):
+        row["engine_whole_path_us(est)"] = ENGINE_KERNEL_US.get(n, float("nan")) + row["gather_only"]["graph_us"]
     return row
 
 
-def run_timing(sizes, sweep):
+def run_timing(sizes):
+    ceiling = copy_ceiling()
+    print(f"[time] copy ceiling {ceiling:.2f} TB/s", flush=True)
     results = []
     for n in sizes:
-        results.append(time_size(n, sweep))
+        results.append(time_size(n, ceiling))
         torch.cuda.empty_cache()
-    return results
+    return ceiling, results
 
 
-def table(results):
-    names = ["torch_native", "torch_native_gather", "jnp_native", "jnp_native_gather",
-             "triton_inplace_default", "triton_inplace", "triton_inplace_no_graph", "pallas_donated_default",
-             "pallas_donated_tuned", "pallas_donated_per_call", "gather_only(cache[positions])",
-             "gather+triton_kernel", "triton_fused_gather", "pallas_fused_gather"]
+TABLE_ROWS = [
+    ("torch_native", "graph_us", "torch-native reference (`mrope_native`), CUDA graph"),
+    ("triton_inplace", "kernel_us", "**Triton `mrope_`**, kernel"),
+    ("triton_inplace", "graph_us", "Triton `mrope_`, CUDA graph of 20 calls"),
+    ("triton_inplace_no_graph", "events_us", "Triton `mrope_`, Python launches"),
+    ("triton_fused_gather", "kernel_us", "**Triton fused gather `mrope_from_cache_`**, kernel"),
+    ("triton_fused_gather", "graph_us", "Triton fused gather, CUDA graph"),
+    ("gather_only", "graph_us", "gather `cache[positions]` alone"),
+    ("gather+triton_kernel", "graph_us", "gather + chunk + Triton kernel (unfused), CUDA graph"),
+    ("pallas_donated", "kernel_us", "**Pallas `mrope`** (donated), kernel"),
+    ("pallas_donated", "marginal_wall_us", "Pallas `mrope`, marginal wall per call in a jit"),
+    ("pallas_donated", "chain20_wall_us", "Pallas `mrope`, jit of 20 calls, wall / 20"),
+    ("pallas_donated_per_call", "dispatch_wall_us", "Pallas `mrope`, one jitted call per step"),
+    ("pallas_fused_gather", "kernel_us", "**Pallas fused gather `mrope_from_cache`**, kernel"),
+    ("pallas_fused_gather", "marginal_wall_us", "Pallas fused gather, marginal wall per call"),
+]
+
+
+def table(ceiling, results):
     sizes = [r["num_tokens"] for r in results]
-    lines = ["| form | " + " | ".join(f"{n} tokens: µs (TB/s, % of 4.26)" for n in sizes) + " |",
+    lines = [f"| form (µs; % of the {ceiling:.2f} TB/s copy ceiling) | " + " | ".join(f"{n} tokens" for n in sizes) + " |",
              "|---|" + "---|" * len(sizes)]
-    for name in names:
+    for name, key, label in TABLE_ROWS:
         cells = []
         for r in results:
             v = r.get(name, {})
-            cells.append(f"{v['us']:.1f} ({v['TBps']:.2f}, {100 * v['of_copy_ceiling']:.0f}%)" if "us" in v
+            pct = v.get(key[:-3] + "_of_copy")
+            cells.append(f"{v[key]:.1f}" + (f" ({100 * pct:.0f}%)" if pct else "") if key in v
                          else v.get("error", "-")[:40])
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append("| engine Triton kernel (target) | " + " | ".join(f"{ENGINE_KERNEL_US.get(n, '-')}" for n in sizes) + " |")
-    lines.append("| engine gather + kernel (est.) | " + " | ".join(
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("| target: engine Triton kernel | " + " | ".join(f"{ENGINE_KERNEL_US.get(n, '-')}" for n in sizes) + " |")
+    lines.append("| target: engine gather + kernel (est.) | " + " | ".join(
         f"{r.get('engine_whole_path_us(est)', float('nan')):.1f}" for r in results) + " |")
-    lines.append("| engine torch-native (target) | " + " | ".join(f"{ENGINE_NATIVE_US.get(n, '-')}" for n in sizes) + " |")
+    lines.append("| target: engine torch-native | " + " | ".join(f"{ENGINE_NATIVE_US.get(n, '-')}" for n in sizes) + " |")
     return "\n".join(lines)
 
 
@@ -402,7 +439,6 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--sizes", default="1024,8192,32768")
     ap.add_argument("--quick", action="store_true", help="small correctness shapes only")
-    ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--skip-bits", action="store_true")
     ap.add_argument("--max-bits-cases", type=int, default=None)
     a = ap.parse_args()
@@ -425,10 +461,10 @@ def main():
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
     if GPU:
-        report["timing"] = run_timing([int(s) for s in a.sizes.split(",")], not a.no_sweep)
+        report["copy_ceiling_TBps"], report["timing"] = run_timing([int(s) for s in a.sizes.split(",")])
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
-        md = table(report["timing"])
+        md = table(report["copy_ceiling_TBps"], report["timing"])
         with open(os.path.join(a.out, "mrope_gpu.md"), "w") as f:
             f.write(md + "\n")
     bits = report.get("bit_identity", [])

@@ -18,8 +18,9 @@ Triton backend on GPU, so the products are made opaque to contraction:
 
 The kernel takes ``q``/``k`` flattened to 1-D and aliases them to its outputs
 (``input_output_aliases``), so under ``jax.jit(..., donate_argnums=...)`` it rotates in place
-and the partial-rotary tail is never touched.  The grid is ``(head blocks of q then k, token
-blocks)``; one program rotates one ``[block_tokens, block_heads, rotary_dim // 2]`` tile pair
+and the partial-rotary tail is never touched.  The grid and tiles are the Triton kernel's: one
+program per block of ``block_tokens`` tokens loads the block's cos/sin rows once and rotates
+every q head, then every k head, in ``[block_tokens, block_heads, rotary_dim // 2]`` tile pairs,
 with gathers/scatters (``pallas.triton.load/store`` with index arrays and masks), which lets any
 head count (28/4, 5/3, ...) use power-of-two tiles.
 """
@@ -36,13 +37,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from mrope_common import (
-    MAX_GRID_Y,
+    check_blocks,
     check_dtype,
     check_flags,
     check_geometry,
     check_sections,
     check_table,
     default_blocks,
+    default_num_warps,
     next_pow2,
     stream_index,
 )
@@ -121,10 +123,8 @@ def _mrope_kernel(q_in, k_in, cos_ref, sin_ref, q_out, k_out, *, num_tokens, num
                   num_kv_heads, head_size, half, num_streams, sections, interleaved, is_neox,
                   from_cache, max_position, block_t, block_h, compiled_gpu):
     # When from_cache: cos_ref holds positions [num_streams * num_tokens], sin_ref the cache.
-    pid_h = pl.program_id(0)
-    pid_t = pl.program_id(1)
     half_p2 = next_pow2(half)
-    tok = pid_t * block_t + jnp.arange(block_t, dtype=jnp.int32)
+    tok = pl.program_id(0) * block_t + jnp.arange(block_t, dtype=jnp.int32)
     t_mask = tok < num_tokens
     i = jnp.arange(half_p2, dtype=jnp.int32)
     sel = _stream_of_frequency(i, num_streams, sections, interleaved)
@@ -155,21 +155,18 @@ def _mrope_kernel(q_in, k_in, cos_ref, sin_ref, q_out, k_out, *, num_tokens, num
         offs = _masked_offsets(offs, cs_mask, cos_ref.shape[0], compiled_gpu)
         cos = pltriton.load(cos_ref.at[offs], mask=cs_mask, other=0)
         sin = pltriton.load(sin_ref.at[offs], mask=cs_mask, other=0)
+    # The token block's cos/sin rows are loaded once and serve every head of q and k.
     cos = cos.astype(jnp.float32)[:, None, :]
     sin = sin.astype(jnp.float32)[:, None, :]
 
     tile = functools.partial(_rotate_tile, tok=tok, t_mask=t_mask, cos=cos, sin=sin,
                              head_size=head_size, half=half, half_p2=half_p2, is_neox=is_neox,
-                             block_h=block_h, compiled_gpu=compiled_gpu)
-    num_q_blocks = -(-num_q_heads // block_h)
-
-    @pl.when(pid_h < num_q_blocks)
-    def _():
-        tile(q_in, q_out, head0=pid_h * block_h, num_heads=num_q_heads)
-
-    @pl.when(pid_h >= num_q_blocks)
-    def _():
-        tile(k_in, k_out, head0=(pid_h - num_q_blocks) * block_h, num_heads=num_kv_heads)
+                             compiled_gpu=compiled_gpu)
+    for head0 in range(0, num_q_heads, block_h):
+        tile(q_in, q_out, head0=head0, num_heads=num_q_heads, block_h=block_h)
+    block_hk = min(block_h, next_pow2(num_kv_heads))
+    for head0 in range(0, num_kv_heads, block_hk):
+        tile(k_in, k_out, head0=head0, num_heads=num_kv_heads, block_h=block_hk)
 
 
 def _check_array(name, x):
@@ -204,28 +201,22 @@ def _call(q, k, a, b, *, from_cache, num_streams, sections, max_position, head_s
           mrope_interleaved, is_neox_style, interpret, block_tokens, block_heads, num_warps):
     num_tokens = q.shape[0]
     hq, hk = q.shape[1] // head_size, k.shape[1] // head_size
-    bt, bh = default_blocks(num_tokens, hq, hk, rotary_dim)
+    bt, bh = default_blocks(hq, hk, rotary_dim)
     bt = bt if block_tokens is None else block_tokens
     bh = bh if block_heads is None else block_heads
-    for name, v in (("block_tokens", bt), ("block_heads", bh)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v & (v - 1):
-            raise ValueError(f"{name} must be a positive power of two, got {v!r}")
-    if -(-num_tokens // bt) > MAX_GRID_Y:
-        raise ValueError(f"block_tokens={bt} gives more than {MAX_GRID_Y} token blocks; use a larger one")
-    if num_warps is None:  # 16 elements of each half-tile per thread was best on an H200
-        num_warps = max(1, min(8, bt * bh * next_pow2(rotary_dim // 2) // 512))
+    num_blocks = check_blocks(bt, bh, num_tokens)
+    num_warps = default_num_warps(bt, bh, rotary_dim) if num_warps is None else num_warps
     interpret = _use_interpret(interpret)
     kernel = functools.partial(
         _mrope_kernel, num_tokens=num_tokens, num_q_heads=hq, num_kv_heads=hk, head_size=head_size,
         half=rotary_dim // 2, num_streams=num_streams, sections=tuple(sections),
         interleaved=mrope_interleaved, is_neox=is_neox_style, from_cache=from_cache,
         max_position=max_position, block_t=bt, block_h=bh, compiled_gpu=not interpret)
-    grid = (-(-hq // bh) + -(-hk // bh), -(-num_tokens // bt))
     q_flat, k_flat = q.reshape(-1), k.reshape(-1)
     q_out, k_out = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(q_flat.shape, q.dtype), jax.ShapeDtypeStruct(k_flat.shape, k.dtype)),
-        grid=grid,
+        grid=(num_blocks,),
         input_output_aliases={0: 0, 1: 1},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
@@ -270,7 +261,8 @@ def mrope(
       is_neox_style: NeoX halves (``j`` with ``j + rotary_dim / 2``) or GPT-J pairs (``2j, 2j+1``).
       interpret: run the kernel in the Pallas interpreter; None picks it on non-GPU backends.
       block_tokens, block_heads: tile sizes (powers of two); None picks :func:`default_blocks`.
-      num_warps: warps per program on the GPU; None gives one warp per 512 tile elements.
+      num_warps: warps per program on the GPU; None gives one warp per 512 elements of the q
+        half-tile.
 
     Returns:
       ``(q, k)`` with the shapes and dtype of the inputs.

@@ -21,13 +21,16 @@ kernel is bit-identical to :func:`mrope_native`.  The kernel is compiled with
 
 Layout is the serving-engine one: ``q [num_tokens, num_q_heads * head_size]`` (rows may be
 strided, e.g. a slice of a fused qkv projection; the last dimension must be contiguous) and
-``k [num_tokens, num_kv_heads * head_size]``.  The grid is ``(head blocks of q then k, token
-blocks)``: one program rotates a ``[block_tokens, block_heads, rotary_dim // 2]`` tile pair, so a
-short prompt still fills the GPU while a long one streams at copy bandwidth.
+``k [num_tokens, num_kv_heads * head_size]``.  The grid is one program per block of
+``block_tokens`` tokens: it loads the block's cos/sin rows once, then rotates every q head and
+every k head in ``[block_tokens, block_heads, rotary_dim // 2]`` tile pairs (k's tile holds at
+most its own head count).  At Qwen2.5-VL shapes that is one token per program and one tile of 32
+(28 live) q heads: whole rows stream at copy bandwidth.  q/k offsets are 32-bit when they fit.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -35,13 +38,15 @@ import triton
 import triton.language as tl
 
 from mrope_common import (
-    MAX_GRID_Y,
+    check_blocks,
     check_dtype,
     check_flags,
     check_geometry,
     check_sections,
     check_table,
     default_blocks,
+    default_num_warps,
+    next_pow2,
 )
 
 __all__ = [
@@ -54,6 +59,7 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OFFSETS_32_LIMIT = 2**31  # q/k element offsets below this are computed in 32 bits
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,14 +91,14 @@ def _stream_of_frequency(
 
 
 @triton.jit
-def _round_to(x, dtype: tl.constexpr):
+def _round_to(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """float32 -> ``dtype``, round to nearest even.
 
-    bfloat16 is rounded with integer ops: the interpreter's own float32 -> bfloat16 cast
-    truncates, while the GPU's ``cvt.rn.bf16.f32`` rounds to nearest even; this form gives the
-    GPU's bits everywhere (NaN becomes the canonical quiet NaN 0x7FC0).
+    Compiled, the cast is ``cvt.rn``. The interpreter's own float32 -> bfloat16 cast truncates,
+    so there bfloat16 is rounded with integer ops, which give the GPU's bits (NaN becomes a
+    quiet NaN; NaN payloads are not part of the contract).
     """
-    if dtype == tl.bfloat16:
+    if INTERPRETED and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         bits = tl.where(x != x, 0x7FC00000, bits)  # noqa: PLR0124
@@ -116,6 +122,8 @@ def _rotate_tile(
     ROT_HALF_P2: tl.constexpr,
     IS_NEOX: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    OFFSETS_64: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """Rotate heads ``head0 .. head0 + BLOCK_H`` of the token block in place."""
     h = head0 + tl.arange(0, BLOCK_H)
@@ -126,7 +134,7 @@ def _rotate_tile(
     else:  # GPT-J: element 2i pairs with 2i + 1
         first = 2 * i
         second = 2 * i + 1
-    row = tok.to(tl.int64) * stride_x
+    row = tok.to(tl.int64) * stride_x if OFFSETS_64 else tok * stride_x
     base = row[:, None, None] + (h * HEAD_SIZE)[None, :, None]
     mask = t_mask[:, None, None] & (h < NUM_HEADS)[None, :, None] & (i < ROT_HALF)[None, None, :]
     ptr1 = x_ptr + base + first[None, None, :]
@@ -136,8 +144,8 @@ def _rotate_tile(
     # Four separately rounded products (fp fusion is off), then one rounding per output.
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
-    tl.store(ptr1, _round_to(o1, x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr2, _round_to(o2, x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr1, _round_to(o1, x_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    tl.store(ptr2, _round_to(o2, x_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 @triton.jit
@@ -165,10 +173,11 @@ def _mrope_kernel(
     FROM_CACHE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    OFFSETS_64: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
-    pid_h = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tok < num_tokens
     i = tl.arange(0, ROT_HALF_P2)
     sel = _stream_of_frequency(i, NUM_STREAMS, SECTION_T, SECTION_H, SECTION_W, INTERLEAVED)
@@ -191,40 +200,37 @@ def _mrope_kernel(
         offs = (sel[None, :] * num_tokens + tok[:, None]).to(tl.int64) * ROT_HALF + i[None, :]
         cos = tl.load(cos_ptr + offs, mask=cs_mask, other=0.0)
         sin = tl.load(sin_ptr + offs, mask=cs_mask, other=0.0)
+    # The token block's cos/sin rows are loaded once and serve every head of q and k.
     cos = cos.to(tl.float32)[:, None, :]
     sin = sin.to(tl.float32)[:, None, :]
-
-    num_q_blocks = tl.cdiv(NUM_Q_HEADS, BLOCK_H)
-    if pid_h < num_q_blocks:
-        _rotate_tile(q_ptr, stride_q, tok, t_mask, pid_h * BLOCK_H, cos, sin,
-                     NUM_Q_HEADS, HEAD_SIZE, ROT_HALF, ROT_HALF_P2, IS_NEOX, BLOCK_H)
-    else:
-        _rotate_tile(k_ptr, stride_k, tok, t_mask, (pid_h - num_q_blocks) * BLOCK_H, cos, sin,
-                     NUM_KV_HEADS, HEAD_SIZE, ROT_HALF, ROT_HALF_P2, IS_NEOX, BLOCK_H)
+    for head0 in tl.static_range(0, NUM_Q_HEADS, BLOCK_H):
+        _rotate_tile(q_ptr, stride_q, tok, t_mask, head0, cos, sin, NUM_Q_HEADS, HEAD_SIZE, ROT_HALF,
+                     ROT_HALF_P2, IS_NEOX, BLOCK_H, OFFSETS_64, INTERPRETED)
+    for head0 in tl.static_range(0, NUM_KV_HEADS, BLOCK_HK):
+        _rotate_tile(k_ptr, stride_k, tok, t_mask, head0, cos, sin, NUM_KV_HEADS, HEAD_SIZE, ROT_HALF,
+                     ROT_HALF_P2, IS_NEOX, BLOCK_HK, OFFSETS_64, INTERPRETED)
 
 
 def _launch(q, k, cos, sin, pos, num_streams, sections, max_position, head_size, rotary_dim,
             mrope_interleaved, is_neox_style, from_cache, block_tokens, block_heads, num_warps):
     num_tokens = q.shape[0]
     hq, hk = q.shape[1] // head_size, k.shape[1] // head_size
-    bt, bh = default_blocks(num_tokens, hq, hk, rotary_dim)
+    bt, bh = default_blocks(hq, hk, rotary_dim)
     bt = bt if block_tokens is None else block_tokens
     bh = bh if block_heads is None else block_heads
-    for name, v in (("block_tokens", bt), ("block_heads", bh)):
-        if not isinstance(v, int) or v <= 0 or v & (v - 1):
-            raise ValueError(f"{name} must be a positive power of two, got {v!r}")
-    if triton.cdiv(num_tokens, bt) > MAX_GRID_Y:
-        raise ValueError(f"block_tokens={bt} gives more than {MAX_GRID_Y} token blocks; use a larger one")
-    if num_warps is None:  # 16 elements of each half-tile per thread was best on an H200
-        num_warps = max(1, min(8, bt * bh * triton.next_power_of_2(rotary_dim // 2) // 512))
-    grid = (triton.cdiv(hq, bh) + triton.cdiv(hk, bh), triton.cdiv(num_tokens, bt))
-    _mrope_kernel[grid](
+    num_blocks = check_blocks(bt, bh, num_tokens)
+    num_warps = default_num_warps(bt, bh, rotary_dim) if num_warps is None else num_warps
+    # 32-bit q/k offsets when every element's fits (masked lanes are never dereferenced).
+    last = max((num_tokens - 1) * x.stride(0) + x.shape[1] for x in (q, k))
+    _mrope_kernel[(num_blocks,)](
         q, k, cos, sin, pos, num_tokens, q.stride(0), k.stride(0), max_position,
         NUM_Q_HEADS=hq, NUM_KV_HEADS=hk, HEAD_SIZE=head_size, ROT_HALF=rotary_dim // 2,
-        ROT_HALF_P2=triton.next_power_of_2(rotary_dim // 2), NUM_STREAMS=num_streams,
+        ROT_HALF_P2=next_pow2(rotary_dim // 2), NUM_STREAMS=num_streams,
         SECTION_T=sections[0], SECTION_H=sections[1], SECTION_W=sections[2],
         INTERLEAVED=mrope_interleaved, IS_NEOX=is_neox_style, FROM_CACHE=from_cache,
-        BLOCK_T=bt, BLOCK_H=bh, num_warps=num_warps, enable_fp_fusion=False,
+        BLOCK_T=bt, BLOCK_H=bh, BLOCK_HK=min(bh, next_pow2(hk)), OFFSETS_64=last >= OFFSETS_32_LIMIT,
+        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
+        enable_fp_fusion=False,
     )
 
 
@@ -278,7 +284,7 @@ def mrope_(
       mrope_interleaved: Qwen3-VL interleaved sections instead of chunked ones.
       is_neox_style: NeoX halves (``j`` with ``j + rotary_dim / 2``) or GPT-J pairs (``2j, 2j+1``).
       block_tokens, block_heads: tile sizes (powers of two); None picks :func:`default_blocks`.
-      num_warps: warps per program; None gives one warp per 512 tile elements (16 per thread).
+      num_warps: warps per program; None gives one warp per 512 elements of the q half-tile.
     """
     num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim)
     check_flags(mrope_interleaved, is_neox_style)

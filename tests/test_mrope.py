@@ -179,6 +179,18 @@ def test_block_sizes_do_not_change_bits(block_tokens, block_heads):
     check_all_equal(out)
 
 
+def test_64_bit_offsets_give_the_same_bits(monkeypatch):
+    """The 64-bit offset path (q/k past 2**31 elements) computes what the 32-bit one does."""
+    case = make_case(8, 9, 5, 3, 24, 16, "bfloat16", 3)
+    args = ([2, 3, 3], 24, 16, False, True)
+    q, k, cos, sin = (to_torch(x) for x in case[:4])
+    small = kt.mrope(q, k, cos, sin, *args)
+    monkeypatch.setattr(kt_mod, "OFFSETS_32_LIMIT", 0)
+    large = kt.mrope(q, k, cos, sin, *args)
+    for a, b in zip(small, large):
+        assert_same_bits(bits_torch(a), bits_torch(b), "64-bit vs 32-bit offsets")
+
+
 @pytest.mark.parametrize("streams", [1, 3])
 def test_zero_tokens(streams):
     case = make_case(0, 0, 3, 1, 16, 16, "bfloat16", streams)
@@ -203,14 +215,13 @@ def test_many_tokens():
         assert_same_bits(bits_torch(y), bits_torch(z), "triton vs torch_ref")
 
 
-def test_default_blocks_respect_grid_limit():
+def test_default_tile_plan():
     # one tile plan (mrope_common.default_blocks) serves both packages
     assert kp_mod.default_blocks is kt_mod.default_blocks
     fn = kp_mod.default_blocks
-    assert fn(1024, 28, 4, 128) == (4, 4)
-    assert fn(10, 5, 3, 24) == (16, 4)
-    bt, _ = fn(5_000_000, 28, 4, 128)
-    assert -(-5_000_000 // bt) <= 65535
+    assert fn(28, 4, 128) == (1, 32)  # Qwen2.5-VL-7B: one token and all its heads per program
+    assert fn(5, 3, 24) == (16, 8)
+    assert fn(64, 8, 128) == (1, 32)  # more heads than a tile holds: the program loops over blocks
 
 
 # -------------------------------------------------------------------------------- hypothesis
