@@ -83,20 +83,27 @@ def next_pow2(n):
 
 
 TILE_ELEMENTS = 2048  # elements of one half-tile: 16 per thread at 4 warps (best on an H200)
+MIN_PROGRAMS = 256  # token blocks shrink until a short input still gets this many programs
 
 
-def default_blocks(num_q_heads, num_kv_heads, rotary_dim):
+def _pow2_floor(n):
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def default_blocks(num_tokens, num_q_heads, num_kv_heads, rotary_dim):
     """(block_tokens, block_heads) used when the caller names none.
 
     One program rotates ``block_tokens`` tokens, every head of q then every head of k, in
     ``[block_tokens, block_heads, rotary_dim // 2]`` tiles (k's tile has at most its own head
     count, rounded up to a power of two). ``block_heads`` covers all heads of q and k when a tile
     of one token holds them (28/4 heads of 64 frequencies: 32); ``block_tokens`` then fills the
-    tile to about ``TILE_ELEMENTS``.
+    tile to about ``TILE_ELEMENTS``, but no further than leaves ``MIN_PROGRAMS`` programs (or one
+    per token) for short inputs.
     """
     half_p2 = next_pow2(rotary_dim // 2)
     block_heads = min(next_pow2(max(num_q_heads, num_kv_heads)), max(1, TILE_ELEMENTS // half_p2))
     block_tokens = max(1, TILE_ELEMENTS // (block_heads * half_p2))
+    block_tokens = min(block_tokens, _pow2_floor(num_tokens // MIN_PROGRAMS))
     return block_tokens, block_heads
 
 

@@ -201,7 +201,7 @@ def _call(q, k, a, b, *, from_cache, num_streams, sections, max_position, head_s
           mrope_interleaved, is_neox_style, interpret, block_tokens, block_heads, num_warps):
     num_tokens = q.shape[0]
     hq, hk = q.shape[1] // head_size, k.shape[1] // head_size
-    bt, bh = default_blocks(hq, hk, rotary_dim)
+    bt, bh = default_blocks(num_tokens, hq, hk, rotary_dim)
     bt = bt if block_tokens is None else block_tokens
     bh = bh if block_heads is None else block_heads
     num_blocks = check_blocks(bt, bh, num_tokens)

@@ -219,9 +219,11 @@ def test_default_tile_plan():
     # one tile plan (mrope_common.default_blocks) serves both packages
     assert kp_mod.default_blocks is kt_mod.default_blocks
     fn = kp_mod.default_blocks
-    assert fn(28, 4, 128) == (1, 32)  # Qwen2.5-VL-7B: one token and all its heads per program
-    assert fn(5, 3, 24) == (16, 8)
-    assert fn(64, 8, 128) == (1, 32)  # more heads than a tile holds: the program loops over blocks
+    assert fn(1024, 28, 4, 128) == (1, 32)  # Qwen2.5-VL-7B: one token and all its heads per program
+    assert fn(100_000, 5, 3, 24) == (16, 8)  # small heads: 16 tokens fill the tile
+    assert fn(1024, 5, 3, 24) == (4, 8)  # ... unless that leaves fewer than 256 programs
+    assert fn(8, 8, 8, 64) == (1, 8)  # a streaming step's 8 tokens: one program per token
+    assert fn(1024, 64, 8, 128) == (1, 32)  # more heads than a tile holds: the program loops
 
 
 # -------------------------------------------------------------------------------- hypothesis
