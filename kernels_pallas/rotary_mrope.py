@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -197,21 +198,38 @@ def _use_interpret(interpret):
     return bool(interpret)
 
 
-def _call(q, k, a, b, *, from_cache, num_streams, sections, max_position, head_size, rotary_dim,
-          mrope_interleaved, is_neox_style, interpret, block_tokens, block_heads, num_warps):
-    num_tokens = q.shape[0]
+class _Plan(NamedTuple):
+    """Static arguments of one launch (hashable: the non-differentiable part of the custom VJP)."""
+
+    from_cache: bool
+    num_streams: int
+    sections: tuple[int, int, int]
+    max_position: int
+    head_size: int
+    rotary_dim: int
+    mrope_interleaved: bool
+    is_neox_style: bool
+    interpret: bool | None
+    block_tokens: int | None
+    block_heads: int | None
+    num_warps: int | None
+
+
+def _call(q, k, a, b, plan: _Plan):
+    """One kernel launch on flat views; (a, b) are (cos, sin) tables or (positions, cache)."""
+    num_tokens, head_size, rotary_dim = q.shape[0], plan.head_size, plan.rotary_dim
     hq, hk = q.shape[1] // head_size, k.shape[1] // head_size
     bt, bh = default_blocks(num_tokens, hq, hk, rotary_dim)
-    bt = bt if block_tokens is None else block_tokens
-    bh = bh if block_heads is None else block_heads
+    bt = bt if plan.block_tokens is None else plan.block_tokens
+    bh = bh if plan.block_heads is None else plan.block_heads
     num_blocks = check_blocks(bt, bh, num_tokens)
-    num_warps = default_num_warps(bt, bh, rotary_dim) if num_warps is None else num_warps
-    interpret = _use_interpret(interpret)
+    num_warps = default_num_warps(bt, bh, rotary_dim) if plan.num_warps is None else plan.num_warps
+    interpret = _use_interpret(plan.interpret)
     kernel = functools.partial(
         _mrope_kernel, num_tokens=num_tokens, num_q_heads=hq, num_kv_heads=hk, head_size=head_size,
-        half=rotary_dim // 2, num_streams=num_streams, sections=tuple(sections),
-        interleaved=mrope_interleaved, is_neox=is_neox_style, from_cache=from_cache,
-        max_position=max_position, block_t=bt, block_h=bh, compiled_gpu=not interpret)
+        half=rotary_dim // 2, num_streams=plan.num_streams, sections=plan.sections,
+        interleaved=plan.mrope_interleaved, is_neox=plan.is_neox_style, from_cache=plan.from_cache,
+        max_position=plan.max_position, block_t=bt, block_h=bh, compiled_gpu=not interpret)
     q_flat, k_flat = q.reshape(-1), k.reshape(-1)
     q_out, k_out = pl.pallas_call(
         kernel,
@@ -220,9 +238,78 @@ def _call(q, k, a, b, *, from_cache, num_streams, sections, max_position, head_s
         input_output_aliases={0: 0, 1: 1},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        name="mrope_from_cache" if from_cache else "mrope",
+        name="mrope_from_cache" if plan.from_cache else "mrope",
     )(q_flat, k_flat, a.reshape(-1), b.reshape(-1))
     return q_out.reshape(q.shape), k_out.reshape(k.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Differentiation: the transpose of a rotation by theta is the rotation by -theta
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _rotate_qk(q, k, a, b, plan):
+    """:func:`_call` with a VJP (a Pallas call with aliased outputs has no JVP of its own)."""
+    return _call(q, k, a, b, plan)
+
+
+def _rotate_qk_fwd(q, k, a, b, plan):
+    return _call(q, k, a, b, plan), (q, k, a, b)
+
+
+def _angle_cotangents(q, k, dq_out, dk_out, plan):
+    """d loss / d cos and d sin per token and frequency, float32 ``[num_tokens, rotary_dim // 2]``.
+
+    From ``o1 = x1*cos - x2*sin``, ``o2 = x2*cos + x1*sin``, summed over every q and k head.
+    """
+    half = plan.rotary_dim // 2
+
+    def pairs(x):
+        x = x.reshape(x.shape[0], -1, plan.head_size)[..., : plan.rotary_dim].astype(jnp.float32)
+        return (x[..., :half], x[..., half:]) if plan.is_neox_style else (x[..., 0::2], x[..., 1::2])
+
+    d_cos = d_sin = jnp.zeros((q.shape[0], half), jnp.float32)
+    for x, g in ((q, dq_out), (k, dk_out)):
+        (x1, x2), (g1, g2) = pairs(x), pairs(g)
+        d_cos = d_cos + (g1 * x1 + g2 * x2).sum(1)
+        d_sin = d_sin + (g2 * x1 - g1 * x2).sum(1)
+    return d_cos, d_sin
+
+
+def _per_stream(d, plan):
+    """``[num_tokens, half]`` -> ``[3, num_tokens, half]``, each frequency in the stream it read."""
+    sel = jnp.asarray(stream_index(plan.rotary_dim, plan.sections, plan.mrope_interleaved))
+    return jnp.stack([jnp.where(sel == s, d, 0) for s in range(3)])
+
+
+def _rotate_qk_bwd(plan, residuals, cotangents):
+    q, k, a, b = residuals
+    dq_out, dk_out = cotangents
+    half = plan.rotary_dim // 2
+    if plan.from_cache:  # rotate back with the gathered rows, through the table form
+        rows = b[a]
+        cos, sin, table_plan = rows[..., :half], rows[..., half:], plan._replace(from_cache=False)
+    else:
+        cos, sin, table_plan = a, b, plan
+    dq, dk = _call(dq_out, dk_out, cos, -sin, table_plan)
+    d_cos, d_sin = _angle_cotangents(q, k, dq_out, dk_out, plan)
+    if not plan.from_cache:
+        if plan.num_streams == 3:
+            d_cos, d_sin = _per_stream(d_cos, plan), _per_stream(d_sin, plan)
+        return dq, dk, d_cos.astype(a.dtype), d_sin.astype(b.dtype)
+    d_rows = jnp.concatenate([d_cos, d_sin], -1)  # [num_tokens, rotary_dim]
+    d_cache = jnp.zeros(b.shape, jnp.float32)
+    if plan.num_streams == 1:
+        return dq, dk, None, d_cache.at[a].add(d_rows)
+    sel = jnp.asarray(stream_index(plan.rotary_dim, plan.sections, plan.mrope_interleaved))
+    sel = jnp.concatenate([sel, sel])  # the cos half and the sin half of a row
+    for s in range(3):
+        d_cache = d_cache.at[a[s]].add(jnp.where(sel == s, d_rows, 0))
+    return dq, dk, None, d_cache
+
+
+_rotate_qk.defvjp(_rotate_qk_fwd, _rotate_qk_bwd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,11 +367,9 @@ def mrope(
     sections = check_sections(mrope_section, rotary_dim, num_streams)
     if num_tokens == 0:
         return q, k
-    return _call(q, k, cos, sin, from_cache=False, num_streams=num_streams, sections=sections,
-                 max_position=0, head_size=head_size, rotary_dim=rotary_dim,
-                 mrope_interleaved=mrope_interleaved, is_neox_style=is_neox_style,
-                 interpret=interpret, block_tokens=block_tokens, block_heads=block_heads,
-                 num_warps=num_warps)
+    plan = _Plan(False, num_streams, sections, 0, head_size, rotary_dim, mrope_interleaved,
+                 is_neox_style, interpret, block_tokens, block_heads, num_warps)
+    return _rotate_qk(q, k, cos, sin, plan)
 
 
 def _check_positions_range(positions, max_position):
@@ -360,11 +445,9 @@ def mrope_from_cache(
     _check_positions_range(positions, cache.shape[0])
     if num_tokens == 0:
         return q, k
-    return _call(q, k, positions, cache, from_cache=True, num_streams=num_streams,
-                 sections=sections, max_position=cache.shape[0], head_size=head_size,
-                 rotary_dim=rotary_dim, mrope_interleaved=mrope_interleaved,
-                 is_neox_style=is_neox_style, interpret=interpret, block_tokens=block_tokens,
-                 block_heads=block_heads, num_warps=num_warps)
+    plan = _Plan(True, num_streams, sections, cache.shape[0], head_size, rotary_dim,
+                 mrope_interleaved, is_neox_style, interpret, block_tokens, block_heads, num_warps)
+    return _rotate_qk(q, k, positions, cache, plan)
 
 
 # --------------------------------------------------------------------------------------------

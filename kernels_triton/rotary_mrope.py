@@ -47,6 +47,7 @@ from mrope_common import (
     default_blocks,
     default_num_warps,
     next_pow2,
+    stream_index,
 )
 
 __all__ = [
@@ -287,6 +288,7 @@ def mrope_(
       num_warps: warps per program; None gives one warp per 512 elements of the q half-tile.
     """
     num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim)
+    _refuse_grad(q=q, k=k, cos=cos, sin=sin)
     check_flags(mrope_interleaved, is_neox_style)
     for name, t in (("cos", cos), ("sin", sin)):
         check_table(name, t, num_tokens, rotary_dim)
@@ -317,11 +319,17 @@ def mrope(
     is_neox_style: bool = True,
     **block_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Out-of-place :func:`mrope_`: returns rotated copies ``(q, k)`` (same shapes and dtype)."""
+    """Out-of-place :func:`mrope_`: returns rotated copies ``(q, k)`` (same shapes and dtype).
+
+    Differentiable in ``q``, ``k``, ``cos`` and ``sin`` (the backward of ``q``/``k`` is the same
+    kernel with ``-sin``).
+    """
+    args = (mrope_section, head_size, rotary_dim, mrope_interleaved, is_neox_style)
+    if _wants_grad(q, k, cos, sin):
+        return _Rotate.apply(q, k, cos, sin, False, args, block_kwargs)
     q_out = q.clone() if isinstance(q, torch.Tensor) else q
     k_out = k.clone() if isinstance(k, torch.Tensor) else k
-    return mrope_(q_out, k_out, cos, sin, mrope_section, head_size, rotary_dim,
-                  mrope_interleaved, is_neox_style, **block_kwargs)
+    return mrope_(q_out, k_out, cos, sin, *args, **block_kwargs)
 
 
 def _check_cache_args(positions, cos_sin_cache, num_tokens, rotary_dim, device):
@@ -388,6 +396,7 @@ def mrope_from_cache_(
       materialised: each program gathers its rows from the cache.
     """
     num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim)
+    _refuse_grad(q=q, k=k, cos_sin_cache=cos_sin_cache)
     check_flags(mrope_interleaved, is_neox_style)
     _check_cache_args(positions, cos_sin_cache, num_tokens, rotary_dim, q.device)
     num_streams = 3 if positions.ndim == 2 else 1
@@ -414,11 +423,102 @@ def mrope_from_cache(
     is_neox_style: bool = True,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Out-of-place :func:`mrope_from_cache_`: returns rotated copies ``(q, k)``."""
+    """Out-of-place :func:`mrope_from_cache_`: returns rotated copies ``(q, k)``.
+
+    Differentiable in ``q``, ``k`` and ``cos_sin_cache``.
+    """
+    args = (mrope_section, head_size, rotary_dim, mrope_interleaved, is_neox_style)
+    if _wants_grad(q, k, cos_sin_cache):
+        return _Rotate.apply(q, k, positions, cos_sin_cache, True, args, kwargs)
     q_out = q.clone() if isinstance(q, torch.Tensor) else q
     k_out = k.clone() if isinstance(k, torch.Tensor) else k
-    return mrope_from_cache_(positions, q_out, k_out, cos_sin_cache, mrope_section, head_size,
-                             rotary_dim, mrope_interleaved, is_neox_style, **kwargs)
+    return mrope_from_cache_(positions, q_out, k_out, cos_sin_cache, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Differentiation: the transpose of a rotation by theta is the rotation by -theta
+# --------------------------------------------------------------------------------------------
+
+
+def _wants_grad(*tensors):
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _refuse_grad(**tensors):
+    """The in-place forms work outside autograd: refuse inputs that autograd would track."""
+    if torch.is_grad_enabled():
+        for name, t in tensors.items():
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise ValueError(f"{name} requires grad, but the in-place form rotates outside autograd; "
+                                 "call the out-of-place form (mrope / mrope_from_cache) to differentiate")
+
+
+def _angle_cotangents(q, k, dq_out, dk_out, head_size, rotary_dim, is_neox_style):
+    """d loss / d cos and d sin per token and frequency, float32 ``[num_tokens, rotary_dim // 2]``.
+
+    From ``o1 = x1*cos - x2*sin``, ``o2 = x2*cos + x1*sin``, summed over every q and k head.
+    """
+    half = rotary_dim // 2
+
+    def pairs(x):
+        x = x.reshape(x.shape[0], -1, head_size)[..., :rotary_dim].float()
+        return (x[..., :half], x[..., half:]) if is_neox_style else (x[..., 0::2], x[..., 1::2])
+
+    d_cos = d_sin = 0
+    for x, g in ((q, dq_out), (k, dk_out)):
+        (x1, x2), (g1, g2) = pairs(x), pairs(g)
+        d_cos = d_cos + (g1 * x1 + g2 * x2).sum(1)
+        d_sin = d_sin + (g2 * x1 - g1 * x2).sum(1)
+    return d_cos, d_sin
+
+
+class _Rotate(torch.autograd.Function):
+    """Out-of-place MRoPE with a backward; ``(a, b)`` are ``(cos, sin)`` or ``(positions, cache)``."""
+
+    @staticmethod
+    def forward(ctx, q, k, a, b, from_cache, args, kwargs):
+        ctx.save_for_backward(q, k, a, b)
+        ctx.from_cache, ctx.args = from_cache, args
+        ctx.blocks = {key: v for key, v in kwargs.items() if key != "check_positions"}
+        if from_cache:
+            return mrope_from_cache_(a, q.clone(), k.clone(), b, *args, **kwargs)
+        return mrope_(q.clone(), k.clone(), a, b, *args, **kwargs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dq_out, dk_out):
+        q, k, a, b = ctx.saved_tensors
+        mrope_section, head_size, rotary_dim, interleaved, is_neox_style = ctx.args
+        half = rotary_dim // 2
+        if ctx.from_cache:  # rotate back with the gathered rows, through the table form
+            rows = b[a.long()]
+            cos, sin = rows[..., :half], rows[..., half:]
+        else:
+            cos, sin = a, b
+        dq, dk = mrope_(dq_out.clone(memory_format=torch.contiguous_format),
+                        dk_out.clone(memory_format=torch.contiguous_format), cos, -sin, *ctx.args,
+                        **ctx.blocks)
+        if not (ctx.needs_input_grad[2] or ctx.needs_input_grad[3]):
+            return dq, dk, None, None, None, None, None
+        d_cos, d_sin = _angle_cotangents(q, k, dq_out, dk_out, head_size, rotary_dim, is_neox_style)
+        sel = None
+        if cos.ndim == 3:
+            sel = torch.tensor(stream_index(rotary_dim, check_sections(mrope_section, rotary_dim, 3),
+                                            interleaved), device=q.device)
+        if not ctx.from_cache:
+            if sel is not None:
+                d_cos = torch.stack([torch.where(sel == s, d_cos, 0) for s in range(3)])
+                d_sin = torch.stack([torch.where(sel == s, d_sin, 0) for s in range(3)])
+            return dq, dk, d_cos.to(a.dtype), d_sin.to(b.dtype), None, None, None
+        d_rows = torch.cat([d_cos, d_sin], -1)  # [num_tokens, rotary_dim]
+        d_cache = torch.zeros(b.shape, dtype=torch.float32, device=b.device)
+        if sel is None:
+            d_cache.index_add_(0, a.long(), d_rows)
+        else:
+            sel = torch.cat([sel, sel])  # the cos half and the sin half of a row
+            for s in range(3):
+                d_cache.index_add_(0, a[s].long(), torch.where(sel == s, d_rows, 0))
+        return dq, dk, None, d_cache, None, None, None
 
 
 # --------------------------------------------------------------------------------------------

@@ -306,6 +306,88 @@ def test_out_of_range_positions_under_jit_give_nan_not_garbage():
         assert bad[2].any() and not bad[[0, 1, 3]].any()
 
 
+# -------------------------------------------------------------------------------- gradients
+
+GRAD_CASES = [("chunked", True, "float32"), ("interleaved", False, "bfloat16"), ("text", False, "float32"),
+              ("chunked", False, "bfloat16"), ("interleaved", True, "float32"), ("text", True, "bfloat16")]
+
+
+def _loss_grads_jax(fn, primals, weights, argnums):
+    def loss(*args):
+        q, k = fn(*args)
+        return (q.astype(jnp.float32) * weights[0]).sum() + (k.astype(jnp.float32) * weights[1]).sum()
+
+    return jax.jit(jax.grad(loss, argnums=argnums))(*primals)
+
+
+def _loss_grads_torch(fn, fixed, primals, weights):
+    leaves = [t.clone().requires_grad_() for t in primals]
+    q, k = fn(*fixed, *leaves)
+    ((q.float() * weights[0]).sum() + (k.float() * weights[1]).sum()).backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("layout,neox,dtype", GRAD_CASES)
+def test_gradients_match_autodiff_of_the_references(layout, neox, dtype):
+    """q/k cotangents are the kernel run with -sin: bit-identical to autodiff of the references.
+    cos/sin/cache cotangents sum over heads in another order: equal to float32 rounding."""
+    streams = 1 if layout == "text" else 3
+    q, k, cos, sin, pos, cache = make_case(9, 7, 5, 3, 24, 16, dtype, streams, max_position=11)
+    rng = np.random.default_rng(1)
+    weights = [rng.standard_normal(x.shape, np.float32) for x in (q, k)]
+    sec = sections_for(16, layout)
+    kw = {"mrope_section": sec, "head_size": 24, "rotary_dim": 16, "mrope_interleaved": layout == "interleaved",
+          "is_neox_style": neox}
+    jw = [jnp.asarray(w) for w in weights]
+    tw = [torch.from_numpy(w) for w in weights]
+    table = [jnp.asarray(x) for x in (q, k, cos, sin)]
+    grads = {
+        "pallas": _loss_grads_jax(functools.partial(kp.mrope, **kw), table, jw, (0, 1, 2, 3)),
+        "jnp_ref": _loss_grads_jax(functools.partial(kp.mrope_native, **kw), table, jw, (0, 1, 2, 3)),
+        "triton": _loss_grads_torch(functools.partial(kt.mrope, **kw), (), map(to_torch, (q, k, cos, sin)), tw),
+        "torch_ref": _loss_grads_torch(functools.partial(kt.mrope_native, **kw), (), map(to_torch, (q, k, cos, sin)),
+                                       tw),
+    }
+    cached = [jnp.asarray(pos), jnp.asarray(q), jnp.asarray(k), jnp.asarray(cache)]
+    grads_cache = {
+        "pallas": _loss_grads_jax(functools.partial(kp.mrope_from_cache, **kw), cached, jw, (1, 2, 3)),
+        "jnp_ref": _loss_grads_jax(functools.partial(kp.mrope_from_cache_native, **kw), cached, jw, (1, 2, 3)),
+        "triton": _loss_grads_torch(functools.partial(kt.mrope_from_cache, **kw), (to_torch(pos).long(),),
+                                    map(to_torch, (q, k, cache)), tw),
+        "torch_ref": _loss_grads_torch(functools.partial(kt.mrope_from_cache_native, **kw),
+                                       (to_torch(pos).long(),), map(to_torch, (q, k, cache)), tw),
+    }
+    for form in (grads, grads_cache):
+        as_bits = {n: [bits_jax(g) if n in ("pallas", "jnp_ref") else bits_torch(g) for g in gs]
+                   for n, gs in form.items()}
+        for i, what in enumerate(("dq", "dk")):
+            for name in ("triton", "torch_ref"):
+                assert_same_bits(as_bits["pallas"][i], as_bits[name][i], f"{what} pallas vs {name}")
+            if dtype == "float32":  # XLA contracts the jitted reference's backward into FMAs
+                np.testing.assert_allclose(np.asarray(form["pallas"][i]), np.asarray(form["jnp_ref"][i]),
+                                           rtol=1e-6, atol=1e-6, err_msg=f"{what} pallas vs jnp_ref")
+            else:  # ... which the rounding to bfloat16 hides here
+                assert_same_bits(as_bits["pallas"][i], as_bits["jnp_ref"][i], f"{what} pallas vs jnp_ref")
+        for name in ("jnp_ref", "triton", "torch_ref"):
+            for i in range(2, len(form[name])):
+                ref = np.asarray(form[name][i].float() if name in ("triton", "torch_ref") else form[name][i],
+                                 np.float32)
+                np.testing.assert_allclose(np.asarray(form["pallas"][i], np.float32), ref, rtol=1e-5, atol=1e-5)
+                assert np.abs(ref).max() > 0.1  # the tables do get a gradient
+
+
+def test_in_place_forms_refuse_autograd():
+    q, k, cos, sin, pos, cache = make_case(2, 4, 2, 1, 16, 8, "float32", 3)
+    tq, tk = to_torch(q).requires_grad_(), to_torch(k)
+    with pytest.raises(ValueError, match="q requires grad"):
+        kt.mrope_(tq, tk, to_torch(cos), to_torch(sin), [1, 2, 1], 16, 8)
+    with pytest.raises(ValueError, match="cos_sin_cache requires grad"):
+        kt.mrope_from_cache_(to_torch(pos), to_torch(k).new_zeros(4, 32), tk, to_torch(cache).requires_grad_(),
+                             [1, 2, 1], 16, 8)
+    with torch.no_grad():  # outside autograd the in-place form is fine
+        kt.mrope_(tq, tk, to_torch(cos), to_torch(sin), [1, 2, 1], 16, 8)
+
+
 # ----------------------------------------------------------------------------------- errors
 
 
