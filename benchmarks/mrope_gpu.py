@@ -5,7 +5,9 @@
 (a) Bit identity on the feature matrix (NeoX/GPT-J x chunked/interleaved/text x full/partial
     rotary x float32/bfloat16 (+ float16 spot checks) x a few token counts): Pallas ``mrope`` and
     ``mrope_from_cache`` (jitted) against Triton's, and each against its framework's reference.
-    Mismatches are reported as element counts and max ULP.
+    Mismatches are reported as element counts and max ULP.  Then the cotangents of
+    ``sum(w * mrope(...))`` in four cases: Pallas against Triton, torch's autograd and JAX's
+    autodiff of the references (dq/dk are the kernel run with -sin; dcos/dsin sum over heads).
 (b) Timings for 1024 / 8192 / 32768 tokens (28 q heads, 4 kv heads, head 128, rotary 128, sections
     [16, 24, 24], bf16, NeoX, chunked), default tiles: torch-native, Triton in place (table and
     fused gather), the gather + kernel path, Pallas donated (table and fused gather).  Every form
@@ -142,6 +144,61 @@ def check_case(n, geom, dtype, layout, neox):
     c = [compare(pj[i], nj[i]) for i in range(2)]
     out["pallas_vs_jnp_native"] = {"diff": c[0][0] + c[1][0], "max_ulp": max(c[0][1], c[1][1])}
     return out
+
+
+def check_gradients(n, dtype, layout, neox):
+    """Cotangents of sum(w * mrope(...)) through Pallas, Triton and both references on one device:
+    per input, elements whose bits differ from Pallas's and the max abs difference."""
+    hq, hk, hs, rd = 28, 4, 128, 128
+    streams = 1 if layout == "text" else 3
+    sections = None if layout == "text" else [16, 24, 24]
+    q, k, cos, sin, _, _ = make_inputs(n + 5, n, hq, hk, hs, rd, dtype, streams)
+    g = torch.Generator().manual_seed(n)
+    wq, wk = (torch.randn(x.shape, generator=g).to(DEV) for x in (q, k))
+    args = (sections, hs, rd, layout == "interleaved", neox)
+
+    def torch_grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, cos, sin)]
+        oq, ok = fn(*leaves, *args)
+        ((oq.float() * wq).sum() + (ok.float() * wk).sum()).backward()
+        return [t.grad for t in leaves]
+
+    def jax_grads(fn):
+        def loss(*xs):
+            oq, ok = fn(*xs, *args)
+            return (oq.astype(jnp.float32) * jax_from_torch(wq)).sum() + (ok.astype(jnp.float32) * jax_from_torch(wk)).sum()
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*map(jax_from_torch, (q, k, cos, sin)))
+
+    grads = {"pallas": jax_grads(kp.mrope), "jnp_native": jax_grads(kp.mrope_native),
+             "triton": torch_grads(kt.mrope), "torch_native": torch_grads(kt.mrope_native)}
+    out = {}
+    for name in ("triton", "torch_native", "jnp_native"):
+        out[name] = {}
+        for i, what in enumerate(("dq", "dk", "dcos", "dsin")):
+            a, b = grads["pallas"][i], grads[name][i]
+            diff, ulp = compare(bits_j(a), bits_j(b) if name == "jnp_native" else bits_t(b))
+            a = np.asarray(a.astype(jnp.float32))
+            b = np.asarray(b.astype(jnp.float32)) if name == "jnp_native" else b.float().cpu().numpy()
+            out[name][what] = {"diff": diff, "max_ulp": ulp, "max_abs": float(np.abs(a - b).max()),
+                               "max_value": float(np.abs(a).max())}
+    return out
+
+
+def run_gradients():
+    rows = []
+    for n, dtype, layout, neox in ((37, "float32", "chunked", True), (1000, "bfloat16", "chunked", True),
+                                   (37, "bfloat16", "interleaved", False), (1000, "float32", "text", False)):
+        try:
+            r = check_gradients(n, dtype, layout, neox)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            r = {"error": repr(e)[:300]}
+        rows.append({"num_tokens": n, "dtype": dtype, "layout": layout, "style": "neox" if neox else "gptj",
+                     "result": r})
+        print(f"[grad] n={n:5d} {dtype:9s} {layout:11s} {'neox' if neox else 'gptj'}: " + " ".join(
+            f"{name}:" + ",".join(f"{w}={v['diff']}/{v['max_abs']:.1e}" for w, v in d.items())
+            for name, d in r.items() if isinstance(d, dict)), flush=True)
+    return rows
 
 
 def run_correctness(quick, max_cases=None):
@@ -458,6 +515,8 @@ def main():
     path = os.path.join(a.out, "mrope_gpu.json")
     if not a.skip_bits:
         report["bit_identity"] = run_correctness(a.quick, a.max_bits_cases)
+        if GPU:
+            report["gradients"] = run_gradients()
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
     if GPU:
