@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -304,6 +305,34 @@ def test_out_of_range_positions_under_jit_give_nan_not_garbage():
     for x in (np.asarray(jq), tq.cpu().numpy()):
         bad = np.isnan(x).reshape(4, 2, 8)
         assert bad[2].any() and not bad[[0, 1, 3]].any()
+
+
+# ------------------------------------------------------------------------- JAX transformations
+
+
+TRANSFORM_KW = {"mrope_section": (2, 3, 3), "head_size": 24, "rotary_dim": 16, "mrope_interleaved": True}
+
+
+class TestPallasUnderTransformations(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_same_bits_with_and_without_jit(self):
+        q, k, cos, sin, pos, cache = make_case(12, 9, 5, 3, 24, 16, "bfloat16", 3)
+        expect = kt.mrope(*map(to_torch, (q, k, cos, sin)), **TRANSFORM_KW)
+        for fn, args in ((kp.mrope, (q, k, cos, sin)), (kp.mrope_from_cache, (pos, q, k, cache))):
+            out = self.variant(functools.partial(fn, **TRANSFORM_KW))(*map(jnp.asarray, args))
+            chex.assert_trees_all_equal_shapes_and_dtypes(out, (jnp.asarray(q), jnp.asarray(k)))
+            for got, want in zip(out, expect):
+                assert_same_bits(bits_jax(got), bits_torch(want), f"{fn.__name__} vs triton")
+
+    def test_vmap_over_sequences_equals_one_call_each(self):
+        cases = [make_case(20 + b, 6, 5, 3, 24, 16, "float32", 3) for b in range(3)]
+        stacked = [jnp.stack([jnp.asarray(c[i]) for c in cases]) for i in range(4)]
+        out = jax.jit(jax.vmap(functools.partial(kp.mrope, **TRANSFORM_KW)))(*stacked)
+        for b, case in enumerate(cases):
+            one = kp.mrope(*map(jnp.asarray, case[:4]), **TRANSFORM_KW)
+            for got, want in zip(out, one):
+                assert_same_bits(bits_jax(got[b]), bits_jax(want), f"vmap row {b}")
 
 
 # -------------------------------------------------------------------------------- gradients
