@@ -30,12 +30,12 @@ most its own head count).  At Qwen2.5-VL shapes that is one token per program an
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from mrope_common import (
     check_blocks,
@@ -230,7 +230,7 @@ def _launch(q, k, cos, sin, pos, num_streams, sections, max_position, head_size,
         SECTION_T=sections[0], SECTION_H=sections[1], SECTION_W=sections[2],
         INTERLEAVED=mrope_interleaved, IS_NEOX=is_neox_style, FROM_CACHE=from_cache,
         BLOCK_T=bt, BLOCK_H=bh, BLOCK_HK=min(bh, next_pow2(hk)), OFFSETS_64=last >= OFFSETS_32_LIMIT,
-        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
+        INTERPRETED=isinstance(_mrope_kernel, InterpretedFunction), num_warps=num_warps,
         enable_fp_fusion=False,
     )
 
