@@ -368,7 +368,7 @@ def test_gradients_match_autodiff_of_the_references(layout, neox, dtype):
     kw = {"mrope_section": sec, "head_size": 24, "rotary_dim": 16, "mrope_interleaved": layout == "interleaved",
           "is_neox_style": neox}
     jw = [jnp.asarray(w) for w in weights]
-    tw = [torch.from_numpy(w) for w in weights]
+    tw = [to_torch(w) for w in weights]
     table = [jnp.asarray(x) for x in (q, k, cos, sin)]
     grads = {
         "pallas": _loss_grads_jax(functools.partial(kp.mrope, **kw), table, jw, (0, 1, 2, 3)),
