@@ -335,6 +335,9 @@ def mrope(
 ) -> tuple[jax.Array, jax.Array]:
     """MRoPE-rotated ``(q, k)``; in place when the caller donates ``q`` and ``k``.
 
+    Differentiable in ``q``, ``k``, ``cos`` and ``sin``: the VJP of ``q``/``k`` is this kernel
+    with ``-sin``.
+
     Args:
       q: ``[num_tokens, num_q_heads * head_size]``, float32/bfloat16/float16.
       k: ``[num_tokens, num_kv_heads * head_size]``, same dtype.
@@ -407,6 +410,8 @@ def mrope_from_cache(
     num_warps: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Fused gather + :func:`mrope`: rotates with rows ``cos_sin_cache[positions]``.
+
+    Differentiable in ``q``, ``k`` and ``cos_sin_cache``.
 
     Args:
       positions: ``[3, num_tokens]`` (t/h/w) or ``[num_tokens]`` (text only), int32 (int64 with
