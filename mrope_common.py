@@ -73,6 +73,31 @@ def check_table(name, t, num_tokens, rotary_dim):
         )
 
 
+def check_cache_shapes(positions_shape, cache_shape, num_tokens, rotary_dim):
+    """positions ``[3, num_tokens]`` or ``[num_tokens]``; cos_sin_cache ``[max_position, rotary_dim]``."""
+    if len(positions_shape) not in (1, 2) or positions_shape[-1] != num_tokens or (
+        len(positions_shape) == 2 and positions_shape[0] != 3
+    ):
+        raise ValueError(
+            f"positions must have shape [3, num_tokens] = [3, {num_tokens}] or [num_tokens] = "
+            f"[{num_tokens}], got {tuple(positions_shape)}"
+        )
+    if len(cache_shape) != 2 or cache_shape[1] != rotary_dim or cache_shape[0] == 0:
+        raise ValueError(
+            f"cos_sin_cache must have shape [max_position, rotary_dim] = [max_position, {rotary_dim}], "
+            f"got {tuple(cache_shape)}"
+        )
+
+
+def check_position_range(lowest, highest, max_position):
+    """The smallest and largest position must lie in the cache's ``[0, max_position)``."""
+    if lowest < 0 or highest >= max_position:
+        raise ValueError(
+            f"positions must lie in [0, max_position = {max_position}) of cos_sin_cache, "
+            f"got values in [{lowest}, {highest}]"
+        )
+
+
 def check_dtype(name, dtype, allowed):
     if dtype not in allowed:
         raise ValueError(f"{name} dtype must be one of {[str(d) for d in allowed]}, got {dtype}")

@@ -39,9 +39,11 @@ from jax.experimental.pallas import triton as pltriton
 
 from mrope_common import (
     check_blocks,
+    check_cache_shapes,
     check_dtype,
     check_flags,
     check_geometry,
+    check_position_range,
     check_sections,
     check_table,
     default_blocks,
@@ -170,16 +172,14 @@ def _mrope_kernel(q_in, k_in, cos_ref, sin_ref, q_out, k_out, *, num_tokens, num
         tile(k_in, k_out, head0=head0, num_heads=num_kv_heads, block_h=block_hk)
 
 
-def _check_array(name, x):
+def _require_array(name, x):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"{name} must be a jax array, got {type(x).__name__}")
-    return jnp.asarray(x)
 
 
 def _check_qk(q, k, head_size, rotary_dim):
-    for name, x in (("q", q), ("k", k)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise ValueError(f"{name} must be a jax array, got {type(x).__name__}")
+    _require_array("q", q)
+    _require_array("k", k)
     dims = check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
     # Check the caller's dtypes before jnp.asarray, which would turn float64 into float32.
     check_dtype("q", jnp.dtype(q.dtype), SUPPORTED_DTYPES)
@@ -360,7 +360,7 @@ def mrope(
     q, k, (num_tokens, _, _) = _check_qk(q, k, head_size, rotary_dim)
     check_flags(mrope_interleaved, is_neox_style)
     for name, t in (("cos", cos), ("sin", sin)):
-        _check_array(name, t)
+        _require_array(name, t)
         check_table(name, t, num_tokens, rotary_dim)
         check_dtype(name, jnp.dtype(t.dtype), SUPPORTED_DTYPES)
     cos, sin = jnp.asarray(cos), jnp.asarray(sin)
@@ -384,13 +384,9 @@ def _check_positions_range(positions, max_position):
     try:
         host = np.asarray(positions)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return False
-    if host.size and (host.min() < 0 or host.max() >= max_position):
-        raise ValueError(
-            f"positions must lie in [0, max_position = {max_position}) of cos_sin_cache, "
-            f"got values in [{host.min()}, {host.max()}]"
-        )
-    return True
+        return
+    if host.size:
+        check_position_range(host.min(), host.max(), max_position)
 
 
 def mrope_from_cache(
@@ -424,25 +420,13 @@ def mrope_from_cache(
     """
     q, k, (num_tokens, _, _) = _check_qk(q, k, head_size, rotary_dim)
     check_flags(mrope_interleaved, is_neox_style)
-    positions = _check_array("positions", positions)
-    _check_array("cos_sin_cache", cos_sin_cache)
+    _require_array("positions", positions)
+    _require_array("cos_sin_cache", cos_sin_cache)
     check_dtype("cos_sin_cache", jnp.dtype(cos_sin_cache.dtype), (jnp.dtype(jnp.float32),))
-    cache = jnp.asarray(cos_sin_cache)
+    positions, cache = jnp.asarray(positions), jnp.asarray(cos_sin_cache)
     if not jnp.issubdtype(positions.dtype, jnp.integer):
         raise ValueError(f"positions dtype must be an integer type (int32), got {positions.dtype}")
-    if positions.ndim not in (1, 2) or positions.shape[-1] != num_tokens or (
-        positions.ndim == 2 and positions.shape[0] != 3
-    ):
-        raise ValueError(
-            f"positions must have shape [3, num_tokens] = [3, {num_tokens}] or [num_tokens] = "
-            f"[{num_tokens}], got {tuple(positions.shape)}"
-        )
-    if cache.ndim != 2 or cache.shape[1] != rotary_dim or cache.shape[0] == 0:
-        raise ValueError(
-            f"cos_sin_cache must have shape [max_position, rotary_dim] = [max_position, {rotary_dim}], "
-            f"got {tuple(cache.shape)}"
-        )
-    check_dtype("cos_sin_cache", cache.dtype, (jnp.dtype(jnp.float32),))
+    check_cache_shapes(positions.shape, cache.shape, num_tokens, rotary_dim)
     if cache.size > _MAX_INT32:
         raise ValueError(f"cos_sin_cache must have fewer than 2**31 elements, got {cache.size}")
     num_streams = 3 if positions.ndim == 2 else 1

@@ -39,9 +39,11 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from mrope_common import (
     check_blocks,
+    check_cache_shapes,
     check_dtype,
     check_flags,
     check_geometry,
+    check_position_range,
     check_sections,
     check_table,
     default_blocks,
@@ -339,18 +341,7 @@ def _check_cache_args(positions, cos_sin_cache, num_tokens, rotary_dim, device):
         raise ValueError(f"cos_sin_cache must be a torch.Tensor, got {type(cos_sin_cache).__name__}")  # noqa: TRY004
     if positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions dtype must be int32 or int64, got {positions.dtype}")
-    if positions.ndim not in (1, 2) or positions.shape[-1] != num_tokens or (
-        positions.ndim == 2 and positions.shape[0] != 3
-    ):
-        raise ValueError(
-            f"positions must have shape [3, num_tokens] = [3, {num_tokens}] or [num_tokens] = "
-            f"[{num_tokens}], got {tuple(positions.shape)}"
-        )
-    if cos_sin_cache.ndim != 2 or cos_sin_cache.shape[1] != rotary_dim or cos_sin_cache.shape[0] == 0:
-        raise ValueError(
-            f"cos_sin_cache must have shape [max_position, rotary_dim] = [max_position, {rotary_dim}], "
-            f"got {tuple(cos_sin_cache.shape)}"
-        )
+    check_cache_shapes(tuple(positions.shape), tuple(cos_sin_cache.shape), num_tokens, rotary_dim)
     check_dtype("cos_sin_cache", cos_sin_cache.dtype, (torch.float32,))
     for name, t in (("positions", positions), ("cos_sin_cache", cos_sin_cache)):
         if t.device != device:
@@ -358,14 +349,8 @@ def _check_cache_args(positions, cos_sin_cache, num_tokens, rotary_dim, device):
 
 
 def _check_positions_range(positions, max_position):
-    if positions.numel() == 0:
-        return
-    lo, hi = int(positions.min()), int(positions.max())
-    if lo < 0 or hi >= max_position:
-        raise ValueError(
-            f"positions must lie in [0, max_position = {max_position}) of cos_sin_cache, "
-            f"got values in [{lo}, {hi}]"
-        )
+    if positions.numel():
+        check_position_range(int(positions.min()), int(positions.max()), max_position)
 
 
 def mrope_from_cache_(
