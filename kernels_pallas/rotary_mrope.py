@@ -138,7 +138,7 @@ def _mrope_kernel(q_in, k_in, cos_ref, sin_ref, q_out, k_out, *, num_tokens, num
 
         def stream(s):
             idx = _masked_offsets(s * num_tokens + tok, t_mask, n_pos, compiled_gpu)
-            return pltriton.load(pos_ref.at[idx], mask=t_mask, other=0).astype(jnp.int32)[:, None]
+            return pltriton.load(pos_ref.at[idx], mask=t_mask, other=0)[:, None]
 
         pos = jnp.broadcast_to(stream(0), (block_t, half_p2))
         if num_streams == 3:
@@ -146,8 +146,8 @@ def _mrope_kernel(q_in, k_in, cos_ref, sin_ref, q_out, k_out, *, num_tokens, num
             pos = jnp.where(sel[None, :] == 2, stream(2), pos)
         # Out-of-range positions are never read: they give NaN rows (the wrappers raise first
         # whenever positions are concrete).
-        cs_mask = cs_mask & (pos >= 0) & (pos < max_position)
-        row = pos * (2 * half) + i[None, :]
+        cs_mask = cs_mask & (pos >= 0) & (pos < max_position)  # in the positions' own dtype
+        row = pos.astype(jnp.int32) * (2 * half) + i[None, :]
         n_cache = cache_ref.shape[0]
         cos = pltriton.load(cache_ref.at[_masked_offsets(row, cs_mask, n_cache, compiled_gpu)],
                             mask=cs_mask, other=jnp.nan)
@@ -423,15 +423,16 @@ def mrope_from_cache(
     _require_array("positions", positions)
     _require_array("cos_sin_cache", cos_sin_cache)
     check_dtype("cos_sin_cache", jnp.dtype(cos_sin_cache.dtype), (jnp.dtype(jnp.float32),))
-    positions, cache = jnp.asarray(positions), jnp.asarray(cos_sin_cache)
     if not jnp.issubdtype(positions.dtype, jnp.integer):
         raise ValueError(f"positions dtype must be an integer type (int32), got {positions.dtype}")
-    check_cache_shapes(positions.shape, cache.shape, num_tokens, rotary_dim)
-    if cache.size > _MAX_INT32:
-        raise ValueError(f"cos_sin_cache must have fewer than 2**31 elements, got {cache.size}")
-    num_streams = 3 if positions.ndim == 2 else 1
+    check_cache_shapes(tuple(positions.shape), tuple(cos_sin_cache.shape), num_tokens, rotary_dim)
+    if cos_sin_cache.size > _MAX_INT32:
+        raise ValueError(f"cos_sin_cache must have fewer than 2**31 elements, got {cos_sin_cache.size}")
+    num_streams = 3 if len(positions.shape) == 2 else 1
     sections = check_sections(mrope_section, rotary_dim, num_streams)
-    _check_positions_range(positions, cache.shape[0])
+    # The caller's values: jnp.asarray turns int64 into int32 without x64, which would wrap 2**32 + p to p.
+    _check_positions_range(positions, cos_sin_cache.shape[0])
+    positions, cache = jnp.asarray(positions), jnp.asarray(cos_sin_cache)
     if num_tokens == 0:
         return q, k
     plan = _Plan(True, num_streams, sections, cache.shape[0], head_size, rotary_dim,

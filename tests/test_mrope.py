@@ -456,6 +456,7 @@ ERROR_CASES = [
 CACHE_ERROR_CASES = [
     ("position too large", _bad(pos=np.full((3, 4), 97, np.int32)), "positions must lie"),
     ("position negative", _bad(pos=np.full((3, 4), -1, np.int32)), "positions must lie"),
+    ("position past int32", _bad(pos=np.full((3, 4), 2**32 + 5, np.int64)), "positions must lie"),
     ("positions float", _bad(pos=np.zeros((3, 4), np.float32)), "positions dtype"),
     ("positions shape", _bad(pos=np.zeros((2, 4), np.int32)), "positions must have shape"),
     ("positions tokens", _bad(pos=np.zeros((3, 5), np.int32)), "positions must have shape"),
