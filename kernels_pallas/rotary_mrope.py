@@ -277,12 +277,6 @@ def _angle_cotangents(q, k, dq_out, dk_out, plan):
     return d_cos, d_sin
 
 
-def _per_stream(d, plan):
-    """``[num_tokens, half]`` -> ``[3, num_tokens, half]``, each frequency in the stream it read."""
-    sel = jnp.asarray(stream_index(plan.rotary_dim, plan.sections, plan.mrope_interleaved))
-    return jnp.stack([jnp.where(sel == s, d, 0) for s in range(3)])
-
-
 def _rotate_qk_bwd(plan, residuals, cotangents):
     q, k, a, b = residuals
     dq_out, dk_out = cotangents
@@ -294,15 +288,15 @@ def _rotate_qk_bwd(plan, residuals, cotangents):
         cos, sin, table_plan = a, b, plan
     dq, dk = _call(dq_out, dk_out, cos, -sin, table_plan)
     d_cos, d_sin = _angle_cotangents(q, k, dq_out, dk_out, plan)
+    sel = jnp.asarray(stream_index(plan.rotary_dim, plan.sections, plan.mrope_interleaved))
     if not plan.from_cache:
-        if plan.num_streams == 3:
-            d_cos, d_sin = _per_stream(d_cos, plan), _per_stream(d_sin, plan)
+        if plan.num_streams == 3:  # each frequency's cotangent goes to the stream it read
+            d_cos, d_sin = (jnp.stack([jnp.where(sel == s, d, 0) for s in range(3)]) for d in (d_cos, d_sin))
         return dq, dk, d_cos.astype(a.dtype), d_sin.astype(b.dtype)
     d_rows = jnp.concatenate([d_cos, d_sin], -1)  # [num_tokens, rotary_dim]
     d_cache = jnp.zeros(b.shape, jnp.float32)
     if plan.num_streams == 1:
         return dq, dk, None, d_cache.at[a].add(d_rows)
-    sel = jnp.asarray(stream_index(plan.rotary_dim, plan.sections, plan.mrope_interleaved))
     sel = jnp.concatenate([sel, sel])  # the cos half and the sin half of a row
     for s in range(3):
         d_cache = d_cache.at[a[s]].add(jnp.where(sel == s, d_rows, 0))

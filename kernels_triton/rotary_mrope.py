@@ -49,7 +49,6 @@ from mrope_common import (
     default_blocks,
     default_num_warps,
     next_pow2,
-    stream_index,
 )
 
 __all__ = [
@@ -486,14 +485,10 @@ class _Rotate(torch.autograd.Function):
         if not (ctx.needs_input_grad[2] or ctx.needs_input_grad[3]):
             return dq, dk, None, None, None, None, None
         d_cos, d_sin = _angle_cotangents(q, k, dq_out, dk_out, head_size, rotary_dim, is_neox_style)
-        sel = None
-        if cos.ndim == 3:
-            sel = torch.tensor(stream_index(rotary_dim, check_sections(mrope_section, rotary_dim, 3),
-                                            interleaved), device=q.device)
+        sel = _stream_index(mrope_section, rotary_dim, interleaved, q.device) if cos.ndim == 3 else None
         if not ctx.from_cache:
-            if sel is not None:
-                d_cos = torch.stack([torch.where(sel == s, d_cos, 0) for s in range(3)])
-                d_sin = torch.stack([torch.where(sel == s, d_sin, 0) for s in range(3)])
+            if sel is not None:  # each frequency's cotangent goes to the stream it read
+                d_cos, d_sin = (torch.stack([torch.where(sel == s, d, 0) for s in range(3)]) for d in (d_cos, d_sin))
             return dq, dk, d_cos.to(a.dtype), d_sin.to(b.dtype), None, None, None
         d_rows = torch.cat([d_cos, d_sin], -1)  # [num_tokens, rotary_dim]
         d_cache = torch.zeros(b.shape, dtype=torch.float32, device=b.device)
@@ -511,16 +506,20 @@ class _Rotate(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
+def _stream_index(mrope_section, rotary_dim, mrope_interleaved, device):
+    """`mrope_common.stream_index` as a tensor built on the device (no host-to-device copy, so
+    the reference can be CUDA-graph captured)."""
+    t, h, w = mrope_section
+    i = torch.arange(rotary_dim // 2, device=device)
+    if mrope_interleaved:
+        return torch.where((i % 3 == 1) & (i < 3 * h), 1, torch.where((i % 3 == 2) & (i < 3 * w), 2, 0))
+    return (i >= t).long() + (i >= t + h).long()
+
+
 def _assemble(table, mrope_section, rotary_dim, mrope_interleaved):
     if table.ndim == 2:
         return table
-    t, h, w = mrope_section
-    # Built on the device (no host-to-device copy), so the reference can be CUDA-graph captured.
-    i = torch.arange(rotary_dim // 2, device=table.device)
-    if mrope_interleaved:
-        sel = torch.where((i % 3 == 1) & (i < 3 * h), 1, torch.where((i % 3 == 2) & (i < 3 * w), 2, 0))
-    else:
-        sel = (i >= t).long() + (i >= t + h).long()
+    sel = _stream_index(mrope_section, rotary_dim, mrope_interleaved, table.device)
     return torch.gather(table, 0, sel.view(1, 1, -1).expand(1, table.shape[1], -1))[0]
 
 
