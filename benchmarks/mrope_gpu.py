@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import triton
+from cuda_timing import copy_bandwidth
 from torch.profiler import ProfilerActivity, profile
 
 import kernels_pallas as kp
@@ -244,24 +245,6 @@ NOT_KERNEL = re.compile("memcpy|memset|copy", re.IGNORECASE)
 ROTATE_BYTES = 200e6  # q/k sets per size: calls rotate over them so the 50 MB L2 cannot hold them
 
 
-def copy_ceiling():
-    """TB/s read + written by a 1 GiB device-to-device copy, CUDA events around each (median).
-
-    Not a graph replay: a memcpy node in a CUDA graph runs on a copy engine at about 2.8 TB/s.
-    """
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(23):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return 2 * src.numel() / statistics.median(times[3:]) / 1e12
-
-
 def kernel_us(run):
     """(median GPU µs, count) of the kernels run() launches (CUPTI; copies and memsets left out)."""
     run()
@@ -445,7 +428,7 @@ def time_size(n, ceiling):
 
 
 def run_timing(sizes):
-    ceiling = copy_ceiling()
+    ceiling = copy_bandwidth() / 1e12
     print(f"[time] copy ceiling {ceiling:.2f} TB/s", flush=True)
     results = []
     for n in sizes:

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from cuda_timing import copy_bandwidth, cuda_time
 from torch.profiler import ProfilerActivity, profile
 
 import jax_impl
@@ -48,29 +49,6 @@ from torch_bridge.jax_steppers import from_torch
 
 B = 4
 CASES = {"temporal": ("temporal", 1), "mimi2": ("mimi", 2), "mimi10": ("mimi", 10)}
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    ms = cuda_time(lambda: b.copy_(a), 20)
-    return 2 * a.numel() / (ms * 1e-3)
-
-
-def cuda_time(fn, n: int) -> float:
-    """Median ms of fn() measured with CUDA events, one event pair per call."""
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def host_time(fn, n: int) -> float:
