@@ -73,6 +73,16 @@ def check_table(name, t, num_tokens, rotary_dim):
         )
 
 
+def check_tables(cos, sin, num_tokens, rotary_dim, mrope_section):
+    """cos and sin of one shape, 3-stream or 1-stream; returns (num_streams, (t, h, w) sections)."""
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_table(name, t, num_tokens, rotary_dim)
+    if tuple(cos.shape) != tuple(sin.shape):
+        raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    num_streams = 3 if cos.ndim == 3 else 1
+    return num_streams, check_sections(mrope_section, rotary_dim, num_streams)
+
+
 def check_cache_shapes(positions_shape, cache_shape, num_tokens, rotary_dim):
     """positions ``[3, num_tokens]`` or ``[num_tokens]``; cos_sin_cache ``[max_position, rotary_dim]``."""
     if len(positions_shape) not in (1, 2) or positions_shape[-1] != num_tokens or (

@@ -45,7 +45,7 @@ from mrope_common import (
     check_geometry,
     check_position_range,
     check_sections,
-    check_table,
+    check_tables,
     default_blocks,
     default_num_warps,
     next_pow2,
@@ -355,13 +355,9 @@ def mrope(
     check_flags(mrope_interleaved, is_neox_style)
     for name, t in (("cos", cos), ("sin", sin)):
         _require_array(name, t)
-        check_table(name, t, num_tokens, rotary_dim)
         check_dtype(name, jnp.dtype(t.dtype), SUPPORTED_DTYPES)
+    num_streams, sections = check_tables(cos, sin, num_tokens, rotary_dim, mrope_section)
     cos, sin = jnp.asarray(cos), jnp.asarray(sin)
-    if cos.shape != sin.shape:
-        raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    num_streams = 3 if cos.ndim == 3 else 1
-    sections = check_sections(mrope_section, rotary_dim, num_streams)
     if num_tokens == 0:
         return q, k
     plan = _Plan(False, num_streams, sections, 0, head_size, rotary_dim, mrope_interleaved,
@@ -473,9 +469,7 @@ def mrope_native(
     """Plain jax.numpy reference of :func:`mrope` (same arguments and result)."""
     num_tokens, _, _ = check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
     check_flags(mrope_interleaved, is_neox_style)
-    for name, t in (("cos", cos), ("sin", sin)):
-        check_table(name, t, num_tokens, rotary_dim)
-    sections = check_sections(mrope_section, rotary_dim, 3 if cos.ndim == 3 else 1)
+    _, sections = check_tables(cos, sin, num_tokens, rotary_dim, mrope_section)
     c = _assemble(cos, sections, rotary_dim, mrope_interleaved).astype(jnp.float32)
     s = _assemble(sin, sections, rotary_dim, mrope_interleaved).astype(jnp.float32)
     return (_rotate_native(q, c, s, head_size, rotary_dim, is_neox_style),

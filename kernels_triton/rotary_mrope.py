@@ -45,7 +45,7 @@ from mrope_common import (
     check_geometry,
     check_position_range,
     check_sections,
-    check_table,
+    check_tables,
     default_blocks,
     default_num_warps,
     next_pow2,
@@ -292,14 +292,10 @@ def mrope_(
     _refuse_grad(q=q, k=k, cos=cos, sin=sin)
     check_flags(mrope_interleaved, is_neox_style)
     for name, t in (("cos", cos), ("sin", sin)):
-        check_table(name, t, num_tokens, rotary_dim)
         check_dtype(name, t.dtype, SUPPORTED_DTYPES)
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-    if cos.shape != sin.shape:
-        raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    num_streams = 3 if cos.ndim == 3 else 1
-    sections = check_sections(mrope_section, rotary_dim, num_streams)
+    num_streams, sections = check_tables(cos, sin, num_tokens, rotary_dim, mrope_section)
     if num_tokens == 0:
         return q, k
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -552,9 +548,7 @@ def mrope_native(
     """Plain torch reference of :func:`mrope` (same arguments, returns new ``(q, k)``)."""
     num_tokens, _, _ = check_geometry(tuple(q.shape), tuple(k.shape), head_size, rotary_dim)
     check_flags(mrope_interleaved, is_neox_style)
-    for name, t in (("cos", cos), ("sin", sin)):
-        check_table(name, t, num_tokens, rotary_dim)
-    sections = check_sections(mrope_section, rotary_dim, 3 if cos.ndim == 3 else 1)
+    _, sections = check_tables(cos, sin, num_tokens, rotary_dim, mrope_section)
     c = _assemble(cos, sections, rotary_dim, mrope_interleaved).float()
     s = _assemble(sin, sections, rotary_dim, mrope_interleaved).float()
     return (_rotate_native(q, c, s, head_size, rotary_dim, is_neox_style),
