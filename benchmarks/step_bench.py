@@ -39,10 +39,9 @@ from cuda_timing import copy_bandwidth, cuda_time
 from torch.profiler import ProfilerActivity, profile
 
 import jax_impl
-from jax_impl.layers import rope_pallas
-from jax_impl.ring import apply_rope
+from jax_impl.config import PRESETS
+from jax_impl.ops import apply_rope, rope_pallas
 from kernels_pallas.ring_attention import ring_attention, ring_attention_native
-from personaplex_config import PRESETS
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.dlpack import to_jax
 from torch_bridge.jax_steppers import from_torch
@@ -111,15 +110,14 @@ def bench_case(name: str, steps: int, bandwidth: float) -> dict:
     rec = {"stack": kind, "T": T, "B": B, "dtype": "bfloat16", "device": torch.cuda.get_device_name(),
            "date": datetime.date.today().isoformat()}
 
-    # --- torch path: eager and CUDA graph, tables hoisted and per layer
-    for label, per_layer in (("", False), ("_tables_per_layer", True)):
-        def torch_step(per_layer=per_layer):
-            module.step(x, active, tables_per_layer=per_layer)
-        rec[f"torch_eager_ms{label}"] = cuda_time(torch_step, max(5, steps // 2))
-        rec[f"torch_kernels{label}"] = count_kernels(torch_step)
-        rec[f"torch_graph_ms{label}"] = cuda_time(torch_graph(torch_step), steps)
-        print(name, label or "hoisted", "torch eager", rec[f"torch_eager_ms{label}"], "graph",
-              rec[f"torch_graph_ms{label}"], "kernels", rec[f"torch_kernels{label}"], flush=True)
+    # --- torch path: eager and CUDA graph
+    def torch_step():
+        module.step(x, active)
+    rec["torch_eager_ms"] = cuda_time(torch_step, max(5, steps // 2))
+    rec["torch_kernels"] = count_kernels(torch_step)
+    rec["torch_graph_ms"] = cuda_time(torch_graph(torch_step), steps)
+    print(name, "torch eager", rec["torch_eager_ms"], "graph", rec["torch_graph_ms"], "kernels",
+          rec["torch_kernels"], flush=True)
 
     # --- JAX step on the same weight buffers (DLPack views), its own full ring
     params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
@@ -139,7 +137,7 @@ def bench_case(name: str, steps: int, bandwidth: float) -> dict:
     rec["floor_bytes"] = weight_bytes + ring_bytes
     rec["floor_ms"] = 1e3 * rec["floor_bytes"] / bandwidth
     for kernels in ("auto", "xla"):  # auto: the Pallas kernels on a GPU (and the drop-in's choice)
-        step = jax_impl.make_step(config, unroll=True, kernels=kernels, rope_freqs=freqs)
+        step = jax_impl.make_step(config, layer_loop="python", kernels=kernels, rope_freqs=freqs)
         if kernels == "auto":
             rec["xla_bytes_accessed"] = bytes_accessed(step, params, state, xj, aj)
         holder = {"state": state}
@@ -164,7 +162,7 @@ def bench_case(name: str, steps: int, bandwidth: float) -> dict:
 
     # --- the torch-facing drop-in on the same buffers
     del state
-    dropin = from_torch(module, unroll=True)
+    dropin = from_torch(module)
     dropin.streaming_init(B)
     dropin._streamer.state = fresh_state()
 
@@ -203,18 +201,17 @@ def bench_case(name: str, steps: int, bandwidth: float) -> dict:
 
 
 def markdown(records: list[dict], bandwidth: float) -> str:
-    header = ("| stack | T | JAX ms | JAX (XLA attn) ms | torch eager | torch graph | eager, tables per layer "
-              "| graph, tables per layer | floor ms | JAX/floor | JAX kernels | torch kernels (hoisted / per layer) "
-              "| drop-in ms (+%) |")
+    header = ("| stack | T | JAX ms | JAX (XLA attn) ms | torch eager | torch graph "
+              "| floor ms | JAX/floor | JAX kernels | torch kernels | drop-in ms (+%) |")
     lines = [(f"Card: {records[0]['device']}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read+write), "
               f"bf16, B={B}, full ring, {records[0]['date']}."), "", header,
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         lines.append(
             f"| {r['stack']} | {r['T']} | {r['jax_ms']:.3f} | {r['jax_xla_kernels_ms']:.3f} | "
-            f"{r['torch_eager_ms']:.3f} | {r['torch_graph_ms']:.3f} | {r['torch_eager_ms_tables_per_layer']:.3f} | "
-            f"{r['torch_graph_ms_tables_per_layer']:.3f} | {r['floor_ms']:.3f} | {r['jax_ms'] / r['floor_ms']:.2f} | "
-            f"{r['jax_kernels']} | {r['torch_kernels']} / {r['torch_kernels_tables_per_layer']} | "
+            f"{r['torch_eager_ms']:.3f} | {r['torch_graph_ms']:.3f} | "
+            f"{r['floor_ms']:.3f} | {r['jax_ms'] / r['floor_ms']:.2f} | "
+            f"{r['jax_kernels']} | {r['torch_kernels']} | "
             f"{r['dropin_ms']:.3f} ({100 * r['dropin_overhead']:+.1f}%) |")
     return "\n".join(lines)
 

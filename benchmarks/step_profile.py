@@ -26,8 +26,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import jax_impl
+from jax_impl.config import PRESETS
 from kernels_pallas.ring_attention import ring_attention
-from personaplex_config import PRESETS
 
 B = 4
 CASES = {"temporal": ("temporal", 1), "mimi2": ("mimi", 2), "mimi10": ("mimi", 10)}
@@ -46,7 +46,7 @@ def profile_step(config, T, kernels):
     state = full_state(config)
     x = jax.random.normal(jax.random.key(2), (B, T, config.dim), jnp.bfloat16)
     active = jnp.ones((B,), bool)
-    step = jax_impl.make_step(config, unroll=True, kernels=kernels)
+    step = jax_impl.make_step(config, layer_loop="python", kernels=kernels)
     for _ in range(3):
         out, state = step(params, state, x, active)
     jax.block_until_ready(state)

@@ -1,56 +1,32 @@
 """JAX path: the streaming stacks of Moshi / PersonaPlex as pure functions over a pytree state.
 
-    from personaplex_config import PRESETS
     import jax_impl as jx
-    cfg = PRESETS["temporal-small"]
+    cfg = jx.PRESETS["temporal-small"]
     params = jx.init_params(cfg, jax.random.key(0))          # or params_from_checkpoint / _stacked
     state = jx.init_state(cfg, batch_size=4)
     step = jx.make_step(cfg)                                 # jitted, state donated
     (out, logits), state = step(params, state, x, active)
+
+Modules, along the data path: `config` (framework-neutral configs and the Moshi checkpoint
+layout) -> `tables` (the per-step RoPE / ring tables) -> `state` (the ring state and the
+recycle ops) -> `ops` (one layer's operations) -> `model` (layers, the layer driver, the Flax
+stacks) -> `step` (the jitted step, `Streamer`); `weights` (parameters in and out) and
+`parity` (bit / ULP distances) beside them. Names are imported on first use: the torch path
+reads `jax_impl.config` without importing jax.
 """
 
-from .layers import MimiLayer, MimiStack, TemporalLayer, TemporalStack, stack_module
-from .parity import max_abs, max_rel, ulp_distance
-from .ring import StepTables, apply_rope, build_step_tables, ring_positions, rope_tables, step_tables
-from .stacks import (
-                     Streamer,
-                     check_step_inputs,
-                     jit_bump_slot_start,
-                     jit_reset_rows,
-                     jit_reset_slot,
-                     jit_reset_streaming,
-                     make_step,
-                     step_fn,
-)
-from .state import (
-                     INT32_MAX,
-                     StreamState,
-                     bump_slot_start,
-                     check_headroom,
-                     index_dtype,
-                     init_state,
-                     reset_rows,
-                     reset_slot,
-                     reset_streaming,
-)
-from .weights import (
-                     ParamsError,
-                     check_params,
-                     export_checkpoint,
-                     init_params,
-                     load_safetensors,
-                     params_from_checkpoint,
-                     params_from_stacked,
-                     save_safetensors,
-                     stacked_weights,
-)
+from kernels_pallas._lazy import lazy_exports
 
-__all__ = [
-    "INT32_MAX", "MimiLayer", "MimiStack", "ParamsError", "StepTables", "StreamState", "Streamer",
-    "TemporalLayer", "TemporalStack", "apply_rope", "build_step_tables", "bump_slot_start", "check_headroom",
-    "check_params", "check_step_inputs", "export_checkpoint", "index_dtype", "init_params", "init_state",
-    "jit_bump_slot_start", "jit_reset_rows", "jit_reset_slot", "jit_reset_streaming", "load_safetensors",
-    "make_step", "max_abs", "max_rel", "params_from_checkpoint", "params_from_stacked", "reset_rows",
-    "reset_slot", "reset_streaming", "ring_positions", "rope_tables", "save_safetensors", "stack_module",
-    "stacked_weights", "step_fn", "step_tables", "ulp_distance",
-]
+_EXPORTS = {
+    **dict.fromkeys(["MimiConfig", "PRESETS", "StackConfig", "TemporalConfig", "with_options"], "config"),
+    **dict.fromkeys(["StepTables", "step_tables"], "tables"),
+    **dict.fromkeys(["StreamState", "bump_slot_start", "check_headroom", "init_state", "reset_rows",
+                     "reset_slot", "reset_streaming"], "state"),
+    **dict.fromkeys(["MimiStack", "TemporalStack", "init_params", "stack_module"], "model"),
+    **dict.fromkeys(["Streamer", "jit_bump_slot_start", "jit_reset_rows", "jit_reset_slot",
+                     "jit_reset_streaming", "make_step", "step_fn"], "step"),
+    **dict.fromkeys(["ParamsError", "check_params", "export_checkpoint", "load_safetensors",
+                     "params_from_checkpoint", "params_from_stacked", "save_safetensors"], "weights"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = [*_EXPORTS]

@@ -32,9 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from personaplex_config import StackConfig
-
-INT32_MAX = 2**31 - 1
+from jax_impl.config import StackConfig
 
 
 class StreamState(NamedTuple):

@@ -1,7 +1,7 @@
 """Parameters of a stack: from the Moshi checkpoint layout, from the torch stacks' buffers, and back.
 
 The Flax variables of a stack are `{"params": {"layers": {name: [L, ...]}, name: [...]}}`
-with the names of `personaplex_config.weight_specs` (per-layer buffers under "layers",
+with the names of `jax_impl.config.weight_specs` (per-layer buffers under "layers",
 `out_norm_alpha` and `text_linear` of the temporal stack at the top). Arrays may be numpy
 arrays, jax arrays, or anything with `__dlpack__` / `__array__` (torch CPU tensors included:
 torch is never imported here); they are copied, so later in-place changes on the source side
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from personaplex_config import StackConfig, check_checkpoint, checkpoint_keys, weight_specs
+from jax_impl.config import StackConfig, check_checkpoint, checkpoint_keys, weight_specs
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float64))
 
@@ -132,7 +132,7 @@ def params_from_checkpoint(config: StackConfig, state_dict: Mapping[str, Any], p
                            dtype=None) -> dict:
     """Variables from a Moshi-layout state dict (checkpoint keys, per-layer tensors).
 
-    Keys are checked with `personaplex_config.check_checkpoint` first: one CheckpointError
+    Keys are checked with `jax_impl.config.check_checkpoint` first: one CheckpointError
     lists every missing, unexpected or mis-shaped key. dtype as in `params_from_stacked`.
     """
     check_checkpoint({k: tuple(v.shape) for k, v in state_dict.items()}, config, prefix)
@@ -175,14 +175,3 @@ def save_safetensors(config: StackConfig, variables, path: str | os.PathLike, pr
     from safetensors.numpy import save_file
 
     save_file(export_checkpoint(config, variables, prefix), os.fspath(path))
-
-
-def init_params(config: StackConfig, key: jax.Array, dtype=jnp.float32) -> dict:
-    """Random variables as the torch path's init_weights (matrices N(0, 0.02), norms 1, ...)."""
-    from .layers import stack_module
-    from .state import init_state
-
-    state = init_state(config, 1, dtype)
-    x = jnp.zeros((1, 1, config.dim), dtype)
-    module = stack_module(config, dtype)
-    return jax.jit(module.init)(key, state, x, jnp.ones((1,), bool))

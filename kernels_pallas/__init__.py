@@ -1,5 +1,17 @@
-"""Pallas kernels (JAX arrays) with plain jax.numpy references beside them."""
+"""Pallas kernels (JAX arrays), each beside its plain jax.numpy reference (`*_native`).
 
-from kernels_pallas.rotary_mrope import mrope, mrope_from_cache, mrope_from_cache_native, mrope_native
+    import kernels_pallas as kp
+    q, k = kp.mrope(q, k, cos, sin, [16, 24, 24], 128, 128)      # MRoPE (Qwen2/2.5/3-VL)
 
-__all__ = ["mrope", "mrope_from_cache", "mrope_from_cache_native", "mrope_native"]
+Lazy: names are imported on first use (`common`, the twins' framework-neutral checks and tile
+plans, is read by `kernels_triton` without importing jax).
+"""
+
+from kernels_pallas._lazy import lazy_exports
+
+_EXPORTS = {
+    "mrope": "rotary_mrope", "mrope_native": "rotary_mrope",
+    "mrope_from_cache": "rotary_mrope", "mrope_from_cache_native": "rotary_mrope",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = [*_EXPORTS]

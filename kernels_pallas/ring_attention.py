@@ -29,14 +29,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas.common import INT32_MAX
+
 MIN_QUERIES = 16  # tensor-core tiles need at least 16 rows
 TARGET_PROGRAMS = 2048  # default splits: about this many programs in all (best measured for the 7B ring)
-_INT32_MAX = 2**31 - 1
 
 
 def fits_int32(ring_shape) -> bool:
     """Whether flat int32 offsets address every element of a ring of this shape."""
-    return math.prod(ring_shape) <= _INT32_MAX
+    return math.prod(ring_shape) <= INT32_MAX
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -37,7 +37,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mrope_common import (
+from kernels_pallas.common import (
+    INT32_MAX,
     check_blocks,
     check_cache_shapes,
     check_dtype,
@@ -55,7 +56,6 @@ from mrope_common import (
 __all__ = ["default_blocks", "mrope", "mrope_from_cache", "mrope_from_cache_native", "mrope_native"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_MAX_INT32 = 2**31 - 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,7 +187,7 @@ def _check_qk(q, k, head_size, rotary_dim):
         raise ValueError(f"k dtype must equal q dtype {q.dtype}, got {k.dtype}")
     q, k = jnp.asarray(q), jnp.asarray(k)
     for name, x in (("q", q), ("k", k)):
-        if x.size > _MAX_INT32:
+        if x.size > INT32_MAX:
             raise ValueError(f"{name} must have fewer than 2**31 elements (int32 offsets), got {x.size}")
     return q, k, dims
 
@@ -416,7 +416,7 @@ def mrope_from_cache(
     if not jnp.issubdtype(positions.dtype, jnp.integer):
         raise ValueError(f"positions dtype must be an integer type (int32), got {positions.dtype}")
     check_cache_shapes(tuple(positions.shape), tuple(cos_sin_cache.shape), num_tokens, rotary_dim)
-    if cos_sin_cache.size > _MAX_INT32:
+    if cos_sin_cache.size > INT32_MAX:
         raise ValueError(f"cos_sin_cache must have fewer than 2**31 elements, got {cos_sin_cache.size}")
     num_streams = 3 if len(positions.shape) == 2 else 1
     sections = check_sections(mrope_section, rotary_dim, num_streams)

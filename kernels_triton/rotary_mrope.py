@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from mrope_common import (
+from kernels_pallas.common import (
     check_blocks,
     check_cache_shapes,
     check_dtype,
@@ -503,7 +503,7 @@ class _Rotate(torch.autograd.Function):
 
 
 def _stream_index(mrope_section, rotary_dim, mrope_interleaved, device):
-    """`mrope_common.stream_index` as a tensor built on the device (no host-to-device copy, so
+    """`kernels_pallas.common.stream_index` as a tensor built on the device (no host-to-device copy, so
     the reference can be CUDA-graph captured)."""
     t, h, w = mrope_section
     i = torch.arange(rotary_dim // 2, device=device)

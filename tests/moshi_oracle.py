@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from personaplex_config import MimiConfig, TemporalConfig
+from jax_impl.config import MimiConfig, TemporalConfig
 
 
 def _import_moshi_transformer():
@@ -31,16 +31,17 @@ def _import_moshi_transformer():
     return transformer
 
 
-def moshi_stack(config, weights: dict[str, torch.Tensor], batch_size: int):
+def moshi_stack(config, weights: dict[str, torch.Tensor], batch_size: int, *, device=None, dtype=None):
     """A moshi StreamingTransformer (+ out_norm, text_linear for temporal) in streaming mode.
 
-    weights: our `export_weights(prefix)` (Moshi checkpoint layout).
+    weights: our `export_weights(prefix)` (Moshi checkpoint layout). device, dtype: passed to
+    moshi's constructors as moshi's own loaders do (its `rms_norm_f32` alphas stay float32).
     Returns (transformer, out_norm or None, text_linear or None).
     """
     tr = _import_moshi_transformer()
     common = {"d_model": config.dim, "num_heads": config.num_heads, "num_layers": config.num_layers,
               "causal": True, "context": config.context, "positional_embedding": "rope",
-              "max_period": config.max_period}
+              "max_period": config.max_period, "device": device, "dtype": dtype}
     if isinstance(config, TemporalConfig):
         # moshi's gating uses hidden = 2 * dim_feedforward // 3 (unless dim_feedforward == 4 * dim)
         dim_feedforward = config.hidden * 3 // 2
@@ -59,8 +60,8 @@ def moshi_stack(config, weights: dict[str, torch.Tensor], batch_size: int):
     model.streaming_forever(batch_size)
     out_norm = text_linear = None
     if isinstance(config, TemporalConfig):
-        out_norm = tr.create_norm_fn("rms_norm_f32", config.dim)
+        out_norm = tr.create_norm_fn("rms_norm_f32", config.dim, device=device)
         out_norm.load_state_dict({"alpha": weights["out_norm.alpha"]})
-        text_linear = torch.nn.Linear(config.dim, config.text_card, bias=False)
+        text_linear = torch.nn.Linear(config.dim, config.text_card, bias=False, device=device, dtype=dtype)
         text_linear.load_state_dict({"weight": weights["text_linear.weight"]})
     return model, out_norm, text_linear

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from personaplex_config import PRESETS
+from jax_impl.config import PRESETS
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.dlpack import BridgeCopyWarning, to_jax, to_torch
 from torch_bridge.jax_steppers import JaxMimiTransformer, JaxTemporalStreaming, from_torch

@@ -71,7 +71,7 @@ def test_cli_bad_checkpoint(tmp_path, capsys):
     bad.write_bytes(b"junk")
     assert main(["crosscheck", "--checkpoint", str(bad)]) == 1
     assert "not a readable safetensors file" in capsys.readouterr().err
-    from personaplex_config import PRESETS
+    from jax_impl.config import PRESETS
     from torch_bridge import MimiTransformer
 
     small = tmp_path / "small.safetensors"

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jax_impl as jx
-from personaplex_config import PRESETS, CheckpointError, TemporalConfig, with_options
+from jax_impl.config import PRESETS, CheckpointError, TemporalConfig, with_options
+from kernels_pallas.common import INT32_MAX
 
 TCFG = PRESETS["temporal-small"]
 MCFG = PRESETS["mimi-small"]
@@ -36,7 +37,7 @@ class TestStateFunctions(chex.TestCase):
     def test_recycling_semantics(self):
         s = jx.init_state(TCFG, 4)
         chex.assert_shape([s.k, s.v], (2, 4, 4, 24, 16))
-        assert s.offset.dtype == jx.index_dtype() == jnp.int32
+        assert s.offset.dtype == jx.state.index_dtype() == jnp.int32
         s = s._replace(offset=jnp.array([5, 7, 0, 3], jnp.int32), start_offset=jnp.array([1, 0, 0, 3], jnp.int32))
         reset_slot = self.variant(jx.reset_slot)
         bump = self.variant(jx.bump_slot_start)
@@ -105,8 +106,8 @@ def test_donated_ring_is_updated_in_place():
     state = jx.init_state(cfg, 2)
     x, active = jnp.ones((2, 1, cfg.dim)), jnp.array([True, False])
     ring = f"f32[{','.join(map(str, state.k.shape))}]"
-    for unroll in (1, True):
-        donated = jax.jit(jx.step_fn(cfg, unroll=unroll), donate_argnums=(1,))
+    for loop in ("scan", "python"):
+        donated = jax.jit(jx.step_fn(cfg, layer_loop=loop), donate_argnums=(1,))
         hlo = donated.lower(params, state, x, active).compile().as_text()
         # 1) the compiled program aliases outputs to the donated k and v (and offsets) buffers,
         aliases = re.search(r"input_output_alias=\{([^\n]*)\}", hlo)
@@ -114,7 +115,7 @@ def test_donated_ring_is_updated_in_place():
         # 2) and copies no full ring (only T slots per layer are scattered);
         assert not [ln for ln in hlo.splitlines() if " copy(" in ln and ring in ln]
         # the same program without donation must copy the rings (so the check above means something).
-        plain = jax.jit(jx.step_fn(cfg, unroll=unroll)).lower(params, state, x, active).compile().as_text()
+        plain = jax.jit(jx.step_fn(cfg, layer_loop=loop)).lower(params, state, x, active).compile().as_text()
         assert [ln for ln in plain.splitlines() if " copy(" in ln and ring in ln]
     # 3) at run time the returned ring lives in the donated buffer.
     step = jx.make_step(cfg)
@@ -163,7 +164,7 @@ def test_weights_io(tmp_path, tparams, mparams):
     path = tmp_path / "m.safetensors"
     jx.save_safetensors(MCFG, mparams, path, "encoder_transformer")
     chex.assert_trees_all_equal(jx.load_safetensors(MCFG, path, "encoder_transformer"), mparams)
-    flat = jx.stacked_weights(TCFG, tparams)
+    flat = jx.weights.stacked_weights(TCFG, tparams)
     chex.assert_trees_all_equal(jx.params_from_stacked(TCFG, {k: np.asarray(v) for k, v in flat.items()}), tparams)
     # one error listing every problem
     bad = dict(ck)
@@ -238,12 +239,12 @@ def test_vmap_over_sessions_equals_one_big_batch(mparams):
     np.testing.assert_array_equal(np.asarray(states.offset).reshape(-1), np.asarray(bstate.offset))
 
 
-def test_unroll_and_fused_rope_agree(tparams):
+def test_layer_loops_and_fused_rope_agree(tparams):
     state = jx.init_state(TCFG, B)
     x = jax.random.normal(jax.random.key(4), (B, 1, TCFG.dim))
     a = jnp.array([True, False, True])
     (o1, _), s1 = jax.jit(jx.step_fn(TCFG))(tparams, state, x, a)
-    (o2, _), s2 = jax.jit(jx.step_fn(TCFG, unroll=True))(tparams, state, x, a)
+    (o2, _), s2 = jax.jit(jx.step_fn(TCFG, layer_loop="python"))(tparams, state, x, a)
     (o3, _), _ = jax.jit(jx.step_fn(TCFG, exact_rope=False))(tparams, state, x, a)
     np.testing.assert_allclose(o1, o2, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(s1.k, s2.k, rtol=1e-6, atol=1e-6)
@@ -263,13 +264,13 @@ def test_bfloat16_and_mimi_step(mparams):
 
 def test_overflow_guard_refuses_before_stepping(tparams):
     s = jx.Streamer(TCFG, tparams, 2)
-    near = jx.INT32_MAX - 2
+    near = INT32_MAX - 2
     s.state = s.state._replace(offset=jnp.full((2,), near, jnp.int32), start_offset=jnp.full((2,), near, jnp.int32))
     s.offset_bound = near
     x = jnp.ones((2, 1, TCFG.dim))
     s.step(x)
     s.step(x)  # offset reaches 2**31 - 1: the last representable position
-    np.testing.assert_array_equal(s.state.offset, [jx.INT32_MAX] * 2)
+    np.testing.assert_array_equal(s.state.offset, [INT32_MAX] * 2)
     before = s.state
     with pytest.raises(OverflowError, match="2147483648 > 2147483647"):
         s.step(x)

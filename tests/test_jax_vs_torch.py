@@ -8,7 +8,7 @@ conventions, both stacks, float32 and bfloat16. Measured agreement (numbers pinn
 - RoPE cos/sin tables (head_dim 16 presets): <= 1 ulp (XLA's cos/sin vs torch's Sleef). The
   freqs are the f64-rounded exp (equal to torch's at head_dim 16); at head_dim 128 torch's
   Sleef expf differs by 1 ulp in 2 of 64 freqs, so those angles drift apart with the position. RoPE application given the same
-  tables: bit-identical (jax_impl.ring._separate_product prevents FMA contraction).
+  tables: bit-identical (jax_impl.ops._separate_product prevents FMA contraction).
 - float32 outputs, text logits and rings: not bit-identical (XLA and MKL/oneDNN sum the matmuls
   in different orders; the tables differ by <= 1 ulp). The error is measured relative to the
   tensor's scale, max|a - b| / max|b|: ~2e-7 .. 6e-7 measured (a few float32 ulps, 2^-23 = 1.2e-7)
@@ -30,9 +30,10 @@ import pytest
 import torch
 
 import jax_impl as jx
+from jax_impl.config import PRESETS, with_options
 from jax_impl.parity import max_ulp, ulp_distance
-from personaplex_config import PRESETS, with_options
 from torch_bridge import MimiTransformer, TemporalStreaming
+from torch_bridge.crosscheck import layer_tables
 from torch_bridge.rope import apply_rope as torch_apply_rope
 from torch_bridge.rope import rope_tables as torch_rope_tables
 
@@ -75,7 +76,7 @@ def run_parity(stack: str, convention: str, dtype: str, steps: int, T: int, B: i
     params = jx.params_from_stacked(cfg, tm.weights())
     tm.streaming_init(B)
     state = jx.init_state(cfg, B, jnp.dtype(dtype))
-    step = jx.make_step(cfg, with_tables=True)
+    step = jx.make_step(cfg, capture=("intermediates",))
     rng = np.random.default_rng(seed)
     # A "near tie": torch's top-2 gap below this fraction of the logits' scale. float32: far
     # above the ~5e-7 error; bfloat16 logits are quantized to 2^-8 relative, exact ties happen.
@@ -99,9 +100,11 @@ def run_parity(stack: str, convention: str, dtype: str, steps: int, T: int, B: i
             state = jx.jit_reset_rows(state, jnp.asarray(mask))
         x = torch.randn(B, T, cfg.dim, generator=gen).to(tdt)
         active = rng.random(B) < 0.75
-        t_out = tm.step(x, torch.from_numpy(active))
-        j_out, state, tables = step(params, state, jx.weights.copy_to_jax(x), jnp.asarray(active))
-        tt = tm.last_tables
+        with layer_tables(tm) as seen:
+            t_out = tm.step(x, torch.from_numpy(active))
+        (tt,) = seen
+        j_out, state, captured = step(params, state, jx.weights.copy_to_jax(x), jnp.asarray(active))
+        (tables,) = captured["intermediates"]["tables"]
         # Integer state: exact, every step.
         for f in INT_FIELDS:
             np.testing.assert_array_equal(np.asarray(getattr(tables, f)), getattr(tt, f).numpy(),
@@ -167,9 +170,9 @@ def test_rope_application_bit_identical_given_same_tables():
     x = torch.randn(offset.shape[0], 4, 5, 64, generator=torch.Generator().manual_seed(1))
     ref = torch_apply_rope(x, cos, sin)
     args = (jnp.asarray(x.numpy()), jnp.asarray(cos.numpy()), jnp.asarray(sin.numpy()))
-    exact = jax.jit(lambda a, c, s: jx.apply_rope(a, c, s, exact=True))(*args)
+    exact = jax.jit(lambda a, c, s: jx.ops.apply_rope(a, c, s, exact=True))(*args)
     assert max_ulp(np.asarray(exact), ref.numpy()) == 0
-    fused = jax.jit(lambda a, c, s: jx.apply_rope(a, c, s, exact=False))(*args)
+    fused = jax.jit(lambda a, c, s: jx.ops.apply_rope(a, c, s, exact=False))(*args)
     # Without the barrier XLA contracts into FMAs: differs (large ulp counts where r*cos ~ i*sin cancel).
     assert ulp_distance(np.asarray(fused), ref.numpy()).max() > 0
 
@@ -178,17 +181,17 @@ def test_rope_tables_within_one_ulp_and_freqs():
     # Small head_dim (the presets): the f64-rounded freqs equal torch's, tables within 1 ulp.
     offset = torch.arange(0, 4096, 3)
     tc, ts = torch_rope_tables(offset, 3, 16, 10000.0)
-    jc, js = jx.rope_tables(jnp.asarray(offset.numpy().astype(np.int32)), 3, 16, 10000.0)
+    jc, js = jx.tables.rope_tables(jnp.asarray(offset.numpy().astype(np.int32)), 3, 16, 10000.0)
     assert max_ulp(np.asarray(jc), tc.numpy()) <= 1
     assert max_ulp(np.asarray(js), ts.numpy()) <= 1
     # head_dim 128 (the 7B temporal config): torch's Sleef expf is off by 1 ulp in 2 of 64 freqs,
     # so its angles drift from the correctly rounded ones by ~position * 1 ulp(freq); the JAX
     # tables stay within 1e-7 of cos(f32 angle) computed in float64. Not bit-identical: see report.
     freqs_t = torch.exp(torch.arange(64, dtype=torch.float32) * (-np.log(10000.0) * 2 / 128)).numpy()
-    freqs_j = jx.ring.rope_freqs(128, 10000.0)
+    freqs_j = jx.tables.rope_freqs(128, 10000.0)
     assert max_ulp(freqs_j, freqs_t) <= 1 and (ulp_distance(freqs_j, freqs_t) > 0).sum() <= 4
     offset = torch.arange(0, 100_000, 97)
-    jc, _ = jx.rope_tables(jnp.asarray(offset.numpy().astype(np.int32)), 1, 128, 10000.0)
+    jc, _ = jx.tables.rope_tables(jnp.asarray(offset.numpy().astype(np.int32)), 1, 128, 10000.0)
     truth = np.cos((freqs_j * offset.numpy().astype(np.float32)[:, None]).astype(np.float64))
     assert np.abs(np.asarray(jc)[:, 0, 0] - truth).max() < 1e-7
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import jax_impl as jx
+from jax_impl.config import PRESETS
 from kernels_pallas.ring_attention import MIN_QUERIES, ring_attention, ring_attention_native
-from personaplex_config import PRESETS
 
 
 @pytest.mark.parametrize("dtype,bound", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
@@ -55,7 +55,7 @@ def test_stack_with_pallas_kernels_matches_xla_kernels():
     results = {}
     for kernels in ("xla", "pallas"):
         state = jx.init_state(cfg, 3)
-        step = jx.make_step(cfg, kernels=kernels, unroll=True)
+        step = jx.make_step(cfg, kernels=kernels, layer_loop="python")
         for t in range(14):  # crosses a ring wrap (capacity 10, T=2)
             x = jax.random.normal(jax.random.key(t), (3, 2, cfg.dim))
             out, state = step(params, state, x, jnp.arange(3) != t % 3)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_bridge import MimiTransformer
+from torch_bridge.crosscheck import layer_tables
 from torch_bridge.rope import apply_rope, rope_tables
 
 STEPS = 2000
@@ -108,10 +109,11 @@ def test_ring_against_plain_model(T, capacity, convention):
                 wrapped += model.offset[r] >= capacity
         x = torch.randn(B, T, 8)
         keys = expected_keys(stack, x, stack.state.offset.clone())
-        stack.step(x, torch.tensor(active))
+        with layer_tables(stack) as seen:
+            stack.step(x, torch.tensor(active))
         labels = model.step([[keys[r, :, t] for t in range(T)] for r in range(B)], active, T, convention)
 
-        tables = stack.last_tables
+        (tables,) = seen
         assert tables.positions.tolist() == labels
         assert stack.state.offset.tolist() == model.offset
         assert stack.state.start_offset.tolist() == model.start

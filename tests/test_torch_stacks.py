@@ -6,8 +6,9 @@ import copy
 import pytest
 import torch
 
-from personaplex_config import PRESETS, CheckpointError, with_options
+from jax_impl.config import PRESETS, CheckpointError, with_options
 from torch_bridge import MimiTransformer, TemporalStreaming
+from torch_bridge.crosscheck import layer_tables
 
 B = 3
 
@@ -18,6 +19,20 @@ def make_stack(name, convention="personaplex", seed=0, dtype=torch.float32):
     stack = cls.from_config(config, dtype=dtype)
     stack.init_weights(generator=torch.Generator().manual_seed(seed))
     return stack
+
+
+def tables_in_every_layer(stack) -> list:
+    """Make every layer of `stack` build its own tables, as older code did (the oracle of the
+    hoisted tables: the same bits). Returns the list the rebuilt tables are appended to."""
+    layer_fn, built = stack._layer_fn, []
+
+    def rebuilt(x, w, num_heads, eps, ring_k, ring_v, tables, active):
+        s = stack.state  # offsets advance after the last layer
+        built.append(stack.step_tables(s.offset, s.start_offset, active, x.shape[1]))
+        return layer_fn(x, w, num_heads, eps, ring_k, ring_v, built[-1], active)
+
+    stack._layer_fn = rebuilt
+    return built
 
 
 def random_op(stack, gen):
@@ -42,20 +57,24 @@ def test_hoisted_tables_equal_per_layer_tables(name, T, convention):
     gen = torch.Generator().manual_seed(3)
     for s in (hoisted, per_layer):
         s.streaming_init(B)
+    built = tables_in_every_layer(per_layer)
     for _ in range(600):
         op = random_op(hoisted, gen)
         op(hoisted)
         op(per_layer)
         x = torch.randn(B, T, hoisted.config.dim, generator=gen)
         active = torch.rand(B, generator=gen) < 0.7
-        ya = hoisted.step(x, active)
-        yb = per_layer.step(x, active, tables_per_layer=True)
+        built.clear()
+        with layer_tables(hoisted) as seen:
+            ya = hoisted.step(x, active)
+        yb = per_layer.step(x, active)
+        assert len(seen) == 1 and len(built) == hoisted.config.num_layers
         for u, v in zip(torch.utils._pytree.tree_leaves(ya), torch.utils._pytree.tree_leaves(yb)):
             assert torch.equal(u, v)
         sa, sb = hoisted.state, per_layer.state
         for field in ("k", "v", "offset", "start_offset"):
             assert torch.equal(getattr(sa, field), getattr(sb, field)), field
-        assert torch.equal(hoisted.last_tables.positions, per_layer.last_tables.positions)
+        assert all(torch.equal(seen[0].positions, t.positions) for t in built)
     assert int(hoisted.state.offset.max()) > hoisted.config.context  # the ring wrapped
 
 
@@ -133,8 +152,9 @@ def test_reset_ops():
     stack.reset_slot(2)
     stack.bump_slot_start(0)
     assert stack.state.start_offset.tolist() == [1, 0, 6]
-    stack.step(torch.randn(B, 2, stack.config.dim))
-    assert stack.last_tables.positions[2].tolist() == [-1] * 6 + [6, 7, -1, -1]
+    with layer_tables(stack) as seen:
+        stack.step(torch.randn(B, 2, stack.config.dim))
+    assert seen[0].positions[2].tolist() == [-1] * 6 + [6, 7, -1, -1]
     stack.reset_rows(torch.tensor([True, False, False]))
     assert stack.state.offset.tolist() == [0, 8, 8] and stack.state.start_offset.tolist() == [0, 0, 6]
     stack.reset_streaming()
@@ -189,7 +209,8 @@ def test_checkpoint_dtype_widening_only():
 def test_bfloat16_step_runs_with_float32_tables():
     stack = make_stack("temporal", dtype=torch.bfloat16)
     stack.streaming_init(B)
-    out, logits = stack.step(torch.randn(B, 1, stack.config.dim, dtype=torch.bfloat16))
+    with layer_tables(stack) as seen:
+        out, logits = stack.step(torch.randn(B, 1, stack.config.dim, dtype=torch.bfloat16))
     assert out.dtype == logits.dtype == stack.state.k.dtype == torch.bfloat16
-    assert stack.last_tables.cos.dtype == torch.float32
+    assert seen[0].cos.dtype == torch.float32
     assert torch.isfinite(out).all()

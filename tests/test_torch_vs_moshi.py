@@ -10,7 +10,7 @@ slot Moshi overwrote is the next one the row writes, so no active output can dif
 import pytest
 import torch
 
-from personaplex_config import PRESETS, with_options
+from jax_impl.config import PRESETS, with_options
 from torch_bridge import MimiTransformer, TemporalStreaming
 
 from .moshi_oracle import moshi_stack

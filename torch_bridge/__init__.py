@@ -1,8 +1,19 @@
-"""PyTorch side: the reference streaming stacks (and, later, the DLPack bridge to JAX)."""
+"""PyTorch side: the reference stacks, the DLPack bridge to JAX, the JAX-backed drop-ins.
 
-from .ring import StepTables, build_step_tables, ring_positions
-from .stacks import MimiTransformer, TemporalStreaming
-from .streaming import StreamState
+    from torch_bridge import TemporalStreaming, MimiTransformer        # the torch path (reference)
+    from torch_bridge import to_jax, to_torch                          # zero-copy DLPack handoff
+    from torch_bridge import JaxTemporalStreaming, JaxMimiTransformer, from_torch   # stepped by JAX
 
-__all__ = ["MimiTransformer", "StepTables", "StreamState", "TemporalStreaming", "build_step_tables",
-           "ring_positions"]
+Names are imported on first use: the torch path alone does not import jax.
+"""
+
+from kernels_pallas._lazy import lazy_exports
+
+_EXPORTS = {
+    **dict.fromkeys(["MimiTransformer", "TemporalStreaming"], "stacks"),
+    "StreamState": "streaming",
+    **dict.fromkeys(["BridgeCopyWarning", "to_jax", "to_torch"], "dlpack"),
+    **dict.fromkeys(["JaxMimiTransformer", "JaxTemporalStreaming", "from_torch"], "jax_steppers"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = [*_EXPORTS]

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from personaplex_config import RING_CONVENTIONS
+from jax_impl.config import RING_CONVENTIONS
 
 
 def _positive_int(text: str) -> int:
@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _crosscheck(args) -> int:
-    from personaplex_config import PRESETS
+    from jax_impl.config import PRESETS
 
     from .crosscheck import crosscheck
 
@@ -106,7 +106,7 @@ def _crosscheck(args) -> int:
 def _stream(args) -> int:
     import torch
 
-    from personaplex_config import PRESETS
+    from jax_impl.config import PRESETS
 
     from .stacks import MimiTransformer, TemporalStreaming
 

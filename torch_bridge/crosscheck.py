@@ -13,6 +13,7 @@ place they differ.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -23,8 +24,8 @@ import numpy as np
 import torch
 
 import jax_impl
+from jax_impl.config import PRESETS, MimiConfig, StackConfig, with_options
 from jax_impl.parity import as_numpy, ulp_distance
-from personaplex_config import PRESETS, MimiConfig, StackConfig, with_options
 
 from .dlpack import to_jax
 from .stacks import MimiTransformer, TemporalStreaming, check_safetensors
@@ -200,7 +201,8 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
     params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
     state = jax.device_put(jax_impl.init_state(config, batch, params["params"]["layers"]["in_proj"].dtype),
                            params["params"]["layers"]["in_proj"].devices().pop())
-    jax_step = jax_impl.make_step(config, unroll=True, with_tables=True, rope_freqs=module.rope_freqs())
+    jax_step = jax_impl.make_step(config, layer_loop="python", capture=("intermediates",),
+                                  rope_freqs=module.rope_freqs())
 
     names = ["out"] + (["text_logits"] if stack == "temporal" else []) + [
         "k", "v", "cos", "sin", "write_index", "positions", "mask", "offset", "start_offset"]
@@ -216,11 +218,12 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
         active = torch.from_numpy(rng.random(batch) < 0.8).to(device)
 
         t0 = time.perf_counter()
-        torch_out = module.step(x, active)
+        with layer_tables(module) as torch_tables:
+            torch_out = module.step(x, active)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        jax_out, state, tables = jax_step(params, state, to_jax(x, copy=None), to_jax(active, copy=None))
+        jax_out, state, captured = jax_step(params, state, to_jax(x, copy=None), to_jax(active, copy=None))
         jax.block_until_ready((jax_out, state))
         t2 = time.perf_counter()
         torch_ms.append(1e3 * (t1 - t0))
@@ -229,16 +232,39 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
         torch_outs = torch_out if isinstance(torch_out, tuple) else (torch_out,)
         jax_outs = jax_out if isinstance(jax_out, tuple) else (jax_out,)
         pairs = dict(zip(names, [*zip(torch_outs, jax_outs)]))
-        ts, tt = module.state, module.last_tables
+        ts, (tt,) = module.state, torch_tables  # one table set, used by every layer
+        (jt,) = captured["intermediates"]["tables"]
         pairs.update(k=(ts.k, state.k), v=(ts.v, state.v), offset=(ts.offset, state.offset),
                      start_offset=(ts.start_offset, state.start_offset))
         for name in ("cos", "sin", "write_index", "positions", "mask"):
-            pairs[name] = (getattr(tt, name), getattr(tables, name))
+            pairs[name] = (getattr(tt, name), getattr(jt, name))
         for name, (a, b) in pairs.items():
             records[name].add(step, _host(a), np.asarray(b))
     cfg = {k: getattr(config, k) for k in config.__dataclass_fields__}
     return CrosscheckReport(stack=stack, config=cfg, dtype=dtype, batch=batch, frames=T, steps=steps,
                             device=_device_name(device), tensors=records, torch_ms=torch_ms, jax_ms=jax_ms)
+
+
+@contextlib.contextmanager
+def layer_tables(module):
+    """Within the block, collect the distinct `StepTables` objects that module's layers receive.
+
+    Wraps the stack's layer function for the duration, so a parity check compares the tables
+    the layers actually used, not a recomputed copy.
+    """
+    seen: list = []
+    layer_fn = module._layer_fn
+
+    def recording(x, w, num_heads, eps, ring_k, ring_v, tables, active):
+        if not any(t is tables for t in seen):
+            seen.append(tables)
+        return layer_fn(x, w, num_heads, eps, ring_k, ring_v, tables, active)
+
+    module._layer_fn = recording
+    try:
+        yield seen
+    finally:
+        module._layer_fn = layer_fn
 
 
 def _random_recycle(rng, module, state, batch):
@@ -267,4 +293,4 @@ def _device_name(device: str) -> str:
     return f"CPU ({jax.devices()[0].platform}, {torch.get_num_threads()} torch threads)"
 
 
-__all__ = ["CrosscheckReport", "TensorRecord", "crosscheck", "default_config"]
+__all__ = ["CrosscheckReport", "TensorRecord", "crosscheck", "default_config", "layer_tables"]

@@ -27,9 +27,9 @@ class _JaxBacked:
     """Mixin over a torch stack: the state lives in a `jax_impl.Streamer` (jitted step, state
     donated, host-side overflow guard); inputs and outputs cross through DLPack."""
 
-    def __init__(self, *args, unroll: int | bool = True, **kwargs):
+    def __init__(self, *args, layer_loop: str = "python", **kwargs):
         super().__init__(*args, **kwargs)
-        self._unroll = unroll
+        self._layer_loop = layer_loop
         self._streamer: jax_impl.Streamer | None = None
 
     def jax_params(self) -> dict:
@@ -61,7 +61,7 @@ class _JaxBacked:
         self._state = None
         params = self.jax_params()
         in_proj = params["params"]["layers"]["in_proj"]
-        self._streamer = jax_impl.Streamer(self.config, params, batch_size, in_proj.dtype, unroll=self._unroll,
+        self._streamer = jax_impl.Streamer(self.config, params, batch_size, in_proj.dtype, layer_loop=self._layer_loop,
                                            rope_freqs=self.rope_freqs(), device=in_proj.devices().pop())
 
     def _apply(self, op: str, *args) -> None:
@@ -88,7 +88,7 @@ class JaxMimiTransformer(_JaxBacked, MimiTransformer):
     """`MimiTransformer`, stepped by JAX. step(x [B,T,dim], active [B]) -> [B,T,dim] torch tensor."""
 
 
-def from_torch(module: _StreamingStack, *, unroll: int | bool = True) -> _JaxBacked:
+def from_torch(module: _StreamingStack, *, layer_loop: str = "python") -> _JaxBacked:
     """A JAX-backed stepper on the very same weight buffers as `module` (no copy)."""
     if isinstance(module, _JaxBacked):
         raise TypeError("from_torch(module): module is already JAX-backed")
@@ -96,7 +96,7 @@ def from_torch(module: _StreamingStack, *, unroll: int | bool = True) -> _JaxBac
         raise TypeError(f"from_torch(module): expected TemporalStreaming or MimiTransformer, "
                         f"got {type(module).__name__}")
     cls = JaxTemporalStreaming if isinstance(module, TemporalStreaming) else JaxMimiTransformer
-    stepper = cls.from_config(module.config, dtype=module.dtype, device="meta", unroll=unroll)
+    stepper = cls.from_config(module.config, dtype=module.dtype, device="meta", layer_loop=layer_loop)
     for name, buffer in module.weights().items():
         setattr(stepper, name, buffer)  # nn.Module routes this to the registered buffer
     return stepper

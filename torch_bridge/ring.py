@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from personaplex_config import RING_CONVENTIONS
+from jax_impl.config import RING_CONVENTIONS
 
 from .rope import rope_tables
 

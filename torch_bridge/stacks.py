@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from personaplex_config import (
+from jax_impl.config import (
     MimiConfig,
     StackConfig,
     TemporalConfig,
@@ -55,7 +55,6 @@ class _StreamingStack(nn.Module):
         self.config = config
         self._layer_fn = layer_fn
         self._state: StreamState | None = None
-        self.last_tables: StepTables | None = None  # the tables of the latest step, for parity checks
         for spec in weight_specs(config):
             shape = spec.stacked_shape(config.num_layers)
             self.register_buffer(spec.name, torch.empty(shape, dtype=dtype, device=device))
@@ -146,7 +145,6 @@ class _StreamingStack(nn.Module):
         c = self.config
         self._state = StreamState.zeros(c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim,
                                        self.dtype, self.device)
-        self.last_tables = None
 
     def _require_state(self, op: str):
         if self._state is None:
@@ -227,22 +225,18 @@ class _StreamingStack(nn.Module):
                                  head_dim=c.head_dim, max_period=c.max_period, convention=c.ring_convention)
 
     @torch.no_grad()
-    def step(self, x: torch.Tensor, active: torch.Tensor | None = None, *, tables_per_layer: bool = False):
+    def step(self, x: torch.Tensor, active: torch.Tensor | None = None):
         """One streaming step: x [B, T, dim], active bool [B] (default: all rows).
 
-        Inactive rows leave the state as is. `tables_per_layer=True` rebuilds the tables in
-        every layer, as older code did: the same bits, more kernels (oracle and benchmark).
+        The tables are built once and every layer uses them. Inactive rows leave the state as is.
         """
         state, active = self._check_step_inputs(x, active)
         c = self.config
         tables = self.step_tables(state.offset, state.start_offset, active, x.shape[1])
         for layer in range(c.num_layers):
-            if tables_per_layer:
-                tables = self.step_tables(state.offset, state.start_offset, active, x.shape[1])
             x = self._layer_fn(x, self._layer_weights(layer), c.num_heads, c.norm_eps,
                                state.k[layer], state.v[layer], tables, active)
         state.offset.copy_(tables.end_offset)
-        self.last_tables = tables
         return self._head(x)
 
     def _head(self, x: torch.Tensor):
@@ -266,10 +260,10 @@ class TemporalStreaming(_StreamingStack):
                    hidden=config.hidden, context=config.context, text_card=config.text_card,
                    max_period=config.max_period, ring_convention=config.ring_convention, **kwargs)
 
-    def step(self, frame_embedding: torch.Tensor, active: torch.Tensor | None = None, **kwargs):
+    def step(self, frame_embedding: torch.Tensor, active: torch.Tensor | None = None):
         """frame_embedding [B, T, dim], active bool [B] ->
         (out [B, T, dim], text_logits [B, 1, T, text_card])."""
-        return super().step(frame_embedding, active, **kwargs)
+        return super().step(frame_embedding, active)
 
     def _head(self, x: torch.Tensor):
         out = rms_norm_f32(x, self.out_norm_alpha, self.config.norm_eps)

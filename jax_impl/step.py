@@ -19,11 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from personaplex_config import StackConfig
-
 from . import state as st
-from .layers import pick_kernels, stack_module
-from .ring import StepTables, step_tables
+from .config import StackConfig
+from .model import stack_module
+from .ops import pick_kernels
 from .state import StreamState
 from .weights import check_params
 
@@ -62,43 +61,46 @@ def check_step_inputs(config: StackConfig, params, state: StreamState, x, active
     return active
 
 
-def step_fn(config: StackConfig, *, unroll: int | bool = 1, exact_rope: bool = True,
-            with_tables: bool = False, rope_freqs: tuple[float, ...] | None = None,
-            kernels: str = "auto") -> Callable:
+def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True,
+            rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto",
+            capture: tuple[str, ...] = ()) -> Callable:
     """The pure step `(params, state, x, active=None) -> (outputs, new_state)` (not jitted).
 
-    outputs: (out, text_logits) for the temporal stack, out for Mimi. with_tables=True
-    returns (outputs, new_state, tables) with this step's `StepTables` (for parity checks).
-    unroll: the layer scan's unroll (1 = rolled; True = fully unrolled, faster on GPU).
-    rope_freqs: a [D/2] RoPE frequency table (tuple of floats) instead of `ring.rope_freqs`;
+    outputs: (out, text_logits) for the temporal stack, out for Mimi.
+    layer_loop: "scan" (one `lax.scan` over the stacked layers) or "python" (a Python loop,
+    static layer indexes: longer to compile, what the GPU runs fastest today).
+    scan_unroll: `lax.scan`'s unroll factor when layer_loop="scan".
+    rope_freqs: a [D/2] RoPE frequency table (tuple of floats) instead of `tables.rope_freqs`;
     the torch bridge passes the torch path's own table so both share its exact bits.
     kernels: "xla", "pallas" (Pallas RoPE + ring attention) or "auto" (Pallas on a GPU).
+    capture: Flax collections the stack sows into (e.g. ("intermediates",): the `StepTables`
+    the layers used); when given, the step returns (outputs, new_state, captured).
     """
 
     def step(params, state, x, active=None):
         active = check_step_inputs(config, params, state, x, active)
-        impl = pick_kernels(kernels, config, state.batch_size, x.shape[1], unroll)
-        module = stack_module(config, state.k.dtype, unroll, exact_rope, rope_freqs, impl)
-        outputs, new_state = module.apply(params, state, x, active)
-        if with_tables:
-            tables = step_tables(config, state.offset, state.start_offset, active, x.shape[1], rope_freqs)
-            return outputs, new_state, tables
-        return outputs, new_state
+        impl = pick_kernels(kernels, config, state.batch_size, x.shape[1])
+        module = stack_module(config, state.k.dtype, layer_loop=layer_loop, scan_unroll=scan_unroll,
+                              exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=impl)
+        if not capture:
+            return module.apply(params, state, x, active)
+        (outputs, new_state), captured = module.apply(params, state, x, active, mutable=list(capture))
+        return outputs, new_state, captured
 
     return step
 
 
-@functools.lru_cache(maxsize=None, typed=True)  # typed: unroll=True is not unroll=1
-def make_step(config: StackConfig, *, unroll: int | bool = 1, exact_rope: bool = True,
-              donate: bool = True, with_tables: bool = False,
-              rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto") -> Callable:
+@functools.cache
+def make_step(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True,
+              donate: bool = True, rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto",
+              capture: tuple[str, ...] = ()) -> Callable:
     """`jax.jit(step_fn(config, ...))` with the state donated (rings updated in place).
 
     Cached per arguments, so every caller shares one compiled function per shape and dtype.
     After a donated call the state passed in is invalid: keep only the returned one.
     """
-    fn = step_fn(config, unroll=unroll, exact_rope=exact_rope, with_tables=with_tables, rope_freqs=rope_freqs,
-                 kernels=kernels)
+    fn = step_fn(config, layer_loop=layer_loop, scan_unroll=scan_unroll, exact_rope=exact_rope,
+                 rope_freqs=rope_freqs, kernels=kernels, capture=capture)
     return jax.jit(fn, donate_argnums=(1,) if donate else ())
 
 
@@ -119,7 +121,7 @@ class Streamer:
     """
 
     def __init__(self, config: StackConfig, params, batch_size: int, dtype=jnp.float32, *,
-                 unroll: int | bool = 1, exact_rope: bool = True, rope_freqs: tuple[float, ...] | None = None,
+                 layer_loop: str = "scan", exact_rope: bool = True, rope_freqs: tuple[float, ...] | None = None,
                  device=None):
         self.config = config
         check_params(config, params, dtype=jnp.dtype(dtype))
@@ -127,7 +129,7 @@ class Streamer:
         state = st.init_state(config, batch_size, dtype)
         self.state = state if device is None else jax.device_put(state, device)
         self.offset_bound = 0
-        self._step = make_step(config, unroll=unroll, exact_rope=exact_rope, rope_freqs=rope_freqs)
+        self._step = make_step(config, layer_loop=layer_loop, exact_rope=exact_rope, rope_freqs=rope_freqs)
 
     @property
     def batch_size(self) -> int:
@@ -162,4 +164,4 @@ class Streamer:
         self.offset_bound = 0
 
 
-__all__ = ["StepTables", "Streamer", "check_step_inputs", "make_step", "step_fn"]
+__all__ = ["Streamer", "check_step_inputs", "make_step", "step_fn"]

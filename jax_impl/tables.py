@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from personaplex_config import RING_CONVENTIONS, StackConfig
+from jax_impl.config import RING_CONVENTIONS, StackConfig
 
 
 class StepTables(NamedTuple):
@@ -66,34 +66,6 @@ def rope_tables(offset: jax.Array, T: int, head_dim: int, max_period: float,
     ts = offset.astype(jnp.float32)[:, None] + jnp.arange(T, dtype=jnp.float32)  # [B, T]
     angles = freqs * ts[:, None, :, None]
     return jnp.cos(angles), jnp.sin(angles)
-
-
-def _separate_product(p: jax.Array) -> jax.Array:
-    """p, rounded on its own: XLA's CPU (and GPU) backends let LLVM contract `a*b - c*d` into a
-    fused multiply-add, which eager torch does not do. `optimization_barrier`, `reduce_precision`
-    and a bitcast round trip are all simplified away before code generation; a select on
-    `isnan(p)` (keeps NaN as NaN) is not, and LLVM does not contract an fmul through a select.
-    """
-    return jnp.where(jnp.isnan(p), jnp.asarray(jnp.nan, p.dtype), p)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, exact: bool = True) -> jax.Array:
-    """Rotate GPT-J pairs (2i, 2i+1) of x [B, H, T, D] in float32; returns x's dtype.
-
-    out_r = r*cos - i*sin, out_i = r*sin + i*cos. With exact=True each product is rounded
-    on its own (no FMA contraction), which makes the result bit-identical to the torch path
-    given the same tables; exact=False lets the compiler fuse (faster, <= 1 ulp apart).
-    """
-    B, H, T, D = x.shape
-    # float32 for f32/bf16/f16 as torch's `.float()`; float64 inputs stay float64 (gradient checks).
-    pairs = x.reshape(B, H, T, D // 2, 2).astype(jnp.promote_types(x.dtype, jnp.float32))
-    xr, xi = pairs[..., 0], pairs[..., 1]
-    products = (xr * cos, xi * sin, xr * sin, xi * cos)
-    if exact:
-        products = tuple(_separate_product(p) for p in products)
-    rc, is_, rs, ic = products
-    out = jnp.stack([(rc - is_).astype(x.dtype), (rs + ic).astype(x.dtype)], axis=-1)
-    return out.reshape(x.shape)
 
 
 def ring_positions(offset, start_offset, active, T: int, capacity: int, convention: str) -> jax.Array:

@@ -1,13 +1,15 @@
-"""Framework-neutral parts of the MRoPE kernels: argument checks and the default tile plan.
+"""Framework-neutral parts of the twin kernels: argument checks, limits and tile plans.
 
-Shared by `kernels_pallas.rotary_mrope` (JAX) and `kernels_triton.rotary_mrope` (torch); it
-imports neither framework, so each package stays free of the other's. Arrays are only asked for
-`shape`, `ndim` and `dtype`.
+Shared by the Pallas kernels (`kernels_pallas`, JAX) and their Triton twins (`kernels_triton`,
+torch); it imports neither framework, so each package stays free of the other's. Arrays are
+only asked for `shape`, `ndim` and `dtype`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+INT32_MAX = 2**31 - 1  # flat element offsets computed in int32 must stay at or below this
 
 
 def check_geometry(q_shape, k_shape, head_size, rotary_dim):

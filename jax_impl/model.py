@@ -1,0 +1,176 @@
+"""The two stacks as Flax modules: one declaration of the parameters, one layer driver.
+
+    params = {"params": {"layers": {name: [L, ...]}, "out_norm_alpha": [dim], "text_linear": [V, dim]}}
+
+Every parameter is declared once, from `config.weight_specs`, stacked `[L, ...]` under
+"layers" (the torch buffer names and layout; the top-level `out_norm_alpha`, `text_linear`
+exist for the temporal stack only). A layer is a pure function of its weight slices,
+`carry = (x [B, T, dim], ring_k, ring_v)` with the whole stacked rings, the layer index and
+the step's `StepTables`; `run_layers` applies the L layers either as one `lax.scan` over the
+stacked weights (`layer_loop="scan"`, the layer index traced) or as a Python loop with static
+indexes (`layer_loop="python"`). The tables are computed once per step, before the layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .config import MimiConfig, StackConfig, TemporalConfig, weight_specs
+from .ops import layer_norm, linear, ring_attention, rms_norm_f32
+from .state import StreamState
+from .tables import StepTables, step_tables
+
+LAYER_LOOPS = ("scan", "python")
+
+
+# ------------------------------------------------------------------------------- layers
+def temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables, active,
+                   exact_rope: bool = True, kernels: str = "xla"):
+    """Helium layer: carry (x [B, T, dim], ring_k, ring_v) -> next carry. w: this layer's slices."""
+    x, ring_k, ring_v = carry
+    h = rms_norm_f32(x, w["norm1_alpha"], c.norm_eps)
+    a, ring_k, ring_v = ring_attention(h, w["in_proj"], w["out_proj"], c.num_heads, ring_k, ring_v,
+                                       layer, tables, active, exact_rope, kernels, c.context)
+    x = x + a
+    h = rms_norm_f32(x, w["norm2_alpha"], c.norm_eps)
+    B, T, _ = h.shape
+    gate_in = linear(h, w["linear_in"]).reshape(B, T, 2, -1)
+    x = x + linear(jax.nn.silu(gate_in[..., 0, :]) * gate_in[..., 1, :], w["linear_out"])
+    return x, ring_k, ring_v
+
+
+def mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
+               exact_rope: bool = True, kernels: str = "xla"):
+    """Mimi layer: LayerNorm, attention with layer scale, GELU MLP with layer scale."""
+    x, ring_k, ring_v = carry
+    h = layer_norm(x, w["norm1_weight"], w["norm1_bias"], c.norm_eps)
+    a, ring_k, ring_v = ring_attention(h, w["in_proj"], w["out_proj"], c.num_heads, ring_k, ring_v,
+                                       layer, tables, active, exact_rope, kernels, c.context)
+    x = x + w["scale1"] * a
+    h = layer_norm(x, w["norm2_weight"], w["norm2_bias"], c.norm_eps)
+    x = x + w["scale2"] * linear(jax.nn.gelu(linear(h, w["linear1"]), approximate=False), w["linear2"])
+    return x, ring_k, ring_v
+
+
+def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables: StepTables, active, *,
+               layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True, kernels: str = "xla"):
+    """Apply the L layers to carry; stacked: name -> [L, ...] weights.
+
+    "scan": one `lax.scan` over (layer index, weight slices), compiled once whatever L;
+    "python": a loop with constant layer indexes, so XLA slices weights and rings statically.
+    """
+    if layer_loop == "python":
+        for layer in range(c.num_layers):
+            w = {name: a[layer] for name, a in stacked.items()}
+            carry = layer_fn(c, w, carry, layer, tables, active, exact_rope, kernels)
+        return carry
+
+    def body(carry, xs):
+        layer, w = xs
+        return layer_fn(c, w, carry, layer, tables, active, exact_rope, kernels), None
+
+    carry, _ = lax.scan(body, carry, (jnp.arange(c.num_layers), stacked), unroll=scan_unroll)
+    return carry
+
+
+# ------------------------------------------------------------------------------- parameters
+def _normal(std: float = 0.02):
+    def init(key, shape, dtype):
+        return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+    return init
+
+
+def _init_for(name: str, layer_scale: float = 0.01):
+    """The torch path's `init_weights`: matrices N(0, 0.02), norms 1, biases 0, layer scales 0.01."""
+    if name in ("in_proj", "out_proj", "linear_in", "linear_out", "linear1", "linear2", "text_linear"):
+        return _normal()
+    if name.endswith("bias"):
+        return nn.initializers.zeros
+    if name.startswith("scale"):
+        return nn.initializers.constant(layer_scale)
+    return nn.initializers.ones
+
+
+class _LayerWeights(nn.Module):
+    """The per-layer weights, stacked [L, ...]: the one declaration (scope "layers")."""
+
+    config: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self) -> dict[str, jax.Array]:
+        return {s.name: self.param(s.name, _init_for(s.name), s.stacked_shape(self.config.num_layers),
+                                   self.param_dtype)
+                for s in weight_specs(self.config) if s.per_layer}
+
+
+# ------------------------------------------------------------------------------- stacks
+class _StackBase(nn.Module):
+    config: Any
+    param_dtype: Any = jnp.float32
+    layer_loop: str = "scan"         # "scan" (one lax.scan over layers) or "python" (static indexes)
+    scan_unroll: int = 1             # lax.scan's unroll factor (layer_loop="scan")
+    exact_rope: bool = True          # keep RoPE products unfused (bit-identical to torch's rope)
+    rope_freqs: tuple | None = None  # RoPE frequency table override (default: tables.rope_freqs)
+    kernels: str = "xla"             # "xla" or "pallas" (see ops.ring_attention)
+
+    def _layers(self, layer_fn, state: StreamState, x, active):
+        c = self.config
+        tables = step_tables(c, state.offset, state.start_offset, active, x.shape[1], self.rope_freqs)
+        self.sow("intermediates", "tables", tables)  # what every layer used (step_fn(capture=...))
+        stacked = _LayerWeights(c, self.param_dtype, name="layers")()
+        x, k, v = run_layers(layer_fn, c, stacked, (x, state.k, state.v), tables, active,
+                             layer_loop=self.layer_loop, scan_unroll=self.scan_unroll,
+                             exact_rope=self.exact_rope, kernels=self.kernels)
+        return x, state._replace(k=k, v=v, offset=tables.end_offset)
+
+    def _top(self, name: str) -> jax.Array:
+        spec = next(s for s in weight_specs(self.config) if s.name == name)
+        return self.param(name, _init_for(name), spec.shape, self.param_dtype)
+
+
+class TemporalStack(_StackBase):
+    """Helium temporal stack: (state, x [B, T, dim], active [B]) ->
+    ((out [B, T, dim], text_logits [B, 1, T, text_card]), new_state)."""
+
+    @nn.compact
+    def __call__(self, state: StreamState, x, active):
+        x, state = self._layers(temporal_layer, state, x, active)
+        out = rms_norm_f32(x, self._top("out_norm_alpha"), self.config.norm_eps)
+        return (out, linear(out, self._top("text_linear"))[:, None]), state
+
+
+class MimiStack(_StackBase):
+    """Mimi codec transformer: (state, x [B, T, dim], active [B]) -> (out [B, T, dim], new_state)."""
+
+    @nn.compact
+    def __call__(self, state: StreamState, x, active):
+        return self._layers(mimi_layer, state, x, active)
+
+
+def stack_module(config: StackConfig, param_dtype=jnp.float32, *, layer_loop: str = "scan",
+                 scan_unroll: int = 1, exact_rope: bool = True, rope_freqs: tuple | None = None,
+                 kernels: str = "xla") -> nn.Module:
+    """The Flax module of a stack (`TemporalStack` or `MimiStack`); options as on `_StackBase`."""
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+    if not isinstance(scan_unroll, int) or isinstance(scan_unroll, bool) or scan_unroll < 1:
+        raise ValueError(f"scan_unroll must be a positive int, got {scan_unroll!r}")
+    cls = TemporalStack if isinstance(config, TemporalConfig) else MimiStack
+    return cls(config, param_dtype=jnp.dtype(param_dtype), layer_loop=layer_loop, scan_unroll=scan_unroll,
+               exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=kernels)
+
+
+def init_params(config: StackConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Random variables as the torch path's init_weights (matrices N(0, 0.02), norms 1, ...)."""
+    from .state import init_state
+
+    state = init_state(config, 1, dtype)
+    x = jnp.zeros((1, 1, config.dim), dtype)
+    return jax.jit(stack_module(config, dtype).init)(key, state, x, jnp.ones((1,), bool))
