@@ -7,7 +7,12 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 stamp=.venv/.installed-$(cat requirements.txt requirements-test.txt pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then
-    [ -x .venv/bin/python ] || "$PY" -m venv .venv
+    if [ -x .venv/bin/python ]; then
+        echo "run.sh: updating .venv (requirements changed; a minute or more)..." >&2
+    else
+        echo "run.sh: setting up .venv (first run, a few minutes)..." >&2
+        "$PY" -m venv .venv
+    fi
     .venv/bin/pip install -q -r requirements.txt -r requirements-test.txt
     # moshi is the external oracle of the tests: its transformer module needs only torch + einops.
     .venv/bin/pip install -q --no-deps "moshi==0.2.13"

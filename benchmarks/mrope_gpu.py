@@ -50,6 +50,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import kernels_pallas as kp
 import kernels_triton as kt
+from jax_impl import parity
 
 ENGINE_KERNEL_US = {1024: 10.2, 8192: 39.8, 32768: 139.0}  # serving engine's Triton MRoPE kernel
 ENGINE_NATIVE_US = {1024: 156.0, 8192: 313.0, 32768: 1103.0}  # its torch-native path
@@ -63,30 +64,13 @@ JAX_DT = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # ------------------------------------------------------------------------------------- bits
 
 
-def bits_t(t):
-    t = t.detach().contiguous().cpu()
-    w = t.element_size()
-    return t.view({2: torch.int16, 4: torch.int32}[w]).numpy().astype(np.int64) & ((1 << (8 * w)) - 1), w
-
-
-def bits_j(x):
-    a = np.asarray(x)
-    w = a.dtype.itemsize
-    return a.view({2: np.uint16, 4: np.uint32}[w]).astype(np.int64), w
-
-
 def compare(a, b):
-    """(elements that differ, max ULP distance) of two bit arrays of one width."""
-    (x, w), (y, _) = a, b
-    if x.shape != y.shape:
+    """(elements that differ, max ULP distance) of two arrays of one dtype (torch on any device, or jax)."""
+    a, b = (parity.as_numpy(x.detach().cpu() if isinstance(x, torch.Tensor) else x) for x in (a, b))
+    if a.shape != b.shape:
         return -1, -1
-    sign = 1 << (8 * w - 1)
-
-    def ordered(v):
-        return np.where(v & sign, -(v & (sign - 1)), v)
-
-    diff = np.abs(ordered(x) - ordered(y))
-    return int((x != y).sum()), int(diff.max()) if diff.size else 0
+    d = parity.ulp_distance(a, b)
+    return int(np.count_nonzero(d)), int(d.max()) if d.size else 0
 
 
 def jax_from_torch(t, dtype=None):
@@ -134,15 +118,12 @@ def check_case(n, geom, dtype, layout, neox):
     res["pallas_cache"] = jax.jit(functools.partial(kp.mrope_from_cache, **kw))(jpos, jq, jk, jcache)
     res["jnp_native"] = jax.jit(functools.partial(kp.mrope_native, **kw))(jq, jk, jc, js)
     out = {}
-    base = [bits_t(x) for x in res["triton"]]
+    base = res["triton"]
     for name, val in res.items():
-        conv = bits_t if name.startswith(("triton", "torch")) else bits_j
-        cmp = [compare(base[i], conv(val[i])) for i in range(2)]
+        cmp = [compare(base[i], val[i]) for i in range(2)]
         out[name] = {"diff": cmp[0][0] + cmp[1][0], "max_ulp": max(cmp[0][1], cmp[1][1])}
     # Each kernel vs its own framework's reference.
-    pj = [bits_j(x) for x in res["pallas"]]
-    nj = [bits_j(x) for x in res["jnp_native"]]
-    c = [compare(pj[i], nj[i]) for i in range(2)]
+    c = [compare(res["pallas"][i], res["jnp_native"][i]) for i in range(2)]
     out["pallas_vs_jnp_native"] = {"diff": c[0][0] + c[1][0], "max_ulp": max(c[0][1], c[1][1])}
     return out
 
@@ -177,7 +158,7 @@ def check_gradients(n, dtype, layout, neox):
         out[name] = {}
         for i, what in enumerate(("dq", "dk", "dcos", "dsin")):
             a, b = grads["pallas"][i], grads[name][i]
-            diff, ulp = compare(bits_j(a), bits_j(b) if name == "jnp_native" else bits_t(b))
+            diff, ulp = compare(a, b)
             a = np.asarray(a.astype(jnp.float32))
             b = np.asarray(b.astype(jnp.float32)) if name == "jnp_native" else b.float().cpu().numpy()
             out[name][what] = {"diff": diff, "max_ulp": ulp, "max_abs": float(np.abs(a - b).max()),

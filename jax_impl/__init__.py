@@ -11,22 +11,27 @@ Modules, along the data path: `config` (framework-neutral configs and the Moshi 
 layout) -> `tables` (the per-step RoPE / ring tables) -> `state` (the ring state and the
 recycle ops) -> `ops` (one layer's operations) -> `model` (layers, the layer driver, the Flax
 stacks) -> `step` (the jitted step, `Streamer`); `weights` (parameters in and out) and
-`parity` (bit / ULP distances) beside them. Names are imported on first use: the torch path
-reads `jax_impl.config` without importing jax.
+`parity` (bit / ULP distances) beside them; `snapshot` (the stream snapshot format, shared
+with torch, framework-neutral) and `stream_io` (a `StreamState` to a snapshot / file and back).
+Names are imported on first use: the torch path reads `jax_impl.config` and `jax_impl.snapshot`
+without importing jax.
 """
 
 from kernels_pallas._lazy import lazy_exports
 
 _EXPORTS = {
-    **dict.fromkeys(["MimiConfig", "PRESETS", "StackConfig", "TemporalConfig", "with_options"], "config"),
+    **dict.fromkeys(["CheckpointError", "MimiConfig", "PRESETS", "StackConfig", "TemporalConfig", "infer_config",
+                     "with_options"], "config"),
     **dict.fromkeys(["StepTables", "step_tables"], "tables"),
     **dict.fromkeys(["StreamState", "bump_slot_start", "check_headroom", "init_state", "reset_rows",
                      "reset_slot", "reset_streaming"], "state"),
     **dict.fromkeys(["MimiStack", "TemporalStack", "init_params", "stack_module"], "model"),
     **dict.fromkeys(["Streamer", "jit_bump_slot_start", "jit_reset_rows", "jit_reset_slot",
                      "jit_reset_streaming", "make_step", "step_fn"], "step"),
-    **dict.fromkeys(["ParamsError", "check_params", "export_checkpoint", "load_safetensors",
+    **dict.fromkeys(["check_params", "export_checkpoint", "load_safetensors",
                      "params_from_checkpoint", "params_from_stacked", "save_safetensors"], "weights"),
+    **dict.fromkeys(["SnapshotError", "check_snapshot_layout"], "snapshot"),
+    **dict.fromkeys(["read_stream", "state_from_snapshot", "state_snapshot", "write_stream"], "stream_io"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [*_EXPORTS]
+__all__ = [*_EXPORTS]  # noqa: PLE0604 (the names of the lazy export table)

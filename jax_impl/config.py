@@ -4,14 +4,21 @@ Imported by both `torch_bridge` and `jax_impl`; it imports neither torch nor jax
 
 - `TemporalConfig`: the Helium temporal backbone (7B defaults), T=1 per step.
 - `MimiConfig`: the Mimi codec transformer, T=2 (encoder) or T=10 per step.
-- `weight_specs(config)`: the stacked weight buffers and their Moshi checkpoint keys.
-- `check_checkpoint(shapes, config, prefix)`: one error listing every missing, unexpected
-  or mis-shaped key.
+- `weight_specs(config)`: the stacked weight buffers and their Moshi checkpoint keys (and the
+  other names moshi's own modules give them: `in_projs.0.weight`, ...).
+- `check_checkpoint(shapes, config, prefix)`: one `CheckpointError` listing every missing,
+  unexpected, duplicated or mis-shaped key; `check_fit` is the one checker behind it and behind
+  the JAX parameter checks; `check_dtype` the one dtype rule of every loader.
+- `infer_config(shapes, kind, prefix)`: the sizes a checkpoint's shapes determine.
+- `read_safetensors_shapes` / `read_safetensors`: a file's header / tensors, errors naming the path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +43,9 @@ def _check_common(config) -> None:
         raise ValueError(f"ring_convention must be one of {RING_CONVENTIONS}, got {config.ring_convention!r}")
     if not config.max_period > 1.0:
         raise ValueError(f"max_period must be > 1, got {config.max_period!r}")
+    eps = config.norm_eps
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"norm_eps must be a finite float > 0, got {eps!r}")
 
 
 class _StackGeometry:
@@ -115,6 +125,10 @@ class WeightSpec:
     shape:     shape of one layer's slice (or of the whole tensor when not per layer).
     ckpt_shape: the shape the checkpoint stores for one layer (alphas are `[1, 1, dim]`).
     per_layer: True when the buffer is stacked `[num_layers, *shape]`.
+    aliases:   other names of `key` that moshi loads too: the released files say
+               `self_attn.in_proj_weight`, a `state_dict()` of moshi's own modules (0.2.13)
+               `self_attn.in_projs.0.weight` (its `StreamingMultiheadAttention._load_hook` maps
+               one to the other). `key` is the name we write.
     """
 
     name: str
@@ -122,9 +136,14 @@ class WeightSpec:
     shape: tuple[int, ...]
     ckpt_shape: tuple[int, ...]
     per_layer: bool = True
+    aliases: tuple[str, ...] = ()
 
     def stacked_shape(self, num_layers: int) -> tuple[int, ...]:
         return (num_layers, *self.shape) if self.per_layer else self.shape
+
+    def names(self, base: str, layer: int | None) -> tuple[str, ...]:
+        """Every accepted checkpoint key of this weight (of one layer), `key` first."""
+        return tuple(base + k.format(i=layer) for k in (self.key, *self.aliases))
 
 
 def weight_specs(config: StackConfig) -> list[WeightSpec]:
@@ -132,8 +151,10 @@ def weight_specs(config: StackConfig) -> list[WeightSpec]:
     d = config.dim
     layer = "transformer.layers.{i}."
     specs = [
-        WeightSpec("in_proj", layer + "self_attn.in_proj_weight", (3 * d, d), (3 * d, d)),
-        WeightSpec("out_proj", layer + "self_attn.out_proj.weight", (d, d), (d, d)),
+        WeightSpec("in_proj", layer + "self_attn.in_proj_weight", (3 * d, d), (3 * d, d),
+                   aliases=(layer + "self_attn.in_projs.0.weight", layer + "self_attn.in_proj.weight")),
+        WeightSpec("out_proj", layer + "self_attn.out_proj.weight", (d, d), (d, d),
+                   aliases=(layer + "self_attn.out_projs.0.weight",)),
     ]
     if isinstance(config, TemporalConfig):
         h = config.hidden
@@ -185,34 +206,167 @@ def checkpoint_keys(config: StackConfig, prefix: str | None = None) -> dict[str,
     return keys
 
 
-class CheckpointError(KeyError):
-    """A checkpoint does not fit a stack; the message lists every problem at once."""
+class CheckpointError(ValueError):
+    """Weights do not fit a stack or cannot be read. The one error of every loader and weight
+    check on both sides: the message names the source (a file's path, an argument) and lists
+    every problem at once, one a line, each line `<kind>: <key>[: details]`."""
 
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
+
+def describe(config: StackConfig) -> str:
+    """`TemporalConfig(dim=64, num_layers=2)`: the config as the error messages name it."""
+    return f"{type(config).__name__}(dim={config.dim}, num_layers={config.num_layers})"
 
 
-def check_checkpoint(shapes: Mapping[str, Sequence[int]], config: StackConfig, prefix: str | None = None) -> None:
-    """Raise `CheckpointError` listing every missing, unexpected or mis-shaped key.
+def check_fit(what: str, expected: Mapping[str, Sequence[int]], have: Mapping[str, Sequence[int] | None],
+              problems: Sequence[str] = ()) -> None:
+    """Raise one `CheckpointError` listing every way `have` does not fit `expected`; else return.
 
-    shapes: checkpoint key -> tensor shape. Keys outside the stack's prefix are ignored
-    for a Mimi stack (a full Mimi checkpoint holds both transformers and the convolutions);
-    for the temporal stack, keys under `transformer.`, `out_norm.` and `text_linear.` count.
+    what: the head of the message, naming the source and the target.
+    expected, have: name -> shape. A shape of None in `have` is not compared (the caller has
+    a line for it in `problems`). problems: more lines (`wrong dtype: key: ...`), listed after
+    the missing, unexpected and wrong-shape ones.
     """
-    expected = checkpoint_keys(config, prefix)
+    lines = [f"missing: {k}" for k in expected if k not in have]
+    lines += [f"unexpected: {k}" for k in have if k not in expected]
+    lines += [f"wrong shape: {k}: expected {list(expected[k])}, got {list(have[k])}"
+              for k in expected if have.get(k) is not None and tuple(have[k]) != tuple(expected[k])]
+    lines += list(problems)
+    if lines:
+        raise CheckpointError("\n".join([f"{what}:", *("  " + line for line in lines)]))
+
+
+# The dtypes a loader takes, on both sides. float64 is refused (the stacks compute in f32 at
+# most, and JAX without x64 would narrow it silently); integer and bool tensors are not weights.
+LOADABLE_DTYPES = ("float32", "bfloat16", "float16")
+# Loading may widen, exactly; it never narrows.
+WIDENINGS = frozenset({("bfloat16", "float32"), ("float16", "float32")})
+
+
+def check_dtype(key: str, have: str, want: str | None) -> str | None:
+    """The dtype rule of every loader: the problem line for `key`, or None when it loads.
+
+    have: the source's dtype name ("float32", "bfloat16", "float64", "int32", ...).
+    want: the target's dtype name, or None to keep the source's dtype.
+    """
+    if have not in LOADABLE_DTYPES:
+        return (f"wrong dtype: {key}: {have}; a weight must be one of {', '.join(LOADABLE_DTYPES)} "
+                f"(convert it yourself, knowing what that loses)")
+    if want is not None and have != want and (have, want) not in WIDENINGS:
+        return f"wrong dtype: {key}: {have}; the target holds {want} and casting {have} to it would narrow it"
+    return None
+
+
+def check_checkpoint(shapes: Mapping[str, Sequence[int] | None], config: StackConfig,
+                     prefix: str | None = None, *, source: str = "checkpoint",
+                     problems: Mapping[str, str] | None = None) -> dict[str, tuple[WeightSpec, int | None]]:
+    """Check a checkpoint's keys and shapes against a stack; returns file key -> (spec, layer).
+
+    shapes: checkpoint key -> tensor shape (None: not compared, see `problems`). Each weight may
+    go by any of its names (`WeightSpec.names`); the returned keys are the ones the file uses.
+    Keys outside the stack's prefix are ignored for a Mimi stack (a full Mimi checkpoint holds
+    both transformers and the convolutions); for the temporal stack, keys under
+    `transformer.`, `out_norm.` and `text_linear.` count. problems: per-key problem lines of the
+    caller (dtype, device, ...), reported for this stack's keys only.
+    Raises one `CheckpointError` listing every missing, unexpected, duplicated or mis-shaped key.
+    """
     base = checkpoint_prefix(config, prefix)
+    canonical: dict[str, str] = {}  # every accepted name -> the key we write
+    expected = checkpoint_keys(config, prefix)
+    for key, (spec, layer) in expected.items():
+        canonical.update(dict.fromkeys(spec.names(base, layer), key))
+    in_file: dict[str, str] = {}  # the key we write -> the name the file uses
+    lines = []
+    for key in shapes:
+        if key in canonical:
+            if canonical[key] in in_file:
+                lines.append(f"duplicate: {key}: the same weight as {in_file[canonical[key]]}")
+            else:
+                in_file[canonical[key]] = key
+    found = {in_file.get(k, k): v for k, v in expected.items()}
     own = ("transformer.", "out_norm.", "text_linear.") if not base else (base,)
-    missing = [k for k in expected if k not in shapes]
-    unexpected = [k for k in shapes if k.startswith(own) and k not in expected]
-    misshaped = [
-        f"{k}: expected {list(spec.ckpt_shape)}, got {list(shapes[k])}"
-        for k, (spec, _) in expected.items()
-        if k in shapes and tuple(shapes[k]) != spec.ckpt_shape
-    ]
-    if missing or unexpected or misshaped:
-        lines = [(f"checkpoint does not fit {type(config).__name__}(dim={config.dim}, "
-                  f"num_layers={config.num_layers}) with prefix {base or '(none)'!r}:")]
-        lines += [f"  missing: {k}" for k in missing]
-        lines += [f"  unexpected: {k}" for k in unexpected]
-        lines += [f"  wrong shape: {m}" for m in misshaped]
-        raise CheckpointError("\n".join(lines))
+    have = {k: s for k, s in shapes.items() if k.startswith(own) and (k in found or k not in canonical)}
+    lines += [line for k, line in (problems or {}).items() if k in found]
+    check_fit(f"{source} does not fit {describe(config)} with prefix {base or '(none)'!r}",
+              {k: spec.ckpt_shape for k, (spec, _) in found.items()}, have, lines)
+    return found
+
+
+STACK_KINDS = ("temporal", "mimi")
+
+
+def infer_config(shapes: Mapping[str, Sequence[int]], kind: str, prefix: str | None = None,
+                 *, source: str = "checkpoint") -> dict[str, int]:
+    """The sizes a checkpoint's shapes determine: {dim, num_layers, hidden, text_card} for
+    "temporal", {dim, num_layers, ffn} for "mimi" (prefix: `encoder_transformer` / `decoder_transformer`).
+
+    Read from layer 0 (`in_proj [3*dim, dim]`, `gating.linear_out [dim, hidden]`, `text_linear
+    [text_card, dim]`, `linear1 [ffn, dim]`); num_layers is the highest layer index + 1. The
+    other fields leave no trace in the shapes: num_heads only splits in_proj's rows, and
+    context, max_period, norm_eps and ring_convention are run-time settings. Only what the sizes
+    are read from is checked here; `check_checkpoint` with the config built from them checks
+    every key. Raises `CheckpointError` naming the keys it needed and could not read.
+    """
+    if kind not in STACK_KINDS:
+        raise ValueError(f"kind must be one of {STACK_KINDS}, got {kind!r}")
+    config = PRESETS[kind]  # for the key names only: they do not depend on the sizes
+    base = checkpoint_prefix(config, prefix)
+    specs = {s.name: s for s in weight_specs(config)}
+    where = f"{source} (prefix {base or '(none)'!r})"
+    layer_key = re.compile(re.escape(base) + r"transformer\.layers\.(\d+)\.")
+    layers = {int(m.group(1)) for k in shapes if (m := layer_key.match(k))}
+    if not layers:
+        raise CheckpointError(f"{where}: holds no {kind} stack: no key starts with {base}transformer.layers.")
+    # size -> (the weight it is read from, the axis of its checkpoint shape)
+    probes = {"dim": ("in_proj", 1), **({"hidden": ("linear_out", 1), "text_card": ("text_linear", 0)}
+                                        if kind == "temporal" else {"ffn": ("linear1", 0)})}
+    sizes, lines = {"dim": 0, "num_layers": max(layers) + 1}, []
+    for field, (name, axis) in probes.items():
+        spec = specs[name]
+        names = spec.names(base, 0 if spec.per_layer else None)
+        key = next((k for k in names if k in shapes), None)
+        if key is None:
+            lines.append(f"missing: {names[0]} (it gives {field})")
+        elif len(shapes[key]) != len(spec.ckpt_shape):
+            lines.append(f"wrong shape: {key}: expected {len(spec.ckpt_shape)} dimensions, "
+                         f"got {list(shapes[key])}")
+        else:
+            sizes[field] = int(shapes[key][axis])
+    if lines:
+        head = f"{where}: cannot infer the {kind} sizes:"
+        raise CheckpointError("\n".join([head, *("  " + m for m in lines)]))
+    return sizes
+
+
+def read_safetensors_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """A safetensors file's key -> shape, from its header (no tensor is read).
+
+    Raises `CheckpointError` naming the path for a file that is not safetensors (corrupt,
+    truncated, empty); a missing file raises FileNotFoundError.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="numpy") as f:
+            keys = f.keys()  # a safe_open handle: not iterable
+            return {k: tuple(f.get_slice(k).get_shape()) for k in keys}
+    except SafetensorError as err:
+        raise CheckpointError(f"{os.fspath(path)} is not a readable safetensors file: {err}") from None
+
+
+def read_safetensors(path: str | os.PathLike, keys, framework: str, **open_kwargs) -> dict:
+    """The tensors `keys` of a safetensors file, as `framework` ("numpy", "pt") arrays.
+
+    Raises `CheckpointError` naming the path and the key of a tensor that cannot be read.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = os.fspath(path)
+    out, key = {}, None
+    try:
+        with safe_open(path, framework=framework, **open_kwargs) as f:
+            for key in keys:
+                out[key] = f.get_tensor(key)
+    except (SafetensorError, TypeError, ValueError) as err:  # TypeError: a dtype numpy does not know
+        where = "the file" if key is None else f"tensor {key!r}"
+        raise CheckpointError(f"{path}: {where} cannot be read: {err}") from None
+    return out

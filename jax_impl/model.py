@@ -21,10 +21,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas import twin_attention, twin_linear, twin_norm, twin_rope
+
 from .config import MimiConfig, StackConfig, TemporalConfig, weight_specs
 from .ops import layer_norm, linear, ring_attention, rms_norm_f32
 from .state import StreamState
-from .tables import StepTables, step_tables
+from .tables import StepTables, rope_freqs, step_tables
 
 LAYER_LOOPS = ("scan", "python")
 
@@ -58,13 +60,78 @@ def mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
     return x, ring_k, ring_v
 
 
+# ------------------------------------------------------------------------------- twin layers
+# kernels="twin": every float operation in a twin kernel (kernels_pallas.twin_*), in the order of
+# torch_bridge/twin_layers.py on the Triton twins. The kernels read the stacked weights `w`
+# [L, ...] and the rings in place at `layer` (an int, or traced under lax.scan).
+def _twin_attention(c: StackConfig, h2, w: dict, layer, ring_k, ring_v, tables: StepTables, B: int, T: int):
+    """qkv, rotate + ring write, attention: h2 [B*T, dim] -> ([B*T, dim], ring_k, ring_v)."""
+    qkv = twin_linear.linear(h2, w["in_proj"], layer).reshape(B, T, 3, c.num_heads, c.head_dim)
+    q, ring_k, ring_v = twin_rope.rope_write(qkv, tables.cos[:, 0], tables.sin[:, 0], ring_k, ring_v, layer,
+                                             tables.write_index, tables.write_mask)
+    a = twin_attention.attention(q, ring_k, ring_v, layer, tables.positions, tables.q_pos, context=c.context)
+    return a.reshape(B * T, c.dim), ring_k, ring_v
+
+
+def twin_temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables, active,
+                        exact_rope: bool = True, kernels: str = "twin"):
+    """Helium layer on the Pallas twins; w: the stacked weights (read at `layer` in place)."""
+    del active, exact_rope, kernels  # the writes follow tables.write_mask; the twins are always exact
+    x, ring_k, ring_v = carry
+    B, T, dim = x.shape
+    x2 = x.reshape(B * T, dim)
+    h = twin_norm.norm(x2, w["norm1_alpha"], None, layer, kind="rms", eps=c.norm_eps)
+    a, ring_k, ring_v = _twin_attention(c, h, w, layer, ring_k, ring_v, tables, B, T)
+    x2 = twin_linear.linear(a, w["out_proj"], layer, residual=x2)
+    h = twin_norm.norm(x2, w["norm2_alpha"], None, layer, kind="rms", eps=c.norm_eps)
+    u = twin_linear.linear(h, w["linear_in"], layer, act="silu_gate")
+    x2 = twin_linear.linear(u, w["linear_out"], layer, residual=x2)
+    return x2.reshape(B, T, dim), ring_k, ring_v
+
+
+def twin_mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
+                    exact_rope: bool = True, kernels: str = "twin"):
+    """Mimi layer on the Pallas twins; w: the stacked weights (read at `layer` in place)."""
+    del active, exact_rope, kernels
+    x, ring_k, ring_v = carry
+    B, T, dim = x.shape
+    x2 = x.reshape(B * T, dim)
+    h = twin_norm.norm(x2, w["norm1_weight"], w["norm1_bias"], layer, kind="layer", eps=c.norm_eps)
+    a, ring_k, ring_v = _twin_attention(c, h, w, layer, ring_k, ring_v, tables, B, T)
+    x2 = twin_linear.linear(a, w["out_proj"], layer, scale=w["scale1"], residual=x2)
+    h = twin_norm.norm(x2, w["norm2_weight"], w["norm2_bias"], layer, kind="layer", eps=c.norm_eps)
+    f = twin_linear.linear(h, w["linear1"], layer, act="gelu")
+    x2 = twin_linear.linear(f, w["linear2"], layer, scale=w["scale2"], residual=x2)
+    return x2.reshape(B, T, dim), ring_k, ring_v
+
+
+TWIN_LAYERS = {temporal_layer: twin_temporal_layer, mimi_layer: twin_mimi_layer}
+
+
+def twin_tables(tables: StepTables, offset, T: int, freqs) -> StepTables:
+    """`tables` with the twin RoPE tables (kernels_pallas.twin_rope.tables), [B, 1, T, D/2]."""
+    cos, sin = twin_rope.tables(offset, T, jnp.asarray(freqs, jnp.float32))
+    return tables._replace(cos=cos[:, None], sin=sin[:, None])
+
+
 def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables: StepTables, active, *,
                layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True, kernels: str = "xla"):
     """Apply the L layers to carry; stacked: name -> [L, ...] weights.
 
     "scan": one `lax.scan` over (layer index, weight slices), compiled once whatever L;
     "python": a loop with constant layer indexes, so XLA slices weights and rings statically.
+    kernels="twin": the twin layer, which reads the stacked weights in place at the (traced)
+    layer index, so the scan carries no weight slices.
     """
+    if kernels == "twin":
+        twin_fn = TWIN_LAYERS[layer_fn]
+        if layer_loop == "python":
+            for layer in range(c.num_layers):
+                carry = twin_fn(c, stacked, carry, layer, tables, active)
+            return carry
+        carry, _ = lax.scan(lambda cr, layer: (twin_fn(c, stacked, cr, layer, tables, active), None), carry,
+                            jnp.arange(c.num_layers), unroll=scan_unroll)
+        return carry
     if layer_loop == "python":
         for layer in range(c.num_layers):
             w = {name: a[layer] for name, a in stacked.items()}
@@ -118,11 +185,14 @@ class _StackBase(nn.Module):
     scan_unroll: int = 1             # lax.scan's unroll factor (layer_loop="scan")
     exact_rope: bool = True          # keep RoPE products unfused (bit-identical to torch's rope)
     rope_freqs: tuple | None = None  # RoPE frequency table override (default: tables.rope_freqs)
-    kernels: str = "xla"             # "xla" or "pallas" (see ops.ring_attention)
+    kernels: str = "xla"             # "xla", "pallas" (see ops.ring_attention) or "twin" (twin layers)
 
     def _layers(self, layer_fn, state: StreamState, x, active):
         c = self.config
         tables = step_tables(c, state.offset, state.start_offset, active, x.shape[1], self.rope_freqs)
+        if self.kernels == "twin":
+            freqs = rope_freqs(c.head_dim, c.max_period) if self.rope_freqs is None else self.rope_freqs
+            tables = twin_tables(tables, state.offset, x.shape[1], freqs)
         self.sow("intermediates", "tables", tables)  # what every layer used (step_fn(capture=...))
         stacked = _LayerWeights(c, self.param_dtype, name="layers")()
         x, k, v = run_layers(layer_fn, c, stacked, (x, state.k, state.v), tables, active,
@@ -142,8 +212,13 @@ class TemporalStack(_StackBase):
     @nn.compact
     def __call__(self, state: StreamState, x, active):
         x, state = self._layers(temporal_layer, state, x, active)
-        out = rms_norm_f32(x, self._top("out_norm_alpha"), self.config.norm_eps)
-        return (out, linear(out, self._top("text_linear"))[:, None]), state
+        alpha, text_linear = self._top("out_norm_alpha"), self._top("text_linear")
+        if self.kernels == "twin":
+            B, T, dim = x.shape
+            out = twin_norm.norm(x.reshape(B * T, dim), alpha, kind="rms", eps=self.config.norm_eps)
+            return (out.reshape(B, T, dim), twin_linear.linear(out, text_linear).reshape(B, 1, T, -1)), state
+        out = rms_norm_f32(x, alpha, self.config.norm_eps)
+        return (out, linear(out, text_linear)[:, None]), state
 
 
 class MimiStack(_StackBase):

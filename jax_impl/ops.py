@@ -7,7 +7,8 @@
 Op for op the same as `torch_bridge/layers.py` (Moshi's `StreamingTransformerLayer`); each op
 says where its rounding differs from torch and why. `kernels` picks how the attention runs:
 "xla" (jax.numpy, any backend) or "pallas" (the Pallas RoPE and ring-attention kernels, which
-read the layer's slots in place from a layer index that may be traced).
+read the layer's slots in place from a layer index that may be traced). "twin" runs the whole
+layer on the twin kernels instead (`model.twin_temporal_layer`), not through these ops.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kernels_pallas.ring_attention import ring_attention as pallas_ring_attentio
 
 from .tables import StepTables
 
-KERNELS = ("auto", "xla", "pallas")
+KERNELS = ("auto", "xla", "pallas", "twin")
 
 
 def _acc_dtype(dtype):
@@ -57,15 +58,16 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
     return y.astype(x.dtype)
 
 
-def ring_write(ring: jax.Array, layer, write_index: jax.Array, new: jax.Array, active: jax.Array) -> jax.Array:
-    """ring[layer, b, :, write_index[b, t]] = new[b, :, t] for active rows; the rest untouched.
+def ring_write(ring: jax.Array, layer, write_index: jax.Array, new: jax.Array, write_mask: jax.Array) -> jax.Array:
+    """ring[layer, b, :, write_index[b, t]] = new[b, :, t] where write_mask[b, t]; the rest untouched.
 
-    ring [L, B, H, C, D], write_index [B, T], new [B, H, T, D], active bool [B]. Only B*H*T
-    vectors are scattered; an inactive row is sent to out-of-range slots C + t, dropped.
+    ring [L, B, H, C, D], write_index [B, T], new [B, H, T, D], write_mask bool [B, T]
+    (`StepTables.write_mask`: active rows, positions not recycled away). Only B*H*T vectors
+    are scattered; a masked-out write is sent to the out-of-range slot C + t, dropped.
     """
     _, B, H, C, _ = ring.shape
     T = new.shape[2]
-    slot = jnp.where(active[:, None], write_index, C + jnp.arange(T, dtype=write_index.dtype))
+    slot = jnp.where(write_mask, write_index, C + jnp.arange(T, dtype=write_index.dtype))
     b = jnp.arange(B)[:, None, None]
     h = jnp.arange(H)[None, :, None]
     return ring.at[layer, b, h, slot[:, None, :]].set(new.astype(ring.dtype), mode="drop",
@@ -101,11 +103,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, exact: bool = Tr
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(D) | mask) v, as torch's CPU SDPA computes it; 0 where nothing is visible.
+    """softmax(q k^T / sqrt(D) | mask) v, as torch's CPU SDPA computes it; +0 where nothing is visible.
 
     q [B, H, T, D], k, v [B, H, C, D], mask bool [B, 1, T, C] -> [B, H, T, D] in q's dtype.
     Scores, max and sum in float32 (float64 for float64 inputs); the weights are cast to v's
     dtype for the second product and the sum divides at the end, as the fused CPU kernel does.
+    A query that sees no slot (after `reset_slot` + `bump_slot_start`, or a row that never
+    wrote) gets exactly +0, as torch's SDPA returns for an all-False mask row: selected, not
+    computed, so whatever the masked slots hold (even NaN) and the sign of 0 * v cannot show.
     """
     acc = _acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -116,7 +121,8 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     p = jnp.exp(s - m)  # exactly 0 where masked
     l = jnp.sum(p, axis=-1, keepdims=True)
     out = jnp.einsum("bhtc,bhcd->bhtd", p.astype(v.dtype), v, preferred_element_type=acc)
-    return (out / jnp.where(l > 0, l, 1.0)).astype(q.dtype)
+    seen = l > 0
+    return jnp.where(seen, out / jnp.where(seen, l, 1.0), 0.0).astype(q.dtype)
 
 
 def rope_pallas(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -139,6 +145,8 @@ def ring_attention(h, in_proj, out_proj, num_heads: int, ring_k, ring_v, layer, 
     kernel and the Pallas ring attention, which reads the layer's slots in place (GPU). Both
     scatter only the T new slots into the ring (in place under donation). Writing them inside
     the attention kernel instead (aliased rings) was measured slower on the H200.
+    active: bool [B], the step's active rows; the writes follow `tables.write_mask`, which
+    holds it (and drops positions below start_offset).
     """
     B, T, dim = h.shape
     qkv = linear(h, in_proj).reshape(B, T, 3, num_heads, dim // num_heads)
@@ -148,8 +156,8 @@ def ring_attention(h, in_proj, out_proj, num_heads: int, ring_k, ring_v, layer, 
     else:
         q = apply_rope(qkv[:, :, 0].transpose(0, 2, 1, 3), tables.cos, tables.sin, exact=exact_rope)
         k = apply_rope(qkv[:, :, 1].transpose(0, 2, 1, 3), tables.cos, tables.sin, exact=exact_rope)
-    ring_k = ring_write(ring_k, layer, tables.write_index, k, active)
-    ring_v = ring_write(ring_v, layer, tables.write_index, v, active)
+    ring_k = ring_write(ring_k, layer, tables.write_index, k, tables.write_mask)  # active is in write_mask
+    ring_v = ring_write(ring_v, layer, tables.write_index, v, tables.write_mask)
     if kernels == "pallas":
         out = pallas_ring_attention(q.astype(ring_k.dtype), ring_k, ring_v, layer, tables.positions, tables.q_pos,
                                     context=context)

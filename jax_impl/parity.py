@@ -35,15 +35,19 @@ def _float_dtype_check(a: np.ndarray, b: np.ndarray) -> None:
         raise ValueError(f"ulp_distance: shapes differ ({a.shape} vs {b.shape})")
 
 
+def bits(x) -> np.ndarray:
+    """The raw bits of an array as unsigned integers of its width: equal bits <=> equal arrays."""
+    a = np.ascontiguousarray(as_numpy(x))
+    return a.view(_UINT[a.dtype.itemsize])
+
+
 def ulp_distance(a, b) -> np.ndarray:
     """Elementwise distance in units in the last place, uint64 (NaN vs non-NaN: NAN_DISTANCE)."""
     a, b = as_numpy(a), as_numpy(b)
     _float_dtype_check(a, b)
     size = a.dtype.itemsize
-    ut = _UINT[size]
     sign = np.uint64(1) << np.uint64(8 * size - 1)
-    ua = np.ascontiguousarray(a).view(ut).astype(np.uint64)
-    ub = np.ascontiguousarray(b).view(ut).astype(np.uint64)
+    ua, ub = bits(a).astype(np.uint64), bits(b).astype(np.uint64)
     ma, mb = ua & ~sign, ub & ~sign
     sa, sb = (ua & sign) != 0, (ub & sign) != 0
     same = sa == sb
@@ -72,10 +76,3 @@ def max_rel(a, b, floor: float | None = None) -> float:
     if floor is None:
         floor = 1e-3 * float(np.max(np.abs(b))) or np.finfo(np.float64).tiny
     return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), floor)))
-
-
-def compare(a, b) -> dict:
-    """{"identical", "max_abs", "max_rel", "max_ulp"} of a against reference b."""
-    a_np, b_np = as_numpy(a), as_numpy(b)
-    return {"identical": bool(a_np.shape == b_np.shape and max_ulp(a_np, b_np) == 0),
-            "max_abs": max_abs(a_np, b_np), "max_rel": max_rel(a_np, b_np), "max_ulp": max_ulp(a_np, b_np)}

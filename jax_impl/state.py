@@ -22,6 +22,14 @@ computed in float32 from `offset` exactly as the torch path does, so positions p
 Every function here is pure and jit-able; the row `b` or the `mask` may be traced, so
 recycling never recompiles. A concrete `b` out of range raises; a traced one that is out of
 range matches no row and is a no-op (jit cannot raise on values).
+
+Session isolation. `reset_slot` and `reset_rows` zero the recycled rows' rings, and a step
+drops the writes of positions below `start_offset` (`StepTables.write_mask`), so a slot a row
+cannot see holds zeros or what the row's current session wrote, never an older session's
+values: a NaN or Inf fed by a previous session cannot reach the new one through a masked slot
+(a masked weight of 0 times NaN is NaN, in torch's SDPA as in any matmul). On finite data
+none of this changes a bit of any output (a masked slot contributes an exact 0 either way).
+Cost: one write of the row's ring per reset; nothing per step.
 """
 
 from __future__ import annotations
@@ -97,18 +105,34 @@ def _check_row(op: str, state: StreamState, b):
 
 def _check_mask(op: str, state: StreamState, mask):
     B = state.offset.shape[0]
-    shape, dtype = jnp.shape(mask), getattr(mask, "dtype", None)
+    dtype = getattr(mask, "dtype", None)
     if dtype is None or jnp.dtype(dtype) != jnp.bool_:
         raise TypeError(f"{op}(mask): mask must be a bool array, got {dtype or type(mask).__name__}")
+    shape = jnp.shape(mask)
     if tuple(shape) != (B,):
         raise ValueError(f"{op}(mask): mask must have shape [{B}], got {list(shape)}")
     return jnp.asarray(mask)
 
 
+def _clear_rows(ring: jax.Array, rows: jax.Array) -> jax.Array:
+    """ring [L, B, H, C, D] with rows `rows` (int [n]; entries == B are dropped) zeroed.
+
+    A scatter of zeros: under donation (the `jit_*` ops) it writes only those rows, in place.
+    """
+    return ring.at[:, rows].set(jnp.zeros((), ring.dtype), mode="drop")
+
+
 def reset_slot(state: StreamState, b) -> StreamState:
-    """Row b forgets all it has written (start_offset[b] = offset[b]); positions keep counting."""
+    """Row b forgets all it has written (start_offset[b] = offset[b]); positions keep counting.
+
+    Its ring rows are zeroed (session isolation, see the module docstring); a traced b out of
+    range matches no row: a no-op.
+    """
     row = _check_row("reset_slot", state, b)
-    return state._replace(start_offset=jnp.where(row, state.offset, state.start_offset))
+    B = state.offset.shape[0]
+    rows = jnp.where(row.any(), jnp.asarray(b).astype(jnp.int32), B)[None]
+    return state._replace(k=_clear_rows(state.k, rows), v=_clear_rows(state.v, rows),
+                          start_offset=jnp.where(row, state.offset, state.start_offset))
 
 
 def check_row(op: str, state: StreamState, b) -> int:
@@ -117,35 +141,29 @@ def check_row(op: str, state: StreamState, b) -> int:
     return int(np.asarray(b))
 
 
-def check_can_bump(state: StreamState, b: int) -> None:
-    """ValueError unless row b still has a visible position to forget (reads the state on the host)."""
-    start, off = int(state.start_offset[b]), int(state.offset[b])
-    if start >= off:
-        raise ValueError(f"bump_slot_start(b): row {b} has nothing left to forget "
-                         f"(start_offset == offset == {off})")
-
-
 def bump_slot_start(state: StreamState, b) -> StreamState:
-    """Row b forgets its oldest visible position (start_offset[b] += 1).
+    """Row b forgets its oldest visible position: start_offset[b] += 1, always.
 
-    Refused (ValueError) when start_offset[b] == offset[b] and the values are concrete, as on
-    the torch side; under jit (traced state or b) it saturates at offset[b] instead (a no-op).
+    Nothing saturates it: called right after `reset_slot(b)` (start_offset == offset) it
+    takes start_offset past offset, which hides the row's next write (the "sacrifice tick"
+    that masks the one spurious frame following a recycle, as PersonaPlex's stepper does).
+    A query that sees no slot gets a zero attention output, as torch's SDPA returns.
     """
     row = _check_row("bump_slot_start", state, b)
-    if _is_concrete(b) and _is_concrete(state.offset) and _is_concrete(state.start_offset):
-        check_can_bump(state, int(np.asarray(b)))
-    bumped = jnp.minimum(state.start_offset + 1, state.offset)
-    return state._replace(start_offset=jnp.where(row, bumped, state.start_offset))
+    return state._replace(start_offset=jnp.where(row, state.start_offset + 1, state.start_offset))
 
 
 def reset_rows(state: StreamState, mask) -> StreamState:
     """Rows where mask [B] is True start a fresh stream (offset and start_offset to 0).
 
-    As on the torch side the ring slots are not cleared: with offset 0 no slot is visible.
+    Their ring rows are zeroed (session isolation, see the module docstring).
     """
     mask = _check_mask("reset_rows", state, mask)
+    B = state.offset.shape[0]
+    rows = jnp.where(mask, jnp.arange(B, dtype=jnp.int32), B)
     zero = jnp.zeros_like(state.offset)
-    return state._replace(offset=jnp.where(mask, zero, state.offset),
+    return state._replace(k=_clear_rows(state.k, rows), v=_clear_rows(state.v, rows),
+                          offset=jnp.where(mask, zero, state.offset),
                           start_offset=jnp.where(mask, zero, state.start_offset))
 
 
@@ -154,11 +172,25 @@ def reset_streaming(state: StreamState) -> StreamState:
     return jax.tree_util.tree_map(jnp.zeros_like, state)
 
 
-def check_headroom(offset_bound: int, T: int, dtype=None) -> None:
+def check_headroom(state_or_bound, T: int, dtype=None) -> None:
     """Raise OverflowError if a step of T positions could take an offset past the index dtype.
 
-    offset_bound: a host-side upper bound of every row's offset (the `Streamer` keeps it).
+    state_or_bound: a `StreamState` (its offsets are read on the host: one device sync, fine
+    for an occasional check; dtype defaults to its offsets' dtype), or a host-side int upper
+    bound of every row's offset (what the `Streamer` keeps: no sync). T: positions of the next
+    step (an int >= 0). dtype: the offsets' dtype (default `index_dtype()`).
     """
+    if isinstance(state_or_bound, StreamState):
+        dtype = state_or_bound.offset.dtype if dtype is None else dtype
+        offsets = np.asarray(state_or_bound.offset)
+        offset_bound = int(offsets.max()) if offsets.size else 0
+    elif isinstance(state_or_bound, (int, np.integer)) and not isinstance(state_or_bound, bool):
+        offset_bound = int(state_or_bound)
+    else:
+        raise TypeError(f"check_headroom(state_or_bound): expected a jax_impl.StreamState or an int upper "
+                        f"bound of the offsets, got {type(state_or_bound).__name__}")
+    if not isinstance(T, (int, np.integer)) or isinstance(T, bool) or T < 0:
+        raise ValueError(f"check_headroom(T): T must be an int >= 0 (positions of the next step), got {T!r}")
     limit = index_max(dtype)
     if offset_bound + T > limit:
         raise OverflowError(

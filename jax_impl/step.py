@@ -23,12 +23,18 @@ from . import state as st
 from .config import StackConfig
 from .model import stack_module
 from .ops import pick_kernels
+from .snapshot import exact_float_cast
 from .state import StreamState
+from .stream_io import read_stream, state_from_snapshot, state_snapshot, write_stream
 from .weights import check_params
 
 
 def check_step_inputs(config: StackConfig, params, state: StreamState, x, active) -> jax.Array:
-    """Validate (params, state, x, active) of a step; returns active (all True when None)."""
+    """Validate (params, state, x, active) of a step; returns active (all True when None).
+
+    x may have another dtype than the state when the cast is exact (bf16/f16 x into a float32
+    stack: the step casts it); a cast that would round x is refused, as on the torch side.
+    """
     c = config
     if not isinstance(state, StreamState):
         raise TypeError(f"step(state): expected a jax_impl.StreamState, got {type(state).__name__}")
@@ -49,8 +55,12 @@ def check_step_inputs(config: StackConfig, params, state: StreamState, x, active
         raise ValueError(f"step(x): x must have shape [B={B}, T, dim={c.dim}], got {list(shape)}")
     if not 1 <= shape[1] <= c.capacity:
         raise ValueError(f"step(x): T = x.shape[1] must be in 1..capacity={c.capacity}, got {shape[1]}")
-    if jnp.dtype(getattr(x, "dtype", None)) != dtype:
-        raise TypeError(f"step(x): x has dtype {x.dtype}; the stack's state holds {dtype}")
+    x_dtype = jnp.dtype(getattr(x, "dtype", None))
+    if x_dtype != dtype and not exact_float_cast(x_dtype.name, jnp.dtype(dtype).name):
+        raise TypeError(f"step(x): x has dtype {x_dtype}; the stack's state holds {dtype}. Only an exact "
+                        f"cast of x is applied (a widening: bfloat16/float16 x into a float32 stack); "
+                        f"{x_dtype} -> {dtype} would round x, so it is refused: pass "
+                        f"x.astype(jnp.{jnp.dtype(dtype).name}) if that rounding is what you want")
     if active is None:
         return jnp.ones((B,), bool)
     a_dtype = getattr(active, "dtype", None)
@@ -79,6 +89,7 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int =
 
     def step(params, state, x, active=None):
         active = check_step_inputs(config, params, state, x, active)
+        x = jnp.asarray(x).astype(state.k.dtype)  # an exact widening (checked), or x itself
         impl = pick_kernels(kernels, config, state.batch_size, x.shape[1])
         module = stack_module(config, state.k.dtype, layer_loop=layer_loop, scan_unroll=scan_unroll,
                               exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=impl)
@@ -105,10 +116,55 @@ def make_step(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int
 
 
 # Recycling, jitted once each (b / mask traced), state donated so the rings are not copied.
-jit_reset_slot = jax.jit(st.reset_slot, donate_argnums=(0,))
-jit_bump_slot_start = jax.jit(st.bump_slot_start, donate_argnums=(0,))
-jit_reset_rows = jax.jit(st.reset_rows, donate_argnums=(0,))
+_jit_reset_slot = jax.jit(st.reset_slot, donate_argnums=(0,))
+_jit_bump_slot_start = jax.jit(st.bump_slot_start, donate_argnums=(0,))
+_jit_reset_rows = jax.jit(st.reset_rows, donate_argnums=(0,))
 jit_reset_streaming = jax.jit(st.reset_streaming, donate_argnums=(0,))
+
+
+def _check_recycle_args(op: str, state, b=None, mask=None) -> None:
+    """Host-side checks of a jitted recycle op's arguments, before the donated call.
+
+    Inside `jax.jit` a Python int b is traced, so the op itself could not refuse an out-of-range
+    row (it would match no row: a silent no-op), and a refusal raised while tracing comes after
+    the caller chose to donate. Checked here, a refused call raises (TypeError / IndexError /
+    ValueError naming `op` and the argument) with the caller's state untouched and still valid.
+    A b or mask that is itself traced (the op called inside the caller's own jit) passes
+    unchanged: there a traced b out of range stays a documented no-op.
+    """
+    if not isinstance(state, StreamState):
+        raise TypeError(f"{op}(state): expected a jax_impl.StreamState, got {type(state).__name__}")
+    if b is not None and st._is_concrete(b):
+        st.check_row(op, state, b)  # a concrete b: an in-range integer (reads a jax scalar on the host)
+    if mask is not None:
+        st._check_mask(op, state, mask)  # dtype and shape: static, also for a traced mask
+
+
+def jit_reset_slot(state: StreamState, b) -> StreamState:
+    """`reset_slot` jitted once for every row (b traced), state donated: keep only the result.
+
+    b: an int row index (Python int, numpy or jax integer scalar); a concrete b is checked on
+    the host first (refused: IndexError / TypeError, state untouched).
+    """
+    _check_recycle_args("reset_slot", state, b=b)
+    return _jit_reset_slot(state, b)
+
+
+def jit_bump_slot_start(state: StreamState, b) -> StreamState:
+    """`bump_slot_start` (start_offset[b] += 1, never saturated) jitted, state donated; b as in
+    `jit_reset_slot`."""
+    _check_recycle_args("bump_slot_start", state, b=b)
+    return _jit_bump_slot_start(state, b)
+
+
+def jit_reset_rows(state: StreamState, mask) -> StreamState:
+    """`reset_rows` jitted, state donated. mask: bool [B] (a numpy or jax array), checked first
+    (refused: TypeError / ValueError naming mask, state untouched)."""
+    _check_recycle_args("reset_rows", state, mask=mask)
+    return _jit_reset_rows(state, mask)
+
+
+_KEEP = object()  # Streamer.convert: keep the step's rope_freqs
 
 
 class Streamer:
@@ -129,7 +185,8 @@ class Streamer:
         state = st.init_state(config, batch_size, dtype)
         self.state = state if device is None else jax.device_put(state, device)
         self.offset_bound = 0
-        self._step = make_step(config, layer_loop=layer_loop, exact_rope=exact_rope, rope_freqs=rope_freqs)
+        self._step_options = {"layer_loop": layer_loop, "exact_rope": exact_rope, "rope_freqs": rope_freqs}
+        self._step = make_step(config, **self._step_options)
 
     @property
     def batch_size(self) -> int:
@@ -146,12 +203,11 @@ class Streamer:
 
     def reset_slot(self, b: int) -> None:
         b = st.check_row("reset_slot", self.state, b)
-        self.state = jit_reset_slot(self.state, jnp.asarray(b, jnp.int32))
+        self.state = jit_reset_slot(self.state, np.int32(b))  # a host scalar: no device read
 
     def bump_slot_start(self, b: int) -> None:
         b = st.check_row("bump_slot_start", self.state, b)
-        st.check_can_bump(self.state, b)  # host read: a rare op
-        self.state = jit_bump_slot_start(self.state, jnp.asarray(b, jnp.int32))
+        self.state = jit_bump_slot_start(self.state, np.int32(b))
 
     def reset_rows(self, mask) -> None:
         mask_np = np.asarray(mask)
@@ -162,6 +218,58 @@ class Streamer:
     def reset_streaming(self) -> None:
         self.state = jit_reset_streaming(self.state)
         self.offset_bound = 0
+
+    # ------------------------------------------------------------------ snapshots, conversion
+    def snapshot(self) -> dict:
+        """The stream so far as a snapshot dict of jax copies (`jax_impl.snapshot` format):
+        {"k", "v": [L, B, H, C, D], "offset", "start_offset": [B], "metadata": dict[str, str]}."""
+        return state_snapshot(self.config, self.state)
+
+    def restore(self, snapshot) -> None:
+        """Continue the stream of `snapshot` (from any side: `snapshot()`, a torch stack's, a file).
+
+        Replaces the state (batch size from the snapshot) with validated copies on this state's
+        device; rings widen exactly to this Streamer's dtype, a narrowing is refused; on a refusal
+        nothing changes. `offset_bound` becomes the restored offsets' maximum (one host read), so
+        the overflow guard holds for the restored stream too.
+        """
+        device = next(iter(self.state.k.devices()))
+        state = state_from_snapshot(self.config, snapshot, self.state.k.dtype, device)
+        self.state, self.offset_bound = state, int(np.max(np.asarray(state.offset)))
+
+    def save_stream(self, path) -> None:
+        """Write the stream to a safetensors file (`restore`s on either side through `load_stream`)."""
+        write_stream(self.config, self.state, path)
+
+    def load_stream(self, path) -> None:
+        """`restore` the stream a `save_stream` (of either side) wrote to `path`."""
+        self.restore(read_stream(path))
+
+    def convert(self, params, *, device=None, rope_freqs=_KEEP) -> None:
+        """Go on with `params` of another dtype and/or on another device (the drop-ins' `.to()`).
+
+        params: this config's variables, all of one dtype. The state moves to `device` (None: the
+        params' device) and its rings are cast to the params' dtype, an exact widening only
+        (bf16/f16 -> f32): a cast that would round the ring raises TypeError. Offsets and
+        `offset_bound` are kept. rope_freqs: a new table for the step (default: keep the one in
+        use). Checked first: on a refusal nothing changes.
+        """
+        check_params(self.config, params, argname="convert(params)")
+        leaf = jax.tree_util.tree_leaves(params)[0]
+        dtype = jnp.dtype(leaf.dtype)
+        check_params(self.config, params, dtype=dtype, argname="convert(params)")
+        src = jnp.dtype(self.state.k.dtype)
+        if not exact_float_cast(src.name, dtype.name):
+            raise TypeError(f"convert(params): the params hold {dtype}, the ring {src}; casting the ring to "
+                            f"{dtype} would round the stream's history (refused, nothing changed): start a "
+                            f"new stream in {dtype}")
+        options = dict(self._step_options)
+        if rope_freqs is not _KEEP:
+            options["rope_freqs"] = rope_freqs
+        step = make_step(self.config, **options)
+        state = jax.device_put(self.state, device if device is not None else next(iter(leaf.devices())))
+        state = state._replace(k=state.k.astype(dtype), v=state.v.astype(dtype))
+        self.params, self.state, self._step_options, self._step = params, state, options, step
 
 
 __all__ = ["Streamer", "check_step_inputs", "make_step", "step_fn"]

@@ -32,6 +32,9 @@ class StepTables(NamedTuple):
     mask:        bool [B, 1, T, C]
     end_offset:  int [B]         offset + T * active
     q_pos:       int [B, T]      the queries' positions offset[b] + t
+    write_mask:  bool [B, T]     query t writes its k, v: the row is active and q_pos >= start_offset
+                                 (a position already recycled away, the tick after reset_slot +
+                                 bump_slot_start, is not written: session isolation, see state.py)
     """
 
     cos: jax.Array
@@ -41,6 +44,7 @@ class StepTables(NamedTuple):
     mask: jax.Array
     end_offset: jax.Array
     q_pos: jax.Array
+    write_mask: jax.Array
 
 
 def rope_freqs(head_dim: int, max_period: float) -> np.ndarray:
@@ -94,7 +98,9 @@ def build_step_tables(offset, start_offset, active, T: int, *, capacity: int, co
     positions = ring_positions(offset, start_offset, active, T, capacity, convention)
     delta = q_pos[:, :, None] - positions[:, None, :]  # [B, T, C]
     mask = (positions[:, None, :] >= 0) & (delta >= 0) & (delta < context)
-    return StepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.astype(idx), q_pos)
+    write_mask = active[:, None] & (q_pos >= start_offset[:, None])
+    return StepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.astype(idx), q_pos,
+                      write_mask)
 
 
 def step_tables(config: StackConfig, offset, start_offset, active, T: int,

@@ -18,13 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl.config import StackConfig, check_checkpoint, checkpoint_keys, weight_specs
-
-FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float64))
-
-
-class ParamsError(ValueError):
-    """A parameter tree does not fit a stack; the message lists every problem at once."""
+from jax_impl.config import (
+    LOADABLE_DTYPES,
+    CheckpointError,
+    StackConfig,
+    check_checkpoint,
+    check_dtype,
+    check_fit,
+    checkpoint_keys,
+    describe,
+    read_safetensors,
+    read_safetensors_shapes,
+    weight_specs,
+)
 
 
 def copy_to_jax(x) -> jax.Array:
@@ -41,25 +47,71 @@ def copy_to_jax(x) -> jax.Array:
     return jnp.array(np.asarray(x))
 
 
-def _dtype_of(x):
+def dtype_name(x) -> str | None:
+    """The dtype name of an array-like, read without converting it ("float32", "bfloat16",
+    "float64", "int32"; torch tensors too), or None when it has no dtype."""
     dt = getattr(x, "dtype", None)
+    if dt is None:
+        return None
     try:
-        return jnp.dtype(dt)
-    except TypeError:  # a torch dtype: go through a jax copy
-        return copy_to_jax(x).dtype
+        return np.dtype(dt).name
+    except TypeError:  # a torch dtype
+        return str(dt).removeprefix("torch.")
 
 
-def _widening_ok(src, dst) -> bool:
-    return src == dst or (jnp.finfo(src).bits < jnp.finfo(dst).bits and jnp.finfo(dst).nmant >= jnp.finfo(src).nmant)
+def _shape(x) -> tuple[int, ...] | None:
+    shape = getattr(x, "shape", None)
+    return None if shape is None else tuple(shape)
 
 
-def _cast(name: str, x: jax.Array, dtype) -> jax.Array:
-    if dtype is None or x.dtype == dtype:
-        return x
-    if not _widening_ok(x.dtype, dtype):
-        raise TypeError(f"{name} has dtype {x.dtype}; casting it to {dtype} would narrow it and is refused: "
-                        f"pass dtype={x.dtype}")
-    return x.astype(dtype)
+def _target_dtype(dtype) -> str | None:
+    if dtype is None:
+        return None
+    name = jnp.dtype(dtype).name
+    if name not in LOADABLE_DTYPES:
+        raise ValueError(f"dtype: expected None or one of {', '.join(LOADABLE_DTYPES)}, got {name}")
+    return name
+
+
+def _source_problems(arrays: Mapping[str, Any], want: str | None) -> dict[str, str]:
+    """Key -> the problem line of each source array that cannot load (checked on the source,
+    before any conversion: a float64 numpy array would become float32 in JAX without x64)."""
+    problems = {}
+    for key, x in arrays.items():
+        name = dtype_name(x)
+        if name is None or _shape(x) is None:
+            line = f"not an array: {key}: {type(x).__name__}"
+        elif getattr(x, "is_meta", False):
+            line = f"no data: {key}: a meta tensor"
+        else:
+            line = check_dtype(key, name, want)
+        if line:
+            problems[key] = line
+    return problems
+
+
+def _convert(what: str, arrays: Mapping[str, Any], want: str | None) -> dict[str, jax.Array]:
+    """Exact JAX copies of arrays already checked by `_source_problems`, widened to `want`.
+
+    One `CheckpointError` (head: `what`) lists every array that cannot be copied, comes to JAX
+    in another dtype, or (want None) differs in dtype from the others.
+    """
+    out, lines = {}, []
+    for key, x in arrays.items():
+        try:
+            a = copy_to_jax(x)
+        except (BufferError, TypeError, ValueError, RuntimeError, NotImplementedError) as err:
+            lines.append(f"unreadable: {key}: {type(err).__name__}: {err}")
+            continue
+        if a.dtype.name != dtype_name(x):
+            lines.append(f"not exact: {key}: {dtype_name(x)} came to JAX as {a.dtype.name}")
+        out[key] = a if want is None else a.astype(want)
+    dtypes = sorted({a.dtype.name for a in out.values()})
+    if want is None and len(dtypes) > 1:
+        lines.append(f"mixed dtypes: {', '.join(dtypes)}: pass dtype= to pick one")
+    if lines:
+        raise CheckpointError("\n".join([f"{what}:", *("  " + line for line in lines)]))
+    return out
 
 
 def expected_shapes(config: StackConfig) -> dict[str, tuple[int, ...]]:
@@ -81,87 +133,84 @@ def stacked_weights(config: StackConfig, variables) -> dict[str, jax.Array]:
 
 
 def check_params(config: StackConfig, variables, dtype=None, argname: str = "params") -> None:
-    """Raise ParamsError listing every missing, unexpected, mis-shaped or mis-typed leaf."""
-    problems = []
-    if not isinstance(variables, Mapping) or "params" not in variables:
-        raise ParamsError(f"{argname}: expected a Flax variables dict {{'params': {{...}}}} "
-                          f"(see jax_impl.params_from_stacked), got {type(variables).__name__}")
-    p = variables["params"]
-    layers = p.get("layers", {}) if isinstance(p, Mapping) else {}
-    specs = weight_specs(config)
-    want = {("layers", s.name) if s.per_layer else (s.name,): s.stacked_shape(config.num_layers) for s in specs}
-    have = {("layers", k): v for k, v in layers.items()}
-    have.update({(k,): v for k, v in p.items() if k != "layers"})
-    for path in want:
-        if path not in have:
-            problems.append(f"missing: {'/'.join(path)}")
-    for path, v in have.items():
-        if path not in want:
-            problems.append(f"unexpected: {'/'.join(path)}")
-            continue
-        shape = tuple(getattr(v, "shape", ()))
-        if shape != want[path]:
-            problems.append(f"wrong shape: {'/'.join(path)}: expected {list(want[path])}, got {list(shape)}")
-        elif dtype is not None and jnp.dtype(getattr(v, "dtype", None)) != jnp.dtype(dtype):
-            problems.append(f"wrong dtype: {'/'.join(path)}: expected {jnp.dtype(dtype)}, got {v.dtype}")
-    if problems:
-        head = f"{argname} do not fit {type(config).__name__}(dim={config.dim}, num_layers={config.num_layers}):"
-        raise ParamsError("\n".join([head, *("  " + q for q in problems)]))
+    """Raise `CheckpointError` listing every missing, unexpected, mis-shaped or mis-typed leaf.
+
+    variables: `{"params": {"layers": {name: [L, ...]}, name: [...]}}`; leaves are named
+    `layers/in_proj`, `text_linear`, ... in the message. dtype: every leaf's dtype, or None.
+    """
+    p = variables.get("params") if isinstance(variables, Mapping) else None
+    layers = p.get("layers", {}) if isinstance(p, Mapping) else None
+    if not isinstance(layers, Mapping):
+        raise CheckpointError(f"{argname}: expected a Flax variables dict "
+                              f"{{'params': {{'layers': {{...}}, ...}}}} (see jax_impl.params_from_stacked), "
+                              f"got {type(variables).__name__}")
+    want = {("layers/" if s.per_layer else "") + s.name: s.stacked_shape(config.num_layers)
+            for s in weight_specs(config)}
+    have = {f"layers/{k}": v for k, v in layers.items()}
+    have.update({k: v for k, v in p.items() if k != "layers"})
+    lines = []
+    if dtype is not None:
+        lines = [f"wrong dtype: {k}: expected {jnp.dtype(dtype)}, got {dtype_name(v)}"
+                 for k, v in have.items()
+                 if k in want and _shape(v) == want[k] and dtype_name(v) != jnp.dtype(dtype).name]
+    shapes = {k: _shape(v) for k, v in have.items()}
+    check_fit(f"{argname} do not fit {describe(config)}", want, shapes, lines)
 
 
-def params_from_stacked(config: StackConfig, weights: Mapping[str, Any], dtype=None) -> dict:
+def params_from_stacked(config: StackConfig, weights: Mapping[str, Any], dtype=None, *,
+                        source: str = "stacked weights") -> dict:
     """Variables from stacked buffers by name (e.g. `{k: v for k, v in torch_stack.weights().items()}`).
 
-    Every missing / unexpected / mis-shaped name is reported in one ParamsError. dtype: None
-    keeps the source dtype; otherwise widening is exact and allowed, narrowing is refused.
+    weights: name -> stacked array [L, ...] (numpy, jax, torch CPU tensors, ...), float32,
+    bfloat16 or float16. dtype: None keeps the source dtype (all alike); otherwise float32,
+    bfloat16 or float16, reached by exact widening only. Every missing / unexpected /
+    mis-shaped name, every float64, integer, bool or non-array value and every narrowing is
+    reported in one `CheckpointError` headed by `source`; dtypes are checked on the source
+    arrays, before any copy.
     """
-    want = expected_shapes(config)
-    problems = [f"missing: {k}" for k in want if k not in weights]
-    problems += [f"unexpected: {k}" for k in weights if k not in want]
-    problems += [f"wrong shape: {k}: expected {list(want[k])}, got {list(weights[k].shape)}"
-                 for k in want if k in weights and tuple(weights[k].shape) != want[k]]
-    if problems:
-        head = (f"stacked weights do not fit {type(config).__name__}(dim={config.dim}, "
-                f"num_layers={config.num_layers}):")
-        raise ParamsError("\n".join([head, *("  " + q for q in problems)]))
-    dtype = None if dtype is None else jnp.dtype(dtype)
-    return nest_params(config, {k: _cast(k, copy_to_jax(weights[k]), dtype) for k in want})
+    want = _target_dtype(dtype)
+    shapes = expected_shapes(config)
+    problems = _source_problems(weights, want)
+    check_fit(f"{source} do not fit {describe(config)}", shapes, {k: _shape(v) for k, v in weights.items()},
+              [line for k, line in problems.items() if k in shapes])
+    arrays = _convert(f"{source}: cannot copy to JAX", {k: weights[k] for k in shapes}, want)
+    return nest_params(config, arrays)
 
 
 def params_from_checkpoint(config: StackConfig, state_dict: Mapping[str, Any], prefix: str | None = None,
-                           dtype=None) -> dict:
+                           dtype=None, *, source: str = "state_dict") -> dict:
     """Variables from a Moshi-layout state dict (checkpoint keys, per-layer tensors).
 
-    Keys are checked with `jax_impl.config.check_checkpoint` first: one CheckpointError
-    lists every missing, unexpected or mis-shaped key. dtype as in `params_from_stacked`.
+    Keys may be the released files' names or those of a `state_dict()` of moshi's own modules
+    (`WeightSpec.aliases`). Keys, shapes and dtypes are checked first, as in
+    `params_from_stacked`: one `CheckpointError` headed by `source` lists every missing,
+    unexpected, duplicated, mis-shaped or mis-typed key. dtype as in `params_from_stacked`.
     """
-    check_checkpoint({k: tuple(v.shape) for k, v in state_dict.items()}, config, prefix)
-    keys = checkpoint_keys(config, prefix)
-    dtype = None if dtype is None else jnp.dtype(dtype)
+    want = _target_dtype(dtype)
+    keys = check_checkpoint({k: _shape(v) for k, v in state_dict.items()}, config, prefix, source=source,
+                            problems=_source_problems(state_dict, want))
+    arrays = _convert(f"{source}: cannot copy to JAX", {k: state_dict[k] for k in keys}, want)
     per_layer: dict[str, list] = {}
     flat: dict[str, jax.Array] = {}
     for key, (spec, layer) in keys.items():
-        arr = _cast(key, copy_to_jax(state_dict[key]), dtype).reshape(spec.shape)
+        arr = arrays[key].reshape(spec.shape)
         if layer is None:
             flat[spec.name] = arr
         else:
             per_layer.setdefault(spec.name, [None] * config.num_layers)[layer] = arr
-    dtypes = {a.dtype for a in flat.values()} | {a.dtype for v in per_layer.values() for a in v}
-    if len(dtypes) > 1:
-        raise TypeError(f"state_dict mixes dtypes {sorted(map(str, dtypes))}: pass dtype= to pick one")
     flat.update({name: jnp.stack(arrs) for name, arrs in per_layer.items()})
     return nest_params(config, flat)
 
 
 def load_safetensors(config: StackConfig, path: str | os.PathLike, prefix: str | None = None, dtype=None) -> dict:
-    """Variables from a Moshi/PersonaPlex safetensors file (only this stack's keys are read)."""
-    from safetensors import safe_open
+    """Variables from a Moshi/PersonaPlex safetensors file (only this stack's keys are read).
 
-    with safe_open(os.fspath(path), framework="numpy") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (a safe_open handle)
-        check_checkpoint(shapes, config, prefix)
-        tensors = {k: f.get_tensor(k) for k in checkpoint_keys(config, prefix)}
-    return params_from_checkpoint(config, tensors, prefix, dtype)
+    Errors (a file that is not safetensors, keys, shapes, dtypes) are `CheckpointError`s
+    naming the path; a float64 file is refused, as in `params_from_checkpoint`.
+    """
+    source = os.fspath(path)
+    keys = check_checkpoint(read_safetensors_shapes(path), config, prefix, source=source)
+    return params_from_checkpoint(config, read_safetensors(path, keys, "numpy"), prefix, dtype, source=source)
 
 
 def export_checkpoint(config: StackConfig, variables, prefix: str | None = None) -> dict[str, np.ndarray]:
@@ -172,6 +221,9 @@ def export_checkpoint(config: StackConfig, variables, prefix: str | None = None)
 
 
 def save_safetensors(config: StackConfig, variables, path: str | os.PathLike, prefix: str | None = None) -> None:
+    """Write `variables` as a safetensors file in the released checkpoints' layout (`export_checkpoint`:
+    their keys and shapes, the parameters' dtype), so one file serves both paths: `load_safetensors`
+    here and the torch stacks' read it back exactly. prefix: a Mimi stack's `encoder_transformer` / ..."""
     from safetensors.numpy import save_file
 
     save_file(export_checkpoint(config, variables, prefix), os.fspath(path))

@@ -14,4 +14,4 @@ _EXPORTS = {
     "mrope_from_cache": "rotary_mrope", "mrope_from_cache_native": "rotary_mrope",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [*_EXPORTS]
+__all__ = [*_EXPORTS]  # noqa: PLE0604 (the names of the lazy export table)

@@ -165,3 +165,119 @@ def stream_index(rotary_dim: int, mrope_section: Sequence[int], mrope_interleave
         return [1 if (i % 3 == 1 and i < 3 * h) else 2 if (i % 3 == 2 and i < 3 * w) else 0
                 for i in range(half)]
     return [0 if i < t else 1 if i < t + h else 2 for i in range(half)]
+
+
+# --------------------------------------------------------------------------------------------
+# Twin kernels (kernels_pallas.twin_*, kernels_triton.twin_*): shared tiles and checks
+# --------------------------------------------------------------------------------------------
+TWIN_MAX_BK = 64   # lanes of a sum over K (the reduction order depends on this and K alone)
+TWIN_MAX_BN = 32   # output columns per program (speed only)
+TWIN_MAX_BM = 16   # output rows per program (speed only)
+
+
+def largest_pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two <= cap that divides n."""
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def twin_lanes(K: int) -> int:
+    """BK, the lanes of every twin sum over an axis of length K: a function of K alone."""
+    return largest_pow2_divisor(K, TWIN_MAX_BK)
+
+
+def twin_blocks(M: int, N: int, K: int, block_m: int | None = None, block_n: int | None = None):
+    """(BM, BN, BK) of the twin linear kernel: BK from K alone (bits), BM, BN for speed."""
+    BK = twin_lanes(K)
+    BN = largest_pow2_divisor(N, TWIN_MAX_BN) if block_n is None else block_n
+    BM = min(TWIN_MAX_BM, next_pow2(M)) if block_m is None else block_m
+    for name, v, total in (("block_m", BM, None), ("block_n", BN, N)):
+        if v <= 0 or v & (v - 1) or (total is not None and total % v):
+            raise ValueError(f"twin linear: {name} must be a power of two dividing {total or 'any M'}, got {v}")
+    return BM, BN, BK
+
+
+def check_twin_linear(x, w, act, acts, scale, residual):
+    """(M, K, N, N_out) of a twin linear call, after checking shapes, dtypes and act."""
+    if act not in acts:
+        raise ValueError(f"linear(act): must be one of {acts}, got {act!r}")
+    if len(x.shape) != 2:
+        raise ValueError(f"linear(x): expected [M, K], got shape {tuple(x.shape)}")
+    if len(w.shape) != 3 or w.shape[2] != x.shape[1]:
+        raise ValueError(f"linear(w): expected [L, N, K={x.shape[1]}], got shape {tuple(w.shape)}")
+    if str(w.dtype) != str(x.dtype):
+        raise TypeError(f"linear(w): dtype {w.dtype} differs from x's {x.dtype}")
+    M, K = x.shape
+    N = w.shape[1]
+    if act == "silu_gate" and N % 2:
+        raise ValueError(f"linear(act='silu_gate'): w's N must be even, got {N}")
+    N_out = N // 2 if act == "silu_gate" else N
+    if scale is not None and tuple(scale.shape) != (w.shape[0], N_out):
+        raise ValueError(f"linear(scale): expected [{w.shape[0]}, {N_out}], got shape {tuple(scale.shape)}")
+    if residual is not None and tuple(residual.shape) != (M, N_out):
+        raise ValueError(f"linear(residual): expected [{M}, {N_out}], got shape {tuple(residual.shape)}")
+    return M, K, N, N_out
+
+
+def check_twin_norm(x, weight, bias, kind, kinds):
+    """(M, D) of a twin norm call, after checking shapes and dtypes."""
+    if kind not in kinds:
+        raise ValueError(f"norm(kind): must be one of {kinds}, got {kind!r}")
+    if len(x.shape) != 2:
+        raise ValueError(f"norm(x): expected [M, D], got shape {tuple(x.shape)}")
+    M, D = x.shape
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (len(t.shape) != 2 or t.shape[1] != D):
+            raise ValueError(f"norm({name}): expected [L, D={D}], got shape {tuple(t.shape)}")
+    if kind == "layer" and bias is None:
+        raise ValueError("norm(bias): kind='layer' needs a bias")
+    return M, D
+
+
+def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask):
+    """(B, T, H, D, (L, C)) of a twin rope_write call, after checking every shape."""
+    if len(qkv.shape) != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"rope_write(qkv): expected [B, T, 3, H, D], got shape {tuple(qkv.shape)}")
+    B, T, _, H, D = qkv.shape
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != (B, T, D // 2):
+            raise ValueError(f"rope_write({name}): expected [{B}, {T}, {D // 2}], got {tuple(t.shape)}")
+    for name, r in (("ring_k", ring_k), ("ring_v", ring_v)):
+        if len(r.shape) != 5 or (r.shape[1], r.shape[2], r.shape[4]) != (B, H, D) or str(r.dtype) != str(qkv.dtype):
+            raise ValueError(f"rope_write({name}): expected [L, {B}, {H}, C, {D}] in {qkv.dtype}, "
+                             f"got {r.dtype}{list(r.shape)}")
+    if tuple(write_index.shape) != (B, T) or tuple(write_mask.shape) != (B, T):
+        raise ValueError(f"rope_write: write_index and write_mask must be [{B}, {T}], got "
+                         f"{tuple(write_index.shape)} and {tuple(write_mask.shape)}")
+    return B, T, H, D, (ring_k.shape[0], ring_k.shape[3])
+
+
+TWIN_ATTENTION_BC = 64       # slots per block of the twin attention (at most)
+TWIN_ATTENTION_CHUNK = 256   # slots per split (at most)
+
+
+def twin_attention_plan(C: int) -> tuple[int, int, int]:
+    """(BC, chunk, S) of the twin attention over C ring slots: a function of C alone (bits)."""
+    BC = min(TWIN_ATTENTION_BC, next_pow2(C))
+    chunk = min(TWIN_ATTENTION_CHUNK, -(-C // BC) * BC)
+    return BC, chunk, -(-C // chunk)
+
+
+def check_twin_attention(q, ring_k, ring_v, positions, q_pos):
+    """(B, H, T, D, C) of a twin attention call, after checking every shape."""
+    if len(q.shape) != 4:
+        raise ValueError(f"attention(q): expected [B, H, T, D], got shape {tuple(q.shape)}")
+    B, H, T, D = q.shape
+    if D & (D - 1):
+        raise ValueError(f"attention(q): the head dim must be a power of two, got {D}")
+    for name, r in (("ring_k", ring_k), ("ring_v", ring_v)):
+        if len(r.shape) != 5 or (r.shape[1], r.shape[2], r.shape[4]) != (B, H, D) or str(r.dtype) != str(q.dtype):
+            raise ValueError(f"attention({name}): expected [L, {B}, {H}, C, {D}] in {q.dtype}, "
+                             f"got {r.dtype}{list(r.shape)}")
+    C = ring_k.shape[3]
+    if tuple(positions.shape) != (B, C) or tuple(q_pos.shape) != (B, T):
+        raise ValueError(f"attention: positions must be [{B}, {C}] and q_pos [{B}, {T}], got "
+                         f"{tuple(positions.shape)} and {tuple(q_pos.shape)}")
+    return B, H, T, D, C

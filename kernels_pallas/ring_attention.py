@@ -11,7 +11,10 @@ merges the `splits` partials. Slot c is visible to query t of row b iff
 
     positions[b, c] >= 0  and  0 <= q_pos[b, t] - positions[b, c] < context
 
-(the streaming stacks' mask); a query that sees no slot gets 0 (as torch's SDPA returns).
+(the streaming stacks' mask); a query that sees no slot gets exactly +0 (as torch's SDPA
+returns for an all-False mask row; `combine` selects it, so what masked slots hold cannot
+show): a row whose start_offset is past its offset (`reset_slot` + `bump_slot_start`) or
+that never wrote has positions all -1 and works as any other.
 Queries are padded to `MIN_QUERIES` rows so both products run on tensor cores.
 
 `ring_attention_native` is the plain jax.numpy reference with the same signature.
@@ -152,7 +155,8 @@ def combine(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     w = jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all))  # 0 for splits that saw nothing
     total = jnp.sum(l * w, axis=-2)
     out = jnp.sum(acc * w[..., None], axis=-3)
-    return out / jnp.where(total > 0, total, 1.0)[..., None]
+    seen = (total > 0)[..., None]
+    return jnp.where(seen, out / jnp.where(seen, total[..., None], 1.0), 0.0)
 
 
 def ring_attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, **_):
@@ -168,4 +172,5 @@ def ring_attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context
     p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     total = jnp.sum(p, axis=-1, keepdims=True)
     out = jnp.einsum("bhtc,bhcd->bhtd", p, v.astype(jnp.float32), precision=exact)
-    return (out / jnp.where(total > 0, total, 1.0)).astype(q.dtype)
+    seen = total > 0
+    return jnp.where(seen, out / jnp.where(seen, total, 1.0), 0.0).astype(q.dtype)

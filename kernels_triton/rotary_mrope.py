@@ -21,7 +21,8 @@ kernel is bit-identical to :func:`mrope_native`.  The kernel is compiled with
 
 Layout is the serving-engine one: ``q [num_tokens, num_q_heads * head_size]`` (rows may be
 strided, e.g. a slice of a fused qkv projection; the last dimension must be contiguous) and
-``k [num_tokens, num_kv_heads * head_size]``.  The grid is one program per block of
+``k [num_tokens, num_kv_heads * head_size]``.  The in-place forms refuse rows that overlap (e.g.
+``expand``) and q/k sharing memory: programs are unordered, so such layouts would come out wrong.  The grid is one program per block of
 ``block_tokens`` tokens: it loads the block's cos/sin rows once, then rotates every q head and
 every k head in ``[block_tokens, block_heads, rotary_dim // 2]`` tile pairs (k's tile holds at
 most its own head count).  At Qwen2.5-VL shapes that is one token per program and one tile of 32
@@ -35,7 +36,6 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from kernels_pallas.common import (
     check_blocks,
@@ -50,6 +50,8 @@ from kernels_pallas.common import (
     default_num_warps,
     next_pow2,
 )
+from kernels_triton import twin_math as tm
+from kernels_triton.twin_math import interpreting
 
 __all__ = [
     "mrope",
@@ -93,23 +95,6 @@ def _stream_of_frequency(
 
 
 @triton.jit
-def _round_to(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """float32 -> ``dtype``, round to nearest even.
-
-    Compiled, the cast is ``cvt.rn``. The interpreter's own float32 -> bfloat16 cast truncates,
-    so there bfloat16 is rounded with integer ops, which give the GPU's bits (NaN becomes a
-    quiet NaN; NaN payloads are not part of the contract).
-    """
-    if INTERPRETED and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        bits = tl.where(x != x, 0x7FC00000, bits)  # noqa: PLR0124
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dtype)
-
-
-@triton.jit
 def _rotate_tile(
     x_ptr,
     stride_x,
@@ -146,8 +131,8 @@ def _rotate_tile(
     # Four separately rounded products (fp fusion is off), then one rounding per output.
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
-    tl.store(ptr1, _round_to(o1, x_ptr.dtype.element_ty, INTERPRETED), mask=mask)
-    tl.store(ptr2, _round_to(o2, x_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    tl.store(ptr1, tm.to_dtype(o1, x_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    tl.store(ptr2, tm.to_dtype(o2, x_ptr.dtype.element_ty, INTERPRETED), mask=mask)
 
 
 @triton.jit
@@ -231,12 +216,17 @@ def _launch(q, k, cos, sin, pos, num_streams, sections, max_position, head_size,
         SECTION_T=sections[0], SECTION_H=sections[1], SECTION_W=sections[2],
         INTERLEAVED=mrope_interleaved, IS_NEOX=is_neox_style, FROM_CACHE=from_cache,
         BLOCK_T=bt, BLOCK_H=bh, BLOCK_HK=min(bh, next_pow2(hk)), OFFSETS_64=last >= OFFSETS_32_LIMIT,
-        INTERPRETED=isinstance(_mrope_kernel, InterpretedFunction), num_warps=num_warps,
+        INTERPRETED=interpreting(_mrope_kernel), num_warps=num_warps,
         enable_fp_fusion=False,
     )
 
 
-def _check_qk(q, k, head_size, rotary_dim):
+def _check_qk(q, k, head_size, rotary_dim, fn):
+    """Checks ``q``/``k`` for the in-place form ``fn`` (its name goes into the messages).
+
+    Everything here is host arithmetic on shapes, strides and addresses (no device sync), and it
+    all runs before anything is launched or copied, so a refused call changes nothing.
+    """
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
@@ -246,10 +236,59 @@ def _check_qk(q, k, head_size, rotary_dim):
         raise ValueError(f"k dtype must equal q dtype {q.dtype}, got {k.dtype}")
     if k.device != q.device:
         raise ValueError(f"k must be on q's device {q.device}, got {k.device}")
+    if q.device.type == "cpu" and not interpreting(_mrope_kernel):
+        # Otherwise the launch fails deep in Triton with "0 active drivers".
+        raise RuntimeError(f"kernels_triton.{fn}: q is on the CPU and Triton is not interpreting; set "
+                           "TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU, "
+                           "or move the tensors to CUDA")
     for name, t in (("q", q), ("k", k)):
         if t.numel() and t.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    _check_no_overlap(q, k, fn)
     return num_tokens, hq, hk
+
+
+def _check_no_overlap(q, k, fn):
+    """Refuses q/k layouts in which two logical elements share memory.
+
+    Every program loads a tile, rotates it and stores it with no ordering between programs (nor
+    between a program's q and k tiles), so an element reachable through two indices is rotated
+    twice, or with another token's angles, or loses a store: wrong values, silently.  That happens
+    when a tensor's rows overlap (token stride below the row length; stride 0 from ``expand``) or
+    when q and k share memory.  Disjoint column slices of one fused qkv buffer share a storage but
+    no element, and pass.  Needs ``stride(1) == 1`` (checked first).
+    """
+    n = q.shape[0]
+    for name, t in (("q", q), ("k", k)):
+        if n > 1 and t.shape[1] and t.stride(0) < t.shape[1]:
+            how = ", stride 0 repeats one row, e.g. from expand" if t.stride(0) == 0 else ""
+            raise ValueError(f"{fn}({name}): rows overlap in memory (stride {t.stride(0)} along the token "
+                             f"dimension, rows of {t.shape[1]} elements{how}); pass a tensor whose rows do not "
+                             f"overlap, e.g. {name}.contiguous()")
+    if not (q.numel() and k.numel()):
+        return
+    # Byte addresses, so that views of two storages over the same memory are caught too.
+    size = q.element_size()
+    a, b = q.data_ptr(), k.data_ptr()
+    len_q, len_k = q.shape[1] * size, k.shape[1] * size
+    s_q, s_k = q.stride(0) * size, k.stride(0) * size
+    if a + (n - 1) * s_q + len_q <= b or b + (n - 1) * s_k + len_k <= a:
+        return  # the extents are disjoint
+    if n > 1 and s_q == s_k:
+        # q row i is [a + i*s, a + i*s + len_q), k row j is [b + j*s, b + j*s + len_k): they meet iff
+        # m = i - j (|m| < n) has d - len_q < m*s < d + len_k, with d = b - a.
+        d = b - a
+        m = max((d - len_q) // s_q + 1, -(n - 1))
+        if m > n - 1 or m * s_q >= d + len_k:
+            return
+        what = "q and k share memory"
+    elif n == 1:
+        what = "q and k share memory"
+    else:  # an exact test would walk the rows; no layout in use needs it
+        what = (f"q and k have intersecting extents with different token strides ({q.stride(0)} and "
+                f"{k.stride(0)}), so they may share memory")
+    raise ValueError(f"{fn}(q, k): {what}; in-place rotation needs separate buffers (disjoint column "
+                     "slices of one fused qkv buffer are fine), e.g. pass k.clone()")
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,8 +314,10 @@ def mrope_(
     """Rotates ``q`` and ``k`` in place with MRoPE; returns ``(q, k)``.
 
     Args:
-      q: ``[num_tokens, num_q_heads * head_size]``, float32/bfloat16/float16; rows may be strided.
-      k: ``[num_tokens, num_kv_heads * head_size]``, same dtype and device as ``q``.
+      q: ``[num_tokens, num_q_heads * head_size]``, float32/bfloat16/float16; rows may be strided
+        but must not overlap (ValueError otherwise).  On the CPU only under TRITON_INTERPRET=1.
+      k: ``[num_tokens, num_kv_heads * head_size]``, same dtype and device as ``q``, sharing no
+        memory with it (disjoint column slices of one fused qkv buffer are fine).
       cos, sin: ``[3, num_tokens, rotary_dim // 2]`` (t/h/w streams) or ``[num_tokens,
         rotary_dim // 2]`` (text only, plain RoPE); float32/bfloat16/float16 (upcast to float32).
       mrope_section: ``[t, h, w]`` with ``t + h + w == rotary_dim // 2``; may be None for a
@@ -288,7 +329,7 @@ def mrope_(
       block_tokens, block_heads: tile sizes (powers of two); None picks :func:`default_blocks`.
       num_warps: warps per program; None gives one warp per 512 elements of the q half-tile.
     """
-    num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim)
+    num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim, "mrope_")
     _refuse_grad(q=q, k=k, cos=cos, sin=sin)
     check_flags(mrope_interleaved, is_neox_style)
     for name, t in (("cos", cos), ("sin", sin)):
@@ -324,8 +365,7 @@ def mrope(
     args = (mrope_section, head_size, rotary_dim, mrope_interleaved, is_neox_style)
     if _wants_grad(q, k, cos, sin):
         return _Rotate.apply(q, k, cos, sin, False, args, block_kwargs)
-    q_out = q.clone() if isinstance(q, torch.Tensor) else q
-    k_out = k.clone() if isinstance(k, torch.Tensor) else k
+    q_out, k_out = _fresh(q), _fresh(k)
     return mrope_(q_out, k_out, cos, sin, *args, **block_kwargs)
 
 
@@ -375,7 +415,7 @@ def mrope_from_cache_(
       Others as in :func:`mrope_`. The ``[3, num_tokens, rotary_dim // 2]`` tables are never
       materialised: each program gathers its rows from the cache.
     """
-    num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim)
+    num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim, "mrope_from_cache_")
     _refuse_grad(q=q, k=k, cos_sin_cache=cos_sin_cache)
     check_flags(mrope_interleaved, is_neox_style)
     _check_cache_args(positions, cos_sin_cache, num_tokens, rotary_dim, q.device)
@@ -410,14 +450,22 @@ def mrope_from_cache(
     args = (mrope_section, head_size, rotary_dim, mrope_interleaved, is_neox_style)
     if _wants_grad(q, k, cos_sin_cache):
         return _Rotate.apply(q, k, positions, cos_sin_cache, True, args, kwargs)
-    q_out = q.clone() if isinstance(q, torch.Tensor) else q
-    k_out = k.clone() if isinstance(k, torch.Tensor) else k
+    q_out, k_out = _fresh(q), _fresh(k)
     return mrope_from_cache_(positions, q_out, k_out, cos_sin_cache, *args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
 # Differentiation: the transpose of a rotation by theta is the rotation by -theta
 # --------------------------------------------------------------------------------------------
+
+
+def _fresh(x):
+    """A contiguous copy for the out-of-place forms to rotate in place (non-tensors pass through to
+    the checks).  Contiguous rather than ``clone()``'s preserved layout, so that every input layout
+    works: a transposed q (last dimension not contiguous) or rows overlapping through ``expand``
+    would otherwise be refused by the in-place form, and q and k aliasing one buffer are
+    separated."""
+    return x.clone(memory_format=torch.contiguous_format) if isinstance(x, torch.Tensor) else x
 
 
 def _wants_grad(*tensors):
@@ -461,8 +509,8 @@ class _Rotate(torch.autograd.Function):
         ctx.from_cache, ctx.args = from_cache, args
         ctx.blocks = {key: v for key, v in kwargs.items() if key != "check_positions"}
         if from_cache:
-            return mrope_from_cache_(a, q.clone(), k.clone(), b, *args, **kwargs)
-        return mrope_(q.clone(), k.clone(), a, b, *args, **kwargs)
+            return mrope_from_cache_(a, _fresh(q), _fresh(k), b, *args, **kwargs)
+        return mrope_(_fresh(q), _fresh(k), a, b, *args, **kwargs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -65,3 +65,26 @@ def moshi_stack(config, weights: dict[str, torch.Tensor], batch_size: int, *, de
         text_linear = torch.nn.Linear(config.dim, config.text_card, bias=False, device=device, dtype=dtype)
         text_linear.load_state_dict({"weight": weights["text_linear.weight"]})
     return model, out_norm, text_linear
+
+
+@torch.no_grad()
+def prefill_rings(ours, theirs, offset: int, generator=None) -> None:
+    """Put both stacks at `offset` (< context) for every row, with the same random K/V in slots 0..C-1.
+
+    ours: one of our torch stacks after `streaming_init`; theirs: the matching `moshi_stack` model.
+    Slot c holds position c for c < offset on both sides (the rest is invisible: never written),
+    so a run from here crosses the ring's wrap within context - offset positions.
+    """
+    state = ours.state
+    if not 0 < offset < ours.config.context:
+        raise ValueError(f"offset must be in 1..context-1, got {offset}")
+    state.offset.fill_(offset)
+    state.start_offset.zero_()
+    for layer, module in enumerate(theirs.layers):
+        mha = module.self_attn._streaming_state
+        for ring, side in ((state.k[layer], 0), (state.v[layer], 1)):
+            ring.copy_(torch.randn(ring.shape, generator=generator, device=ring.device, dtype=torch.float32))
+            mha.kv_cache.cache[side].copy_(ring)
+        mha.kv_cache.end_offset.fill_(offset)
+        mha.offset.fill_(offset)
+    theirs._streaming_state.offsets.fill_(offset)

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import chex
 import jax
@@ -26,14 +30,13 @@ from hypothesis import strategies as st
 
 import kernels_pallas as kp
 import kernels_triton as kt
+from jax_impl import parity
 from kernels_pallas import rotary_mrope as kp_mod
 from kernels_triton import rotary_mrope as kt_mod
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-UINT = {2: np.uint16, 4: np.uint32}
-TORCH_INT = {2: torch.int16, 4: torch.int32}
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -47,13 +50,10 @@ def to_torch(a: np.ndarray) -> torch.Tensor:
 
 
 def bits_torch(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().cpu().contiguous()
-    return t.view(TORCH_INT[t.element_size()]).numpy().view(UINT[t.element_size()])
+    return parity.bits(t.detach().cpu())
 
 
-def bits_jax(x) -> np.ndarray:
-    a = np.asarray(x)
-    return a.view(UINT[a.dtype.itemsize])
+bits_jax = parity.bits
 
 
 def assert_same_bits(a: np.ndarray, b: np.ndarray, what: str):
@@ -280,6 +280,146 @@ def test_triton_in_place_on_strided_view():
     assert_same_bits(bits_torch(tq), bits_torch(expect[0]), "q in place")
     assert_same_bits(bits_torch(tk), bits_torch(expect[1]), "k in place")
     assert_same_bits(bits_torch(qkv)[:, q.shape[1] + k.shape[1]:], before[:, q.shape[1] + k.shape[1]:], "v")
+
+
+# Layouts the in-place kernel cannot rotate: its programs are unordered, so an element reachable
+# through two indices comes out wrong.  They are refused up front, with nothing written.
+
+IN_PLACE_FORMS = ["mrope_", "mrope_from_cache_"]
+
+
+def _small_case():
+    """4 tokens, q 2 heads, k 1 head of 16, rotary_dim 8, sections [1, 2, 1]."""
+    return make_case(3, 4, 2, 1, 16, 8, "float32", 3)
+
+
+def _rotate_in_place(form, q, k, case):
+    _, _, cos, sin, pos, cache = case
+    if form == "mrope_":
+        return kt.mrope_(q, k, to_torch(cos), to_torch(sin), [1, 2, 1], 16, 8)
+    return kt.mrope_from_cache_(to_torch(pos), q, k, to_torch(cache), [1, 2, 1], 16, 8)
+
+
+def _expected(q, k, case):
+    _, _, cos, sin, _, _ = case
+    return kt.mrope_native(q.contiguous(), k.contiguous(), to_torch(cos), to_torch(sin), [1, 2, 1], 16, 8)
+
+
+# (id, q, k) as views of one [6, 48] buffer, and whether they share an element.
+QK_LAYOUTS = [
+    ("k is q", lambda b: b[:4, :32], lambda b: b[:4, :32], True),
+    ("k is q's second head", lambda b: b[:4, :32], lambda b: b[:4, 16:32], True),
+    ("k straddles q's end", lambda b: b[:4, :32], lambda b: b[:4, 24:40], True),
+    ("k one row down in q", lambda b: b[:4, :32], lambda b: b[1:5, 16:32], True),  # rows 1..3 meet
+    ("k flat over q's rows", lambda b: b[:4, :32], lambda b: b.view(-1)[100:164].view(4, 16), True),
+    ("fused qkv", lambda b: b[:4, :32], lambda b: b[:4, 32:48], False),
+    ("k one row up beside q", lambda b: b[1:5, :32], lambda b: b[:4, 32:48], False),  # extents interleave
+    ("k rows below q", lambda b: b[:4, :32], lambda b: b[4:, :32].reshape(-1)[:64].view(4, 16), False),
+]
+
+
+@pytest.mark.parametrize("form", IN_PLACE_FORMS)
+@pytest.mark.parametrize("make_q,make_k,shared", [c[1:] for c in QK_LAYOUTS], ids=[c[0] for c in QK_LAYOUTS])
+def test_in_place_refuses_q_and_k_sharing_memory(form, make_q, make_k, shared):
+    """q and k views of one buffer: refused iff they share an element, which the arithmetic on
+    addresses and strides tells apart from disjoint slices (a fused qkv buffer)."""
+    case = _small_case()
+    buf = to_torch(np.random.default_rng(0).standard_normal((6, 48), np.float32))
+    q, k = make_q(buf), make_k(buf)
+    before = bits_torch(buf)
+    if shared:
+        with pytest.raises(ValueError, match=rf"{form}\(q, k\): q and k .*share memory.*separate buffers"):
+            _rotate_in_place(form, q, k, case)
+        assert_same_bits(bits_torch(buf), before, "buffer changed by a refused call")
+    else:
+        want = _expected(q, k, case)
+        _rotate_in_place(form, q, k, case)
+        assert_same_bits(bits_torch(q), bits_torch(want[0]), "q")
+        assert_same_bits(bits_torch(k), bits_torch(want[1]), "k")
+
+
+ROW_LAYOUTS = {
+    "expand": lambda base: base[:1].expand(4, -1),  # token stride 0: one row four times
+    "as_strided": lambda base: base.as_strided(base.shape, (base.shape[1] // 2, 1)),  # rows half overlap
+}
+
+
+@pytest.mark.parametrize("form", IN_PLACE_FORMS)
+@pytest.mark.parametrize("name", ["q", "k"])
+@pytest.mark.parametrize("layout", sorted(ROW_LAYOUTS))
+def test_in_place_refuses_overlapping_rows(form, name, layout):
+    """Rows that overlap in memory (two tokens' elements at one address) are refused, naming the
+    argument and the stride, before anything is written."""
+    case = _small_case()
+    t = {"q": to_torch(case[0]), "k": to_torch(case[1])}
+    base = t[name]
+    t[name] = ROW_LAYOUTS[layout](base)
+    before = {n: bits_torch(x) for n, x in (("base", base), ("q", t["q"]), ("k", t["k"]))}
+    stride = "stride 0" if layout == "expand" else f"stride {base.shape[1] // 2}"
+    with pytest.raises(ValueError, match=rf"{form}\({name}\): rows overlap in memory \({stride}.*"
+                                         rf"{name}\.contiguous\(\)"):
+        _rotate_in_place(form, t["q"], t["k"], case)
+    after = {n: bits_torch(x) for n, x in (("base", base), ("q", t["q"]), ("k", t["k"]))}
+    for n, bits in before.items():
+        assert_same_bits(after[n], bits, f"{n} changed by a refused call")
+
+
+def test_cpu_without_interpreter_says_to_set_triton_interpret():
+    """CPU tensors with Triton compiling (no TRITON_INTERPRET): a clear error naming the variable,
+    not Triton's "0 active drivers" from inside the launch; the inputs are left alone."""
+    code = textwrap.dedent("""
+        import torch
+        import kernels_triton as kt
+        q, k, cos = torch.ones(2, 32), torch.ones(2, 16), torch.zeros(2, 4)
+        pos, cache = torch.zeros(2, dtype=torch.long), torch.zeros(4, 8)
+        for fn, args in ((kt.mrope_, (q, k, cos, cos)), (kt.mrope_from_cache_, (pos, q, k, cache)),
+                         (kt.mrope, (q, k, cos, cos))):
+            try:
+                fn(*args, None, 16, 8)
+                print("no error")
+            except RuntimeError as e:
+                print(e)
+        print(bool((q == 1).all() and (k == 1).all()))
+    """)
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[1],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 4, r.stdout
+    for line, fn in zip(lines, ["mrope_", "mrope_from_cache_", "mrope_"]):
+        assert line.startswith(f"kernels_triton.{fn}: q is on the CPU and Triton is not interpreting"), line
+        assert "set TRITON_INTERPRET=1 before importing triton" in line, line
+    assert lines[3] == "True", "inputs changed by a refused call"
+
+
+@pytest.mark.parametrize("layout", ["expand", "as_strided", "transposed", "k is q"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_out_of_place_takes_any_layout(layout, grad):
+    """The out-of-place forms rotate copies of their own, so the layouts the in-place forms refuse
+    (and a last dimension that is not contiguous) work there, inputs untouched."""
+    case = _small_case()
+    src = to_torch(case[0]).requires_grad_(grad)
+    k = to_torch(case[1])
+    if layout == "transposed":
+        q = src.t().contiguous().t()  # strides (1, 4)
+    elif layout == "k is q":
+        q = k = src
+    else:
+        q = ROW_LAYOUTS[layout](src)
+    before = (bits_torch(q), bits_torch(k))
+    want = _expected(q.detach(), k, case)
+    _, _, cos, sin, pos, cache = case
+    for got in (kt.mrope(q, k, to_torch(cos), to_torch(sin), [1, 2, 1], 16, 8),
+                kt.mrope_from_cache(to_torch(pos), q, k, to_torch(cache), [1, 2, 1], 16, 8)):
+        assert_same_bits(bits_torch(got[0]), bits_torch(want[0]), "q")
+        assert_same_bits(bits_torch(got[1]), bits_torch(want[1]), "k")
+        if grad:
+            (got[0].sum() + got[1].sum()).backward()
+            assert src.grad is not None and src.grad.shape == src.shape
+            src.grad = None
+    assert_same_bits(bits_torch(q), before[0], "q changed")
+    assert_same_bits(bits_torch(k), before[1], "k changed")
 
 
 def test_pallas_donated_jit():

@@ -42,6 +42,11 @@ class PlainRing:
         self.key = [[None] * capacity for _ in range(batch_size)]
         self.true_pos = [[None] * capacity for _ in range(batch_size)]
 
+    def clear(self, b):
+        """reset_slot / reset_rows zero the row's ring (session isolation)."""
+        self.key[b] = [None] * self.C
+        self.true_pos[b] = [None] * self.C
+
     def step(self, keys, active, T, convention):
         """keys[b][t]: the vector written for position offset[b] + t. Returns labels [B][C]."""
         labels = []
@@ -49,6 +54,8 @@ class PlainRing:
             if row_active:
                 for t in range(T):
                     p = self.offset[b] + t
+                    if p < self.start[b]:  # recycled away before it was written: not written
+                        continue
                     self.key[b][p % self.C] = keys[b][t]
                     self.true_pos[b][p % self.C] = p
             end = self.offset[b] + T * row_active
@@ -91,6 +98,7 @@ def test_ring_against_plain_model(T, capacity, convention):
         if op < 0.03:
             stack.reset_slot(b)
             model.start[b] = model.offset[b]
+            model.clear(b)
             recycled += 1
         elif op < 0.08 and model.start[b] < model.offset[b]:
             stack.bump_slot_start(b)
@@ -102,6 +110,7 @@ def test_ring_against_plain_model(T, capacity, convention):
             for r in range(B):
                 if mask[r]:
                     model.offset[r] = model.start[r] = 0
+                    model.clear(r)
         active = [rng.random() < 0.75 for _ in range(B)]
         for r in range(B):
             if active[r]:

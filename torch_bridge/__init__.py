@@ -16,4 +16,4 @@ _EXPORTS = {
     **dict.fromkeys(["JaxMimiTransformer", "JaxTemporalStreaming", "from_torch"], "jax_steppers"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [*_EXPORTS]
+__all__ = [*_EXPORTS]  # noqa: PLE0604 (the names of the lazy export table)

@@ -9,16 +9,22 @@ examples:
   personaplex-jax crosscheck                                # small presets on CPU, real sizes on GPU
   personaplex-jax crosscheck --stack mimi-encoder --steps 500 --convention moshi
   personaplex-jax crosscheck --checkpoint model.safetensors --dtype bfloat16 --json report.json
+  personaplex-jax crosscheck --require close               # in CI: exit status 3 unless it holds
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
 import os
 import sys
 import time
 
-from jax_impl.config import RING_CONVENTIONS
+from jax_impl.config import RING_CONVENTIONS, CheckpointError
+
+REQUIREMENT_NOT_MET = 3  # exit status of `crosscheck --require` when the run does not meet it
 
 
 def _positive_int(text: str) -> int:
@@ -28,6 +34,26 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text}")
     return value
 
 
@@ -47,29 +73,57 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("--frames", type=_positive_int, default=None,
                     help="T, frames per step (default: 1 for temporal, 2 for Mimi)")
     cc.add_argument("--convention", choices=list(RING_CONVENTIONS), default="personaplex",
-                    help="ring position convention (default: %(default)s)")
+                    help="ring position convention: 'moshi' for Kyutai Moshi models (a slot is labelled with "
+                         "the position it holds, as moshi's RingKVCache: window C), 'personaplex' for NVIDIA "
+                         "PersonaPlex (its stepper labels the next write slot with the next position: window "
+                         "C-1 once the ring wraps). A model run under the other family's convention diverges "
+                         "from its own once the ring wraps (default: %(default)s)"),
     cc.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="weights, activations and ring (default: %(default)s)")
     cc.add_argument("--size", choices=["auto", "small", "full"], default="auto",
                     help="small presets or real sizes (default: small on CPU, full on GPU)")
     cc.add_argument("--checkpoint", metavar="PATH",
-                    help="a Moshi/PersonaPlex safetensors file (implies --size full unless given)")
+                    help="a Moshi/PersonaPlex safetensors file (released names or a moshi module's "
+                         "state_dict() names). Its shapes give dim, num_layers and hidden, text_card "
+                         "(temporal) or ffn (Mimi); num_heads, context, max_period and norm_eps come from "
+                         "the flags below, else --config, else the preset (--size; full unless --size small). "
+                         "num_heads must be given when the file's dim is not the preset's. Pick --convention "
+                         "for the file's family: 'moshi' for a Kyutai Moshi file, 'personaplex' for an "
+                         "NVIDIA PersonaPlex one")
+    cc.add_argument("--config", metavar="FILE.json", dest="config_json",
+                    help="a JSON object of TemporalConfig / MimiConfig fields (all but ring_convention: "
+                         "--convention) over the preset; flags override it")
+    cc.add_argument("--num-heads", type=_positive_int, default=None,
+                    help="attention heads (shapes do not show them; default: --config, else the preset)")
+    cc.add_argument("--context", type=_positive_int, default=None,
+                    help="ring capacity = attention context (default: --config, else the preset)")
+    cc.add_argument("--max-period", type=_positive_float, default=None,
+                    help="RoPE max period (default: --config, else the preset)")
+    cc.add_argument("--norm-eps", type=_positive_float, default=None,
+                    help="RMSNorm / LayerNorm epsilon (default: --config, else the preset)")
     cc.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    cc.add_argument("--seed", type=int, default=0, help="seed of the schedule and weights (default: 0)")
+    cc.add_argument("--seed", type=_non_negative_int, default=0,
+                    help="seed of the schedule and weights, >= 0 (default: 0)")
     cc.add_argument("--no-recycle", action="store_true", help="no reset_slot / bump_slot_start / reset_rows")
+    cc.add_argument("--threads", type=_positive_int, default=None,
+                    help="torch CPU threads for the run (default: 1 for a small stack on the CPU, where "
+                         "more threads only fight XLA and other jobs for the cores; else torch's default)")
+    cc.add_argument("--require", choices=["identical", "close"], default=None,
+                    help="exit with status 3 unless it holds: 'identical': every tensor bit-identical at "
+                         "every step; 'close': integer tensors identical, float tensors within max rel "
+                         "1e-05 (float32) / 0.05 (bfloat16), greedy tokens equal but at near ties")
     cc.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     cc.add_argument("--plot", metavar="FILE.png", help="plot per-step differences and ms/step")
     cc.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     st = sub.add_parser("stream", help="stream frames through the torch stacks, print ms/step")
-    st.add_argument("--steps", type=_positive_int, default=300)
-    st.add_argument("--batch", type=_positive_int, default=4)
+    st.add_argument("--steps", type=_positive_int, default=300,
+                    help="steps to stream per stack; the median ms/step is printed (default: %(default)s)")
+    st.add_argument("--batch", type=_positive_int, default=4, help="rows (sessions) (default: %(default)s)")
     return parser
 
 
 def _crosscheck(args) -> int:
-    from jax_impl.config import PRESETS
-
-    from .crosscheck import crosscheck
+    from .crosscheck import crosscheck, resolve_device
 
     device = args.device
     size = args.size
@@ -79,10 +133,13 @@ def _crosscheck(args) -> int:
         raise ValueError(f"--checkpoint: no such file: {args.checkpoint}")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ValueError(f"--plot: expected a .png file name, got {args.plot}")
-    config = None
-    if size != "auto":
-        kind = "temporal" if args.stack == "temporal" else "mimi"
-        config = PRESETS[kind if size == "full" else f"{kind}-small"]
+    resolve_device(device, "--device")  # a one-line error now, not torch's AssertionError mid-run
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            _check_writable(flag, path)  # now, not after the whole run
+    config, note = _crosscheck_config(args, size)
+    if note:
+        print(note)
     progress = None
     if not args.quiet and sys.stderr.isatty():
         from tqdm import tqdm
@@ -92,7 +149,8 @@ def _crosscheck(args) -> int:
 
     report = crosscheck(args.stack, steps=args.steps, batch=args.batch, convention=args.convention,
                         dtype=args.dtype, frames=args.frames, config=config, checkpoint=args.checkpoint,
-                        device=device, seed=args.seed, recycle=not args.no_recycle, progress=progress)
+                        device=device, seed=args.seed, recycle=not args.no_recycle, threads=args.threads,
+                        progress=progress)
     print(report.summary())
     if args.json:
         report.write_json(args.json)
@@ -100,7 +158,107 @@ def _crosscheck(args) -> int:
     if args.plot:
         report.plot(args.plot)
         print(f"plot written to {args.plot}")
+    if args.require and not report.holds(args.require):
+        print(f"personaplex-jax: --require {args.require} does not hold: "
+              f"{'; '.join(report.failures(args.require))}", file=sys.stderr)
+        return REQUIREMENT_NOT_MET
     return 0
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """Refuse an output file that cannot be written before the run, not after minutes of it
+    (nothing is created: a refused or failed run leaves no empty file behind)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag}: {path} is a directory; expected a file name")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag}: cannot write {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag}: cannot write {path}: permission denied")
+
+
+_FLAGS = {"num_heads": "--num-heads", "context": "--context", "max_period": "--max-period",
+          "norm_eps": "--norm-eps"}
+
+
+def _crosscheck_config(args, size: str):
+    """(config or None for crosscheck's default, a note saying where each field came from, or None).
+
+    Precedence: the checkpoint's shapes (dim, num_layers, hidden / ffn, text_card: a flag or
+    --config value that differs is an error), then the flags, then --config, then the preset
+    (`size`: "full", "small", or "auto" for crosscheck's default for the device).
+    """
+    from jax_impl.config import PRESETS, infer_config, read_safetensors_shapes, with_options
+
+    from .crosscheck import STACKS, default_config, resolve_device
+
+    kind = "temporal" if args.stack == "temporal" else "mimi"
+    given = {}  # field -> (value, where it came from)
+    if args.config_json:
+        where = f"--config {args.config_json}"
+        given.update((k, (v, where)) for k, v in _read_config_json(args.config_json, kind).items())
+    given.update((field, (getattr(args, field), flag)) for field, flag in _FLAGS.items()
+                 if getattr(args, field) is not None)
+    inferred = {}
+    if args.checkpoint:
+        shapes = read_safetensors_shapes(args.checkpoint)
+        inferred = infer_config(shapes, kind, STACKS[args.stack][0], source=args.checkpoint)
+    if not given and not inferred:
+        return (None if size == "auto" else PRESETS[kind if size == "full" else f"{kind}-small"]), None
+    base = (default_config(args.stack, resolve_device(args.device, "--device")) if size == "auto"
+            else PRESETS[kind if size == "full" else f"{kind}-small"])
+    preset = next(name for name, c in PRESETS.items() if c is base)
+    for field, value in inferred.items():
+        if field in given and given[field][0] != value:
+            raise ValueError(f"{given[field][1]}: {field}={given[field][0]} contradicts {args.checkpoint}, "
+                             f"whose shapes give {field}={value}")
+    if inferred and "num_heads" not in given and inferred["dim"] != base.dim:
+        raise ValueError(f"--num-heads: required: {args.checkpoint} has dim {inferred['dim']}, and num_heads "
+                         f"cannot be inferred from shapes (the {preset} preset's num_heads={base.num_heads} "
+                         f"is for dim {base.dim}); pass --num-heads or num_heads in --config")
+    sources = {field: where for field, (_, where) in given.items()}
+    sources.update(dict.fromkeys(inferred, args.checkpoint))
+    config = with_options(base, **{k: v for k, (v, _) in given.items()}, **inferred)
+    by_source: dict[str, list[str]] = {}
+    for f in dataclasses.fields(config):
+        if f.name != "ring_convention":
+            where = sources.get(f.name, f"the {preset} preset")
+            by_source.setdefault(where, []).append(f"{f.name}={getattr(config, f.name)}")
+    return config, "config: " + "; ".join(f"from {where}: {', '.join(v)}" for where, v in by_source.items())
+
+
+def _read_config_json(path: str, kind: str) -> dict:
+    """The fields of a --config JSON object, checked against TemporalConfig / MimiConfig: every
+    name known, ints as ints, floats as numbers (an int is taken exactly as a float)."""
+    from jax_impl.config import MimiConfig, TemporalConfig
+
+    cls = TemporalConfig if kind == "temporal" else MimiConfig
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as err:
+        raise ValueError(f"--config: cannot read {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--config {path}: not JSON: {err}") from None
+    fields = [f.name for f in dataclasses.fields(cls) if f.name != "ring_convention"]
+    if not isinstance(data, dict):
+        # noqa below: a user's file, reported by main() as a ValueError
+        raise ValueError(f"--config {path}: expected a JSON object of {cls.__name__} fields, "  # noqa: TRY004
+                         f"got {type(data).__name__}")
+    if "ring_convention" in data:
+        raise ValueError(f"--config {path}: ring_convention is set by --convention, not in the file")
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"--config {path}: unknown {cls.__name__} field(s) {unknown}; its fields: {fields}")
+    out = {}
+    for name, value in data.items():
+        want_float = isinstance(getattr(cls, name), float)
+        ok = isinstance(value, (int, float) if want_float else int) and not isinstance(value, bool)
+        if not ok or (want_float and not (math.isfinite(float(value)) and float(value) == value)):
+            what = "a finite number" if want_float else "an integer"
+            raise ValueError(f"--config {path}: {name} must be {what}, got {value!r}")
+        out[name] = float(value) if want_float else value
+    return out
 
 
 def _stream(args) -> int:
@@ -133,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("personaplex-jax: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, TypeError, KeyError, OSError, RuntimeError) as err:
+    except (ValueError, CheckpointError, OSError) as err:
+        # What a user can cause: bad values (ValueError), checkpoints that do not fit or cannot be
+        # read (CheckpointError), files (OSError). Anything else is a bug: its traceback shows.
         print(f"personaplex-jax: error: {_one_line(str(err))}", file=sys.stderr)
         return 1
 

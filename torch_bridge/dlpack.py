@@ -95,9 +95,16 @@ def to_torch(array: jax.Array) -> torch.Tensor:
 
     While the tensor is alive, JAX will not donate that buffer to a jitted call (it copies
     instead), so the tensor keeps its values; drop it to let the in-place updates resume.
+    A deleted or donated array (no buffer left) raises ValueError.
     """
     if not isinstance(array, jax.Array):
         raise TypeError(f"to_torch(array): expected a jax.Array, got {type(array).__name__}")
+    if isinstance(array, jax.core.Tracer):
+        raise TypeError("to_torch(array): a traced array (inside jax.jit / grad / vmap) has no buffer to "
+                        "share; call to_torch on the transformation's result")
+    if array.is_deleted():
+        raise ValueError("to_torch(array): the array has been deleted or donated to a jitted call (its "
+                         "buffer is gone); use the array the call returned")
     if array.dtype not in _JAX_SHAREABLE:
         raise TypeError(f"to_torch(array): dtype {array.dtype} is not supported")
     return torch.from_dlpack(array)

@@ -17,8 +17,9 @@ import jax
 import torch
 
 import jax_impl
+from jax_impl.snapshot import ARRAY_KEYS, check_ring_cast, check_snapshot_layout, dtype_name
 
-from .dlpack import to_jax, to_torch
+from .dlpack import _jax_device_for, to_jax, to_torch
 from .stacks import MimiTransformer, TemporalStreaming, _StreamingStack
 from .streaming import StreamState
 
@@ -59,14 +60,78 @@ class _JaxBacked:
     def streaming_init(self, batch_size: int) -> None:
         super().streaming_init(batch_size)  # validates, then allocates a torch state we drop
         self._state = None
+        self._streamer = self._new_streamer(batch_size)
+
+    def _new_streamer(self, batch_size: int) -> jax_impl.Streamer:
         params = self.jax_params()
         in_proj = params["params"]["layers"]["in_proj"]
-        self._streamer = jax_impl.Streamer(self.config, params, batch_size, in_proj.dtype, layer_loop=self._layer_loop,
-                                           rope_freqs=self.rope_freqs(), device=in_proj.devices().pop())
+        return jax_impl.Streamer(self.config, params, batch_size, in_proj.dtype, layer_loop=self._layer_loop,
+                                 rope_freqs=self.rope_freqs(), device=in_proj.devices().pop())
 
-    def _apply(self, op: str, *args) -> None:
-        args = [to_jax(a) if isinstance(a, torch.Tensor) else a for a in args]
+    def streaming_end(self) -> None:
+        """Drop the JAX state (back to before `streaming_init`)."""
+        self._streamer = None
+        self._state = None
+
+    def _is_streaming(self) -> bool:
+        return self._streamer is not None
+
+    def _state_op(self, op: str, *args) -> None:
+        # copy=None: a mask JAX cannot take as it is (from numpy, a slice, non-contiguous) is
+        # copied (B bools), as the torch path accepts it.
+        args = [to_jax(a, copy=None) if isinstance(a, torch.Tensor) else a for a in args]
         getattr(self._streamer, "reset_streaming" if op == "reset" else op)(*args)
+
+    def _apply(self, fn, recurse=True):
+        """The torch stack's conversions (`.to()`, `.float()`, `.cpu()`, `.share_memory()`, ...; see
+        `_StreamingStack._apply`: the same refusals), with the JAX side following while streaming:
+        the params become views of the new buffers again (DLPack, no copy), and the JAX state
+        moves to the matching JAX device with its rings widened exactly (`Streamer.convert`;
+        offsets stay int32/int64 as they were). A device JAX does not have (e.g. "meta") is
+        refused while streaming, before anything changes. `.share_memory()` shares the weight
+        buffers; the state stays JAX's own (JAX arrays cannot live in torch shared memory).
+        """
+        if self._streamer is None:
+            return super()._apply(fn, recurse)
+        probe = self._conversion_target(fn)
+        try:
+            device = _jax_device_for(probe)
+        except ValueError:
+            raise ValueError(f"cannot move a streaming {type(self).__name__} to {probe.device}: its state "
+                             f"lives in JAX, which has no such device (JAX devices: {jax.devices()}); nothing was "
+                             f"changed. streaming_end() first to move the weights alone") from None
+        super()._apply(fn, recurse)
+        self._streamer.convert(self.jax_params(), device=device, rope_freqs=self.rope_freqs())
+        return self
+
+    def snapshot(self) -> dict:
+        """As the torch stack's `snapshot()`: torch tensors (views of fresh JAX copies, on the module's
+        device); offsets int32 unless jax x64 is on. Restores into either class."""
+        self._require_state("snapshot")
+        snap = self._streamer.snapshot()
+        return {key: v if key == "metadata" else to_torch(v) for key, v in snap.items()}
+
+    def restore(self, snapshot: dict) -> None:
+        """As the torch stack's `restore`, into the JAX state (`Streamer.restore`: validated copies,
+        the overflow bound recomputed). Takes torch tensors (any device JAX has), jax or numpy
+        arrays; int64 offsets (a torch stack's) are checked to fit JAX's index dtype, then
+        converted exactly. On a refusal nothing changes (not streaming: still not streaming).
+        """
+        where = "restore(snapshot)"
+        layout = check_snapshot_layout(self.config, snapshot, where)
+        check_ring_cast(layout.dtype, dtype_name(self.dtype), where)
+        arrays = {}
+        for key in ARRAY_KEYS:
+            a = snapshot[key]
+            if isinstance(a, torch.Tensor):
+                a = a.detach()
+                # offsets: B ints read on the host (values checked by Streamer.restore);
+                # rings: shared or copied (Streamer.restore copies them again, into JAX's own buffers)
+                a = a.cpu().numpy() if key in ("offset", "start_offset") else to_jax(a, copy=None)
+            arrays[key] = a
+        streamer = self._streamer if self._streamer is not None else self._new_streamer(layout.batch_size)
+        streamer.restore({**arrays, "metadata": snapshot["metadata"]})
+        self._streamer = streamer
 
     def step(self, x: torch.Tensor, active: torch.Tensor | None = None):
         """Same contract as the torch stack's step; returns torch tensors on the module's device.

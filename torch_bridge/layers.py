@@ -27,14 +27,16 @@ def ring_attention(h: torch.Tensor, in_proj: torch.Tensor, out_proj: torch.Tenso
     """Fused-projection self-attention over the ring; writes this step's k, v into it.
 
     h [B, T, dim] -> [B, T, dim]. in_proj [3*dim, dim] splits as `b t (p h d) -> p b h t d`.
-    A query that sees no slot (an inactive row that never wrote) gets 0, as SDPA returns.
+    A query that sees no slot (an inactive row that never wrote, or the tick after
+    reset_slot + bump_slot_start) gets 0, as SDPA returns for an all-False mask row.
+    active bool [B]: the step's active rows; the writes follow `tables.write_mask`, which holds it.
     """
     B, T, dim = h.shape
     q, k, v = F.linear(h, in_proj).view(B, T, 3, num_heads, dim // num_heads).permute(2, 0, 3, 1, 4)
     q = apply_rope(q, tables.cos, tables.sin)
     k = apply_rope(k, tables.cos, tables.sin)
-    ring_write(ring_k, tables.write_index, k, active)
-    ring_write(ring_v, tables.write_index, v, active)
+    ring_write(ring_k, tables.write_index, k, tables.write_mask)
+    ring_write(ring_v, tables.write_index, v, tables.write_mask)
     out = F.scaled_dot_product_attention(q, ring_k, ring_v, tables.mask)  # [B, H, T, D]
     return F.linear(out.transpose(1, 2).reshape(B, T, dim), out_proj)
 

@@ -38,6 +38,11 @@ class StepTables(NamedTuple):
     mask:        bool [B, 1, T, C]       query t of row b may attend to slot c.
     end_offset:  int64 [B]               offset after the step: offset + T * active.
     q_pos:       int64 [B, T]            the queries' positions offset[b] + t.
+    write_mask:  bool [B, T]             query t writes its k, v: row active and q_pos >= start_offset.
+                                         A position already recycled away (the tick after
+                                         reset_slot + bump_slot_start) is not written, so a slot a
+                                         row cannot see never holds a recycled session's values
+                                         (see `streaming.py`, session isolation).
     """
 
     cos: torch.Tensor
@@ -47,6 +52,7 @@ class StepTables(NamedTuple):
     mask: torch.Tensor
     end_offset: torch.Tensor
     q_pos: torch.Tensor
+    write_mask: torch.Tensor
 
 
 def ring_positions(offset, start_offset, active, T: int, capacity: int, convention: str) -> torch.Tensor:
@@ -72,17 +78,20 @@ def build_step_tables(offset, start_offset, active, T: int, *, capacity: int, co
     positions = ring_positions(offset, start_offset, active, T, capacity, convention)
     delta = q_pos.view(-1, T, 1) - positions.view(-1, 1, capacity)  # [B, T, C]
     mask = (positions.view(-1, 1, capacity) >= 0) & (delta >= 0) & (delta < context)
-    return StepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.long(), q_pos)
+    write_mask = active.view(-1, 1) & (q_pos >= start_offset.view(-1, 1))
+    return StepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.long(), q_pos,
+                      write_mask)
 
 
-def ring_write(ring: torch.Tensor, write_index: torch.Tensor, new: torch.Tensor, active: torch.Tensor) -> None:
-    """In place: ring[b, :, write_index[b, t]] = new[b, :, t] for active rows.
+def ring_write(ring: torch.Tensor, write_index: torch.Tensor, new: torch.Tensor, write_mask: torch.Tensor) -> None:
+    """In place: ring[b, :, write_index[b, t]] = new[b, :, t] where write_mask[b, t].
 
-    ring [B, H, C, D], write_index int64 [B, T], new [B, H, T, D], active bool [B].
-    Inactive rows write back what their slots already hold, so the op has a fixed shape
-    (CUDA-graph friendly) and leaves them unchanged.
+    ring [B, H, C, D], write_index int64 [B, T], new [B, H, T, D], write_mask bool [B, T]
+    (`StepTables.write_mask`: active rows, positions not recycled away). A masked-out write
+    puts back what its slot already holds, so the op has a fixed shape (CUDA-graph friendly)
+    and leaves that slot unchanged.
     """
     B, H, T, D = new.shape
     index = write_index.view(B, 1, T, 1).expand(B, H, T, D)
-    kept = torch.where(active.view(B, 1, 1, 1), new, ring.gather(2, index))
+    kept = torch.where(write_mask.view(B, 1, T, 1), new, ring.gather(2, index))
     ring.scatter_(2, index, kept)

@@ -8,19 +8,36 @@ and every layer uses them.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
 from jax_impl.config import (
+    WIDENINGS,
+    CheckpointError,
     MimiConfig,
     StackConfig,
     TemporalConfig,
+    WeightSpec,
     check_checkpoint,
+    check_dtype,
     checkpoint_keys,
+    read_safetensors,
+    read_safetensors_shapes,
     weight_specs,
+)
+from jax_impl.snapshot import (
+    ARRAY_KEYS,
+    check_ring_cast,
+    check_snapshot_layout,
+    check_snapshot_values,
+    dtype_name,
+    exact_float_cast,
+    snapshot_metadata,
 )
 
 from .layers import mimi_layer, rms_norm_f32, temporal_layer
@@ -29,30 +46,90 @@ from .rope import rope_freqs
 from .streaming import StreamState
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Loading a checkpoint may widen (exactly), never narrow.
-_LOSSLESS = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
+# "reference": torch ops, bit-exact with moshi; "twin": the Triton twin kernels, bit-identical with
+# the JAX step's kernels="twin" (torch_bridge/twin_layers.py; imports triton on first use).
+KERNELS = ("reference", "twin")
+# The exact widenings (jax_impl.config.WIDENINGS: bf16/f16 -> f32) as torch dtype pairs.
+_LOSSLESS = {(getattr(torch, a), getattr(torch, b)) for a, b in WIDENINGS}
 
 
-def check_safetensors(path: str | os.PathLike, config: StackConfig, prefix: str | None = None) -> None:
-    """Check a safetensors file's keys and shapes against a stack (reads the header only)."""
+def check_safetensors(path: str | os.PathLike, config: StackConfig,
+                      prefix: str | None = None) -> dict[str, tuple[WeightSpec, int | None]]:
+    """Check a safetensors file's keys and shapes against a stack (reads the header only).
+
+    Returns file key -> (spec, layer) (`check_checkpoint`); raises `CheckpointError` naming the path.
+    """
+    return check_checkpoint(read_safetensors_shapes(path), config, prefix, source=os.fspath(path))
+
+
+def _dtype_name(dtype) -> str:
+    """"float32", "bfloat16", ...: a torch or numpy dtype by the name `jax_impl.config.check_dtype` reads."""
+    return dtype.name if isinstance(dtype, np.dtype) else str(dtype).removeprefix("torch.")
+
+
+def _source_problem(key: str, value, want: torch.dtype) -> str | None:
+    """The problem line of one state-dict value that cannot be copied into a buffer of dtype `want`."""
+    if not isinstance(value, (torch.Tensor, np.ndarray)):
+        return f"not a tensor: {key}: {type(value).__name__} (expected a torch.Tensor or a numpy.ndarray)"
+    if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            return f"no data: {key}: a meta tensor"
+        if value.layout != torch.strided:
+            return f"not dense: {key}: layout {value.layout}"
+    return check_dtype(key, _dtype_name(value.dtype), _dtype_name(want))
+
+
+def _as_tensor(value) -> torch.Tensor:
+    """A torch tensor of a checked state-dict value: itself, or an exact copy of a numpy array
+    (numpy's ml_dtypes bfloat16 goes through its bits)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if value.dtype.name == "bfloat16":
+        return torch.from_numpy(np.array(value).view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(np.array(value))
+
+
+def read_stream(path: str | os.PathLike) -> dict:
+    """The snapshot dict a `save_stream` wrote (torch tensors on the CPU, "metadata" from the header)."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (a safe_open handle)
-    except SafetensorError as err:
+            snap = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (a safe_open handle)
+            meta = dict(f.metadata() or {})
+    except (SafetensorError, OSError) as err:
         raise ValueError(f"{os.fspath(path)} is not a readable safetensors file: {err}") from None
-    check_checkpoint(shapes, config, prefix)
+    if "metadata" in snap:
+        raise ValueError(f"{os.fspath(path)}: a tensor named 'metadata' is not part of a stream snapshot")
+    return {**snap, "metadata": meta}
+
+
+def _as_torch(where: str, key: str, x) -> torch.Tensor:
+    """A snapshot array as a torch tensor (a jax array or anything with __dlpack__ is viewed, not copied)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    try:
+        return torch.from_dlpack(x)
+    except (TypeError, ValueError, RuntimeError, BufferError) as err:
+        raise TypeError(f"{where}: snapshot[{key!r}] ({type(x).__name__}) cannot be read as a torch tensor: "
+                        f"{err}; pass a torch tensor") from None
 
 
 class _StreamingStack(nn.Module):
     """Shared machinery: stacked weights, streaming state, validation, checkpoint I/O."""
 
-    def __init__(self, config: StackConfig, dtype, device, layer_fn: Callable):
+    def __init__(self, config: StackConfig, dtype, device, layer_fn: Callable, kernels: str = "reference"):
         super().__init__()
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         self.config = config
+        self.kernels = kernels
+        if kernels == "twin":  # the Triton twins: the bits of the JAX step with kernels="twin"
+            from . import twin_layers
+
+            layer_fn = functools.partial(twin_layers.TWIN_LAYERS[layer_fn.__name__], context=config.context)
         self._layer_fn = layer_fn
         self._state: StreamState | None = None
         for spec in weight_specs(config):
@@ -91,24 +168,35 @@ class _StreamingStack(nn.Module):
         return {s.name: getattr(self, s.name)[layer] for s in weight_specs(self.config) if s.per_layer}
 
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor], prefix: str | None = None) -> None:
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor | np.ndarray], prefix: str | None = None, *,
+                     source: str = "state_dict") -> None:
         """Copy a Moshi-layout state dict into the stacked buffers (in place, same storage).
 
-        Missing, unexpected (under the stack's prefix) or mis-shaped keys raise one
-        `CheckpointError` listing all of them; nothing is copied then. A dtype is widened
-        exactly (bf16/f16 -> f32); a narrowing cast is refused.
+        Keys: the released files' names or a moshi module's `state_dict()` names (`in_projs.0.weight`,
+        `WeightSpec.aliases`). Values: torch tensors or numpy arrays (copied exactly), float32,
+        bfloat16 or float16, widened exactly to the stack's dtype (bf16/f16 -> f32), never narrowed.
+        All or nothing: keys, shapes, dtypes and devices are checked first, and the sources
+        converted (widened, reshaped) into new tensors, before any buffer is written; every
+        problem is listed in one `CheckpointError` headed by `source`, and the stack is left as it
+        was. The buffers keep their storage (the JAX steppers' DLPack views of them stay valid).
         """
-        check_checkpoint({k: tuple(v.shape) for k, v in state_dict.items()}, self.config, prefix)
-        keys = checkpoint_keys(self.config, prefix)
-        for key in keys:
-            src = state_dict[key]
-            if src.dtype != self.dtype and (src.dtype, self.dtype) not in _LOSSLESS:
-                raise TypeError(f"state_dict[{key!r}] has dtype {src.dtype}; this stack holds {self.dtype} "
-                                f"and a narrowing cast is refused: build the stack with dtype={src.dtype}")
+        if not isinstance(state_dict, Mapping):
+            raise CheckpointError(f"{source}: expected a mapping key -> tensor, "
+                                  f"got {type(state_dict).__name__}")
+        problems = {k: line for k, v in state_dict.items() if (line := _source_problem(k, v, self.dtype))}
+        shapes = {k: (tuple(v.shape) if isinstance(v, (torch.Tensor, np.ndarray)) else None)
+                  for k, v in state_dict.items()}
+        keys = check_checkpoint(shapes, self.config, prefix, source=source, problems=problems)
+        staged = []
         for key, (spec, layer) in keys.items():
+            try:
+                src = _as_tensor(state_dict[key]).to(dtype=self.dtype).reshape(spec.shape)
+            except (RuntimeError, TypeError, ValueError) as err:
+                raise CheckpointError(f"{source}: {key} cannot be read: {err}") from None
             dst = getattr(self, spec.name)
-            dst = dst if layer is None else dst[layer]
-            dst.copy_(state_dict[key].reshape(spec.shape))
+            staged.append((dst if layer is None else dst[layer], src))
+        for dst, src in staged:  # same shapes and dtypes, checked: the only step that writes
+            dst.copy_(src)
 
     def export_weights(self, prefix: str | None = None) -> dict[str, torch.Tensor]:
         """The weights in the Moshi checkpoint layout (contiguous copies)."""
@@ -119,15 +207,18 @@ class _StreamingStack(nn.Module):
         }
 
     def load_safetensors(self, path: str | os.PathLike, prefix: str | None = None) -> None:
-        """Load a Moshi/PersonaPlex safetensors checkpoint (only this stack's keys are read)."""
-        from safetensors import safe_open
+        """Load a Moshi/PersonaPlex safetensors checkpoint (only this stack's keys are read).
 
-        check_safetensors(path, self.config, prefix)
-        with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
-            tensors = {k: f.get_tensor(k) for k in checkpoint_keys(self.config, prefix)}
-        self.load_weights(tensors, prefix)
+        As `load_weights` (all or nothing); every error is a `CheckpointError` naming the path.
+        """
+        keys = check_safetensors(path, self.config, prefix)
+        tensors = read_safetensors(path, keys, "pt", device="cpu")
+        self.load_weights(tensors, prefix, source=os.fspath(path))
 
     def save_safetensors(self, path: str | os.PathLike, prefix: str | None = None) -> None:
+        """Write the weights as a safetensors file in the released checkpoints' layout (`export_weights`:
+        their keys and shapes, this stack's dtype), so one file serves both paths: `load_safetensors`
+        and the JAX loaders read it back exactly. prefix: a Mimi stack's `encoder_transformer` / ..."""
         from safetensors.torch import save_file
 
         save_file(self.export_weights(prefix), os.fspath(path))
@@ -169,32 +260,140 @@ class _StreamingStack(nn.Module):
             raise ValueError(f"{name} is on {mask.device}; the stack is on {self.device}")
         return mask
 
-    def _apply(self, op: str, *args) -> None:
-        """Run a validated state operation (`StreamState.<op>`); the JAX steppers override this."""
+    def _state_op(self, op: str, *args) -> None:
+        """Run a validated state operation (`StreamState.<op>`); the JAX steppers override this.
+
+        (Not `_apply`: that name is `nn.Module`'s conversion hook, see `_apply` below.)
+        """
         getattr(self._state, op)(*args)
 
     def reset_streaming(self) -> None:
         """Every row back to a fresh stream; rings zeroed."""
         self._require_state("reset_streaming")
-        self._apply("reset")
+        self._state_op("reset")
 
     def reset_slot(self, b: int) -> None:
-        """Row b forgets all it has written (start_offset[b] = offset[b]); positions keep counting."""
-        self._apply("reset_slot", self._check_row("reset_slot", b))
+        """Row b forgets all it has written (start_offset[b] = offset[b]); positions keep counting.
+
+        Its ring rows are zeroed, so nothing of the old session stays in a masked slot
+        (session isolation, see `streaming.py`).
+        """
+        self._state_op("reset_slot", self._check_row("reset_slot", b))
 
     def bump_slot_start(self, b: int) -> None:
-        """Row b forgets its oldest visible position (start_offset[b] += 1, at most offset[b])."""
-        self._check_row("bump_slot_start", b)
-        start, offset = int(self.state.start_offset[b]), int(self.state.offset[b])
-        if start >= offset:
-            raise ValueError(f"bump_slot_start(b): row {b} has nothing left to forget "
-                             f"(start_offset == offset == {offset})")
-        self._apply("bump_slot_start", b)
+        """Row b forgets its oldest visible position: start_offset[b] += 1, always.
+
+        Right after `reset_slot(b)` (start_offset == offset) it takes start_offset past offset:
+        the row's next write is hidden (the "sacrifice tick" that masks the one spurious frame
+        following a recycle, as PersonaPlex's stepper does) and that step's queries see nothing
+        (zero attention output, as SDPA returns).
+        """
+        self._state_op("bump_slot_start", self._check_row("bump_slot_start", b))
 
     def reset_rows(self, mask: torch.Tensor) -> None:
-        """Rows where mask [B] is True start a fresh stream (offset and start_offset to 0)."""
+        """Rows where mask [B] is True start a fresh stream (offset and start_offset to 0, their
+        rings zeroed: session isolation)."""
         state = self._require_state("reset_rows")
-        self._apply("reset_rows", self._check_row_mask("reset_rows(mask)", mask, state))
+        self._state_op("reset_rows", self._check_row_mask("reset_rows(mask)", mask, state))
+
+    def streaming_end(self) -> None:
+        """Drop the streaming state (back to before `streaming_init`; a no-op when not streaming).
+
+        E.g. to narrow a streaming stack (`.half()`), which is refused while a stream lives.
+        """
+        self._state = None
+
+    def _is_streaming(self) -> bool:
+        return self._state is not None
+
+    # ----------------------------------------------------------------------------- conversions
+    def _conversion_target(self, fn) -> torch.Tensor:
+        """Check what `nn.Module`'s conversion `fn` would make of this stack, before anything changes.
+
+        `fn` is applied to two empty probes on the stack's device, one of its dtype and one int64
+        (the offsets). Refused: a float result outside FLOAT_DTYPES (`.double()`: the stacks
+        compute in float32 at most); while streaming, an int64 result that is not int64
+        (`.type(torch.half)` would turn the offsets into floats) and a cast that would round the
+        ring (f32 -> bf16/f16, bf16 <-> f16). Returns the float probe: the target dtype and device.
+        """
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
+        index = fn(torch.empty(0, dtype=torch.long, device=self.device))
+        name = type(self).__name__
+        if probe.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"converting this {name} to {probe.dtype} is refused: a stack holds one of "
+                            f"{FLOAT_DTYPES} (there is no float64 stack); nothing was changed")
+        if self._is_streaming() and index.dtype != torch.long:
+            raise TypeError(f"this conversion would turn the streaming {name}'s int64 offsets into "
+                            f"{index.dtype}: refused, nothing was changed; convert the floating tensors only "
+                            f"(.to(dtype), .float(), .half(), .bfloat16())")
+        if self._is_streaming() and probe.dtype != self.dtype and (self.dtype, probe.dtype) not in _LOSSLESS:
+            raise RuntimeError(f"converting a streaming {name} from {self.dtype} to {probe.dtype} is refused: "
+                               f"its ring holds the stream's {self.dtype} keys and values, which "
+                               f"{probe.dtype} would round; nothing was changed. Convert before "
+                               f"streaming_init(), or call streaming_end() (drops the stream) first")
+        return probe
+
+    def _apply(self, fn, recurse=True):
+        """`nn.Module`'s conversion hook, behind `.to()`, `.cuda()`, `.cpu()`, `.float()`, `.half()`,
+        `.bfloat16()`, `.double()`, `.share_memory()`, ...
+
+        Converts the weight buffers as `nn.Module` does and, while streaming, the state with
+        them: k, v [L, B, H, C, D] to the new dtype and device (an exact widening only, e.g. a
+        bf16 stack `.float()`), offset and start_offset (int64 [B]) to the new device. Checked
+        first (`_conversion_target`): on a refusal nothing changes. Before streaming every
+        FLOAT_DTYPES cast is allowed: it converts the weights, as you asked.
+        """
+        self._conversion_target(fn)
+        s = self._state
+        state = None if s is None else StreamState(*(fn(t) for t in (s.k, s.v, s.offset, s.start_offset)))
+        super()._apply(fn, recurse)
+        self._state = state
+        return self
+
+    # ----------------------------------------------------------------------------- snapshots
+    def snapshot(self) -> dict:
+        """The stream so far, as copies, in the format of `jax_impl.snapshot`:
+
+        {"k", "v": [L, B, H, C, D] (the stack's dtype), "offset", "start_offset": int64 [B],
+        "metadata": dict[str, str] (config fields, dtype, batch size)}. `restore` on a stack of
+        the same config (this class, the other path, or the JAX-backed drop-in) continues it.
+        """
+        s = self._require_state("snapshot")
+        tensors = {key: getattr(s, key).clone() for key in ARRAY_KEYS}
+        return {**tensors, "metadata": snapshot_metadata(self.config, dtype_name(self.dtype), s.batch_size)}
+
+    @torch.no_grad()
+    def restore(self, snapshot: dict) -> None:
+        """Continue the stream of `snapshot` (from `snapshot()` here, on a drop-in, or a `jax_impl.Streamer`).
+
+        Replaces the state, as `streaming_init` does (batch size from the snapshot), with copies
+        on this stack's device: the snapshot stays valid. Validated first (`jax_impl.snapshot`:
+        keys, config, shapes, dtypes, 0 <= start_offset <= offset); k, v of bf16/f16 widen
+        exactly into a float32 stack, a narrowing is refused; int32 offsets widen to int64.
+        On a refusal nothing changes. Same dtype and device: bit-identical continuation.
+        """
+        where = "restore(snapshot)"
+        layout = check_snapshot_layout(self.config, snapshot, where)
+        check_ring_cast(layout.dtype, dtype_name(self.dtype), where)
+        t = {key: _as_torch(where, key, snapshot[key]) for key in ARRAY_KEYS}
+        check_snapshot_values(t["offset"].tolist(), t["start_offset"].tolist(), torch.iinfo(torch.long).max,
+                              where)
+        ring = {key: t[key].to(device=self.device, dtype=self.dtype, copy=True) for key in ("k", "v")}
+        idx = {key: t[key].to(device=self.device, dtype=torch.long, copy=True)
+               for key in ("offset", "start_offset")}
+        self._state = StreamState(**ring, **idx)
+
+    def save_stream(self, path: str | os.PathLike) -> None:
+        """Write `snapshot()` to a safetensors file: the four arrays as tensors, "metadata" in the header."""
+        from safetensors.torch import save_file
+
+        snap = self.snapshot()
+        meta = snap.pop("metadata")
+        save_file({key: v.contiguous().cpu() for key, v in snap.items()}, os.fspath(path), metadata=meta)
+
+    def load_stream(self, path: str | os.PathLike) -> None:
+        """`restore` the stream that `save_stream` (of either path) wrote to `path`."""
+        self.restore(read_stream(path))
 
     # ----------------------------------------------------------------------------- step
     def _check_step_inputs(self, x, active) -> tuple[StreamState, torch.Tensor]:
@@ -207,8 +406,11 @@ class _StreamingStack(nn.Module):
                              f"got {list(x.shape)}")
         if not 1 <= x.shape[1] <= c.capacity:
             raise ValueError(f"step(x): T = x.shape[1] must be in 1..capacity={c.capacity}, got {x.shape[1]}")
-        if x.dtype != self.dtype:
-            raise TypeError(f"step(x): x has dtype {x.dtype}; the stack holds {self.dtype}")
+        if x.dtype != self.dtype and not exact_float_cast(dtype_name(x), dtype_name(self.dtype)):
+            raise TypeError(f"step(x): x has dtype {x.dtype}; the stack holds {self.dtype}. Only an exact "
+                            f"cast of x is applied (a widening: bfloat16/float16 x into a float32 stack); "
+                            f"{x.dtype} -> {self.dtype} would round x, so it is refused: pass "
+                            f"x.to({self.dtype}) if that rounding is what you want")
         if x.device != self.device:
             raise ValueError(f"step(x): x is on {x.device}; the stack is on {self.device}")
         if active is None:
@@ -221,8 +423,14 @@ class _StreamingStack(nn.Module):
 
     def step_tables(self, offset, start_offset, active, T: int) -> StepTables:
         c = self.config
-        return build_step_tables(offset, start_offset, active, T, capacity=c.capacity, context=c.context,
-                                 head_dim=c.head_dim, max_period=c.max_period, convention=c.ring_convention)
+        tables = build_step_tables(offset, start_offset, active, T, capacity=c.capacity, context=c.context,
+                                   head_dim=c.head_dim, max_period=c.max_period, convention=c.ring_convention)
+        if self.kernels == "twin":
+            from . import twin_layers
+
+            cos, sin = twin_layers.rope_tables(offset, T, rope_freqs(c.head_dim, c.max_period, offset.device))
+            tables = tables._replace(cos=cos, sin=sin)
+        return tables
 
     @torch.no_grad()
     def step(self, x: torch.Tensor, active: torch.Tensor | None = None):
@@ -231,6 +439,7 @@ class _StreamingStack(nn.Module):
         The tables are built once and every layer uses them. Inactive rows leave the state as is.
         """
         state, active = self._check_step_inputs(x, active)
+        x = x.to(self.dtype)  # an exact widening (checked), or x itself
         c = self.config
         tables = self.step_tables(state.offset, state.start_offset, active, x.shape[1])
         for layer in range(c.num_layers):
@@ -248,17 +457,19 @@ class TemporalStreaming(_StreamingStack):
 
     def __init__(self, dim: int = 4096, num_layers: int = 32, num_heads: int = 32, hidden: int = 11264,
                  context: int = 3000, text_card: int = 32000, max_period: float = 10000.0,
-                 ring_convention: str = "personaplex", dtype: torch.dtype = torch.float32, device=None):
+                 ring_convention: str = "personaplex", dtype: torch.dtype = torch.float32, device=None,
+                 norm_eps: float = TemporalConfig.norm_eps, kernels: str = "reference"):
         config = TemporalConfig(dim=dim, num_layers=num_layers, num_heads=num_heads, hidden=hidden,
                                 context=context, text_card=text_card, max_period=max_period,
-                                ring_convention=ring_convention)
-        super().__init__(config, dtype, device, temporal_layer)
+                                ring_convention=ring_convention, norm_eps=norm_eps)
+        super().__init__(config, dtype, device, temporal_layer, kernels)
 
     @classmethod
     def from_config(cls, config: TemporalConfig, **kwargs) -> TemporalStreaming:
         return cls(dim=config.dim, num_layers=config.num_layers, num_heads=config.num_heads,
                    hidden=config.hidden, context=config.context, text_card=config.text_card,
-                   max_period=config.max_period, ring_convention=config.ring_convention, **kwargs)
+                   max_period=config.max_period, ring_convention=config.ring_convention,
+                   norm_eps=config.norm_eps, **kwargs)
 
     def step(self, frame_embedding: torch.Tensor, active: torch.Tensor | None = None):
         """frame_embedding [B, T, dim], active bool [B] ->
@@ -266,6 +477,10 @@ class TemporalStreaming(_StreamingStack):
         return super().step(frame_embedding, active)
 
     def _head(self, x: torch.Tensor):
+        if self.kernels == "twin":
+            from . import twin_layers
+
+            return twin_layers.temporal_head(x, self.out_norm_alpha, self.text_linear, self.config.norm_eps)
         out = rms_norm_f32(x, self.out_norm_alpha, self.config.norm_eps)
         return out, torch.nn.functional.linear(out, self.text_linear)[:, None]
 
@@ -275,13 +490,14 @@ class MimiTransformer(_StreamingStack):
 
     def __init__(self, num_layers: int = 8, dim: int = 512, num_heads: int = 8, context: int = 250,
                  ffn: int = 2048, max_period: float = 10000.0, ring_convention: str = "personaplex",
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device=None, norm_eps: float = MimiConfig.norm_eps,
+                 kernels: str = "reference"):
         config = MimiConfig(num_layers=num_layers, dim=dim, num_heads=num_heads, context=context, ffn=ffn,
-                            max_period=max_period, ring_convention=ring_convention)
-        super().__init__(config, dtype, device, mimi_layer)
+                            max_period=max_period, ring_convention=ring_convention, norm_eps=norm_eps)
+        super().__init__(config, dtype, device, mimi_layer, kernels)
 
     @classmethod
     def from_config(cls, config: MimiConfig, **kwargs) -> MimiTransformer:
         return cls(num_layers=config.num_layers, dim=config.dim, num_heads=config.num_heads,
                    context=config.context, ffn=config.ffn, max_period=config.max_period,
-                   ring_convention=config.ring_convention, **kwargs)
+                   ring_convention=config.ring_convention, norm_eps=config.norm_eps, **kwargs)

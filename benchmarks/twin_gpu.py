@@ -1,0 +1,191 @@
+"""Twin kernels on the GPU: Pallas vs Triton bits, batch invariance, and kernel times at the real sizes.
+
+    python benchmarks/twin_gpu.py --out $OUT/twin_gpu.json
+
+For each twin kernel (linear with its epilogues, norms, RoPE tables, rotate-and-write, ring
+attention) at the temporal / Mimi sizes in bf16: whether the Pallas kernel (jitted JAX) and the
+Triton kernel (torch) return the same bits on the same inputs, whether a row computed alone
+(B=1) has the bits it has among others (B=4, 16), and the median time of each (CUDA events
+around 20 calls after warm-up; the JAX side blocks on the result). Never part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jax_impl.parity import bits
+from jax_impl.tables import rope_freqs
+from kernels_pallas import twin_attention as pa
+from kernels_pallas import twin_linear as pli
+from kernels_pallas import twin_norm as pn
+from kernels_pallas import twin_rope as pr
+from kernels_triton import twin_attention as ta
+from kernels_triton import twin_linear as tli
+from kernels_triton import twin_norm as tn
+from kernels_triton import twin_rope as tr
+from torch_bridge.dlpack import to_jax
+
+
+def t_time(fn, n=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def j_time(fn, n=20):
+    for _ in range(3):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def same(a, b) -> bool:
+    ta_, tb = (x.detach().cpu() if isinstance(x, torch.Tensor) else np.asarray(x) for x in (a, b))
+    return bool(np.array_equal(bits(ta_), bits(tb)))
+
+
+def randn(*shape, scale=1.0, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+
+def case_linear(rec, M, N, K, act=None, scale=False, res=False, L=2):
+    x, w = randn(M, K), randn(L, N, K, scale=0.02, seed=1)
+    n_out = N // 2 if act == "silu_gate" else N
+    s = randn(L, n_out, seed=2) if scale else None
+    r = randn(M, n_out, seed=3) if res else None
+    jx, jw, js, jr = (None if t is None else to_jax(t) for t in (x, w, s, r))
+    f = jax.jit(lambda x, w, s, r, l: pli.linear(x, w, l, act=act, scale=s, residual=r))
+    yj = f(jx, jw, js, jr, jnp.int32(L - 1))
+    yt = tli.linear(x, w, L - 1, act=act, scale=s, residual=r)
+    inv = True
+    if M > 1:
+        y1 = tli.linear(x[1:2].contiguous(), w, L - 1, act=act, scale=s,
+                        residual=None if r is None else r[1:2].contiguous())
+        inv = same(y1[0], yt[1])
+    ref = (x.float() @ w[L - 1].float().T)
+    err = float((yt.float() - ref[:, :n_out]).abs().max()) if act is None and not res and not scale else None
+    rec.update(identical=same(yj, yt), batch_invariant=inv, max_abs_vs_f32=err,
+               pallas_ms=j_time(lambda: f(jx, jw, js, jr, jnp.int32(L - 1))),
+               triton_ms=t_time(lambda: tli.linear(x, w, L - 1, act=act, scale=s, residual=r)),
+               bytes=w[0].numel() * 2)
+
+
+def case_norm(rec, M, D, kind):
+    x, w, b = randn(M, D, scale=3.0), randn(2, D, seed=1), randn(2, D, seed=2)
+    bb = b if kind == "layer" else None
+    jb = None if bb is None else to_jax(bb)
+    f = jax.jit(lambda x, w, b: pn.norm(x, w, b, jnp.int32(1), kind=kind, eps=1e-5))
+    yj = f(to_jax(x), to_jax(w), jb)
+    yt = tn.norm(x, w, bb, 1, kind=kind, eps=1e-5)
+    rec.update(identical=same(yj, yt), pallas_ms=j_time(lambda: f(to_jax(x), to_jax(w), jb)),
+               triton_ms=t_time(lambda: tn.norm(x, w, bb, 1, kind=kind, eps=1e-5)))
+
+
+def case_rope(rec, B, T, H, D, C, L):
+    offset = torch.randint(0, 10**5, (B,), device="cuda", dtype=torch.int32)
+    freqs = torch.from_numpy(rope_freqs(D, 10000.0)).cuda()
+    cj, sj = jax.jit(lambda o, f: pr.tables(o, T, f))(to_jax(offset), to_jax(freqs))
+    ct, st = tr.tables(offset, T, freqs)
+    qkv = randn(B, T, 3, H, D)
+    rk, rv = randn(L, B, H, C, D, seed=4), randn(L, B, H, C, D, seed=5)
+    wi = ((offset[:, None].long() + torch.arange(T, device="cuda")) % C).int()
+    act = torch.tensor([True, False] * (B // 2) + [True] * (B % 2), device="cuda")
+    f = jax.jit(pr.rope_write)
+    out_j = f(to_jax(qkv), cj, sj, to_jax(rk.clone()), to_jax(rv.clone()), jnp.int32(L - 1), to_jax(wi), to_jax(act))
+    out_t = tr.rope_write(qkv, ct, st, rk, rv, L - 1, wi, act)
+    rec.update(tables_identical=same(cj, ct) and same(sj, st),
+               identical=all(same(a, b) for a, b in zip(out_j, out_t)),
+               triton_ms=t_time(lambda: tr.rope_write(qkv, ct, st, rk, rv, L - 1, wi, act)))
+
+
+def case_attention(rec, B, H, T, D, C, L):
+    q = randn(B, H, T, D)
+    rk, rv = randn(L, B, H, C, D, seed=1), randn(L, B, H, C, D, seed=2)
+    pos = torch.arange(C, device="cuda", dtype=torch.int32).repeat(B, 1)
+    pos[0, : C // 3] = -1
+    qpos = torch.full((B, T), C, device="cuda", dtype=torch.int32) + torch.arange(T, device="cuda", dtype=torch.int32)
+    args_j = [to_jax(t) for t in (q, rk, rv)] + [jnp.int32(L - 1), to_jax(pos), to_jax(qpos)]
+    f = jax.jit(lambda *a: pa.attention(*a, context=C))
+    oj = f(*args_j)
+    ot = ta.attention(q, rk, rv, L - 1, pos, qpos, context=C)
+    s = (q.float() @ rk[L - 1].float().transpose(-1, -2)) / math.sqrt(D)
+    vis = (pos[:, None, None, :] >= 0) & (qpos[:, None, :, None] - pos[:, None, None, :] < C)
+    ref = torch.softmax(s.masked_fill(~vis, float("-inf")), -1) @ rv[L - 1].float()
+    inv = same(ta.attention(q[1:2].contiguous(), rk[:, 1:2].contiguous(), rv[:, 1:2].contiguous(), L - 1,
+                            pos[1:2].contiguous(), qpos[1:2].contiguous(), context=C)[0], ot[1])
+    rec.update(identical=same(oj, ot), batch_invariant=inv,
+               max_abs_vs_f32=float((ot.float().transpose(1, 2) - ref).abs().max()),
+               pallas_ms=j_time(lambda: f(*args_j)),
+               triton_ms=t_time(lambda: ta.attention(q, rk, rv, L - 1, pos, qpos, context=C)),
+               bytes=2 * B * H * C * D * 2)
+
+
+CASES = [
+    ("linear qkv 4x4096->12288", case_linear, dict(M=4, N=12288, K=4096)),
+    ("linear out_proj+res 4x4096", case_linear, dict(M=4, N=4096, K=4096, res=True)),
+    ("linear gate 4x4096->2x11264", case_linear, dict(M=4, N=22528, K=4096, act="silu_gate")),
+    ("linear out 4x11264->4096+res", case_linear, dict(M=4, N=4096, K=11264, res=True)),
+    ("linear qkv B=16", case_linear, dict(M=16, N=12288, K=4096)),
+    ("linear qkv B=1", case_linear, dict(M=1, N=12288, K=4096)),
+    ("linear text 4x4096->32000", case_linear, dict(M=4, N=32000, K=4096, L=1)),
+    ("linear mimi gelu 8x512->2048", case_linear, dict(M=8, N=2048, K=512, act="gelu")),
+    ("linear mimi scale+res 8x2048->512", case_linear, dict(M=8, N=512, K=2048, scale=True, res=True)),
+    ("rms norm 4x4096", case_norm, dict(M=4, D=4096, kind="rms")),
+    ("layer norm 8x512", case_norm, dict(M=8, D=512, kind="layer")),
+    ("rope temporal", case_rope, dict(B=4, T=1, H=32, D=128, C=3000, L=2)),
+    ("rope mimi T=10", case_rope, dict(B=4, T=10, H=8, D=64, C=250, L=2)),
+    ("attention temporal B=4", case_attention, dict(B=4, H=32, T=1, D=128, C=3000, L=2)),
+    ("attention mimi T=2", case_attention, dict(B=4, H=8, T=2, D=64, C=250, L=2)),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="twin_gpu.json")
+    parser.add_argument("--only", default=None, help="run the cases whose name contains this")
+    args = parser.parse_args()
+    records = []
+    for name, fn, kw in CASES:
+        if args.only and args.only not in name:
+            continue
+        rec = {"case": name, **{k: v for k, v in kw.items()}}
+        try:
+            fn(rec, **kw)
+        except Exception as err:  # a kernel that does not compile: record it, go on
+            rec["error"] = f"{type(err).__name__}: {err}"[:2000]
+            rec["traceback"] = traceback.format_exc()[-3000:]
+        print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
+        records.append(rec)
+    meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+            "jax": jax.__version__, "torch": torch.__version__}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Stream snapshots: one format for the torch stacks, the JAX-backed drop-ins and `jax_impl.Streamer`.
+
+A snapshot is a dict (what `snapshot()` returns and `restore()` takes, on every side):
+
+    "k", "v":                 [L, B, H, C, D] ring values, the stack's float dtype
+    "offset", "start_offset": [B] integer positions (int64 on the torch path, int32 on the JAX
+                              path unless jax x64 mode is on)
+    "metadata":               dict[str, str]: "format", "stack" (the config class), "config"
+                              (its fields as JSON), "dtype" (of k and v), "batch_size"
+
+The arrays are torch tensors (torch stacks, drop-ins) or jax arrays (`Streamer`,
+`state_snapshot`); every `restore` copies them, so a snapshot stays valid while the stream
+goes on. In a safetensors file (`save_stream` / `load_stream`) the four arrays are the file's
+tensors and "metadata" its header's string metadata, so a file written by either side loads
+on the other.
+
+`restore` validates before it touches anything: keys, metadata (config fields, dtype, batch
+size), shapes, dtypes and values (0 <= start_offset <= offset <= the index dtype's maximum),
+with errors naming the key. Dtypes follow the rule of the whole package: an exact widening is
+applied (bf16/f16 rings into a float32 stack; int32 offsets into int64 ones; int64 offsets
+into int32 ones only after the values are checked to fit), anything that would round is
+refused.
+
+This module is framework-neutral (no torch, no jax): arrays are only asked for `.shape` and
+`.dtype`, and values are passed in as Python ints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax_impl.config import StackConfig
+
+FORMAT = "personaplex-jax stream snapshot v1"
+ARRAY_KEYS = ("k", "v", "offset", "start_offset")
+KEYS = (*ARRAY_KEYS, "metadata")
+RING_DTYPES = ("float32", "bfloat16", "float16", "float64")
+INDEX_DTYPES = ("int32", "int64")
+# (from, to) ring dtype casts that are exact: every value of `from` is a value of `to`.
+_EXACT_FLOAT = {("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", "float64"),
+                ("float16", "float64"), ("float32", "float64")}
+
+
+class SnapshotError(ValueError):
+    """A snapshot does not fit the stack it is restored into (the message names the key)."""
+
+
+def dtype_name(x) -> str:
+    """'float32', 'bfloat16', 'int64', ... of a torch tensor, jax array, numpy array or dtype."""
+    dt = getattr(x, "dtype", x)
+    return str(dt).removeprefix("torch.")
+
+
+def exact_float_cast(src: str, dst: str) -> bool:
+    """True when casting floats of dtype `src` to `dst` is exact (the same dtype, or a widening)."""
+    return src == dst or (src, dst) in _EXACT_FLOAT
+
+
+def config_fields(config: StackConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def snapshot_metadata(config: StackConfig, dtype: str, batch_size: int) -> dict[str, str]:
+    """The string metadata of a snapshot of a `config` stack holding `dtype` rings of `batch_size` rows."""
+    return {"format": FORMAT, "stack": type(config).__name__,
+            "config": json.dumps(config_fields(config), sort_keys=True),
+            "dtype": dtype, "batch_size": str(batch_size)}
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotLayout:
+    """What `check_snapshot_layout` found: rows, ring dtype and offsets dtype (names)."""
+
+    batch_size: int
+    dtype: str
+    index_dtype: str
+
+
+def check_snapshot_layout(config: StackConfig, snapshot, where: str = "restore(snapshot)") -> SnapshotLayout:
+    """Check a snapshot's keys, metadata, shapes and dtypes against `config` (no values read).
+
+    Raises SnapshotError (a ValueError) for a missing / unexpected key, a metadata or shape
+    mismatch, TypeError for a dtype that is not a ring / index dtype.
+    """
+    if not isinstance(snapshot, Mapping):
+        raise TypeError(f"{where}: expected a snapshot dict with keys {list(KEYS)} (from snapshot()), "
+                        f"got {type(snapshot).__name__}")
+    missing = [k for k in KEYS if k not in snapshot]
+    unexpected = [k for k in snapshot if k not in KEYS]
+    if missing or unexpected:
+        raise SnapshotError(f"{where}: the snapshot must have exactly the keys {list(KEYS)}; "
+                            f"missing {missing}, unexpected {unexpected}")
+    meta = snapshot["metadata"]
+    if not isinstance(meta, Mapping):
+        raise SnapshotError(f"{where}: snapshot['metadata'] must be a dict of strings, "
+                            f"got {type(meta).__name__}")
+    need = ("format", "stack", "config", "dtype", "batch_size")
+    absent = [k for k in need if k not in meta]
+    if absent:
+        raise SnapshotError(f"{where}: snapshot['metadata'] lacks {absent}: not a stream snapshot")
+    if meta["format"] != FORMAT:
+        raise SnapshotError(f"{where}: snapshot['metadata']['format'] is {meta['format']!r}, "
+                            f"expected {FORMAT!r}")
+    if meta["stack"] != type(config).__name__:
+        raise SnapshotError(f"{where}: snapshot['metadata']['stack'] is {meta['stack']!r}: the snapshot is "
+                            f"of another stack than this {type(config).__name__}")
+    try:
+        fields = json.loads(meta["config"])
+    except (TypeError, ValueError):
+        raise SnapshotError(f"{where}: snapshot['metadata']['config'] is not JSON: "
+                            f"{meta['config']!r}") from None
+    want = config_fields(config)
+    if not isinstance(fields, dict) or fields != want:
+        have = fields if isinstance(fields, dict) else {}
+        diff = [f"{k}: snapshot {have.get(k, '(absent)')!r}, stack {v!r}" for k, v in want.items()
+                if have.get(k, object()) != v]
+        diff += [f"{k}: snapshot {have[k]!r}, stack (absent)" for k in have if k not in want]
+        raise SnapshotError(f"{where}: snapshot['metadata']['config'] does not match this stack's config: "
+                            + "; ".join(diff))
+    try:
+        B = int(meta["batch_size"])
+    except (TypeError, ValueError):
+        B = 0
+    if B <= 0 or str(B) != str(meta["batch_size"]):
+        raise SnapshotError(f"{where}: snapshot['metadata']['batch_size'] must be a positive int, "
+                            f"got {meta['batch_size']!r}")
+    for key in ARRAY_KEYS:
+        if not hasattr(snapshot[key], "shape") or not hasattr(snapshot[key], "dtype"):
+            raise TypeError(f"{where}: snapshot[{key!r}] must be an array (torch tensor, jax or numpy "
+                            f"array), got {type(snapshot[key]).__name__}")
+    c = config
+    ring = (c.num_layers, B, c.num_heads, c.capacity, c.head_dim)
+    for key, shape in (("k", ring), ("v", ring), ("offset", (B,)), ("start_offset", (B,))):
+        got = tuple(snapshot[key].shape)
+        if got != shape:
+            raise SnapshotError(f"{where}: snapshot[{key!r}] has shape {list(got)}; this stack with "
+                                f"batch_size {B} (metadata) expects {list(shape)}")
+    dtype = dtype_name(snapshot["k"])
+    if dtype not in RING_DTYPES:
+        raise TypeError(f"{where}: snapshot['k'] has dtype {dtype}; rings are one of {list(RING_DTYPES)}")
+    if dtype_name(snapshot["v"]) != dtype:
+        raise TypeError(f"{where}: snapshot['v'] has dtype {dtype_name(snapshot['v'])}, snapshot['k'] "
+                        f"{dtype}: they must agree")
+    if meta["dtype"] != dtype:
+        raise SnapshotError(f"{where}: snapshot['metadata']['dtype'] is {meta['dtype']!r} but snapshot['k'] "
+                            f"holds {dtype}")
+    index = dtype_name(snapshot["offset"])
+    for key in ("offset", "start_offset"):
+        if dtype_name(snapshot[key]) not in INDEX_DTYPES:
+            raise TypeError(f"{where}: snapshot[{key!r}] has dtype {dtype_name(snapshot[key])}; offsets are "
+                            f"one of {list(INDEX_DTYPES)}")
+    if dtype_name(snapshot["start_offset"]) != index:
+        raise TypeError(f"{where}: snapshot['start_offset'] has dtype "
+                        f"{dtype_name(snapshot['start_offset'])}, snapshot['offset'] {index}: they must agree")
+    return SnapshotLayout(batch_size=B, dtype=dtype, index_dtype=index)
+
+
+def check_ring_cast(src: str, dst: str, where: str = "restore(snapshot)") -> None:
+    """TypeError unless the snapshot's ring dtype `src` converts exactly to the stack's `dst`."""
+    if not exact_float_cast(src, dst):
+        raise TypeError(f"{where}: snapshot['k'] and ['v'] hold {src}; this stack holds {dst}, and casting "
+                        f"{src} to {dst} would round the stream's history (refused): restore into a stack "
+                        f"built with dtype {src}")
+
+
+def check_snapshot_values(offset: Sequence[int], start_offset: Sequence[int], index_max: int,
+                          where: str = "restore(snapshot)") -> None:
+    """SnapshotError unless 0 <= start_offset[b] <= offset[b] <= index_max for every row b."""
+    for b, (off, start) in enumerate(zip(offset, start_offset, strict=True)):
+        if not 0 <= off <= index_max:
+            raise SnapshotError(f"{where}: snapshot['offset'][{b}] = {off} is out of range 0..{index_max} "
+                                f"(the largest position of this stack's offsets)")
+        if not 0 <= start <= off:
+            raise SnapshotError(f"{where}: snapshot['start_offset'][{b}] = {start} must be in "
+                                f"0..offset[{b}] = {off}")
+
+
+__all__ = ["FORMAT", "KEYS", "SnapshotError", "SnapshotLayout", "check_ring_cast", "check_snapshot_layout",
+           "check_snapshot_values", "dtype_name", "exact_float_cast", "snapshot_metadata"]

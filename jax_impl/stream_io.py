@@ -1,0 +1,111 @@
+"""Stream snapshots on the JAX side: a `StreamState` to a snapshot dict and back, and to a file.
+
+The format (keys, metadata, validation, dtype rule) is `jax_impl.snapshot`'s, shared with the
+torch stacks: a snapshot taken on either side restores on the other.
+
+    snap = state_snapshot(config, state)              # copies: a later donated step cannot delete them
+    state = state_from_snapshot(config, snap)         # validated, fresh copies
+    write_stream(config, state, "s.safetensors"); snap = read_stream("s.safetensors")
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import StackConfig
+from .snapshot import (
+    ARRAY_KEYS,
+    check_ring_cast,
+    check_snapshot_layout,
+    check_snapshot_values,
+    snapshot_metadata,
+)
+from .state import StreamState, index_dtype, index_max
+
+
+def _check_state(where: str, state) -> StreamState:
+    if not isinstance(state, StreamState):
+        raise TypeError(f"{where}: expected a jax_impl.StreamState, got {type(state).__name__}")
+    return state
+
+
+def state_snapshot(config: StackConfig, state: StreamState) -> dict:
+    """A snapshot of `state`: {"k", "v": [L, B, H, C, D] (the state's dtype), "offset",
+    "start_offset": [B] (index dtype), "metadata": dict[str, str]}, the arrays as fresh jax copies.
+
+    Copies because the jitted step donates the state: the arrays it was given are deleted.
+    """
+    state = _check_state("state_snapshot(state)", state)
+    arrays = {key: jnp.array(getattr(state, key), copy=True) for key in ARRAY_KEYS}
+    return {**arrays, "metadata": snapshot_metadata(config, jnp.dtype(state.k.dtype).name, state.batch_size)}
+
+
+def _host_ints(where: str, key: str, x) -> np.ndarray:
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"{where}: snapshot[{key!r}] ({type(x).__name__}) cannot be read on the host: {err}; "
+                        f"pass a jax or numpy array") from None
+
+
+def _ring_array(where: str, key: str, x) -> jax.Array:
+    if isinstance(x, (jax.Array, np.ndarray)):
+        return jnp.asarray(x)
+    try:
+        return jnp.from_dlpack(x)  # e.g. a torch tensor, read in place (copied below)
+    except (TypeError, ValueError, RuntimeError, BufferError, AttributeError) as err:
+        raise TypeError(f"{where}: snapshot[{key!r}] ({type(x).__name__}) cannot be read as a jax array: "
+                        f"{err}; pass a jax or numpy array") from None
+
+
+def state_from_snapshot(config: StackConfig, snapshot, dtype=None, device=None,
+                        where: str = "restore(snapshot)") -> StreamState:
+    """A `StreamState` of fresh arrays from a snapshot (jax / numpy arrays, or torch CPU tensors).
+
+    dtype: the rings' dtype wanted (None: the snapshot's); the snapshot's k, v are cast to it
+    only when that is exact (bf16/f16 -> f32, ...), else TypeError. Offsets are read on the host
+    (B integers), checked (0 <= start_offset <= offset <= the index dtype's maximum: int32
+    unless jax x64 is on) and converted to `index_dtype()`, exactly. device: where the arrays
+    go (None: JAX's default). Raises (naming the key) before building anything.
+    """
+    layout = check_snapshot_layout(config, snapshot, where)
+    dtype = jnp.dtype(layout.dtype if dtype is None else dtype)
+    check_ring_cast(layout.dtype, dtype.name, where)
+    offsets = {key: _host_ints(where, key, snapshot[key]) for key in ("offset", "start_offset")}
+    check_snapshot_values([int(o) for o in offsets["offset"]], [int(o) for o in offsets["start_offset"]],
+                          index_max(), where)
+    ring = {key: _ring_array(where, key, snapshot[key]) for key in ("k", "v")}
+    state = StreamState(**{key: jnp.array(a, dtype=dtype, copy=True) for key, a in ring.items()},
+                        **{key: jnp.asarray(a.astype(index_dtype())) for key, a in offsets.items()})
+    return state if device is None else jax.device_put(state, device)
+
+
+def write_stream(config: StackConfig, state: StreamState, path: str | os.PathLike) -> None:
+    """Write a snapshot of `state` to a safetensors file (arrays as tensors, metadata in the header)."""
+    from safetensors.numpy import save_file
+
+    state = _check_state("write_stream(state)", state)
+    meta = snapshot_metadata(config, jnp.dtype(state.k.dtype).name, state.batch_size)
+    save_file({key: np.asarray(getattr(state, key)) for key in ARRAY_KEYS}, os.fspath(path), metadata=meta)
+
+
+def read_stream(path: str | os.PathLike) -> dict:
+    """The snapshot dict in a file `save_stream` / `write_stream` wrote (numpy arrays, bf16 via ml_dtypes)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="numpy") as f:
+            snap = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (a safe_open handle)
+            meta = dict(f.metadata() or {})
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{os.fspath(path)} is not a readable safetensors file: {err}") from None
+    if "metadata" in snap:
+        raise ValueError(f"{os.fspath(path)}: a tensor named 'metadata' is not part of a stream snapshot")
+    return {**snap, "metadata": meta}
+
+
+__all__ = ["read_stream", "state_from_snapshot", "state_snapshot", "write_stream"]

@@ -1,0 +1,173 @@
+"""Batch-invariant decode attention over the stacked ring as Pallas kernels (split-K, then a fixed-order
+combine); Triton twins in `kernels_triton.twin_attention`, plain reference `attention_native` beside it.
+
+Contract (beside `twin_math`'s), for each query (b, h, t), in float32. Slot c is visible iff
+`positions[b, c] >= 0 and 0 <= q_pos[b, t] - positions[b, c] < context` (the stacks' mask). The
+C slots are cut into S splits of `chunk` slots and each split into blocks of BC slots
+(`common.twin_attention_plan(C)`: a function of C alone). A split scans its blocks in order:
+
+    s   = tree_sum(q * k) * scale        (-inf where not visible)       [BC]
+    m'  = max(m, max(s));  m0 = m' where finite, else 0
+    a   = exp(m - m0);  p = exp(s - m0) where visible, else 0
+    l   = l * a + tree_sum(p);  acc = acc * a + tree_sum_c(p * v')         (v' = 0 where not visible)
+
+starting from m = -inf, l = 0, acc = 0. The combine then takes the S partials in order:
+M = max_s m_s, w_s = exp(m_s - M0), L = sum_s l_s * w_s, O = sum_s acc_s * w_s (sequential sums),
+and out = to_dtype(O / L), or 0 when L == 0 (a query that sees no slot: what torch's SDPA gives,
+never NaN). Masked slots never enter the arithmetic (k, v of a recycled or never-written slot may
+hold anything, NaN included). The ring is read in place at a layer index that may be traced.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kernels_pallas import twin_math as tm
+from kernels_pallas.common import check_twin_attention, twin_attention_plan
+
+NEG_INF = float("-inf")
+
+
+def _safe(m):
+    return jnp.where(m == NEG_INF, tm.F32(0.0), m)
+
+
+def _block(q, k, v, visible, carry, scale, gpu):
+    """One block of BC slots: q [D], k, v [BC, D] float32, visible [BC]; carry (m, l [1], acc [D]).
+
+    m and l are 1-element arrays, not scalars: the GPU lowering takes no 0-d inline assembly.
+    """
+    m, l, acc = carry
+    s = tm.mul(tm.tree_sum(tm.mul(q[None, :], k, gpu))[:, 0], tm.F32(scale), gpu)
+    s = jnp.where(visible, s, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, keepdims=True))
+    m0 = _safe(m_new)
+    a = tm.exp(m - m0, gpu)
+    p = jnp.where(visible, tm.exp(s - m0, gpu), tm.F32(0.0))
+    l = tm.mul(l, a, gpu) + tm.tree_sum(p[None, :])[0]
+    pv = tm.mul(p[:, None], jnp.where(visible[:, None], v, tm.F32(0.0)), gpu)   # [BC, D]
+    acc = tm.mul(acc, a, gpu) + tm.tree_sum(pv.T)[:, 0]
+    return m_new, l, acc
+
+
+def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, acc_ref, m_ref, l_ref, *,
+                  B, H, T, C, D, context, chunk, BC, S, scale, gpu):
+    bht, split = pl.program_id(0), pl.program_id(1)
+    b, t = bht // (H * T), bht % T
+    d = jnp.arange(D, dtype=jnp.int32)
+    q = pltriton.load(q_ref.at[bht * D + d]).astype(tm.F32)                     # q [B, H, T, D]
+    q_pos = qpos_ref[b * T + t]
+    row = (layer_ref[0] * B * H + bht // T) * C                                  # first slot of (layer, b, h)
+
+    def body(i, carry):
+        c = split * chunk + i * BC + jnp.arange(BC, dtype=jnp.int32)
+        ok = c < C
+        cc = jnp.where(ok, c, 0)  # masked lanes still index inside the ref (interpreted)
+        pos = jnp.where(ok, pltriton.load(pos_ref.at[b * C + cc]), -1)
+        delta = q_pos - pos
+        visible = ok & (pos >= 0) & (delta >= 0) & (delta < context)
+        offs = (row + cc[:, None]) * D + d[None, :]
+        k = pltriton.load(k_ref.at[offs]).astype(tm.F32)
+        v = pltriton.load(v_ref.at[offs]).astype(tm.F32)
+        return _block(q, k, v, visible, carry, scale, gpu)
+
+    init = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32), jnp.zeros((D,), tm.F32))
+    m, l, acc = lax.fori_loop(0, chunk // BC, body, init)
+    part = bht * S + split
+    one = jnp.arange(1, dtype=jnp.int32)
+    pltriton.store(acc_ref.at[part * D + d], acc)
+    pltriton.store(m_ref.at[part + one], m)
+    pltriton.store(l_ref.at[part + one], l)
+
+
+def _combine(m, l, acc, dtype, gpu):
+    """Partials m, l [S], acc [S, D] -> out [D] in dtype (the contract's combine, sequential over s)."""
+    m0 = _safe(jnp.max(m, keepdims=True))                                      # [1]
+    L, O = jnp.zeros((1,), tm.F32), jnp.zeros(acc.shape[1:], tm.F32)
+    for s in range(m.shape[0]):
+        w = tm.exp(m[s:s + 1] - m0, gpu)
+        L = L + tm.mul(l[s:s + 1], w, gpu)
+        O = O + tm.mul(acc[s], w, gpu)
+    out = jnp.where(L > 0, tm.div(O, jnp.where(L > 0, L, tm.F32(1.0)), gpu), tm.F32(0.0))
+    return tm.to_dtype(out, dtype)
+
+
+def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, H, T, D, S, gpu):
+    bht = pl.program_id(0)
+    b, h, t = bht // (H * T), (bht // T) % H, bht % T
+    s = jnp.arange(S, dtype=jnp.int32)
+    d = jnp.arange(D, dtype=jnp.int32)
+    m = pltriton.load(m_ref.at[bht * S + s])
+    l = pltriton.load(l_ref.at[bht * S + s])
+    acc = pltriton.load(acc_ref.at[(bht * S + s[:, None]) * D + d[None, :]])
+    out = _combine(m, l, acc, o_ref.dtype, gpu)
+    pltriton.store(o_ref.at[((b * T + t) * H + h) * D + d], out)                 # out [B, T, H, D]
+
+
+def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
+              q_pos: jax.Array, *, context: int, num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
+    """softmax(q k^T / sqrt(D) | visible) v over layer `layer` of the stacked ring (the contract).
+
+    q: [B, H, T, D]; ring_k, ring_v: [L, B, H, C, D] in q's dtype; layer: int or int32 scalar
+    (may be traced); positions: int [B, C] (-1: invisible); q_pos: int [B, T].
+    Returns [B, T, H, D] in q's dtype (the layout the out-projection reads).
+    """
+    B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
+    BC, chunk, S = twin_attention_plan(C)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    gpu = not interpret
+    kernel = functools.partial(_split_kernel, B=B, H=H, T=T, C=C, D=D, context=context, chunk=chunk, BC=BC,
+                               S=S, scale=1.0 / math.sqrt(D), gpu=gpu)
+    parts = B * H * T * S
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((parts * D,), tm.F32), jax.ShapeDtypeStruct((parts,), tm.F32),
+                   jax.ShapeDtypeStruct((parts,), tm.F32)),
+        grid=(B * H * T, S), interpret=interpret, compiler_params=params, name="twin_attention",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1), ring_v.reshape(-1),
+      positions.astype(jnp.int32).reshape(-1), q_pos.astype(jnp.int32).reshape(-1))
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, H=H, T=T, D=D, S=S, gpu=gpu),
+        out_shape=jax.ShapeDtypeStruct((B * T * H * D,), q.dtype),
+        grid=(B * H * T,), interpret=interpret, compiler_params=params, name="twin_attention_combine",
+    )(acc, m, l)
+    return out.reshape(B, T, H, D)
+
+
+def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, **_):
+    """The plain jax.numpy reference of `attention` (same signature and bits)."""
+    B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
+    BC, chunk, S = twin_attention_plan(C)
+    pad = S * chunk - C
+    k = jnp.pad(lax.dynamic_index_in_dim(ring_k, layer, keepdims=False).astype(tm.F32),
+                ((0, 0), (0, 0), (0, pad), (0, 0)))
+    v = jnp.pad(lax.dynamic_index_in_dim(ring_v, layer, keepdims=False).astype(tm.F32),
+                ((0, 0), (0, 0), (0, pad), (0, 0)))
+    pos = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+    scale = 1.0 / math.sqrt(D)
+
+    def one(qv, kv, vv, posv, qp):  # one query: qv [D], kv, vv [S*chunk, D], posv [S*chunk]
+        delta = qp - posv
+        visible = (posv >= 0) & (delta >= 0) & (delta < context)
+        ms, ls, accs = [], [], []
+        for s in range(S):
+            carry = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32), jnp.zeros((D,), tm.F32))
+            for i in range(chunk // BC):
+                c = slice(s * chunk + i * BC, s * chunk + (i + 1) * BC)
+                carry = _block(qv, kv[c], vv[c], visible[c], carry, scale, False)
+            ms.append(carry[0]), ls.append(carry[1]), accs.append(carry[2])
+        return _combine(jnp.concatenate(ms), jnp.concatenate(ls), jnp.stack(accs), q.dtype, False)
+
+    per_t = jax.vmap(one, in_axes=(0, None, None, None, 0))                      # over t
+    per_h = jax.vmap(per_t, in_axes=(0, 0, 0, None, None))                      # over h
+    per_b = jax.vmap(per_h, in_axes=(0, 0, 0, 0, 0))                            # over b
+    return per_b(q.astype(tm.F32), k, v, pos, q_pos.astype(jnp.int32)).transpose(0, 2, 1, 3)

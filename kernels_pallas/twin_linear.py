@@ -1,0 +1,152 @@
+"""Batch-invariant linear layer (x @ w[layer].T) as a Pallas kernel, with epilogues; Triton twin in
+`kernels_triton.twin_linear`, plain reference `linear_native` beside it.
+
+Contract (beside `twin_math`'s): program (i, j) computes rows i*BM.. and columns j*BN.. of
+`y = x @ w[layer].T`. Lane l of an output holds the sequential float32 sum, over the K blocks
+in order, of its products x[m, kb*BK + l] * w[n, kb*BK + l] (each rounded, `twin_math.mul`);
+the BK lanes are then added by `tree_sum`. BK depends on K alone (`common.twin_blocks`), and
+every row is computed on its own, so the bits of a row depend neither on the batch nor on the
+tiles of M and N. Then, in order (each step rounded to x's dtype, as the reference rounds):
+
+    y = to_dtype(acc)
+    act="silu_gate" (N even): the kernel computes columns n and n + N/2 together and returns
+        to_dtype(to_dtype(silu(y[:, :N/2])) * y[:, N/2:])               (Helium's gating)
+    act="gelu":     y = to_dtype(gelu(y))                               (Mimi's MLP)
+    scale [N]:      y = to_dtype(scale * y)                             (Mimi's layer scale)
+    residual [M, N]: y = to_dtype(residual + y)
+
+The weights are read in place from the stacked `w [L, N, K]` at a layer index that may be
+traced (no per-layer copy under `lax.scan`); `layer=None` takes a plain `[N, K]`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kernels_pallas import twin_math as tm
+from kernels_pallas.common import check_twin_linear, twin_blocks
+
+ACTS = (None, "silu_gate", "gelu")
+
+
+def _epilogue(acc, dtype, act, scale, residual, gpu):
+    """acc: float32 [..., N'] (silu_gate: a pair (a, b)) -> the output in dtype (module docstring)."""
+    f32 = tm.F32
+    if act == "silu_gate":
+        a, b = (tm.to_dtype(t, dtype).astype(f32) for t in acc)
+        y = tm.to_dtype(tm.mul(tm.to_dtype(tm.silu(a, gpu), dtype).astype(f32), b, gpu), dtype)
+    else:
+        y = tm.to_dtype(acc, dtype)
+        if act == "gelu":
+            y = tm.to_dtype(tm.gelu(y.astype(f32), gpu), dtype)
+    if scale is not None:
+        y = tm.to_dtype(tm.mul(scale.astype(f32), y.astype(f32), gpu), dtype)
+    if residual is not None:
+        y = tm.to_dtype(residual.astype(f32) + y.astype(f32), dtype)
+    return y
+
+
+def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, has_scale, has_res, gpu):
+    """Program (i, j): rows block i, columns j*BN.. of the output (x_ref: [BM, K] rows block)."""
+    scale_ref = refs[0] if has_scale else None
+    res_ref = refs[int(has_scale)] if has_res else None
+    o_ref = refs[-1]
+    layer = layer_ref[0]
+    n0 = pl.program_id(1) * BN
+    gated = act == "silu_gate"
+
+    def products(kb, n_start):
+        xb = x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)                          # [BM, BK]
+        wb = w_ref[layer, pl.ds(n_start, BN), pl.ds(kb * BK, BK)].astype(tm.F32)  # [BN, BK]
+        return tm.mul(xb[:, None, :], wb[None, :, :], gpu)                         # [BM, BN, BK]
+
+    def body(kb, acc):
+        if gated:
+            return acc[0] + products(kb, n0), acc[1] + products(kb, n0 + N_out)
+        return acc + products(kb, n0)
+
+    zeros = jnp.zeros((x_ref.shape[0], BN, BK), tm.F32)
+    acc = lax.fori_loop(0, K // BK, body, (zeros, zeros) if gated else zeros)
+    acc = tuple(tm.tree_sum(a)[..., 0] for a in acc) if gated else tm.tree_sum(acc)[..., 0]
+    scale = scale_ref[layer, pl.ds(n0, BN)][None, :] if has_scale else None
+    residual = res_ref[...] if has_res else None
+    o_ref[...] = _epilogue(acc, o_ref.dtype, act, scale, residual, gpu)
+
+
+def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
+           residual: jax.Array | None = None, block_m: int | None = None, block_n: int | None = None,
+           num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
+    """y = epilogue(x @ w[layer].T), batch-invariant (module docstring).
+
+    x: [M, K] float32/bfloat16/float16; w: [L, N, K] (layer: int or int32 scalar, may be
+    traced) or [N, K] (layer=None), in x's dtype; scale: [L, N_out] or [N_out] (indexed like w);
+    residual: [M, N_out]. N_out = N/2 for act="silu_gate", else N. Returns [M, N_out] in x's dtype.
+    block_m, block_n: output tile (they change the speed, never the bits).
+    """
+    w, scale, layer = _stacked(w, scale, layer)
+    M, K, _, N_out = check_twin_linear(x, w, act, ACTS, scale, residual)
+    BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    Mp = -(-M // BM) * BM
+    pad = ((0, Mp - M), (0, 0))
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, pad), w]
+    in_specs = [_whole(operands[0]), pl.BlockSpec((BM, K), lambda i, j: (i, 0)), _whole(w)]
+    if scale is not None:
+        operands.append(scale)
+        in_specs.append(_whole(scale))
+    tile = pl.BlockSpec((BM, BN), lambda i, j: (i, j))
+    if residual is not None:
+        operands.append(jnp.pad(residual, pad))
+        in_specs.append(tile)
+    kernel = functools.partial(_kernel, K=K, BN=BN, BK=BK, N_out=N_out, act=act, has_scale=scale is not None,
+                               has_res=residual is not None, gpu=not interpret)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((Mp, N_out), x.dtype),
+        grid=(Mp // BM, N_out // BN),
+        in_specs=in_specs,
+        out_specs=tile,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        name="twin_linear",
+    )(*operands)
+    return out[:M]
+
+
+def _whole(a):
+    """A BlockSpec giving the kernel the whole array (indexed in place inside)."""
+    return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
+
+
+def _stacked(w, scale, layer):
+    """Lift a plain [N, K] weight (layer=None) to a one-layer stack."""
+    if layer is not None:
+        return w, scale, layer
+    if getattr(w, "ndim", 0) != 2:
+        raise ValueError(f"linear(w): with layer=None w must be [N, K], got shape {getattr(w, 'shape', None)}")
+    return w[None], None if scale is None else scale[None], 0
+
+
+def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, **_):
+    """The plain jax.numpy reference: the same signature and bits, without Pallas."""
+    w, scale, layer = _stacked(w, scale, layer)
+    M, K, N, N_out = check_twin_linear(x, w, act, ACTS, scale, residual)
+    _, _, BK = twin_blocks(M, N_out, K)
+    wl = lax.dynamic_index_in_dim(w, layer, keepdims=False).astype(tm.F32)  # [N, K]
+    p = tm.mul(x.astype(tm.F32)[:, None, :], wl[None], False)                # [M, N, K]
+    lanes = p.reshape(M, N, K // BK, BK)
+    acc = lanes[:, :, 0]
+    for kb in range(1, K // BK):
+        acc = acc + lanes[:, :, kb]
+    acc = tm.tree_sum(acc)[..., 0]
+    if act == "silu_gate":
+        acc = (acc[:, :N_out], acc[:, N_out:])
+    s = None if scale is None else lax.dynamic_index_in_dim(scale, layer, keepdims=False)[None, :]
+    return _epilogue(acc, x.dtype, act, s, residual, False)

@@ -1,0 +1,128 @@
+"""Batch-invariant RMSNorm (Helium) and LayerNorm (Mimi) as a Pallas kernel; Triton twin in
+`kernels_triton.twin_norm`, plain reference `norm_native` beside it.
+
+Contract (beside `twin_math`'s), per row x [D] in float32, with sums S(.) over D taken as
+`twin_linear` takes them (BK = `common.twin_lanes(D)` lanes, sequential over the D / BK blocks,
+then `tree_sum`):
+
+    rms:   var = eps + S(x * x) * inv_D;           y = to_dtype(x * (weight * (1 / sqrt(var))))
+    layer: mean = S(x) * inv_D;  c = x - mean;  var = S(c * c) * inv_D
+           y = to_dtype((c * (1 / sqrt(var + eps))) * weight + bias)
+
+with inv_D = float32(1 / D) computed on the host (a product: compilers rewrite a division by a
+constant into one, differently on each backend).
+
+Each row on its own: its bits do not depend on the batch. The weights are read in place from
+the stacked [L, D] buffers at a layer index that may be traced.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kernels_pallas import twin_math as tm
+from kernels_pallas.common import TWIN_MAX_BM, check_twin_norm, next_pow2, twin_lanes
+
+KINDS = ("rms", "layer")
+
+
+def _row_sum(load, D, BK):
+    """S(.) of the contract: lanes over the D / BK blocks in order, then the tree; [BM] -> [BM, 1]."""
+    acc = lax.fori_loop(1, D // BK, lambda kb, a: a + load(kb), load(0))
+    return tm.tree_sum(acc)
+
+
+def _normalize(xf, w, b, stats, kind, gpu):
+    if kind == "rms":
+        (r,) = stats
+        return tm.mul(xf, tm.mul(w, r, gpu), gpu)
+    mean, r = stats
+    return tm.mul(tm.mul(xf - mean, r, gpu), w, gpu) + b
+
+
+def _stats(load_x, D, BK, kind, eps, gpu):
+    f32 = tm.F32
+    inv_d = f32(1.0 / D)
+    if kind == "rms":
+        ss = _row_sum(lambda kb: tm.mul(load_x(kb), load_x(kb), gpu), D, BK)
+        var = f32(eps) + tm.mul(ss, inv_d, gpu)
+        return (tm.div(f32(1.0), tm.sqrt(var, gpu), gpu),)
+    mean = tm.mul(_row_sum(load_x, D, BK), inv_d, gpu)
+
+    def centered_sq(kb):
+        c = load_x(kb) - mean
+        return tm.mul(c, c, gpu)
+
+    var = tm.mul(_row_sum(centered_sq, D, BK), inv_d, gpu)
+    return mean, tm.div(f32(1.0), tm.sqrt(var + f32(eps), gpu), gpu)
+
+
+def _kernel(layer_ref, x_ref, w_ref, b_ref, o_ref, *, D, BK, kind, eps, gpu):
+    layer = layer_ref[0]
+
+    def load_x(kb):
+        return x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)  # [BM, BK]
+
+    stats = _stats(load_x, D, BK, kind, eps, gpu)
+
+    @pl.loop(0, D // BK)
+    def _(kb):
+        cols = pl.ds(kb * BK, BK)
+        w = w_ref[layer, cols].astype(tm.F32)[None, :]
+        b = b_ref[layer, cols].astype(tm.F32)[None, :]
+        o_ref[:, cols] = tm.to_dtype(_normalize(load_x(kb), w, b, stats, kind, gpu), o_ref.dtype)
+
+
+def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=None, *, kind: str = "rms",
+         eps: float, block_m: int | None = None, num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
+    """The contract's norm of each row of x [M, D]; weight, bias [L, D] at `layer` (int or traced
+    int32 scalar), or [D] with layer=None; bias only for kind="layer". Returns x's shape and dtype."""
+    weight, bias, layer = _stacked(weight, bias, layer, kind)
+    M, D = check_twin_norm(x, weight, bias, kind, KINDS)
+    BK = twin_lanes(D)
+    BM = min(TWIN_MAX_BM, next_pow2(M)) if block_m is None else block_m
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    Mp = -(-M // BM) * BM
+    rows = pl.BlockSpec((BM, D), lambda i: (i, 0))
+    whole = pl.BlockSpec(weight.shape, lambda i: (0, 0))
+    out = pl.pallas_call(
+        functools.partial(_kernel, D=D, BK=BK, kind=kind, eps=eps, gpu=not interpret),
+        out_shape=jax.ShapeDtypeStruct((Mp, D), x.dtype),
+        grid=(Mp // BM,),
+        in_specs=[pl.BlockSpec((1,), lambda i: (0,)), rows, whole, whole],
+        out_specs=rows,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        name=f"twin_{kind}_norm",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, ((0, Mp - M), (0, 0))), weight, bias)
+    return out[:M]
+
+
+def _stacked(weight, bias, layer, kind):
+    """[D] weights (layer=None) as a one-layer stack; RMSNorm gets a zero bias it never reads."""
+    if layer is None:
+        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
+    if kind == "rms" and bias is None:
+        bias = weight  # unread: the rms kernel adds no bias
+    return weight, bias, layer
+
+
+def norm_native(x, weight, bias=None, layer=None, *, kind: str = "rms", eps: float, **_):
+    """The plain jax.numpy reference: the same signature and bits, without Pallas."""
+    weight, bias, layer = _stacked(weight, bias, layer, kind)
+    M, D = check_twin_norm(x, weight, bias, kind, KINDS)
+    BK = twin_lanes(D)
+    xf = x.astype(tm.F32)
+    blocks = xf.reshape(M, D // BK, BK)
+    stats = _stats(lambda kb: lax.dynamic_index_in_dim(blocks, kb, axis=1, keepdims=False), D, BK, kind, eps,
+                   False)
+    w = lax.dynamic_index_in_dim(weight, layer, keepdims=False).astype(tm.F32)[None, :]
+    b = lax.dynamic_index_in_dim(bias, layer, keepdims=False).astype(tm.F32)[None, :]
+    return tm.to_dtype(_normalize(xf, w, b, stats, kind, False), x.dtype)

@@ -1,0 +1,146 @@
+"""The per-step RoPE tables and the rotate-and-write of q/k/v into the stacked ring, as Pallas
+kernels; Triton twins in `kernels_triton.twin_rope`, plain references `*_native` beside them.
+
+Contract (beside `twin_math`'s):
+
+    tables:  angle[b, t, i] = (float32(offset[b]) + t) * freqs[i];  (sin, cos) = twin_math.sincos(angle)
+    rotate:  GPT-J pairs (r, i) = (x[2j], x[2j+1]) of q and k, in float32:
+             r' = to_dtype(r*cos - i*sin),  i' = to_dtype(r*sin + i*cos)   (each product rounded)
+    write:   ring_k[layer, b, h, write_index[b, t]] = k'[b, h, t], ring_v[...] = v[b, h, t] where
+             write_mask[b, t] (`StepTables.write_mask`: the row is active and the position not
+             recycled away); nothing else of the ring is touched (rings aliased to the outputs, so
+             under donation the write is in place).
+
+Everything is elementwise per (b, t): batch-invariant by construction.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kernels_pallas import twin_math as tm
+from kernels_pallas.common import check_twin_rope, next_pow2
+
+
+def _tables_kernel(offset_ref, freqs_ref, cos_ref, sin_ref, *, Tp, half, gpu):
+    b = pl.program_id(0)
+    t = jnp.arange(Tp, dtype=jnp.int32)
+    pos = offset_ref[b].astype(tm.F32) + t.astype(tm.F32)                     # [Tp]
+    angle = tm.mul(pos[:, None], freqs_ref[...][None, :], gpu)              # [Tp, half]
+    sin, cos = tm.sincos(angle, gpu)
+    cos_ref[...], sin_ref[...] = cos[None], sin[None]
+
+
+def tables(offset: jax.Array, T: int, freqs: jax.Array, *, interpret: bool | None = None):
+    """(cos, sin) float32 [B, T, D/2] for positions offset[b] + t; offset int [B], freqs float32 [D/2].
+
+    One program per row computes next_pow2(T) positions (power-of-two tiles); the extra ones are
+    sliced off.
+    """
+    B, half = offset.shape[0], freqs.shape[0]
+    if half & (half - 1):
+        raise ValueError(f"tables(freqs): D/2 must be a power of two, got {half}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    Tp = next_pow2(T)
+    out = jax.ShapeDtypeStruct((B, Tp, half), tm.F32)
+    row = pl.BlockSpec((1, Tp, half), lambda b: (b, 0, 0))
+    cos, sin = pl.pallas_call(
+        functools.partial(_tables_kernel, Tp=Tp, half=half, gpu=not interpret),
+        out_shape=(out, out), grid=(B,), in_specs=[pl.BlockSpec((B,), lambda b: (0,)),
+                                                   pl.BlockSpec((half,), lambda b: (0,))],
+        out_specs=(row, row), interpret=interpret, name="twin_rope_tables",
+    )(offset.astype(jnp.int32), freqs.astype(tm.F32))
+    return cos[:, :T], sin[:, :T]
+
+
+def tables_native(offset, T: int, freqs):
+    """The plain jax.numpy reference of `tables`."""
+    pos = offset.astype(tm.F32)[:, None] + jnp.arange(T, dtype=tm.F32)
+    sin, cos = tm.sincos(tm.mul(pos[:, :, None], freqs.astype(tm.F32), False), False)
+    return cos, sin
+
+
+def rotate(r, i, cos, sin, dtype, gpu):
+    """The contract's rotation of pairs (r, i) (float32) -> (r', i') in dtype."""
+    mul = functools.partial(tm.mul, gpu=gpu)
+    return (tm.to_dtype(mul(r, cos) - mul(i, sin), dtype), tm.to_dtype(mul(r, sin) + mul(i, cos), dtype))
+
+
+def _write_kernel(layer_ref, qkv_ref, cos_ref, sin_ref, slot_ref, wmask_ref, k_in, v_in,
+                  q_ref, k_ref, v_ref, *, B, T, H, C, D, gpu):
+    """Program (b*T + t, h): one head of one query; all offsets flat (1-D refs)."""
+    del k_in, v_in  # aliased to k_ref, v_ref
+    bt, h = pl.program_id(0), pl.program_id(1)
+    b, t = bt // T, bt % T
+    half = D // 2
+    j2 = 2 * jnp.arange(half, dtype=jnp.int32)
+
+    def pairs(part):  # even and odd elements of q (0), k (1) or v (2) of this head, float32 [half]
+        base = (bt * 3 + part) * H * D + h * D + j2
+        return (pltriton.load(qkv_ref.at[base]).astype(tm.F32), pltriton.load(qkv_ref.at[base + 1]).astype(tm.F32))
+
+    cs = bt * half + jnp.arange(half, dtype=jnp.int32)
+    cos, sin = pltriton.load(cos_ref.at[cs]), pltriton.load(sin_ref.at[cs])
+    dtype = q_ref.dtype
+    q0, q1 = rotate(*pairs(0), cos, sin, dtype, gpu)
+    q_out = ((b * H + h) * T + t) * D + j2                                     # q [B, H, T, D]
+    pltriton.store(q_ref.at[q_out], q0)
+    pltriton.store(q_ref.at[q_out + 1], q1)
+
+    @pl.when(wmask_ref[bt] != 0)
+    def _():
+        k0, k1 = rotate(*pairs(1), cos, sin, dtype, gpu)
+        v0, v1 = (tm.to_dtype(x, dtype) for x in pairs(2))
+        ring = (((layer_ref[0] * B + b) * H + h) * C + slot_ref[bt]) * D + j2  # ring [L, B, H, C, D]
+        for ref, (e, o) in ((k_ref, (k0, k1)), (v_ref, (v0, v1))):
+            pltriton.store(ref.at[ring], e)
+            pltriton.store(ref.at[ring + 1], o)
+
+
+def rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer,
+               write_index: jax.Array, write_mask: jax.Array, *, interpret: bool | None = None):
+    """Rotate q, k and write k, v into layer `layer` of the rings; returns (q, ring_k, ring_v).
+
+    qkv: [B, T, 3, H, D] (the in-projection's output, Moshi's `b t (p h d)` split); cos, sin:
+    float32 [B, T, D/2]; ring_k, ring_v: [L, B, H, C, D] in qkv's dtype (aliased to the outputs);
+    layer: int or int32 scalar (may be traced); write_index: int [B, T]; write_mask: bool [B, T].
+    q comes back as [B, H, T, D].
+    """
+    B, T, H, D, (L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    kernel = functools.partial(_write_kernel, B=B, T=T, H=H, C=C, D=D, gpu=not interpret)
+    q, k, v = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((B * H * T * D,), qkv.dtype),
+                   jax.ShapeDtypeStruct((ring_k.size,), ring_k.dtype),
+                   jax.ShapeDtypeStruct((ring_v.size,), ring_v.dtype)),
+        grid=(B * T, H),
+        input_output_aliases={6: 1, 7: 2},
+        interpret=interpret,
+        name="twin_rope_write",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), qkv.reshape(-1), cos.reshape(-1), sin.reshape(-1),
+      write_index.astype(jnp.int32).reshape(-1), write_mask.astype(jnp.int32).reshape(-1), ring_k.reshape(-1), ring_v.reshape(-1))
+    return q.reshape(B, H, T, D), k.reshape(ring_k.shape), v.reshape(ring_v.shape)
+
+
+def rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, **_):
+    """The plain jax.numpy reference of `rope_write` (same signature and bits)."""
+    B, T, H, D, (L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
+    x = qkv.astype(tm.F32).reshape(B, T, 3, H, D // 2, 2)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    rot = [jnp.stack(rotate(x[:, :, p, :, :, 0], x[:, :, p, :, :, 1], c, s, qkv.dtype, False), -1)
+           for p in (0, 1)]
+    q, k = (r.reshape(B, T, H, D).transpose(0, 2, 1, 3) for r in rot)             # [B, H, T, D]
+    v = qkv[:, :, 2].transpose(0, 2, 1, 3)
+    slot = jnp.where(write_mask, write_index, C + jnp.arange(T))                  # not written: dropped
+    bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+    ring_k = ring_k.at[layer, bi, hi, slot[:, None, :]].set(k, mode="drop")
+    ring_v = ring_v.at[layer, bi, hi, slot[:, None, :]].set(v, mode="drop")
+    return q, ring_k, ring_v

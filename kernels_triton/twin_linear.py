@@ -1,0 +1,101 @@
+"""Batch-invariant linear layer (x @ w[layer].T) as a Triton kernel, with epilogues: the twin of
+`kernels_pallas.twin_linear` (its docstring states the contract; same signature, same bits).
+
+The plain reference is `kernels_pallas.twin_linear.linear_native` (jax.numpy): the tests hold
+both kernels to it bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_pallas.common import check_twin_linear, twin_blocks
+from kernels_triton import twin_math as tm
+from kernels_triton.twin_math import interpreting
+
+ACTS = (None, "silu_gate", "gelu")
+_ACT_CODE = {None: 0, "silu_gate": 1, "gelu": 2}
+
+
+@triton.jit
+def _acc(x_ptr, w_ptr, m, m_ok, n, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Lane sums over the K blocks, in order, then the tree over the BK lanes: [BM, BN] float32."""
+    k = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN, BK], tl.float32)
+    for k0 in range(0, K, BK):
+        xb = tl.load(x_ptr + m[:, None] * K + k0 + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+        wb = tl.load(w_ptr + n[:, None] * K + k0 + k[None, :]).to(tl.float32)
+        acc = acc + xb[:, None, :] * wb[None, :, :]
+    return tl.reshape(tm.tree_sum(tl.reshape(acc, [BM * BN, BK]), BM * BN, BK), [BM, BN])
+
+
+@triton.jit
+def _kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M,
+            N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+            BK: tl.constexpr, ACT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr,
+            INTERPRETED: tl.constexpr):
+    layer = tl.load(layer_ptr).to(tl.int64)
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m_ok = m < M
+    w_layer = w_ptr + layer * N * K
+    dtype = o_ptr.dtype.element_ty
+    if ACT == 1:  # silu_gate: columns n and n + N/2
+        a = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, K, BM, BN, BK), dtype, INTERPRETED).to(tl.float32)
+        b = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n + N_OUT, K, BM, BN, BK), dtype,
+                        INTERPRETED).to(tl.float32)
+        y = tm.to_dtype(tm.to_dtype(tm.silu(a), dtype, INTERPRETED).to(tl.float32) * b, dtype, INTERPRETED)
+    else:
+        y = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, K, BM, BN, BK), dtype, INTERPRETED)
+        if ACT == 2:
+            y = tm.to_dtype(tm.gelu(y.to(tl.float32)), dtype, INTERPRETED)
+    if HAS_SCALE:
+        s = tl.load(scale_ptr + layer * N_OUT + n).to(tl.float32)
+        y = tm.to_dtype(s[None, :] * y.to(tl.float32), dtype, INTERPRETED)
+    offs = m[:, None] * N_OUT + n[None, :]
+    if HAS_RES:
+        r = tl.load(res_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        y = tm.to_dtype(r + y.to(tl.float32), dtype, INTERPRETED)
+    tl.store(o_ptr + offs, y, mask=m_ok[:, None])
+
+
+def _stacked(w, scale, layer):
+    if layer is not None:
+        return w, scale, layer
+    if w.dim() != 2:
+        raise ValueError(f"linear(w): with layer=None w must be [N, K], got shape {tuple(w.shape)}")
+    return w[None], None if scale is None else scale[None], 0
+
+
+def _layer_tensor(layer, L: int, device) -> torch.Tensor:
+    """The layer index as a 1-element int32 device tensor (an int is range-checked here)."""
+    if isinstance(layer, torch.Tensor):
+        return layer.reshape(1).to(device=device, dtype=torch.int32)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
+        raise ValueError(f"linear(layer): expected an int in [0, {L}) or an int tensor, got {layer!r}")
+    return torch.tensor([layer], dtype=torch.int32, device=device)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = None,
+           scale: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+           block_m: int | None = None, block_n: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """y = epilogue(x @ w[layer].T), batch-invariant; the signature and bits of the Pallas twin.
+
+    x: [M, K]; w: [L, N, K] with layer an int or int tensor, or [N, K] with layer=None.
+    """
+    w, scale, layer = _stacked(w, scale, layer)
+    M, K, N, N_out = check_twin_linear(x, w, act, ACTS, scale, residual)
+    BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n)
+    for name, t in (("x", x), ("w", w), ("scale", scale), ("residual", residual)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"linear({name}): must be contiguous, got strides {t.stride()}")
+    out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)
+    dummy = out  # never read when the flag is off
+    _kernel[(triton.cdiv(M, BM), N_out // BN)](
+        _layer_tensor(layer, w.shape[0], x.device), x, w, dummy if scale is None else scale,
+        dummy if residual is None else residual, out, M, N=N, K=K, N_OUT=N_out, BM=BM, BN=BN, BK=BK,
+        ACT=_ACT_CODE[act], HAS_SCALE=scale is not None, HAS_RES=residual is not None,
+        INTERPRETED=interpreting(_kernel), num_warps=num_warps, enable_fp_fusion=False)
+    return out

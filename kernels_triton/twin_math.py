@@ -1,0 +1,155 @@
+"""The twin kernels' float32 arithmetic, Triton side: the same operations as `kernels_pallas.twin_math`.
+
+The contract is stated there; this module is its Triton twin, operation for operation (keep the
+two in step). Products are plain ``a * b``: every twin kernel launches with
+``enable_fp_fusion=False``, which makes each product a ``mul.rn.f32`` of its own (the Pallas
+twin writes that instruction); the interpreter (numpy) never fuses. Division and square root are
+``div_rn`` / ``sqrt_rn``. `INTERPRETED` (constexpr) is True under ``TRITON_INTERPRET=1``, where
+the float32 -> bfloat16 cast truncates, so `to_dtype` rounds with integer operations there.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels_pallas.twin_math import (
+    COS_POLY,
+    ERF_ALPHA,
+    ERF_BETA,
+    EXP_POLY,
+    LN2_HI,
+    LN2_LO,
+    LOG2E,
+    PIO2,
+    SIN_POLY,
+    SQRT1_2,
+    TWO_OVER_PI,
+)
+
+_LOG2E = tl.constexpr(LOG2E)
+_LN2_HI, _LN2_LO = tl.constexpr(LN2_HI), tl.constexpr(LN2_LO)
+_E0, _E1, _E2, _E3, _E4, _E5 = (tl.constexpr(c) for c in EXP_POLY)
+_TWO_OVER_PI = tl.constexpr(TWO_OVER_PI)
+_P0, _P1, _P2 = (tl.constexpr(c) for c in PIO2)
+_S0, _S1, _S2 = (tl.constexpr(c) for c in SIN_POLY)
+_C0, _C1, _C2 = (tl.constexpr(c) for c in COS_POLY)
+_A0, _A1, _A2, _A3, _A4, _A5, _A6 = (tl.constexpr(c) for c in ERF_ALPHA)
+_B0, _B1, _B2, _B3, _B4 = (tl.constexpr(c) for c in ERF_BETA)
+_SQRT1_2 = tl.constexpr(SQRT1_2)
+
+
+def interpreting(kernel) -> bool:
+    """Whether ``triton.jit`` built `kernel` for Triton's interpreter.
+
+    Read off the kernel object, not the environment: TRITON_INTERPRET counts only when the kernel
+    is decorated (at import), so the object is what a launch will actually run.
+    """
+    return isinstance(kernel, InterpretedFunction)
+
+
+@triton.jit
+def to_dtype(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """float32 -> ``dtype``, round to nearest even.
+
+    Compiled, the cast is ``cvt.rn``. The interpreter's own float32 -> bfloat16 cast truncates,
+    so there bfloat16 is rounded with integer ops, which give the GPU's bits (NaN becomes a
+    quiet NaN; NaN payloads are not part of the contract).
+    """
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        bits = tl.where(x != x, 0x7FC00000, bits)  # noqa: PLR0124
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _halve(x, R: tl.constexpr, N: tl.constexpr):
+    """[R, N] -> [R, N // 2]: x[:, :N/2] + x[:, N/2:]."""
+    x = tl.permute(tl.reshape(x, [R, 2, N // 2]), (0, 2, 1))
+    a, b = tl.split(x)
+    return a + b
+
+
+@triton.jit
+def tree_sum(x, R: tl.constexpr, N: tl.constexpr):
+    """Sum of x [R, N] over its last axis (N a power of two, at most 1024) in the fixed halving
+    order of `kernels_pallas.twin_math.tree_sum`; returns [R]."""
+    tl.static_assert(N <= 1024, "tree_sum: at most 1024 lanes")
+    if N >= 1024:
+        x = _halve(x, R, 1024)
+    if N >= 512:
+        x = _halve(x, R, 512)
+    if N >= 256:
+        x = _halve(x, R, 256)
+    if N >= 128:
+        x = _halve(x, R, 128)
+    if N >= 64:
+        x = _halve(x, R, 64)
+    if N >= 32:
+        x = _halve(x, R, 32)
+    if N >= 16:
+        x = _halve(x, R, 16)
+    if N >= 8:
+        x = _halve(x, R, 8)
+    if N >= 4:
+        x = _halve(x, R, 4)
+    if N >= 2:
+        x = _halve(x, R, 2)
+    return tl.reshape(x, [R])
+
+
+@triton.jit
+def _pow2(n):
+    return ((n.to(tl.int32) + 127) * (1 << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exp(x):
+    """e**x, the formula of `kernels_pallas.twin_math.exp`."""
+    n = tl.floor(x * _LOG2E + 0.5)
+    n = tl.minimum(tl.maximum(n, -126.0), 127.0)
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    r2 = r * r
+    p = ((((_E0 * r + _E1) * r + _E2) * r + _E3) * r + _E4) * r + _E5
+    y = (p * r2 + r + 1.0) * _pow2(n)
+    y = tl.where(x < -87.3, 0.0, y)
+    y = tl.where(x > 88.7, float("inf"), y)
+    return tl.where(x != x, x, y)  # noqa: PLR0124
+
+
+@triton.jit
+def sincos(x):
+    """(sin x, cos x), the formula of `kernels_pallas.twin_math.sincos`."""
+    k = tl.floor(x * _TWO_OVER_PI + 0.5)
+    r = ((x - k * _P0) - k * _P1) - k * _P2
+    z = r * r
+    s = ((_S0 * z + _S1) * z + _S2) * z * r + r
+    c = (((_C0 * z + _C1) * z + _C2) * z * z - 0.5 * z) + 1.0
+    q = k.to(tl.int32) & 3
+    sin = tl.where(q == 0, s, tl.where(q == 1, c, tl.where(q == 2, -s, -c)))
+    cos = tl.where(q == 0, c, tl.where(q == 1, -s, tl.where(q == 2, -c, s)))
+    return sin, cos
+
+
+@triton.jit
+def erf(x):
+    """erf(x), the formula of `kernels_pallas.twin_math.erf`."""
+    x = tl.minimum(tl.maximum(x, -4.0), 4.0)
+    x2 = x * x
+    p = (((((_A0 * x2 + _A1) * x2 + _A2) * x2 + _A3) * x2 + _A4) * x2 + _A5) * x2 + _A6
+    q = (((_B0 * x2 + _B1) * x2 + _B2) * x2 + _B3) * x2 + _B4
+    return tl.math.div_rn(x * p, q)
+
+
+@triton.jit
+def silu(x):
+    return tl.math.div_rn(x, 1.0 + exp(-x))
+
+
+@triton.jit
+def gelu(x):
+    return (x * 0.5) * (1.0 + erf(x * _SQRT1_2))

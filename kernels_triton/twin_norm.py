@@ -1,0 +1,76 @@
+"""Batch-invariant RMSNorm and LayerNorm as a Triton kernel: the twin of `kernels_pallas.twin_norm`
+(its docstring states the contract; same signature, same bits)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from kernels_pallas.common import TWIN_MAX_BM, check_twin_norm, next_pow2, twin_lanes
+from kernels_triton import twin_math as tm
+from kernels_triton.twin_math import interpreting
+from kernels_triton.twin_linear import _layer_tensor
+
+KINDS = ("rms", "layer")
+
+
+@triton.jit
+def _row_sum(x_ptr, m, m_ok, mean, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SQUARE: tl.constexpr,
+             CENTER: tl.constexpr):
+    """S(.) of the contract over rows m: of x, x*x, or (x - mean)^2; returns [BM]."""
+    k = tl.arange(0, BK)
+    acc = tl.zeros([BM, BK], tl.float32)
+    for k0 in range(0, D, BK):
+        v = tl.load(x_ptr + m[:, None] * D + k0 + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+        if CENTER:
+            v = v - mean[:, None]
+        if SQUARE:
+            v = v * v
+        acc = acc + v
+    return tm.tree_sum(acc, BM, BK)
+
+
+@triton.jit
+def _kernel(layer_ptr, x_ptr, w_ptr, b_ptr, o_ptr, M, eps, INV_D: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+            BK: tl.constexpr, RMS: tl.constexpr, INTERPRETED: tl.constexpr):
+    layer = tl.load(layer_ptr).to(tl.int64)
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_ok = m < M
+    k = tl.arange(0, BK)
+    zero = tl.zeros([BM], tl.float32)
+    if RMS:
+        var = eps + _row_sum(x_ptr, m, m_ok, zero, D, BM, BK, True, False) * INV_D
+        mean = zero
+    else:
+        mean = _row_sum(x_ptr, m, m_ok, zero, D, BM, BK, False, False) * INV_D
+        var = _row_sum(x_ptr, m, m_ok, mean, D, BM, BK, True, True) * INV_D + eps
+    r = tl.math.div_rn(tl.full([BM], 1.0, tl.float32), tl.math.sqrt_rn(var))
+    for k0 in range(0, D, BK):
+        offs = m[:, None] * D + k0 + k[None, :]
+        x = tl.load(x_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + layer * D + k0 + k).to(tl.float32)[None, :]
+        if RMS:
+            y = x * (w * r[:, None])
+        else:
+            b = tl.load(b_ptr + layer * D + k0 + k).to(tl.float32)[None, :]
+            y = ((x - mean[:, None]) * r[:, None]) * w + b
+        tl.store(o_ptr + offs, tm.to_dtype(y, o_ptr.dtype.element_ty, INTERPRETED), mask=m_ok[:, None])
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, layer=None, *,
+         kind: str = "rms", eps: float, block_m: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """The contract's norm of each row of x [M, D] (the Pallas twin's signature and bits)."""
+    if layer is None:
+        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
+    M, D = check_twin_norm(x, weight, bias, kind, KINDS)
+    if not x.is_contiguous():
+        raise ValueError(f"norm(x): must be contiguous, got strides {x.stride()}")
+    BM = min(TWIN_MAX_BM, next_pow2(M)) if block_m is None else block_m
+    out = torch.empty_like(x)
+    _kernel[(triton.cdiv(M, BM),)](
+        _layer_tensor(layer, weight.shape[0], x.device), x, weight, weight if bias is None else bias, out, M,
+        eps, INV_D=float(np.float32(1.0 / D)), D=D, BM=BM, BK=twin_lanes(D), RMS=kind == "rms", INTERPRETED=interpreting(_kernel),
+        num_warps=num_warps, enable_fp_fusion=False)
+    return out

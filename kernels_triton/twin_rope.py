@@ -1,0 +1,91 @@
+"""The per-step RoPE tables and the rotate-and-write into the stacked ring as Triton kernels: the
+twins of `kernels_pallas.twin_rope` (its docstring states the contract; same signatures, same bits)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_pallas.common import check_twin_rope, next_pow2
+from kernels_triton import twin_math as tm
+from kernels_triton.twin_linear import _layer_tensor
+from kernels_triton.twin_math import interpreting
+
+
+@triton.jit
+def _tables_kernel(offset_ptr, freqs_ptr, cos_ptr, sin_ptr, TP: tl.constexpr, HALF: tl.constexpr):
+    b = tl.program_id(0)
+    t = tl.arange(0, TP)
+    i = tl.arange(0, HALF)
+    pos = tl.load(offset_ptr + b).to(tl.float32) + t.to(tl.float32)
+    angle = pos[:, None] * tl.load(freqs_ptr + i)[None, :]
+    sin, cos = tm.sincos(angle)
+    offs = (b * TP + t[:, None]) * HALF + i[None, :]
+    tl.store(cos_ptr + offs, cos)
+    tl.store(sin_ptr + offs, sin)
+
+
+def tables(offset: torch.Tensor, T: int, freqs: torch.Tensor):
+    """(cos, sin) float32 [B, T, D/2] for positions offset[b] + t (the Pallas twin's bits)."""
+    B, half = offset.shape[0], freqs.shape[0]
+    if half & (half - 1):
+        raise ValueError(f"tables(freqs): D/2 must be a power of two, got {half}")
+    Tp = next_pow2(T)
+    cos = torch.empty((B, Tp, half), dtype=torch.float32, device=offset.device)
+    sin = torch.empty_like(cos)
+    _tables_kernel[(B,)](offset, freqs.float().contiguous(), cos, sin, TP=Tp, HALF=half, enable_fp_fusion=False)
+    return cos[:, :T].contiguous(), sin[:, :T].contiguous()
+
+
+@triton.jit
+def _rotate(r, i, cos, sin, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    return (tm.to_dtype(r * cos - i * sin, dtype, INTERPRETED), tm.to_dtype(r * sin + i * cos, dtype, INTERPRETED))
+
+
+@triton.jit
+def _write_kernel(layer_ptr, qkv_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, q_ptr, k_ptr, v_ptr,
+                  B: tl.constexpr, T: tl.constexpr, H: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
+    bt = tl.program_id(0)
+    h = tl.program_id(1)
+    b = bt // T
+    t = bt % T
+    HALF: tl.constexpr = D // 2
+    j2 = 2 * tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + bt * HALF + tl.arange(0, HALF))
+    sin = tl.load(sin_ptr + bt * HALF + tl.arange(0, HALF))
+    dtype = q_ptr.dtype.element_ty
+    base = bt * 3 * H * D + h * D + j2
+    q0, q1 = _rotate(tl.load(qkv_ptr + base).to(tl.float32), tl.load(qkv_ptr + base + 1).to(tl.float32),
+                     cos, sin, dtype, INTERPRETED)
+    q_out = ((b * H + h) * T + t) * D + j2
+    tl.store(q_ptr + q_out, q0)
+    tl.store(q_ptr + q_out + 1, q1)
+    if tl.load(wmask_ptr + bt) != 0:
+        kb = base + H * D
+        k0, k1 = _rotate(tl.load(qkv_ptr + kb).to(tl.float32), tl.load(qkv_ptr + kb + 1).to(tl.float32),
+                         cos, sin, dtype, INTERPRETED)
+        vb = base + 2 * H * D
+        slot = tl.load(slot_ptr + bt).to(tl.int64)
+        layer = tl.load(layer_ptr).to(tl.int64)
+        ring = (((layer * B + b) * H + h) * C + slot) * D + j2
+        tl.store(k_ptr + ring, k0)
+        tl.store(k_ptr + ring + 1, k1)
+        tl.store(v_ptr + ring, tl.load(qkv_ptr + vb))
+        tl.store(v_ptr + ring + 1, tl.load(qkv_ptr + vb + 1))
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ring_k: torch.Tensor,
+               ring_v: torch.Tensor, layer, write_index: torch.Tensor, write_mask: torch.Tensor):
+    """Rotate q, k and write k, v into layer `layer` of the rings in place; returns (q, ring_k, ring_v)."""
+    B, T, H, D, (L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
+    for name, t in (("qkv", qkv), ("ring_k", ring_k), ("ring_v", ring_v), ("cos", cos), ("sin", sin)):
+        if not t.is_contiguous():
+            raise ValueError(f"rope_write({name}): must be contiguous, got strides {t.stride()}")
+    q = torch.empty((B, H, T, D), dtype=qkv.dtype, device=qkv.device)
+    _write_kernel[(B * T, H)](
+        _layer_tensor(layer, L, qkv.device), qkv, cos, sin, write_index.to(torch.int32).contiguous(),
+        write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, B=B, T=T, H=H, C=C, D=D,
+        INTERPRETED=interpreting(_write_kernel), enable_fp_fusion=False)
+    return q, ring_k, ring_v

@@ -1,0 +1,71 @@
+"""The layers of both stacks on the Triton twin kernels (`kernels="twin"`): the same kernels, in the
+same order, as `jax_impl.model`'s twin layers on the Pallas twins, so the two paths give the same
+bits, on the GPU and on the CPU, whatever the batch (see `kernels_pallas.twin_math`).
+
+Same signatures as `layers.temporal_layer` / `layers.mimi_layer`: x [B, T, dim]; w: this layer's
+weights (views into the stacked buffers: no copy); ring_k, ring_v [B, H, C, D] (views of the
+stacked ring, written in place); tables: `ring.StepTables` with the twin RoPE tables. Per layer:
+
+    temporal: rms norm -> qkv -> rotate + ring write -> attention -> out-proj + residual
+              -> rms norm -> gated in-proj (silu) -> out-proj + residual
+    mimi:     layer norm -> qkv -> rotate + ring write -> attention -> out-proj * scale1 + residual
+              -> layer norm -> linear1 (gelu) -> linear2 * scale2 + residual
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels_triton import twin_attention, twin_linear, twin_norm, twin_rope
+
+from .ring import StepTables
+
+
+def _attention(h2, w, num_heads: int, ring_k, ring_v, tables: StepTables, B: int, T: int, context: int):
+    """qkv, rotate + write, attention: h2 [B*T, dim] -> attention output [B*T, dim]."""
+    dim = h2.shape[1]
+    qkv = twin_linear.linear(h2, w["in_proj"]).view(B, T, 3, num_heads, dim // num_heads)
+    q, _, _ = twin_rope.rope_write(qkv, tables.cos[:, 0].contiguous(), tables.sin[:, 0].contiguous(),
+                                   ring_k[None], ring_v[None], 0, tables.write_index, tables.write_mask)
+    return twin_attention.attention(q, ring_k[None], ring_v[None], 0, tables.positions, tables.q_pos,
+                                    context=context).view(B * T, dim)
+
+
+def temporal_layer(x, w: dict, num_heads: int, eps: float, ring_k, ring_v, tables, active, *, context: int):
+    """Helium layer on the twins (module docstring); `active` is carried by `tables.write_mask`."""
+    B, T, dim = x.shape
+    x2 = x.reshape(B * T, dim)
+    h = twin_norm.norm(x2, w["norm1_alpha"], kind="rms", eps=eps)
+    x2 = twin_linear.linear(_attention(h, w, num_heads, ring_k, ring_v, tables, B, T, context), w["out_proj"],
+                            residual=x2)
+    h = twin_norm.norm(x2, w["norm2_alpha"], kind="rms", eps=eps)
+    u = twin_linear.linear(h, w["linear_in"], act="silu_gate")
+    return twin_linear.linear(u, w["linear_out"], residual=x2).view(B, T, dim)
+
+
+def mimi_layer(x, w: dict, num_heads: int, eps: float, ring_k, ring_v, tables, active, *, context: int):
+    """Mimi layer on the twins (module docstring)."""
+    B, T, dim = x.shape
+    x2 = x.reshape(B * T, dim)
+    h = twin_norm.norm(x2, w["norm1_weight"], w["norm1_bias"], kind="layer", eps=eps)
+    a = _attention(h, w, num_heads, ring_k, ring_v, tables, B, T, context)
+    x2 = twin_linear.linear(a, w["out_proj"], scale=w["scale1"], residual=x2)
+    h = twin_norm.norm(x2, w["norm2_weight"], w["norm2_bias"], kind="layer", eps=eps)
+    f = twin_linear.linear(h, w["linear1"], act="gelu")
+    return twin_linear.linear(f, w["linear2"], scale=w["scale2"], residual=x2).view(B, T, dim)
+
+
+TWIN_LAYERS = {"temporal_layer": temporal_layer, "mimi_layer": mimi_layer}  # reference layer name -> twin
+
+
+def temporal_head(x, out_norm_alpha, text_linear, eps: float):
+    """(out [B, T, dim], text_logits [B, 1, T, text_card]) on the twins."""
+    B, T, dim = x.shape
+    out = twin_norm.norm(x.reshape(B * T, dim), out_norm_alpha, kind="rms", eps=eps)
+    return out.view(B, T, dim), twin_linear.linear(out, text_linear).view(B, 1, T, -1)
+
+
+def rope_tables(offset: torch.Tensor, T: int, freqs: torch.Tensor):
+    """The twin cos, sin [B, 1, T, D/2] (`StepTables` layout) for positions offset[b] + t."""
+    cos, sin = twin_rope.tables(offset.to(torch.int32), T, freqs)
+    return cos[:, None], sin[:, None]
