@@ -8,7 +8,7 @@ Imported by both `torch_bridge` and `jax_impl`; it imports neither torch nor jax
   other names moshi's own modules give them: `in_projs.0.weight`, ...).
 - `check_checkpoint(shapes, config, prefix)`: one `CheckpointError` listing every missing,
   unexpected, duplicated or mis-shaped key; `check_fit` is the one checker behind it and behind
-  the JAX parameter checks; `check_dtype` the one dtype rule of every loader.
+  the JAX parameter checks; `weight_dtype_problem` the one dtype rule of every loader.
 - `infer_config(shapes, kind, prefix)`: the sizes a checkpoint's shapes determine.
 - `read_safetensors_shapes` / `read_safetensors`: a file's header / tensors, errors naming the path.
 """
@@ -242,7 +242,7 @@ LOADABLE_DTYPES = ("float32", "bfloat16", "float16")
 WIDENINGS = frozenset({("bfloat16", "float32"), ("float16", "float32")})
 
 
-def check_dtype(key: str, have: str, want: str | None) -> str | None:
+def weight_dtype_problem(key: str, have: str, want: str | None) -> str | None:
     """The dtype rule of every loader: the problem line for `key`, or None when it loads.
 
     have: the source's dtype name ("float32", "bfloat16", "float64", "int32", ...).

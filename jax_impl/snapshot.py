@@ -112,7 +112,7 @@ def check_snapshot_layout(config: StackConfig, snapshot, where: str = "restore(s
     except (TypeError, ValueError):
         raise SnapshotError(f"{where}: snapshot['metadata']['config'] is not JSON: "
                             f"{meta['config']!r}") from None
-    want = config_fields(config)
+    want = json.loads(json.dumps(config_fields(config)))  # as it reads back (a tuple field as a list)
     if not isinstance(fields, dict) or fields != want:
         have = fields if isinstance(fields, dict) else {}
         diff = [f"{k}: snapshot {have.get(k, '(absent)')!r}, stack {v!r}" for k, v in want.items()

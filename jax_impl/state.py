@@ -29,7 +29,8 @@ cannot see holds zeros or what the row's current session wrote, never an older s
 values: a NaN or Inf fed by a previous session cannot reach the new one through a masked slot
 (a masked weight of 0 times NaN is NaN, in torch's SDPA as in any matmul). On finite data
 none of this changes a bit of any output (a masked slot contributes an exact 0 either way).
-Cost: one write of the row's ring per reset; nothing per step.
+Cost: one pass over the row's ring per `reset_slot` (over the whole ring per `reset_rows`, a
+select); nothing per step.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jax_impl.config import StackConfig
 
@@ -114,12 +116,17 @@ def _check_mask(op: str, state: StreamState, mask):
     return jnp.asarray(mask)
 
 
-def _clear_rows(ring: jax.Array, rows: jax.Array) -> jax.Array:
-    """ring [L, B, H, C, D] with rows `rows` (int [n]; entries == B are dropped) zeroed.
+def _clear_row(ring: jax.Array, b, ok) -> jax.Array:
+    """ring [L, B, H, C, D] with row b zeroed where ok (a bool scalar), else unchanged.
 
-    A scatter of zeros: under donation (the `jit_*` ops) it writes only those rows, in place.
+    One in-place dynamic-update-slice of the row under donation (the `jit_*` ops): reads and
+    writes L*H*C*D elements, no temporary (the select fuses into the update).
     """
-    return ring.at[:, rows].set(jnp.zeros((), ring.dtype), mode="drop")
+    L, B, H, C, D = ring.shape
+    z = jnp.zeros((), jnp.int32)
+    start = (z, jnp.clip(jnp.asarray(b), 0, B - 1).astype(jnp.int32), z, z, z)
+    row = lax.dynamic_slice(ring, start, (L, 1, H, C, D))
+    return lax.dynamic_update_slice(ring, jnp.where(ok, jnp.zeros((), ring.dtype), row), start)
 
 
 def reset_slot(state: StreamState, b) -> StreamState:
@@ -129,9 +136,8 @@ def reset_slot(state: StreamState, b) -> StreamState:
     range matches no row: a no-op.
     """
     row = _check_row("reset_slot", state, b)
-    B = state.offset.shape[0]
-    rows = jnp.where(row.any(), jnp.asarray(b).astype(jnp.int32), B)[None]
-    return state._replace(k=_clear_rows(state.k, rows), v=_clear_rows(state.v, rows),
+    ok = row.any()
+    return state._replace(k=_clear_row(state.k, b, ok), v=_clear_row(state.v, b, ok),
                           start_offset=jnp.where(row, state.offset, state.start_offset))
 
 
@@ -159,10 +165,10 @@ def reset_rows(state: StreamState, mask) -> StreamState:
     Their ring rows are zeroed (session isolation, see the module docstring).
     """
     mask = _check_mask("reset_rows", state, mask)
-    B = state.offset.shape[0]
-    rows = jnp.where(mask, jnp.arange(B, dtype=jnp.int32), B)
+    rows = mask[None, :, None, None, None]  # a select over the rings: in place under donation, no temporary
     zero = jnp.zeros_like(state.offset)
-    return state._replace(k=_clear_rows(state.k, rows), v=_clear_rows(state.v, rows),
+    return state._replace(k=jnp.where(rows, jnp.zeros((), state.k.dtype), state.k),
+                          v=jnp.where(rows, jnp.zeros((), state.v.dtype), state.v),
                           offset=jnp.where(mask, zero, state.offset),
                           start_offset=jnp.where(mask, zero, state.start_offset))
 

@@ -23,12 +23,12 @@ from jax_impl.config import (
     CheckpointError,
     StackConfig,
     check_checkpoint,
-    check_dtype,
     check_fit,
     checkpoint_keys,
     describe,
     read_safetensors,
     read_safetensors_shapes,
+    weight_dtype_problem,
     weight_specs,
 )
 
@@ -84,7 +84,7 @@ def _source_problems(arrays: Mapping[str, Any], want: str | None) -> dict[str, s
         elif getattr(x, "is_meta", False):
             line = f"no data: {key}: a meta tensor"
         else:
-            line = check_dtype(key, name, want)
+            line = weight_dtype_problem(key, name, want)
         if line:
             problems[key] = line
     return problems

@@ -171,8 +171,10 @@ def stream_index(rotary_dim: int, mrope_section: Sequence[int], mrope_interleave
 # Twin kernels (kernels_pallas.twin_*, kernels_triton.twin_*): shared tiles and checks
 # --------------------------------------------------------------------------------------------
 TWIN_MAX_BK = 64   # lanes of a sum over K (the reduction order depends on this and K alone)
-TWIN_MAX_BN = 32   # output columns per program (speed only)
-TWIN_MAX_BM = 16   # output rows per program (speed only)
+TWIN_MAX_BN = 32   # output columns per program (speed only; compiled)
+TWIN_MAX_BM = 16   # output rows per program (speed only; compiled)
+TWIN_INTERPRET_MAX_BN = 256  # interpreted (CPU), fewer, larger programs: each costs Python overhead
+TWIN_INTERPRET_MAX_BM = 64
 
 
 def largest_pow2_divisor(n: int, cap: int) -> int:
@@ -188,12 +190,17 @@ def twin_lanes(K: int) -> int:
     return largest_pow2_divisor(K, TWIN_MAX_BK)
 
 
-def twin_blocks(M: int, N: int, K: int, block_m: int | None = None, block_n: int | None = None):
-    """(BM, BN, BK) of the twin linear kernel: BK from K alone (bits), BM, BN for speed."""
+def twin_blocks(M: int, N: int, K: int, block_m: int | None = None, block_n: int | None = None,
+                interpreted: bool = False, masked_n: bool = False):
+    """(BM, BN, BK) of the twin linear kernel: BK from K alone (bits), BM, BN for speed.
+
+    masked_n: the kernel masks columns past N, so block_n need not divide N (Triton's).
+    """
     BK = twin_lanes(K)
-    BN = largest_pow2_divisor(N, TWIN_MAX_BN) if block_n is None else block_n
-    BM = min(TWIN_MAX_BM, next_pow2(M)) if block_m is None else block_m
-    for name, v, total in (("block_m", BM, None), ("block_n", BN, N)):
+    max_bn, max_bm = (TWIN_INTERPRET_MAX_BN, TWIN_INTERPRET_MAX_BM) if interpreted else (TWIN_MAX_BN, TWIN_MAX_BM)
+    BN = largest_pow2_divisor(N, max_bn) if block_n is None else block_n
+    BM = min(max_bm, next_pow2(M)) if block_m is None else block_m
+    for name, v, total in (("block_m", BM, None), ("block_n", BN, None if masked_n else N)):
         if v <= 0 or v & (v - 1) or (total is not None and total % v):
             raise ValueError(f"twin linear: {name} must be a power of two dividing {total or 'any M'}, got {v}")
     return BM, BN, BK

@@ -87,14 +87,21 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, acc_ref, m_
     pltriton.store(l_ref.at[part + one], l)
 
 
-def _combine(m, l, acc, dtype, gpu):
-    """Partials m, l [S], acc [S, D] -> out [D] in dtype (the contract's combine, sequential over s)."""
-    m0 = _safe(jnp.max(m, keepdims=True))                                      # [1]
-    L, O = jnp.zeros((1,), tm.F32), jnp.zeros(acc.shape[1:], tm.F32)
-    for s in range(m.shape[0]):
-        w = tm.exp(m[s:s + 1] - m0, gpu)
-        L = L + tm.mul(l[s:s + 1], w, gpu)
-        O = O + tm.mul(acc[s], w, gpu)
+def _combine(load, S: int, dtype, gpu):
+    """The contract's combine of S partials, sequential over s; load(s) -> (m [1], l [1], acc [D]).
+
+    Partials are loaded one at a time (the GPU lowering takes power-of-two arrays only, S is not).
+    """
+    m0 = load(0)[0]
+    for s in range(1, S):
+        m0 = jnp.maximum(m0, load(s)[0])
+    m0 = _safe(m0)
+    L, O = jnp.zeros((1,), tm.F32), jnp.zeros_like(load(0)[2])
+    for s in range(S):
+        m, l, acc = load(s)
+        w = tm.exp(m - m0, gpu)
+        L = L + tm.mul(l, w, gpu)
+        O = O + tm.mul(acc, w, gpu)
     out = jnp.where(L > 0, tm.div(O, jnp.where(L > 0, L, tm.F32(1.0)), gpu), tm.F32(0.0))
     return tm.to_dtype(out, dtype)
 
@@ -102,12 +109,15 @@ def _combine(m, l, acc, dtype, gpu):
 def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, H, T, D, S, gpu):
     bht = pl.program_id(0)
     b, h, t = bht // (H * T), (bht // T) % H, bht % T
-    s = jnp.arange(S, dtype=jnp.int32)
+    one = jnp.arange(1, dtype=jnp.int32)
     d = jnp.arange(D, dtype=jnp.int32)
-    m = pltriton.load(m_ref.at[bht * S + s])
-    l = pltriton.load(l_ref.at[bht * S + s])
-    acc = pltriton.load(acc_ref.at[(bht * S + s[:, None]) * D + d[None, :]])
-    out = _combine(m, l, acc, o_ref.dtype, gpu)
+
+    def load(s):
+        part = bht * S + s
+        return (pltriton.load(m_ref.at[part + one]), pltriton.load(l_ref.at[part + one]),
+                pltriton.load(acc_ref.at[part * D + d]))
+
+    out = _combine(load, S, o_ref.dtype, gpu)
     pltriton.store(o_ref.at[((b * T + t) * H + h) * D + d], out)                 # out [B, T, H, D]
 
 
@@ -165,7 +175,7 @@ def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int
                 c = slice(s * chunk + i * BC, s * chunk + (i + 1) * BC)
                 carry = _block(qv, kv[c], vv[c], visible[c], carry, scale, False)
             ms.append(carry[0]), ls.append(carry[1]), accs.append(carry[2])
-        return _combine(jnp.concatenate(ms), jnp.concatenate(ls), jnp.stack(accs), q.dtype, False)
+        return _combine(lambda s: (ms[s], ls[s], accs[s]), S, q.dtype, False)
 
     per_t = jax.vmap(one, in_axes=(0, None, None, None, 0))                      # over t
     per_h = jax.vmap(per_t, in_axes=(0, 0, 0, None, None))                      # over h

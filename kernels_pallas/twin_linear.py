@@ -91,9 +91,9 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     """
     w, scale, layer = _stacked(w, scale, layer)
     M, K, _, N_out = check_twin_linear(x, w, act, ACTS, scale, residual)
-    BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret)
     Mp = -(-M // BM) * BM
     pad = ((0, Mp - M), (0, 0))
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, pad), w]

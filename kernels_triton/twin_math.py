@@ -67,38 +67,44 @@ def to_dtype(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _halve(x, R: tl.constexpr, N: tl.constexpr):
-    """[R, N] -> [R, N // 2]: x[:, :N/2] + x[:, N/2:]."""
-    x = tl.permute(tl.reshape(x, [R, 2, N // 2]), (0, 2, 1))
-    a, b = tl.split(x)
-    return a + b
-
-
-@triton.jit
 def tree_sum(x, R: tl.constexpr, N: tl.constexpr):
     """Sum of x [R, N] over its last axis (N a power of two, at most 1024) in the fixed halving
-    order of `kernels_pallas.twin_math.tree_sum`; returns [R]."""
+    order of `kernels_pallas.twin_math.tree_sum`: x[:, :n/2] + x[:, n/2:], halved again; returns [R].
+
+    Written out level by level in one function: the interpreter re-patches the language on every
+    nested jit call, which made a helper per level the slowest part of a CPU step.
+    """
     tl.static_assert(N <= 1024, "tree_sum: at most 1024 lanes")
     if N >= 1024:
-        x = _halve(x, R, 1024)
+        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 512]), (0, 2, 1)))
+        x = a + b
     if N >= 512:
-        x = _halve(x, R, 512)
+        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 256]), (0, 2, 1)))
+        x = a + b
     if N >= 256:
-        x = _halve(x, R, 256)
+        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 128]), (0, 2, 1)))
+        x = a + b
     if N >= 128:
-        x = _halve(x, R, 128)
+        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 64]), (0, 2, 1)))
+        x = a + b
     if N >= 64:
-        x = _halve(x, R, 64)
+        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 32]), (0, 2, 1)))
+        x = a + b
     if N >= 32:
-        x = _halve(x, R, 32)
+        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 16]), (0, 2, 1)))
+        x = a + b
     if N >= 16:
-        x = _halve(x, R, 16)
+        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 8]), (0, 2, 1)))
+        x = a + b
     if N >= 8:
-        x = _halve(x, R, 8)
+        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 4]), (0, 2, 1)))
+        x = a + b
     if N >= 4:
-        x = _halve(x, R, 4)
+        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 2]), (0, 2, 1)))
+        x = a + b
     if N >= 2:
-        x = _halve(x, R, 2)
+        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 1]), (0, 2, 1)))
+        x = a + b
     return tl.reshape(x, [R])
 
 

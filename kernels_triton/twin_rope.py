@@ -46,15 +46,17 @@ def _rotate(r, i, cos, sin, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 @triton.jit
 def _write_kernel(layer_ptr, qkv_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, q_ptr, k_ptr, v_ptr,
                   B: tl.constexpr, T: tl.constexpr, H: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
+                  HB: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program (b*T + t, hb): heads hb*HB .. of query (b, t) (HB = 1 compiled; interpreted, all
+    heads at once, which only saves the interpreter's per-program overhead)."""
     bt = tl.program_id(0)
-    h = tl.program_id(1)
+    h = (tl.program_id(1) * HB + tl.arange(0, HB))[:, None]                   # [HB, 1]
     b = bt // T
     t = bt % T
     HALF: tl.constexpr = D // 2
-    j2 = 2 * tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + bt * HALF + tl.arange(0, HALF))
-    sin = tl.load(sin_ptr + bt * HALF + tl.arange(0, HALF))
+    j2 = 2 * tl.arange(0, HALF)[None, :]                                      # [1, HALF]
+    cos = tl.load(cos_ptr + bt * HALF + tl.arange(0, HALF))[None, :]
+    sin = tl.load(sin_ptr + bt * HALF + tl.arange(0, HALF))[None, :]
     dtype = q_ptr.dtype.element_ty
     base = bt * 3 * H * D + h * D + j2
     q0, q1 = _rotate(tl.load(qkv_ptr + base).to(tl.float32), tl.load(qkv_ptr + base + 1).to(tl.float32),
@@ -84,8 +86,9 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ring_k: 
         if not t.is_contiguous():
             raise ValueError(f"rope_write({name}): must be contiguous, got strides {t.stride()}")
     q = torch.empty((B, H, T, D), dtype=qkv.dtype, device=qkv.device)
-    _write_kernel[(B * T, H)](
+    HB = H if interpreting(_write_kernel) and not H & (H - 1) else 1
+    _write_kernel[(B * T, H // HB)](
         _layer_tensor(layer, L, qkv.device), qkv, cos, sin, write_index.to(torch.int32).contiguous(),
-        write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, B=B, T=T, H=H, C=C, D=D,
+        write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, B=B, T=T, H=H, C=C, D=D, HB=HB,
         INTERPRETED=interpreting(_write_kernel), enable_fp_fusion=False)
     return q, ring_k, ring_v

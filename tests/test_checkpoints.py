@@ -71,7 +71,8 @@ def test_torch_load_is_all_or_nothing(bad, message):
 def test_torch_load_lists_every_problem_and_refuses_a_list():
     stack = make(MCFG)
     src = make(MCFG, seed=3).export_weights("decoder_transformer")
-    k1, k2 = "decoder_transformer.transformer.layers.0.linear1.weight", "decoder_transformer.transformer.layers.1.norm2.bias"
+    k1 = "decoder_transformer.transformer.layers.0.linear1.weight"
+    k2 = "decoder_transformer.transformer.layers.1.norm2.bias"
     src[k1] = src[k1].tolist()
     src[k2] = src[k2].numpy().astype(np.float64)
     before = snapshot(stack)
@@ -127,7 +128,7 @@ def test_jax_loaders_refuse_lists_meta_mixed_and_float64_targets():
         jx.params_from_checkpoint(TCFG, {**ck, MIDDLE: ck[MIDDLE].bfloat16()})
     mixed = jx.params_from_checkpoint(TCFG, {**ck, MIDDLE: ck[MIDDLE].bfloat16()}, dtype=jnp.float32)
     assert {a.dtype for a in jax.tree_util.tree_leaves(mixed)} == {jnp.dtype(jnp.float32)}
-    with pytest.raises(ValueError, match="dtype: expected None or one of float32, bfloat16, float16, got float64"):
+    with pytest.raises(ValueError, match="^dtype: expected None or one of float32, .*, got float64$"):
         jx.params_from_checkpoint(TCFG, ck, dtype=np.float64)
 
 
@@ -171,7 +172,8 @@ def test_bfloat16_file_loads_exactly_on_both_sides(tmp_path):
     flat = jx.weights.stacked_weights(MCFG, params)
     for k, v in src.weights().items():
         assert flat[k].dtype == jnp.bfloat16
-        np.testing.assert_array_equal(np.asarray(flat[k]).view(np.uint16), v.view(torch.int16).numpy().view(np.uint16))
+        bits = v.view(torch.int16).numpy().view(np.uint16)
+        np.testing.assert_array_equal(np.asarray(flat[k]).view(np.uint16), bits)
         assert torch.equal(dst.weights()[k], v)
 
 
@@ -181,7 +183,8 @@ def test_one_error_type_for_every_weight_check():
     assert not hasattr(jx.weights, "ParamsError") and not hasattr(jx.weights, "FLOAT_DTYPES")
     params = jx.init_params(TCFG, jax.random.key(0))
     flat = jx.weights.stacked_weights(TCFG, params)
-    bad_tree = {"params": {**params["params"], "layers": {**params["params"]["layers"], "in_proj": jnp.zeros(3)}}}
+    layers = {**params["params"]["layers"], "in_proj": jnp.zeros(3)}
+    bad_tree = {"params": {**params["params"], "layers": layers}}
     bad_ck = {**jx.export_checkpoint(TCFG, params), "out_norm.alpha": np.zeros(3, np.float32)}
     head = "state_dict does not fit TemporalConfig(dim=64, num_layers=2) with prefix '(none)':\n"
     calls = [
@@ -206,10 +209,15 @@ def test_one_error_type_for_every_weight_check():
 def test_moshi_names_accepted_and_duplicates_refused():
     ck = {k: tuple(v.shape) for k, v in make(MCFG).export_weights("encoder_transformer").items()}
     p = "encoder_transformer.transformer.layers.1.self_attn."
-    renamed = {k.replace("in_proj_weight", "in_projs.0.weight").replace("out_proj.weight", "out_projs.0.weight"): v
-               for k, v in ck.items()}
+    moshi_names = {"in_proj_weight": "in_projs.0.weight", "out_proj.weight": "out_projs.0.weight"}
+    renamed = {}
+    for k, v in ck.items():
+        for ours_, theirs_ in moshi_names.items():
+            k = k.replace(ours_, theirs_)
+        renamed[k] = v
     keys = check_checkpoint(renamed, MCFG, "encoder_transformer")
-    assert keys[p + "in_projs.0.weight"][0].name == "in_proj" and keys[p + "out_projs.0.weight"][0].name == "out_proj"
+    assert keys[p + "in_projs.0.weight"][0].name == "in_proj"
+    assert keys[p + "out_projs.0.weight"][0].name == "out_proj"
     assert set(keys) == set(renamed)
     with pytest.raises(CheckpointError) as err:
         check_checkpoint({**ck, p + "in_projs.0.weight": ck[p + "in_proj_weight"],
@@ -240,7 +248,8 @@ def test_moshi_module_state_dict_file_loads_on_both_sides_bit_exact(tmp_path, ki
     ours = make(cfg, seed=9)
     ours.load_safetensors(path, prefix)
     attn = dict(theirs.layers[1].self_attn.named_parameters())
-    assert torch.equal(ours.in_proj[1], attn["in_projs.0.weight"]) and torch.equal(ours.out_proj[1], attn["out_projs.0.weight"])
+    assert torch.equal(ours.in_proj[1], attn["in_projs.0.weight"])
+    assert torch.equal(ours.out_proj[1], attn["out_projs.0.weight"])
     params = jx.load_safetensors(cfg, path, prefix)
     for k, v in jx.weights.stacked_weights(cfg, params).items():
         np.testing.assert_array_equal(np.asarray(v), ours.weights()[k].numpy(), err_msg=k)
@@ -265,7 +274,8 @@ def test_moshi_module_state_dict_file_loads_on_both_sides_bit_exact(tmp_path, ki
 # ------------------------------------------------------------------------------ 7. sizes from shapes
 def test_infer_config_reads_the_sizes_and_names_what_it_lacks():
     big = with_options(TCFG, dim=96, num_heads=6, num_layers=3, hidden=40, text_card=17)
-    shapes = {k: tuple(v.shape) for k, v in jx.export_checkpoint(big, jx.init_params(big, jax.random.key(0))).items()}
+    ck = jx.export_checkpoint(big, jx.init_params(big, jax.random.key(0)))
+    shapes = {k: tuple(v.shape) for k, v in ck.items()}
     assert infer_config(shapes, "temporal") == {"dim": 96, "num_layers": 3, "hidden": 40, "text_card": 17}
     mshapes = {k: tuple(v.shape) for k, v in make(MCFG).export_weights("encoder_transformer").items()}
     assert infer_config(mshapes, "mimi", "encoder_transformer") == {"dim": 32, "num_layers": 2, "ffn": 64}
@@ -296,7 +306,8 @@ def test_cli_crosscheck_small_checkpoint(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"from --config {config}: num_heads=8, norm_eps=1e-06; from --context: context=16" in out
 
-    for bad, message in [({"dim": 128}, "dim=128 contradicts"), ({"heads": 4}, "unknown TemporalConfig field(s) ['heads']"),
+    for bad, message in [({"dim": 128}, "dim=128 contradicts"),
+                         ({"heads": 4}, "unknown TemporalConfig field(s) ['heads']"),
                          ({"num_heads": 4.0}, "num_heads must be an integer"),
                          ({"ring_convention": "moshi"}, "ring_convention is set by --convention")]:
         config.write_text(json.dumps(bad))
@@ -318,9 +329,9 @@ def test_norm_eps_changes_the_torch_model_and_matches_jax(base):
     custom = with_options(base, norm_eps=0.5)
     cls = TemporalStreaming if base is TCFG else MimiTransformer
     assert cls.from_config(custom).config == custom
-    assert cls(**{"dim": base.dim, "num_layers": base.num_layers, "num_heads": base.num_heads,
-                  "context": base.context, "norm_eps": 0.5, **({"hidden": base.hidden, "text_card": base.text_card}
-                                                               if base is TCFG else {"ffn": base.ffn})}).config == custom
+    sizes = {"hidden": base.hidden, "text_card": base.text_card} if base is TCFG else {"ffn": base.ffn}
+    assert cls(dim=base.dim, num_layers=base.num_layers, num_heads=base.num_heads, context=base.context,
+               norm_eps=0.5, **sizes).config == custom
     default, changed = make(base), make(custom)
     for stack in (default, changed):  # Mimi's layer scales at 1, not 0.01: the norms show in the output
         stack.init_weights(layer_scale=1.0, generator=torch.Generator().manual_seed(10))

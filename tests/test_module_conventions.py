@@ -102,6 +102,7 @@ def assert_params_view_buffers(model) -> None:
 
 # ============================================================================ 1. module conventions
 @pytest.mark.parametrize("cls", CLASSES, ids=ids)
+@pytest.mark.filterwarnings("ignore:Complex modules are a new feature")
 def test_refused_conversions_change_nothing(cls):
     """While streaming: float64, complex, narrowing the ring, turning the int64 offsets into
     floats and devices JAX lacks are refused; weights (the same objects), state and the next
@@ -250,19 +251,30 @@ def test_share_memory_while_streaming(cls):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU-only machine)")
 @pytest.mark.parametrize("cls", CLASSES, ids=ids)
 def test_cuda_round_trip_while_streaming(cls):
-    """`.cuda()` then `.cpu()` mid-stream: the state goes along both ways, values kept exactly."""
+    """`.cuda()` then `.cpu()` mid-stream: the state goes along both ways, values kept exactly; on
+    the GPU the moved stack steps as one built there and restored from the CPU snapshot."""
     model = make(cls)
-    inputs = frames(model, 4, seed=6)
+    inputs = frames(model, 5, seed=6)
     model.streaming_init(B)
     run(model, inputs[:2])
-    state = state_of(model)
+    snap, state = model.snapshot(), state_of(model)
     model.cuda()
-    assert model.device.type == "cuda" and all(getattr(model.state, k).is_cuda for k in KEYS)
-    assert all(torch.equal(getattr(model.state, k).cpu(), state[k]) for k in KEYS)
-    model.step(*(t.cuda() for t in inputs[2]))
+    assert model.device.type == "cuda" and all(w.is_cuda for w in model.weights().values())
+    for k in KEYS:
+        assert getattr(model.state, k).is_cuda and torch.equal(getattr(model.state, k).cpu(), state[k]), k
+    if cls in JAX_CLASSES:
+        assert model.jax_state.k.devices().pop().platform == "gpu"
+        assert_params_view_buffers(model)
+    reference = make(cls).cuda()
+    reference.restore(snap)  # a CPU snapshot into a CUDA stack
+    cuda_inputs = [(x.cuda(), a.cuda()) for x, a in inputs[2:4]]
+    assert_outputs_equal(run(model, cuda_inputs), run(reference, cuda_inputs))
     model.cpu()
-    assert model.device.type == "cpu" and all(getattr(model.state, k).device.type == "cpu" for k in KEYS)
-    model.step(*inputs[3])
+    assert model.device.type == "cpu"
+    moved, expected = state_of(model), state_of(reference)
+    for k in KEYS:
+        assert moved[k].device.type == "cpu" and torch.equal(moved[k], expected[k].cpu()), k
+    model.step(*inputs[4])
 
 
 # ============================================================================ 2. snapshots
@@ -382,6 +394,8 @@ def bad_snapshots(good: dict, to_int):
 @pytest.mark.parametrize("cls", [TemporalStreaming, JaxTemporalStreaming], ids=lambda c: c.__name__)
 def test_restore_refuses_bad_snapshots_and_changes_nothing(cls, streaming):
     source = make(cls)
+    with pytest.raises(RuntimeError, match=r"snapshot\(\) called before streaming_init"):
+        source.snapshot()
     source.streaming_init(B)
     run(source, frames(source, 7, seed=8))
     good = source.snapshot()
@@ -512,6 +526,11 @@ def test_to_torch_of_a_deleted_or_donated_array_says_so():
     with pytest.raises(ValueError, match="use the array the call returned"):
         to_torch(b)
     assert to_torch(c).tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_to_jax_refuses_a_device_jax_does_not_have():
+    with pytest.raises(ValueError, match=r"tensor is on meta; JAX takes CPU and CUDA tensors"):
+        to_jax(torch.empty(2, device="meta"))  # on a GPU host too (it was mapped to the GPU)
 
 
 # ============================================================================ 5. x's dtype rule, check_headroom

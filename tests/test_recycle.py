@@ -32,15 +32,17 @@ from .moshi_oracle import moshi_stack
 B = 3
 FRAMES = {"temporal": 1, "mimi": 2}
 PATHS = ["torch", "jax", "dropin", "pallas"]
+TWINS = ["torch_twin", "jax_twin"]  # the twin kernels (Triton / Pallas, interpreted on the CPU)
+TORCH_SIDE = ("torch", "dropin", "torch_twin")
 
 
 def config(kind, convention="personaplex"):
     return with_options(PRESETS[f"{kind}-small"], ring_convention=convention)
 
 
-def torch_stack(cfg, seed=0):
+def torch_stack(cfg, seed=0, kernels="reference"):
     cls = TemporalStreaming if kind_of(cfg) == "temporal" else MimiTransformer
-    stack = cls.from_config(cfg)
+    stack = cls.from_config(cfg, kernels=kernels)
     stack.init_weights(generator=torch.Generator().manual_seed(seed))
     return stack
 
@@ -54,24 +56,26 @@ class Runner:
 
     "torch": the torch stack; "jax": the jitted JAX step (XLA attention) with the `jit_*` recycle
     ops; "pallas": the same with the Pallas RoPE + ring attention (interpreted on the CPU);
-    "dropin": the JAX-backed torch drop-in on the torch stack's buffers. Same weights everywhere.
+    "dropin": the JAX-backed torch drop-in on the torch stack's buffers; "torch_twin" / "jax_twin":
+    the twin kernels of either side. Same weights everywhere.
     """
 
     def __init__(self, path: str, cfg, batch: int = B):
         self.path, self.cfg = path, cfg
-        self.module = torch_stack(cfg)
+        self.module = torch_stack(cfg, kernels="twin" if path == "torch_twin" else "reference")
         if path == "dropin":
             self.module = from_torch(self.module)
-        if path in ("torch", "dropin"):
+        if path in TORCH_SIDE:
             self.module.streaming_init(batch)
         else:
             self.params = jx.params_from_stacked(cfg, self.module.weights())
             self.state = jx.init_state(cfg, batch)
-            self._step = jx.make_step(cfg, layer_loop="python", kernels="pallas" if path == "pallas" else "xla")
+            kernels = {"pallas": "pallas", "jax_twin": "twin"}.get(path, "xla")
+            self._step = jx.make_step(cfg, layer_loop="python", kernels=kernels)
 
     def step(self, x: np.ndarray, active: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
         active = np.ones(x.shape[0], bool) if active is None else active
-        if self.path in ("torch", "dropin"):
+        if self.path in TORCH_SIDE:
             out = self.module.step(torch.from_numpy(x), torch.from_numpy(active))
         else:
             out, self.state = self._step(self.params, self.state, jnp.asarray(x), jnp.asarray(active))
@@ -79,30 +83,30 @@ class Runner:
         return tuple(o.numpy().copy() if isinstance(o, torch.Tensor) else np.asarray(o) for o in outs)
 
     def reset_slot(self, b):
-        if self.path in ("torch", "dropin"):
+        if self.path in TORCH_SIDE:
             self.module.reset_slot(b)
         else:
             self.state = jx.jit_reset_slot(self.state, b)
 
     def bump_slot_start(self, b):
-        if self.path in ("torch", "dropin"):
+        if self.path in TORCH_SIDE:
             self.module.bump_slot_start(b)
         else:
             self.state = jx.jit_bump_slot_start(self.state, b)
 
     def reset_rows(self, mask: np.ndarray):
-        if self.path in ("torch", "dropin"):
+        if self.path in TORCH_SIDE:
             self.module.reset_rows(torch.from_numpy(mask))
         else:
             self.state = jx.jit_reset_rows(self.state, mask)
 
     def offsets(self) -> tuple[list[int], list[int]]:
-        s = self.module.state if self.path in ("torch", "dropin") else self.state
+        s = self.module.state if self.path in TORCH_SIDE else self.state
         return [int(o) for o in s.offset], [int(o) for o in s.start_offset]
 
     def poison_ring(self, b: int):
         """Row b's rings: k all +Inf, v all NaN (what an old session may have left in them)."""
-        if self.path == "torch":
+        if self.path in ("torch", "torch_twin"):
             self.module.state.k[:, b] = float("inf")
             self.module.state.v[:, b] = float("nan")
             return
@@ -211,7 +215,7 @@ def test_row_that_sees_nothing_gets_zero_attention(kind):
     rng = np.random.default_rng(1)
     history = [frames(rng, cfg) for _ in range(4)]
     tick, later = frames(rng, cfg), [frames(rng, cfg) for _ in range(4)]
-    for path in PATHS:
+    for path in PATHS + TWINS:
         run, fresh = Runner(path, cfg), Runner(path, cfg)
         for x in history:
             run.step(x)
@@ -223,7 +227,7 @@ def test_row_that_sees_nothing_gets_zero_attention(kind):
         for g, n in zip(got, never):
             assert np.array_equal(g[0], n[0]), path
             assert np.isfinite(g).all(), path
-        state = run.module.state if path in ("torch", "dropin") else run.state
+        state = run.module.state if path in TORCH_SIDE else run.state
         assert not np.asarray(state.k)[:, 0].any() and not np.asarray(state.v)[:, 0].any(), path
         if path == "torch":
             ref_later = [run.step(x) for x in later]
@@ -290,15 +294,16 @@ def isolation_run(path, cfg, recycle, poison):
     return [run.step(frames(rng, cfg)) for _ in range(6)]
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", PATHS + TWINS)
 @pytest.mark.parametrize("kind", ["temporal", "mimi"])
 def test_recycled_row_carries_nothing_of_its_old_session(path, kind):
     """Before: NaN in the new session's first ~5 outputs (a masked weight 0 times an old NaN is
-    NaN), on torch, JAX, the drop-in and the Pallas kernel, both stacks."""
+    NaN), on torch, JAX, the drop-in and the Pallas kernel, both stacks (the twin kernels too)."""
     cfg = config(kind)
-    for recycle in ("reset_rows", "reset_slot", "tick"):
+    twin = path in TWINS  # interpreted Triton is slow: the one case that exercises both mechanisms
+    for recycle in ("tick",) if twin else ("reset_rows", "reset_slot", "tick"):
         clean = isolation_run(path, cfg, recycle, None)
-        for poison in ("frames", "ring"):
+        for poison in ("ring",) if twin else ("frames", "ring"):
             dirty = isolation_run(path, cfg, recycle, poison)
             for step, (d, c) in enumerate(zip(dirty, clean)):
                 for dd, cc in zip(d, c):

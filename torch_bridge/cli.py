@@ -101,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="RoPE max period (default: --config, else the preset)")
     cc.add_argument("--norm-eps", type=_positive_float, default=None,
                     help="RMSNorm / LayerNorm epsilon (default: --config, else the preset)")
+    cc.add_argument("--kernels", choices=["twin", "reference"], default="twin",
+                    help="twin: both paths on the twin kernels (Triton for torch, Pallas for JAX), bit-identical "
+                         "and batch-invariant; reference: the torch reference path (bit-exact with moshi) against "
+                         "the JAX step's fastest kernels, close but not bit-identical (default: %(default)s)")
     cc.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     cc.add_argument("--seed", type=_non_negative_int, default=0,
                     help="seed of the schedule and weights, >= 0 (default: 0)")
@@ -133,7 +137,9 @@ def _crosscheck(args) -> int:
         raise ValueError(f"--checkpoint: no such file: {args.checkpoint}")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ValueError(f"--plot: expected a .png file name, got {args.plot}")
-    resolve_device(device, "--device")  # a one-line error now, not torch's AssertionError mid-run
+    resolved = resolve_device(device, "--device")  # a one-line error now, not torch's AssertionError mid-run
+    if args.kernels == "twin" and resolved == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton runs on the CPU only interpreted
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             _check_writable(flag, path)  # now, not after the whole run
@@ -150,7 +156,7 @@ def _crosscheck(args) -> int:
     report = crosscheck(args.stack, steps=args.steps, batch=args.batch, convention=args.convention,
                         dtype=args.dtype, frames=args.frames, config=config, checkpoint=args.checkpoint,
                         device=device, seed=args.seed, recycle=not args.no_recycle, threads=args.threads,
-                        progress=progress)
+                        kernels=args.kernels, progress=progress)
     print(report.summary())
     if args.json:
         report.write_json(args.json)
@@ -242,7 +248,7 @@ def _read_config_json(path: str, kind: str) -> dict:
         raise ValueError(f"--config {path}: not JSON: {err}") from None
     fields = [f.name for f in dataclasses.fields(cls) if f.name != "ring_convention"]
     if not isinstance(data, dict):
-        # noqa below: a user's file, reported by main() as a ValueError
+
         raise ValueError(f"--config {path}: expected a JSON object of {cls.__name__} fields, "  # noqa: TRY004
                          f"got {type(data).__name__}")
     if "ring_convention" in data:

@@ -38,6 +38,7 @@ STACKS = {"temporal": (None, 1), "mimi-encoder": ("encoder_transformer", 2),
           "mimi-decoder": ("decoder_transformer", 2)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYER_LOOPS = ("python", "scan")
+CROSSCHECK_KERNELS = ("reference", "twin")
 REQUIRE_LEVELS = ("identical", "close")
 # `require close`: integer tensors identical, float tensors within this normwise relative error
 # (max |torch - jax| / max |torch| at every step) for their dtype. Measured on the presets:
@@ -161,6 +162,7 @@ class CrosscheckReport:
     torch_ms: list[float]
     jax_ms: list[float]
     argmax: ArgmaxRecord | None = None  # temporal stack only
+    kernels: str = "reference"           # "reference" or "twin" (see crosscheck)
 
     def identical(self, name: str) -> bool:
         return self.tensors[name].identical
@@ -247,7 +249,7 @@ class CrosscheckReport:
         c = self.config
         lines = [(f"cross-check {self.stack}: dim {c['dim']}, {c['num_layers']} layers, context {c['context']}, "
                   f"convention {c['ring_convention']}, {self.dtype}, B={self.batch}, T={self.frames}, "
-                  f"{self.steps} steps on {self.device}"),
+                  f"kernels {self.kernels}, {self.steps} steps on {self.device}"),
                  "",
                  (f"{'tensor':<14}{'bit-identical':<15}{'steps equal':>12}{'max abs':>11}{'max rel':>10}"
                   f"{'max ULP':>9}  first diff"),
@@ -406,7 +408,7 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
                dtype: str = "float32", frames: int | None = None, config: StackConfig | None = None,
                checkpoint: str | None = None, device: str | None = None, seed: int = 0,
                recycle: bool = True, threads: int | None = None, layer_loop: str = "python",
-               progress=None) -> CrosscheckReport:
+               kernels: str = "reference", progress=None) -> CrosscheckReport:
     """Run both paths side by side for `steps` steps; returns the per-tensor report.
 
     stack: "temporal", "mimi-encoder" or "mimi-decoder". frames: T per step, 1..capacity
@@ -415,6 +417,8 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
     must match it). seed: >= 0, seeds the weights and the schedule. recycle: apply random
     reset_slot / bump_slot_start / reset_rows. threads: torch's CPU threads for the run (None:
     `default_threads`; restored afterwards). layer_loop: the JAX step's ("python" or "scan").
+    kernels: "reference" (the torch reference path against the JAX step's default kernels: close,
+    not bit-identical) or "twin" (both paths on the twin kernels, Triton and Pallas: bit-identical).
     progress: a callable wrapping the step range (e.g. tqdm), or None.
 
     Every argument is checked before any work; bad values raise ValueError (TypeError for a
@@ -428,6 +432,8 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
         raise ValueError(f"convention must be one of {list(RING_CONVENTIONS)}, got {convention!r}")
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {list(LAYER_LOOPS)}, got {layer_loop!r}")
+    if kernels not in CROSSCHECK_KERNELS:
+        raise ValueError(f"kernels must be one of {list(CROSSCHECK_KERNELS)}, got {kernels!r}")
     steps, batch = _check_int("steps", steps, 1), _check_int("batch", batch, 1)
     seed = _check_int("seed", seed, 0)
     threads = _check_int("threads", threads, 1, allow_none=True)
@@ -454,15 +460,16 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
         torch.set_num_threads(threads)
     try:
         return _run(stack, config, prefix, steps=steps, batch=batch, T=T, dtype=dtype, checkpoint=checkpoint,
-                    device=device, seed=seed, recycle=recycle, layer_loop=layer_loop, progress=progress)
+                    device=device, seed=seed, recycle=recycle, layer_loop=layer_loop, kernels=kernels,
+                    progress=progress)
     finally:
         torch.set_num_threads(saved_threads)
 
 
 def _run(stack, config, prefix, *, steps, batch, T, dtype, checkpoint, device, seed, recycle, layer_loop,
-         progress) -> CrosscheckReport:
+         kernels, progress) -> CrosscheckReport:
     cls = TemporalStreaming if stack == "temporal" else MimiTransformer
-    module = cls.from_config(config, dtype=DTYPES[dtype], device=device)
+    module = cls.from_config(config, dtype=DTYPES[dtype], device=device, kernels=kernels)
     if checkpoint is not None:
         module.load_safetensors(checkpoint, prefix)
     else:
@@ -473,7 +480,7 @@ def _run(stack, config, prefix, *, steps, batch, T, dtype, checkpoint, device, s
     state = jax.device_put(jax_impl.init_state(config, batch, params["params"]["layers"]["in_proj"].dtype),
                            params["params"]["layers"]["in_proj"].devices().pop())
     jax_step = jax_impl.make_step(config, layer_loop=layer_loop, capture=("intermediates",),
-                                  rope_freqs=module.rope_freqs())
+                                  rope_freqs=module.rope_freqs(), kernels="twin" if kernels == "twin" else "auto")
 
     tables = ("cos", "sin", "write_index", "positions", "mask", "end_offset")
     names = ["out"] + (["text_logits"] if stack == "temporal" else []) + [
@@ -518,7 +525,7 @@ def _run(stack, config, prefix, *, steps, batch, T, dtype, checkpoint, device, s
             argmax.add(step, *host["text_logits"])
     cfg = {k: getattr(config, k) for k in config.__dataclass_fields__}
     return CrosscheckReport(stack=stack, config=cfg, dtype=dtype, batch=batch, frames=T, steps=steps,
-                            device=_device_name(device), tensors=records, torch_ms=torch_ms, jax_ms=jax_ms,
+                            kernels=kernels, device=_device_name(device), tensors=records, torch_ms=torch_ms, jax_ms=jax_ms,
                             argmax=argmax)
 
 

@@ -46,6 +46,8 @@ def _refuse_or_copy(copy: bool | None, why: str, fix: str) -> None:
 
 
 def _jax_device_for(tensor: torch.Tensor):
+    if tensor.device.type not in ("cpu", "cuda"):  # e.g. "meta": no JAX device, not a GPU either
+        raise ValueError(f"to_jax(tensor): the tensor is on {tensor.device}; JAX takes CPU and CUDA tensors")
     platform = "cpu" if tensor.device.type == "cpu" else "gpu"
     try:
         devices = jax.devices(platform)

@@ -6,7 +6,9 @@ checkpoint I/O and input validation are shared), take and return torch tensors o
 module's device, and keep the streaming state as JAX arrays, stepped by the jitted JAX step
 with the state donated. The JAX parameters are DLPack views of the module's own weight
 buffers (taken at `streaming_init`): no copy, and an in-place edit of a buffer (`load_weights`,
-`init_weights`, ...) is seen by the next step.
+`init_weights`, ...) is seen by the next step. A module conversion (`.to()`, `.float()`,
+`.cuda()`, `.share_memory()`, ...) takes the views again and moves the JAX state along (or
+refuses, as the torch stacks do); `snapshot()` / `restore()` cross with the torch stacks.
 
 `from_torch(module)` builds the JAX stepper on the very same buffers as a torch stack.
 """
@@ -100,8 +102,13 @@ class _JaxBacked:
             raise ValueError(f"cannot move a streaming {type(self).__name__} to {probe.device}: its state "
                              f"lives in JAX, which has no such device (JAX devices: {jax.devices()}); nothing was "
                              f"changed. streaming_end() first to move the weights alone") from None
+        buffers = dict(self._buffers)
         super()._apply(fn, recurse)
-        self._streamer.convert(self.jax_params(), device=device, rope_freqs=self.rope_freqs())
+        try:
+            self._streamer.convert(self.jax_params(), device=device, rope_freqs=self.rope_freqs())
+        except BaseException:
+            self._buffers.update(buffers)  # the JAX side could not follow: put the old buffers back
+            raise
         return self
 
     def snapshot(self) -> dict:

@@ -24,10 +24,10 @@ from jax_impl.config import (
     TemporalConfig,
     WeightSpec,
     check_checkpoint,
-    check_dtype,
     checkpoint_keys,
     read_safetensors,
     read_safetensors_shapes,
+    weight_dtype_problem,
     weight_specs,
 )
 from jax_impl.snapshot import (
@@ -63,7 +63,7 @@ def check_safetensors(path: str | os.PathLike, config: StackConfig,
 
 
 def _dtype_name(dtype) -> str:
-    """"float32", "bfloat16", ...: a torch or numpy dtype by the name `jax_impl.config.check_dtype` reads."""
+    """A torch or numpy dtype by its name ("float32", "bfloat16", ...), as `weight_dtype_problem` reads it."""
     return dtype.name if isinstance(dtype, np.dtype) else str(dtype).removeprefix("torch.")
 
 
@@ -76,7 +76,7 @@ def _source_problem(key: str, value, want: torch.dtype) -> str | None:
             return f"no data: {key}: a meta tensor"
         if value.layout != torch.strided:
             return f"not dense: {key}: layout {value.layout}"
-    return check_dtype(key, _dtype_name(value.dtype), _dtype_name(want))
+    return weight_dtype_problem(key, _dtype_name(value.dtype), _dtype_name(want))
 
 
 def _as_tensor(value) -> torch.Tensor:

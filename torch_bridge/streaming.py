@@ -11,7 +11,7 @@ not write positions below start_offset (`ring.StepTables.write_mask`), so a slot
 holds zeros or its current session's values. Masked slots are multiplied by an exact 0 in SDPA,
 and 0 * NaN = NaN: without this an old session's NaN / Inf would reach the new session's outputs.
 On finite data no output changes by a bit (0 * finite = 0 whatever the slot held); the cost is
-one write of the row's ring per reset, none per step.
+a write of the row's ring per `reset_slot` (a pass over the whole ring per `reset_rows`), none per step.
 """
 
 from __future__ import annotations

@@ -1,0 +1,48 @@
+"""A JAX-backed drop-in's stream split by session over several devices (issue 15).
+
+    model = JaxTemporalStreaming(...); model.streaming_init(batch_size=8)
+    shard_dropin(model, session_mesh())          # the JAX state now split by row over the mesh
+    out, logits = model.step(x, active)          # torch tensors in, torch tensors out, on the module's device
+    model.reset_slot(5); snap = model.snapshot(); model.restore(snap)
+
+The drop-in's `jax_impl.Streamer` is replaced by a `jax_impl.sharding.ShardedStreamer` going on
+with the same stream: the step is `make_sharded_step` (each device steps its B/n rows, no
+communication; every row bit-identical to the one-device drop-in), the recycle ops the sharded
+ones, and the outputs and snapshots are gathered on the module's JAX device (a torch tensor
+lives on one device), which is one copy of the outputs per step (B*T*(dim + V) values).
+
+What changes against the one-device drop-in: the weights are replicated copies on the mesh,
+taken now (an in-place edit of a buffer is no longer seen by the step until `shard_dropin` is
+called again); `model.state` (zero-copy torch views of the JAX state) is not available, since
+no single buffer holds the state (use `snapshot()`); `streaming_init` starts an unsharded stream
+again.
+"""
+
+from __future__ import annotations
+
+from jax_impl.sharding import SESSIONS, ShardedStreamer, session_mesh
+
+from .dlpack import _jax_device_for
+from .jax_steppers import _JaxBacked
+
+
+def shard_dropin(module: _JaxBacked, mesh=None, axis: str = SESSIONS) -> _JaxBacked:
+    """Split `module`'s stream (a streaming `JaxTemporalStreaming` / `JaxMimiTransformer`) by row
+    over `axis` of `mesh` (default: `session_mesh()`, every JAX device); returns `module`.
+
+    Raises TypeError for another module, RuntimeError before `streaming_init`, ValueError when the
+    batch size does not split over the mesh (nothing changed).
+    """
+    if not isinstance(module, _JaxBacked):
+        raise TypeError(f"shard_dropin(module): expected a JAX-backed drop-in (JaxTemporalStreaming, "
+                        f"JaxMimiTransformer, from_torch(...)), got {type(module).__name__}")
+    streamer = module._streamer
+    if streamer is None:
+        raise RuntimeError("shard_dropin(module): call module.streaming_init(batch_size) first")
+    device = _jax_device_for(next(iter(module.weights().values())))
+    mesh = session_mesh(axis=axis) if mesh is None else mesh
+    module._streamer = ShardedStreamer.from_streamer(streamer, mesh, axis, output_device=device)
+    return module
+
+
+__all__ = ["shard_dropin"]
