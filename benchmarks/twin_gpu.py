@@ -146,21 +146,21 @@ def case_attention(rec, B, H, T, D, C, L):
 
 
 CASES = [
-    ("linear qkv 4x4096->12288", case_linear, dict(M=4, N=12288, K=4096)),
-    ("linear out_proj+res 4x4096", case_linear, dict(M=4, N=4096, K=4096, res=True)),
-    ("linear gate 4x4096->2x11264", case_linear, dict(M=4, N=22528, K=4096, act="silu_gate")),
-    ("linear out 4x11264->4096+res", case_linear, dict(M=4, N=4096, K=11264, res=True)),
-    ("linear qkv B=16", case_linear, dict(M=16, N=12288, K=4096)),
-    ("linear qkv B=1", case_linear, dict(M=1, N=12288, K=4096)),
-    ("linear text 4x4096->32000", case_linear, dict(M=4, N=32000, K=4096, L=1)),
-    ("linear mimi gelu 8x512->2048", case_linear, dict(M=8, N=2048, K=512, act="gelu")),
-    ("linear mimi scale+res 8x2048->512", case_linear, dict(M=8, N=512, K=2048, scale=True, res=True)),
-    ("rms norm 4x4096", case_norm, dict(M=4, D=4096, kind="rms")),
-    ("layer norm 8x512", case_norm, dict(M=8, D=512, kind="layer")),
-    ("rope temporal", case_rope, dict(B=4, T=1, H=32, D=128, C=3000, L=2)),
-    ("rope mimi T=10", case_rope, dict(B=4, T=10, H=8, D=64, C=250, L=2)),
-    ("attention temporal B=4", case_attention, dict(B=4, H=32, T=1, D=128, C=3000, L=2)),
-    ("attention mimi T=2", case_attention, dict(B=4, H=8, T=2, D=64, C=250, L=2)),
+    ("linear qkv 4x4096->12288", case_linear, {"M": 4, "N": 12288, "K": 4096}),
+    ("linear out_proj+res 4x4096", case_linear, {"M": 4, "N": 4096, "K": 4096, "res": True}),
+    ("linear gate 4x4096->2x11264", case_linear, {"M": 4, "N": 22528, "K": 4096, "act": "silu_gate"}),
+    ("linear out 4x11264->4096+res", case_linear, {"M": 4, "N": 4096, "K": 11264, "res": True}),
+    ("linear qkv B=16", case_linear, {"M": 16, "N": 12288, "K": 4096}),
+    ("linear qkv B=1", case_linear, {"M": 1, "N": 12288, "K": 4096}),
+    ("linear text 4x4096->32000", case_linear, {"M": 4, "N": 32000, "K": 4096, "L": 1}),
+    ("linear mimi gelu 8x512->2048", case_linear, {"M": 8, "N": 2048, "K": 512, "act": "gelu"}),
+    ("linear mimi scale+res 8x2048->512", case_linear, {"M": 8, "N": 512, "K": 2048, "scale": True, "res": True}),
+    ("rms norm 4x4096", case_norm, {"M": 4, "D": 4096, "kind": "rms"}),
+    ("layer norm 8x512", case_norm, {"M": 8, "D": 512, "kind": "layer"}),
+    ("rope temporal", case_rope, {"B": 4, "T": 1, "H": 32, "D": 128, "C": 3000, "L": 2}),
+    ("rope mimi T=10", case_rope, {"B": 4, "T": 10, "H": 8, "D": 64, "C": 250, "L": 2}),
+    ("attention temporal B=4", case_attention, {"B": 4, "H": 32, "T": 1, "D": 128, "C": 3000, "L": 2}),
+    ("attention mimi T=2", case_attention, {"B": 4, "H": 8, "T": 2, "D": 64, "C": 250, "L": 2}),
 ]
 
 
@@ -176,7 +176,7 @@ def main():
         rec = {"case": name, **{k: v for k, v in kw.items()}}
         try:
             fn(rec, **kw)
-        except Exception as err:  # a kernel that does not compile: record it, go on
+        except Exception as err:  # noqa: BLE001 (a kernel that does not compile is a result: record it, go on)
             rec["error"] = f"{type(err).__name__}: {err}"[:2000]
             rec["traceback"] = traceback.format_exc()[-3000:]
         print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)

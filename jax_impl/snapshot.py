@@ -168,14 +168,18 @@ def check_ring_cast(src: str, dst: str, where: str = "restore(snapshot)") -> Non
 
 def check_snapshot_values(offset: Sequence[int], start_offset: Sequence[int], index_max: int,
                           where: str = "restore(snapshot)") -> None:
-    """SnapshotError unless 0 <= start_offset[b] <= offset[b] <= index_max for every row b."""
+    """SnapshotError unless 0 <= offset[b] <= index_max and 0 <= start_offset[b] <= index_max for every row b.
+
+    start_offset may exceed offset: `bump_slot_start` is a plain += 1, and the tick after
+    reset_slot + bump_slot_start has start_offset == offset + 1 (a snapshot may be taken then).
+    """
     for b, (off, start) in enumerate(zip(offset, start_offset, strict=True)):
         if not 0 <= off <= index_max:
             raise SnapshotError(f"{where}: snapshot['offset'][{b}] = {off} is out of range 0..{index_max} "
                                 f"(the largest position of this stack's offsets)")
-        if not 0 <= start <= off:
-            raise SnapshotError(f"{where}: snapshot['start_offset'][{b}] = {start} must be in "
-                                f"0..offset[{b}] = {off}")
+        if not 0 <= start <= index_max:
+            raise SnapshotError(f"{where}: snapshot['start_offset'][{b}] = {start} is out of range "
+                                f"0..{index_max}")
 
 
 __all__ = ["FORMAT", "KEYS", "SnapshotError", "SnapshotLayout", "check_ring_cast", "check_snapshot_layout",

@@ -178,14 +178,17 @@ class Streamer:
 
     def __init__(self, config: StackConfig, params, batch_size: int, dtype=jnp.float32, *,
                  layer_loop: str = "scan", exact_rope: bool = True, rope_freqs: tuple[float, ...] | None = None,
-                 device=None):
+                 device=None, kernels: str = "auto"):
         self.config = config
         check_params(config, params, dtype=jnp.dtype(dtype))
         self.params = params
         state = st.init_state(config, batch_size, dtype)
         self.state = state if device is None else jax.device_put(state, device)
         self.offset_bound = 0
-        self._step_options = {"layer_loop": layer_loop, "exact_rope": exact_rope, "rope_freqs": rope_freqs}
+        if kernels == "auto" and next(iter(self.state.k.devices())).platform != "gpu":
+            kernels = "xla"  # the state is on the CPU (even on a GPU host): no compiled Pallas there
+        self._step_options = {"layer_loop": layer_loop, "exact_rope": exact_rope, "rope_freqs": rope_freqs,
+                              "kernels": kernels}
         self._step = make_step(config, **self._step_options)
 
     @property

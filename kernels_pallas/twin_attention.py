@@ -155,7 +155,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
 
 def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, **_):
     """The plain jax.numpy reference of `attention` (same signature and bits)."""
-    B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
+    _B, _H, _T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     BC, chunk, S = twin_attention_plan(C)
     pad = S * chunk - C
     k = jnp.pad(lax.dynamic_index_in_dim(ring_k, layer, keepdims=False).astype(tm.F32),

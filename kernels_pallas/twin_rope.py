@@ -112,7 +112,7 @@ def rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, ring_k: jax.Array
     layer: int or int32 scalar (may be traced); write_index: int [B, T]; write_mask: bool [B, T].
     q comes back as [B, H, T, D].
     """
-    B, T, H, D, (L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
+    B, T, H, D, (_L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     kernel = functools.partial(_write_kernel, B=B, T=T, H=H, C=C, D=D, gpu=not interpret)
@@ -132,7 +132,7 @@ def rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, ring_k: jax.Array
 
 def rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, **_):
     """The plain jax.numpy reference of `rope_write` (same signature and bits)."""
-    B, T, H, D, (L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
+    B, T, H, D, (_L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
     x = qkv.astype(tm.F32).reshape(B, T, 3, H, D // 2, 2)
     c, s = cos[:, :, None, :], sin[:, :, None, :]
     rot = [jnp.stack(rotate(x[:, :, p, :, :, 0], x[:, :, p, :, :, 1], c, s, qkv.dtype, False), -1)

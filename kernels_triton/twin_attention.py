@@ -39,7 +39,7 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
     m = tl.full([HB], float("-inf"), tl.float32)
     l = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, D], tl.float32)
-    for i in range(0, CHUNK // BC):
+    for i in range(CHUNK // BC):
         c = split * CHUNK + i * BC + tl.arange(0, BC)
         ok = c < C
         pos = tl.load(pos_ptr + b * C + c, mask=ok, other=-1)
@@ -80,7 +80,7 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, H: tl.constexpr, T: tl.constex
     m0 = tl.where(m0 == float("-inf"), 0.0, m0)
     L = tl.zeros([HB], tl.float32)
     O = tl.zeros([HB, D], tl.float32)
-    for s in range(0, S):
+    for s in range(S):
         w = tm.exp(tl.load(m_ptr + bht * S + s) - m0)
         L = L + tl.load(l_ptr + bht * S + s) * w
         O = O + tl.load(acc_ptr + (bht[:, None] * S + s) * D + d[None, :]) * w[:, None]

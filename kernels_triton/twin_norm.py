@@ -10,8 +10,8 @@ import triton.language as tl
 
 from kernels_pallas.common import TWIN_MAX_BM, check_twin_norm, next_pow2, twin_lanes
 from kernels_triton import twin_math as tm
-from kernels_triton.twin_math import interpreting
 from kernels_triton.twin_linear import _layer_tensor
+from kernels_triton.twin_math import interpreting
 
 KINDS = ("rms", "layer")
 

@@ -68,8 +68,8 @@ def test_report_detects_a_difference(monkeypatch):
 
 def test_cli_crosscheck_writes_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    rc = main(["crosscheck", "--stack", "mimi-encoder", "--steps", "30", "--batch", "2", "-q",
-               "--json", str(out_json), "--plot", str(out_png), "--require", "close"])
+    rc = main(["crosscheck", "--stack", "mimi-encoder", "--steps", "30", "--batch", "2", "-q", "--kernels",
+               "reference", "--json", str(out_json), "--plot", str(out_png), "--require", "close"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "bit-identical" in text and "positions" in text and "\nverdict: close: " in text
@@ -86,12 +86,24 @@ def test_cli_crosscheck_writes_json_and_plot(tmp_path, capsys):
 
 def test_cli_require_identical_fails_with_status_3(capsys):
     assert main(["crosscheck", "--stack", "mimi-encoder", "--steps", "3", "--batch", "2", "-q",
-                 "--require", "identical"]) == 3
+                 "--kernels", "reference", "--require", "identical"]) == 3
     captured = capsys.readouterr()
     assert "verdict: close: " in captured.out  # the run is close, not identical
     err = captured.err.strip()
     assert err.startswith("personaplex-jax: --require identical does not hold: ") and "\n" not in err
     assert "k differs at 3/3 steps (first: step 0)" in err
+
+
+def test_cli_default_runs_the_twins_bit_identical(tmp_path, capsys):
+    """The main job's default (--kernels twin): every tensor identical, --require identical holds."""
+    out_json = tmp_path / "r.json"
+    assert main(["crosscheck", "--stack", "mimi-decoder", "--steps", "6", "--batch", "2", "-q",
+                 "--require", "identical", "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "kernels twin" in text and "\nverdict: every tensor bit-identical at every step" in text
+    report = json.loads(out_json.read_text())
+    assert report["kernels"] == "twin" and report["holds"]["identical"] is True
+    assert all(r["identical"] for r in report["tensors"].values())
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -408,7 +408,7 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
                dtype: str = "float32", frames: int | None = None, config: StackConfig | None = None,
                checkpoint: str | None = None, device: str | None = None, seed: int = 0,
                recycle: bool = True, threads: int | None = None, layer_loop: str = "python",
-               kernels: str = "reference", progress=None) -> CrosscheckReport:
+               kernels: str = "reference", recycle_rate: float = 1.0, progress=None) -> CrosscheckReport:
     """Run both paths side by side for `steps` steps; returns the per-tensor report.
 
     stack: "temporal", "mimi-encoder" or "mimi-decoder". frames: T per step, 1..capacity
@@ -419,6 +419,7 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
     `default_threads`; restored afterwards). layer_loop: the JAX step's ("python" or "scan").
     kernels: "reference" (the torch reference path against the JAX step's default kernels: close,
     not bit-identical) or "twin" (both paths on the twin kernels, Triton and Pallas: bit-identical).
+    recycle_rate: scales the recycle ops' probabilities (at most 12: each op stays below 1).
     progress: a callable wrapping the step range (e.g. tqdm), or None.
 
     Every argument is checked before any work; bad values raise ValueError (TypeError for a
@@ -438,6 +439,8 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
     seed = _check_int("seed", seed, 0)
     threads = _check_int("threads", threads, 1, allow_none=True)
     frames = _check_int("frames", frames, 1, allow_none=True)
+    if isinstance(recycle_rate, bool) or not isinstance(recycle_rate, (int, float)) or not 0 < recycle_rate <= 12:
+        raise ValueError(f"recycle_rate must be a number in (0, 12], got {recycle_rate!r}")
     if not isinstance(recycle, bool):
         raise TypeError(f"recycle must be a bool, got {type(recycle).__name__}")
     if progress is not None and not callable(progress):
@@ -461,13 +464,13 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
     try:
         return _run(stack, config, prefix, steps=steps, batch=batch, T=T, dtype=dtype, checkpoint=checkpoint,
                     device=device, seed=seed, recycle=recycle, layer_loop=layer_loop, kernels=kernels,
-                    progress=progress)
+                    recycle_rate=recycle_rate, progress=progress)
     finally:
         torch.set_num_threads(saved_threads)
 
 
 def _run(stack, config, prefix, *, steps, batch, T, dtype, checkpoint, device, seed, recycle, layer_loop,
-         kernels, progress) -> CrosscheckReport:
+         kernels, recycle_rate, progress) -> CrosscheckReport:
     cls = TemporalStreaming if stack == "temporal" else MimiTransformer
     module = cls.from_config(config, dtype=DTYPES[dtype], device=device, kernels=kernels)
     if checkpoint is not None:
@@ -493,7 +496,7 @@ def _run(stack, config, prefix, *, steps, batch, T, dtype, checkpoint, device, s
     step_range = range(steps) if progress is None else progress(range(steps))
     for step in step_range:
         if recycle:
-            state = _random_recycle(rng, module, state, batch)
+            state = _random_recycle(rng, module, state, batch, recycle_rate)
         x = torch.randn(batch, T, config.dim, generator=gen).to(device=device, dtype=DTYPES[dtype])
         active = torch.from_numpy(rng.random(batch) < 0.8).to(device)
 
@@ -551,9 +554,13 @@ def layer_tables(module):
         module._layer_fn = layer_fn
 
 
-def _random_recycle(rng, module, state, batch):
-    """Apply one random recycle op (or none) to both paths; returns the new JAX state."""
-    u, b = rng.random(), int(rng.integers(batch))
+def _random_recycle(rng, module, state, batch, rate: float = 1.0):
+    """Apply one random recycle op (or none) to both paths; returns the new JAX state.
+
+    rate scales the ops' probabilities (1: 3% reset_slot, half of them the sacrifice tick, 3%
+    bump_slot_start, 2% reset_rows per step); short runs raise it to meet every op.
+    """
+    u, b = rng.random() / rate, int(rng.integers(batch))
     if u < 0.03:  # half of them the sacrifice tick: reset_slot, then bump_slot_start hides the next write
         module.reset_slot(b)
         state = jax_impl.jit_reset_slot(state, np.int32(b))

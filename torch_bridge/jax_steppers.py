@@ -30,9 +30,14 @@ class _JaxBacked:
     """Mixin over a torch stack: the state lives in a `jax_impl.Streamer` (jitted step, state
     donated, host-side overflow guard); inputs and outputs cross through DLPack."""
 
-    def __init__(self, *args, layer_loop: str = "python", **kwargs):
+    def __init__(self, *args, layer_loop: str = "python", kernels: str = "auto", **kwargs):
+        """kernels: the JAX step's ("auto", "xla", "pallas", or "twin": the Pallas twin kernels, the
+        bits of the torch stack built with kernels="twin"); layer_loop: "python" or "scan"."""
+        if kernels not in jax_impl.ops.KERNELS:
+            raise ValueError(f"kernels must be one of {jax_impl.ops.KERNELS}, got {kernels!r}")
         super().__init__(*args, **kwargs)
         self._layer_loop = layer_loop
+        self._jax_kernels = kernels
         self._streamer: jax_impl.Streamer | None = None
 
     def jax_params(self) -> dict:
@@ -68,7 +73,8 @@ class _JaxBacked:
         params = self.jax_params()
         in_proj = params["params"]["layers"]["in_proj"]
         return jax_impl.Streamer(self.config, params, batch_size, in_proj.dtype, layer_loop=self._layer_loop,
-                                 rope_freqs=self.rope_freqs(), device=in_proj.devices().pop())
+                                 rope_freqs=self.rope_freqs(), device=in_proj.devices().pop(),
+                                 kernels=self._jax_kernels)
 
     def streaming_end(self) -> None:
         """Drop the JAX state (back to before `streaming_init`)."""
@@ -160,7 +166,7 @@ class JaxMimiTransformer(_JaxBacked, MimiTransformer):
     """`MimiTransformer`, stepped by JAX. step(x [B,T,dim], active [B]) -> [B,T,dim] torch tensor."""
 
 
-def from_torch(module: _StreamingStack, *, layer_loop: str = "python") -> _JaxBacked:
+def from_torch(module: _StreamingStack, *, layer_loop: str = "python", kernels: str = "auto") -> _JaxBacked:
     """A JAX-backed stepper on the very same weight buffers as `module` (no copy)."""
     if isinstance(module, _JaxBacked):
         raise TypeError("from_torch(module): module is already JAX-backed")
@@ -168,7 +174,8 @@ def from_torch(module: _StreamingStack, *, layer_loop: str = "python") -> _JaxBa
         raise TypeError(f"from_torch(module): expected TemporalStreaming or MimiTransformer, "
                         f"got {type(module).__name__}")
     cls = JaxTemporalStreaming if isinstance(module, TemporalStreaming) else JaxMimiTransformer
-    stepper = cls.from_config(module.config, dtype=module.dtype, device="meta", layer_loop=layer_loop)
+    stepper = cls.from_config(module.config, dtype=module.dtype, device="meta", layer_loop=layer_loop,
+                              kernels=kernels)
     for name, buffer in module.weights().items():
         setattr(stepper, name, buffer)  # nn.Module routes this to the registered buffer
     return stepper

@@ -1,0 +1,323 @@
+"""The twin kernels: every Pallas twin (interpreted), its Triton twin (TRITON_INTERPRET=1) and its
+jax.numpy reference return the same bits; rows do not depend on the batch; the twin step of both
+stacks is bit-identical torch vs JAX for every tensor at every step (the cross-check), across
+ring wraps and recycling, float32 and bfloat16, both conventions.
+
+The GPU counterpart (compiled kernels, real sizes) is `benchmarks/twin_gpu.py` and
+`benchmarks/twin_step_gpu.py`; its results are in `benchmarks/RESULTS.md`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+from jax.experimental import pallas as pl
+
+import jax_impl as jx
+from jax_impl.config import with_options
+from jax_impl.parity import bits
+from jax_impl.tables import rope_freqs
+from kernels_pallas import twin_attention as pa
+from kernels_pallas import twin_linear as pli
+from kernels_pallas import twin_math as pm
+from kernels_pallas import twin_norm as pn
+from kernels_pallas import twin_rope as pr
+from kernels_triton import twin_attention as ta
+from kernels_triton import twin_linear as tli
+from kernels_triton import twin_math as ttm
+from kernels_triton import twin_norm as tn
+from kernels_triton import twin_rope as tr
+from torch_bridge import MimiTransformer, TemporalStreaming
+from torch_bridge.crosscheck import crosscheck
+from torch_bridge.dlpack import to_jax
+
+NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+def to_torch(a: np.ndarray) -> torch.Tensor:
+    """numpy (ml_dtypes bfloat16 included) -> torch with the same bits."""
+    a = np.ascontiguousarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def assert_same(*arrays, what=""):
+    first = bits(arrays[0] if not isinstance(arrays[0], torch.Tensor) else arrays[0].detach())
+    for i, a in enumerate(arrays[1:], 1):
+        other = bits(a.detach() if isinstance(a, torch.Tensor) else a)
+        assert first.shape == other.shape, (what, first.shape, other.shape)
+        bad = np.flatnonzero(first.ravel() != other.ravel())
+        assert bad.size == 0, f"{what}: array {i}: {bad.size} of {first.size} elements differ, first at {bad[:5]}"
+
+
+# ---------------------------------------------------------------------------------------- math
+@triton.jit
+def _math_kernel(x_ptr, o_ptr, N: tl.constexpr, FN: tl.constexpr):
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    if FN == 0:
+        y = ttm.exp(x)
+    elif FN == 1:
+        y, _ = ttm.sincos(x)
+    elif FN == 2:
+        _, y = ttm.sincos(x)
+    elif FN == 3:
+        y = ttm.erf(x)
+    elif FN == 4:
+        y = ttm.silu(x)
+    else:
+        y = ttm.gelu(x)
+    tl.store(o_ptr + i, y)
+
+
+def _jax_math(x, fn):
+    return [lambda: pm.exp(x, False), lambda: pm.sincos(x, False)[0], lambda: pm.sincos(x, False)[1],
+            lambda: pm.erf(x, False), lambda: pm.silu(x, False), lambda: pm.gelu(x, False)][fn]()
+
+
+MATH = [  # (fn, input range, float64 reference, bound on |twin - ref| / max(|ref|, floor), floor)
+    (0, (-87.0, 88.0), np.exp, 3e-7, 1e-30),
+    (1, (0.0, 3000.0), np.sin, 5e-7, 1.0),       # RoPE angles: absolute error of a few ulp of 1
+    (2, (0.0, 3000.0), np.cos, 5e-7, 1.0),
+    (3, (-5.0, 5.0), np.vectorize(math.erf), 7e-7, 1.0),
+    (4, (-30.0, 30.0), lambda x: x / (1 + np.exp(-x)), 3e-7, 1.0),
+    (5, (-8.0, 8.0), lambda x: 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2))), 1.5e-6, 1.0),
+]
+
+
+@pytest.mark.parametrize("fn,lohi,ref,bound,floor", MATH, ids=["exp", "sin", "cos", "erf", "silu", "gelu"])
+def test_transcendentals_same_bits_in_pallas_triton_and_jnp(fn, lohi, ref, bound, floor):
+    x = np.random.default_rng(fn).uniform(*lohi, 2048).astype(np.float32)
+    if fn == 0:
+        x[:4] = [-np.inf, np.inf, -100.0, 0.0]
+    out_t = torch.empty(x.size)
+    _math_kernel[(1,)](torch.from_numpy(x), out_t, N=x.size, FN=fn)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = _jax_math(x_ref[...], fn)
+
+    out_p = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float32), interpret=True)(x)
+    out_j = jax.jit(lambda a: _jax_math(a, fn))(x)
+    assert_same(out_t, out_p, out_j, what=f"fn {fn}")
+    want = ref(x.astype(np.float64))
+    got = out_t.numpy().astype(np.float64)
+    finite = np.isfinite(want)
+    err = np.abs(got[finite] - want[finite]) / np.maximum(np.abs(want[finite]), floor)
+    assert err.max() <= bound, (fn, err.max())
+    if fn == 0:
+        assert got[:4].tolist() == [0.0, np.inf, 0.0, 1.0]
+
+
+def test_tree_sum_order_is_the_halving_order():
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32) * 1e4
+    want = x.copy()
+    while want.shape[-1] > 1:
+        h = want.shape[-1] // 2
+        want = want[:, :h] + want[:, h:]
+    assert_same(np.asarray(jax.jit(pm.tree_sum)(x)), want)
+    with pytest.raises(ValueError, match="power of two"):
+        pm.tree_sum(jnp.ones((2, 6)))
+
+
+# ------------------------------------------------------------------------------------- kernels
+LINEAR = [  # M, N, K, L, act, scale, residual, dtype
+    (4, 64, 176, 2, None, False, False, "float32"),
+    (3, 64, 64, 2, None, False, True, "bfloat16"),
+    (5, 96, 64, 2, "silu_gate", False, False, "float32"),
+    (2, 32, 128, 1, "gelu", True, True, "bfloat16"),
+    (17, 96, 48, 2, None, True, True, "float32"),
+]
+
+
+@pytest.mark.parametrize("M,N,K,L,act,scale,res,dtype", LINEAR)
+def test_linear_twins_same_bits_and_batch_invariant(M, N, K, L, act, scale, res, dtype):
+    rng = np.random.default_rng(M * N + K)
+    n_out = N // 2 if act == "silu_gate" else N
+    x = rng.standard_normal((M, K)).astype(NP[dtype])
+    w = (rng.standard_normal((L, N, K)) * 0.1).astype(NP[dtype])
+    s = rng.standard_normal((L, n_out)).astype(NP[dtype]) if scale else None
+    r = rng.standard_normal((M, n_out)).astype(NP[dtype]) if res else None
+    T = (lambda a: None if a is None else to_torch(a))
+    kw = {"act": act}
+    y_p = jax.jit(lambda x, w, s, r, i: pli.linear(x, w, i, scale=s, residual=r, **kw))(x, w, s, r, jnp.int32(L - 1))
+    y_n = jax.jit(lambda x, w, s, r, i: pli.linear_native(x, w, i, scale=s, residual=r, **kw))(x, w, s, r,
+                                                                                              jnp.int32(L - 1))
+    y_t = tli.linear(T(x), T(w), L - 1, scale=T(s), residual=T(r), **kw)
+    assert_same(y_p, y_n, y_t, what="linear")
+    for row in (0, M - 1):  # alone, the row has the bits it has among the others
+        alone = tli.linear(T(x[row:row + 1]), T(w), L - 1, scale=T(s), residual=None if r is None else T(r[row:row + 1]),
+                           **kw)
+        assert_same(alone[0], y_t[row], what=f"row {row} alone")
+    if act is None and not scale and not res:
+        want = x.astype(np.float64) @ w[L - 1].astype(np.float64).T
+        assert np.abs(np.asarray(y_p, np.float64) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_linear_refuses_bad_arguments():
+    x, w = jnp.ones((2, 8)), jnp.ones((1, 4, 8))
+    with pytest.raises(ValueError, match=r"linear\(act\)"):
+        pli.linear(x, w, 0, act="relu")
+    with pytest.raises(ValueError, match=r"linear\(w\)"):
+        pli.linear(x, jnp.ones((1, 4, 6)), 0)
+    with pytest.raises(TypeError, match=r"linear\(w\): dtype"):
+        pli.linear(x, w.astype(jnp.bfloat16), 0)
+    with pytest.raises(ValueError, match=r"linear\(layer\)"):
+        tli.linear(torch.ones(2, 8), torch.ones(1, 4, 8), 3)
+
+
+@pytest.mark.parametrize("kind,M,D,dtype", [("rms", 3, 64, "float32"), ("rms", 3, 176, "bfloat16"),
+                                             ("layer", 5, 48, "float32"), ("layer", 4, 32, "bfloat16")])
+def test_norm_twins_same_bits(kind, M, D, dtype):
+    rng = np.random.default_rng(D)
+    x = (rng.standard_normal((M, D)) * 3).astype(NP[dtype])
+    w, b = (rng.standard_normal((2, D)).astype(NP[dtype]) for _ in range(2))
+    b = b if kind == "layer" else None
+    eps = 1e-5
+    y_p = jax.jit(lambda x, w, b: pn.norm(x, w, b, jnp.int32(1), kind=kind, eps=eps))(x, w, b)
+    y_n = jax.jit(lambda x, w, b: pn.norm_native(x, w, b, jnp.int32(1), kind=kind, eps=eps))(x, w, b)
+    y_t = tn.norm(to_torch(x), to_torch(w), None if b is None else to_torch(b), 1, kind=kind, eps=eps)
+    assert_same(y_p, y_n, y_t, what=kind)
+    xf = x.astype(np.float64)
+    if kind == "rms":
+        want = xf / np.sqrt(eps + (xf**2).mean(-1, keepdims=True)) * w[1].astype(np.float64)
+    else:
+        c = xf - xf.mean(-1, keepdims=True)
+        want = c / np.sqrt((c**2).mean(-1, keepdims=True) + eps) * w[1].astype(np.float64) + b[1].astype(np.float64)
+    tol = 2e-6 if dtype == "float32" else 2e-2
+    assert np.abs(np.asarray(y_p, np.float64) - want).max() <= tol * np.abs(want).max()
+
+
+@pytest.mark.parametrize("B,T,H,D,C,dtype", [(3, 1, 4, 16, 24, "float32"), (2, 10, 3, 8, 12, "bfloat16")])
+def test_rope_tables_and_write_twins_same_bits(B, T, H, D, C, dtype):
+    rng = np.random.default_rng(T)
+    offset = rng.integers(0, 5000, B).astype(np.int32)
+    freqs = rope_freqs(D, 10000.0)
+    c_p, s_p = jax.jit(lambda o: pr.tables(o, T, freqs))(offset)
+    c_n, s_n = pr.tables_native(jnp.asarray(offset), T, jnp.asarray(freqs))
+    c_t, s_t = tr.tables(torch.from_numpy(offset), T, torch.from_numpy(freqs))
+    assert_same(c_p, c_n, c_t, what="cos")
+    assert_same(s_p, s_n, s_t, what="sin")
+    # the contract's float32 angle (one rounded product), then cos in float64: a few ulp of 1
+    angle = (offset[:, None, None].astype(np.float32) + np.arange(T, dtype=np.float32)[None, :, None]) * freqs
+    assert np.abs(np.asarray(c_p) - np.cos(angle.astype(np.float64))).max() < 5e-7
+    qkv = rng.standard_normal((B, T, 3, H, D)).astype(NP[dtype])
+    ring_k, ring_v = (rng.standard_normal((2, B, H, C, D)).astype(NP[dtype]) for _ in range(2))
+    slots = ((offset[:, None] + np.arange(T)) % C).astype(np.int32)
+    written = (np.arange(B)[:, None] != 1) & (np.arange(T)[None] % 2 == 0)  # row 1 and odd t: not written
+    out_p = jax.jit(pr.rope_write)(qkv, c_p, s_p, ring_k, ring_v, jnp.int32(1), slots, written)
+    out_n = jax.jit(pr.rope_write_native)(qkv, c_p, s_p, ring_k, ring_v, jnp.int32(1), slots, written)
+    rk, rv = to_torch(ring_k).clone(), to_torch(ring_v).clone()
+    out_t = tr.rope_write(to_torch(qkv), c_t, s_t, rk, rv, 1, torch.from_numpy(slots), torch.from_numpy(written))
+    for a, b_, c in zip(out_p, out_n, out_t):
+        assert_same(a, b_, c, what="rope_write")
+    assert_same(np.asarray(out_p[1])[0], ring_k[0], what="layer 0 untouched")
+    for b in range(B):
+        for t in range(T):
+            if not written[b, t]:
+                assert_same(np.asarray(out_p[2])[1, b, :, slots[b, t]], ring_v[1, b, :, slots[b, t]], what="kept")
+
+
+@pytest.mark.parametrize("B,H,T,D,C,dtype", [(3, 4, 1, 16, 24, "float32"), (2, 4, 2, 8, 10, "bfloat16"),
+                                              (2, 2, 1, 16, 300, "float32")])
+def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T, D, C, dtype):
+    rng = np.random.default_rng(C)
+    q = rng.standard_normal((B, H, T, D)).astype(NP[dtype])
+    ring_k, ring_v = (rng.standard_normal((2, B, H, C, D)).astype(NP[dtype]) for _ in range(2))
+    ring_v[:, :, :, 3] = np.nan  # a masked slot holding NaN must not reach any output
+    ring_k[:, :, :, 3] = np.inf
+    positions = rng.integers(0, C, (B, C)).astype(np.int32)
+    positions[:, 3] = -1
+    positions[0] = -1  # row 0 sees nothing
+    q_pos = (np.full((B, T), C, np.int32) + np.arange(T)).astype(np.int32)
+    args = (q, ring_k, ring_v, jnp.int32(1), positions, q_pos)
+    o_p = jax.jit(lambda *a: pa.attention(*a, context=C))(*args)
+    o_n = jax.jit(lambda *a: pa.attention_native(*a, context=C))(*args)
+    o_t = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
+                       torch.from_numpy(q_pos), context=C)
+    assert_same(o_p, o_n, o_t, what="attention")
+    out = np.asarray(o_p, np.float32)
+    assert np.isfinite(out).all() and not out[0].any() and not np.signbit(out[0]).any()
+    visible = (positions[:, None, :] >= 0) & (q_pos[:, :, None] - positions[:, None, :] >= 0) & (
+        q_pos[:, :, None] - positions[:, None, :] < C)
+    s = np.einsum("bhtd,bhcd->bhtc", q.astype(np.float64), ring_k[1].astype(np.float64)) / math.sqrt(D)
+    s = np.where(visible[:, None], s, -np.inf)
+    m = np.max(s, -1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0))
+    vv = np.nan_to_num(ring_v[1].astype(np.float64))
+    want = np.einsum("bhtc,bhcd->bhtd", p, vv) / np.maximum(p.sum(-1, keepdims=True), 1e-300)
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    assert np.abs(out.transpose(0, 2, 1, 3) - want).max() <= tol
+
+
+# ---------------------------------------------------------------------------------- the step
+SMALL = {"temporal": with_options(jx.PRESETS["temporal-small"], context=8),  # wraps within the run
+         "mimi-encoder": jx.PRESETS["mimi-small"], "mimi-decoder": jx.PRESETS["mimi-small"]}
+
+
+@pytest.mark.parametrize("convention", ["personaplex", "moshi"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("stack", ["temporal", "mimi-encoder", "mimi-decoder"])
+def test_twin_step_bit_identical_torch_vs_jax(stack, dtype, convention):
+    """The cross-check with kernels="twin": every tensor identical at every step, across wraps and
+    recycling (recycle_rate 10: reset_slot, the sacrifice tick, bump_slot_start and reset_rows all
+    occur in a few steps)."""
+    report = crosscheck(stack, steps=10, batch=3, dtype=dtype, convention=convention, config=SMALL[stack],
+                        kernels="twin", recycle_rate=10, seed=2)
+    assert report.holds("identical"), report.summary()
+    assert max(report.tensors["offset"].per_step_ulp) == 0
+    assert report.kernels == "twin" and "verdict" in report.summary()
+
+
+@pytest.mark.parametrize("stack", ["temporal", "mimi"])
+def test_twin_step_is_batch_invariant_on_both_sides(stack):
+    """Row 0 stepped alone (B=1), with 3 others (B=4) and with 15 others (B=16): the same bits, on
+    the torch twin path and on the JAX twin path (and torch == JAX)."""
+    cfg = jx.PRESETS[f"{stack}-small"]
+    T = 1 if stack == "temporal" else 2
+    cls = TemporalStreaming if stack == "temporal" else MimiTransformer
+    x = torch.randn(4, 16, T, cfg.dim, generator=torch.Generator().manual_seed(0))
+    rows = {}
+    for B in (1, 4, 16):
+        module = cls.from_config(cfg, kernels="twin")
+        module.init_weights(generator=torch.Generator().manual_seed(1))
+        module.streaming_init(B)
+        params = jx.weights.nest_params(cfg, {k: to_jax(w) for k, w in module.weights().items()})
+        state = jx.init_state(cfg, B)
+        step = jx.make_step(cfg, kernels="twin", rope_freqs=module.rope_freqs())
+        got = []
+        for xs in x[:, :B]:
+            t_out = module.step(xs.contiguous())
+            j_out, state = step(params, state, to_jax(xs.contiguous()), None)
+            t_out, j_out = (o if isinstance(o, tuple) else (o,) for o in (t_out, j_out))
+            got.append([bits(o[0].numpy()) for o in t_out] + [bits(np.asarray(o)[0]) for o in j_out])
+        rows[B] = got
+    for B in (4, 16):
+        for step_rows, alone in zip(rows[B], rows[1]):
+            for a, b in zip(step_rows, alone):
+                np.testing.assert_array_equal(a, b, err_msg=f"B={B}")
+    for step_rows in rows[1]:
+        half = len(step_rows) // 2
+        for a, b in zip(step_rows[:half], step_rows[half:]):
+            np.testing.assert_array_equal(a, b, err_msg="torch vs JAX")
+
+
+def test_twin_scan_and_python_layer_loops_give_the_same_bits():
+    cfg = jx.PRESETS["temporal-small"]
+    params = jx.init_params(cfg, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 1, cfg.dim))
+    outs = []
+    for loop in ("scan", "python"):
+        (out, logits), state = jax.jit(jx.step_fn(cfg, kernels="twin", layer_loop=loop))(
+            params, jx.init_state(cfg, 2), x, None)
+        outs.append((out, logits, state.k))
+    for a, b in zip(*outs):
+        assert_same(a, b)
