@@ -32,3 +32,17 @@ def copy_bandwidth() -> float:
         b.copy_(a)
     ms = cuda_time(lambda: b.copy_(a), 20)
     return 2 * a.numel() / (ms * 1e-3)
+
+
+def torch_graph(fn):
+    """Capture fn() in a CUDA graph (after 3 warm-up calls on a side stream); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from cuda_timing import copy_bandwidth, cuda_time
+from cuda_timing import copy_bandwidth, cuda_time, torch_graph
 from torch.profiler import ProfilerActivity, profile
 
 import jax_impl
@@ -69,20 +69,6 @@ def count_kernels(fn) -> int:
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return sum(1 for n in names if not n.startswith(("Memcpy", "Memset", "[memory]")))
-
-
-def torch_graph(fn):
-    """Capture fn() in a CUDA graph; returns the replay function."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def bytes_accessed(jitted, *args) -> float | None:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from cuda_timing import cuda_time
 
 from jax_impl.parity import bits
 from jax_impl.tables import rope_freqs
@@ -38,18 +39,11 @@ from torch_bridge.dlpack import to_jax
 
 
 def t_time(fn, n=20):
+    """Median CUDA-event ms of fn() after 3 warm-up calls."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return cuda_time(fn, n)
 
 
 def j_time(fn, n=20):

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from cuda_timing import torch_graph
 from torch.profiler import ProfilerActivity, profile
 
 import jax_impl
@@ -250,19 +251,11 @@ def speed(kind, B, out, with_auto=False):
     rec["torch_twin_eager_sync_ms"] = statistics.median(ts)
     rec["torch_twin_kernels"] = count_kernels(torch_step)
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                torch_step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch_step()
+        replay = torch_graph(torch_step)
         ts = []
         for _ in range(30):
             t0 = time.perf_counter()
-            graph.replay()
+            replay()
             torch.cuda.synchronize()
             ts.append(1e3 * (time.perf_counter() - t0))
         rec["torch_twin_graph_sync_ms"] = statistics.median(ts)

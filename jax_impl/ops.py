@@ -137,33 +137,42 @@ def rope_pallas(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> t
     return (q.reshape(B, T, H, D).transpose(0, 2, 1, 3), k.reshape(B, T, H, D).transpose(0, 2, 1, 3))
 
 
-def ring_attention(h, in_proj, out_proj, num_heads: int, ring_k, ring_v, layer, tables: StepTables,
-                   active, exact_rope: bool = True, kernels: str = "xla", context: int | None = None):
-    """Fused-projection self-attention over the ring; returns (out [B, T, dim], ring_k, ring_v).
+def attend(qkv, ring_k, ring_v, layer, tables: StepTables, exact_rope: bool = True, kernels: str = "xla",
+           context: int | None = None):
+    """RoPE, ring write and attention of the projected qkv [B, T, 3, H, D] -> ([B, T, H*D], ring_k, ring_v).
 
     kernels="xla": jax.numpy RoPE and attention over `ring[layer]`; "pallas": the Pallas RoPE
     kernel and the Pallas ring attention, which reads the layer's slots in place (GPU). Both
-    scatter only the T new slots into the ring (in place under donation). Writing them inside
-    the attention kernel instead (aliased rings) was measured slower on the H200.
-    active: bool [B], the step's active rows; the writes follow `tables.write_mask`, which
-    holds it (and drops positions below start_offset).
+    scatter only the T new slots into the ring (in place under donation); the writes follow
+    `tables.write_mask` (the step's active rows, positions below start_offset dropped). Writing
+    them inside the attention kernel instead (aliased rings) was measured slower on the H200.
+    H may be a shard of the heads (the tensor-parallel step's own).
     """
-    B, T, dim = h.shape
-    qkv = linear(h, in_proj).reshape(B, T, 3, num_heads, dim // num_heads)
+    B, T, _, H, D = qkv.shape
     v = qkv[:, :, 2].transpose(0, 2, 1, 3)
     if kernels == "pallas":
         q, k = rope_pallas(qkv[:, :, 0], qkv[:, :, 1], tables.cos, tables.sin)
     else:
         q = apply_rope(qkv[:, :, 0].transpose(0, 2, 1, 3), tables.cos, tables.sin, exact=exact_rope)
         k = apply_rope(qkv[:, :, 1].transpose(0, 2, 1, 3), tables.cos, tables.sin, exact=exact_rope)
-    ring_k = ring_write(ring_k, layer, tables.write_index, k, tables.write_mask)  # active is in write_mask
+    ring_k = ring_write(ring_k, layer, tables.write_index, k, tables.write_mask)
     ring_v = ring_write(ring_v, layer, tables.write_index, v, tables.write_mask)
     if kernels == "pallas":
         out = pallas_ring_attention(q.astype(ring_k.dtype), ring_k, ring_v, layer, tables.positions, tables.q_pos,
                                     context=context)
     else:
         out = masked_attention(q.astype(ring_k.dtype), ring_k[layer], ring_v[layer], tables.mask)
-    out = out.transpose(0, 2, 1, 3).reshape(B, T, dim).astype(h.dtype)
+    return out.transpose(0, 2, 1, 3).reshape(B, T, H * D).astype(qkv.dtype), ring_k, ring_v
+
+
+def ring_attention(h, in_proj, out_proj, num_heads: int, ring_k, ring_v, layer, tables: StepTables,
+                   active, exact_rope: bool = True, kernels: str = "xla", context: int | None = None):
+    """Fused-projection self-attention over the ring (`attend` between the two projections);
+    returns (out [B, T, dim], ring_k, ring_v). active: bool [B], carried by `tables.write_mask`."""
+    del active
+    B, T, dim = h.shape
+    qkv = linear(h, in_proj).reshape(B, T, 3, num_heads, dim // num_heads)
+    out, ring_k, ring_v = attend(qkv, ring_k, ring_v, layer, tables, exact_rope, kernels, context)
     return linear(out, out_proj), ring_k, ring_v
 
 

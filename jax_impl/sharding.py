@@ -63,16 +63,7 @@ from jax.sharding import PartitionSpec as P
 from . import state as st
 from .config import StackConfig, TemporalConfig, check_fit, describe
 from .model import run_layers
-from .ops import (
-    _acc_dtype,
-    apply_rope,
-    linear,
-    masked_attention,
-    pick_kernels,
-    ring_write,
-    rms_norm_f32,
-    rope_pallas,
-)
+from .ops import _acc_dtype, attend, linear, pick_kernels, rms_norm_f32
 from .snapshot import exact_float_cast
 from .state import StreamState
 from .step import _KEEP, Streamer, check_step_inputs, step_fn
@@ -503,22 +494,7 @@ def _tp_attention(c: TemporalConfig, h, w, ring_k, ring_v, layer, tables: StepTa
     B, T, dim = h.shape
     _, Hl, D, _ = w["in_proj"].shape
     qkv = linear(h, w["in_proj"].reshape(3 * Hl * D, dim)).reshape(B, T, 3, Hl, D)
-    v = qkv[:, :, 2].transpose(0, 2, 1, 3)
-    if kernels == "pallas":
-        from kernels_pallas.ring_attention import ring_attention as pallas_ring_attention
-
-        q, k = rope_pallas(qkv[:, :, 0], qkv[:, :, 1], tables.cos, tables.sin)
-    else:
-        q = apply_rope(qkv[:, :, 0].transpose(0, 2, 1, 3), tables.cos, tables.sin, exact=exact_rope)
-        k = apply_rope(qkv[:, :, 1].transpose(0, 2, 1, 3), tables.cos, tables.sin, exact=exact_rope)
-    ring_k = ring_write(ring_k, layer, tables.write_index, k, tables.write_mask)
-    ring_v = ring_write(ring_v, layer, tables.write_index, v, tables.write_mask)
-    if kernels == "pallas":
-        out = pallas_ring_attention(q.astype(ring_k.dtype), ring_k, ring_v, layer, tables.positions, tables.q_pos,
-                                    context=c.context)
-    else:
-        out = masked_attention(q.astype(ring_k.dtype), ring_k[layer], ring_v[layer], tables.mask)
-    out = out.transpose(0, 2, 1, 3).reshape(B, T, Hl * D).astype(h.dtype)
+    out, ring_k, ring_v = attend(qkv, ring_k, ring_v, layer, tables, exact_rope, kernels, c.context)
     return reduce(out, w["out_proj"]), ring_k, ring_v
 
 

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels_pallas.common import (
+    INT32_MAX,
     check_blocks,
     check_cache_shapes,
     check_dtype,
@@ -63,7 +64,7 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-OFFSETS_32_LIMIT = 2**31  # q/k element offsets below this are computed in 32 bits
+OFFSETS_32_LIMIT = INT32_MAX + 1  # q/k element offsets below this are computed in 32 bits
 
 
 # --------------------------------------------------------------------------------------------

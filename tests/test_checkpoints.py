@@ -289,7 +289,8 @@ def test_infer_config_reads_the_sizes_and_names_what_it_lacks():
 def test_cli_crosscheck_small_checkpoint(tmp_path, capsys):
     path = tmp_path / "small.safetensors"
     jx.save_safetensors(TCFG, jx.init_params(TCFG, jax.random.key(3)), path)
-    assert main(["crosscheck", "--checkpoint", str(path), "--num-heads", "4", "--steps", "5", "-q"]) == 0
+    assert main(["crosscheck", "--checkpoint", str(path), "--num-heads", "4", "--steps", "5", "-q",
+                 "--kernels", "reference"]) == 0
     out = capsys.readouterr().out
     assert (f"config: from {path}: dim=64, num_layers=2, hidden=176, text_card=96; "
             f"from --num-heads: num_heads=4; from the temporal preset: context=3000") in out
@@ -302,7 +303,7 @@ def test_cli_crosscheck_small_checkpoint(tmp_path, capsys):
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"num_heads": 8, "context": 12, "norm_eps": 1e-6}))
     assert main(["crosscheck", "--checkpoint", str(path), "--config", str(config), "--context", "16",
-                 "--steps", "5", "-q"]) == 0
+                 "--steps", "5", "-q", "--kernels", "reference"]) == 0
     out = capsys.readouterr().out
     assert f"from --config {config}: num_heads=8, norm_eps=1e-06; from --context: context=16" in out
 

@@ -50,7 +50,7 @@ def to_torch(a: np.ndarray) -> torch.Tensor:
 
 
 def bits_torch(t: torch.Tensor) -> np.ndarray:
-    return parity.bits(t.detach().cpu())
+    return parity.bits(t.detach().cpu().contiguous())
 
 
 bits_jax = parity.bits
@@ -252,7 +252,7 @@ def mrope_problems(draw):
     }
 
 
-@settings(max_examples=8, deadline=None, derandomize=True)
+@settings(max_examples=4, deadline=None, derandomize=True)
 @given(mrope_problems())
 def test_bit_identity_hypothesis(p):
     streams = 1 if p["layout"] == "text" else 3
