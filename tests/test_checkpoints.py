@@ -255,7 +255,7 @@ def test_moshi_module_state_dict_file_loads_on_both_sides_bit_exact(tmp_path, ki
         np.testing.assert_array_equal(np.asarray(v), ours.weights()[k].numpy(), err_msg=k)
 
     ours.streaming_init(B)
-    jax_step, state = jx.step_fn(cfg), jx.init_state(cfg, B)
+    jax_step, state = jax.jit(jx.step_fn(cfg)), jx.init_state(cfg, B)
     with torch.no_grad():
         for step in range(cfg.context // T + 6):  # past the ring's wrap
             x = torch.randn(B, T, cfg.dim, generator=gen)

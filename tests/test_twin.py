@@ -270,7 +270,7 @@ def test_twin_step_bit_identical_torch_vs_jax(stack, dtype, convention):
     """The cross-check with kernels="twin": every tensor identical at every step, across wraps and
     recycling (recycle_rate 10: reset_slot, the sacrifice tick, bump_slot_start and reset_rows all
     occur in a few steps)."""
-    report = crosscheck(stack, steps=7, batch=2, dtype=dtype, convention=convention, config=SMALL[stack],
+    report = crosscheck(stack, steps=6, batch=2, dtype=dtype, convention=convention, config=SMALL[stack],
                         kernels="twin", recycle_rate=10, seed=2)
     assert max(report.tensors["end_offset"].per_step_ulp) == 0
     assert report.holds("identical"), report.summary()
