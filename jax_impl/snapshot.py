@@ -182,5 +182,23 @@ def check_snapshot_values(offset: Sequence[int], start_offset: Sequence[int], in
                                 f"0..{index_max}")
 
 
+def read_stream_file(path, framework: str) -> dict:
+    """The snapshot dict in a stream file (tensors of `framework`, "numpy" or "pt" on the CPU, and
+    "metadata" from the safetensors header); ValueError naming the path for an unreadable file."""
+    import os
+
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework=framework) as f:
+            snap = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (a safe_open handle)
+            meta = dict(f.metadata() or {})
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{os.fspath(path)} is not a readable safetensors file: {err}") from None
+    if "metadata" in snap:
+        raise ValueError(f"{os.fspath(path)}: a tensor named 'metadata' is not part of a stream snapshot")
+    return {**snap, "metadata": meta}
+
+
 __all__ = ["FORMAT", "KEYS", "SnapshotError", "SnapshotLayout", "check_ring_cast", "check_snapshot_layout",
-           "check_snapshot_values", "dtype_name", "exact_float_cast", "snapshot_metadata"]
+           "check_snapshot_values", "dtype_name", "exact_float_cast", "read_stream_file", "snapshot_metadata"]

@@ -22,6 +22,7 @@ from .snapshot import (
     check_ring_cast,
     check_snapshot_layout,
     check_snapshot_values,
+    read_stream_file,
     snapshot_metadata,
 )
 from .state import StreamState, index_dtype, index_max
@@ -95,17 +96,7 @@ def write_stream(config: StackConfig, state: StreamState, path: str | os.PathLik
 
 def read_stream(path: str | os.PathLike) -> dict:
     """The snapshot dict in a file `save_stream` / `write_stream` wrote (numpy arrays, bf16 via ml_dtypes)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(os.fspath(path), framework="numpy") as f:
-            snap = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (a safe_open handle)
-            meta = dict(f.metadata() or {})
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{os.fspath(path)} is not a readable safetensors file: {err}") from None
-    if "metadata" in snap:
-        raise ValueError(f"{os.fspath(path)}: a tensor named 'metadata' is not part of a stream snapshot")
-    return {**snap, "metadata": meta}
+    return read_stream_file(path, "numpy")
 
 
 __all__ = ["read_stream", "state_from_snapshot", "state_snapshot", "write_stream"]

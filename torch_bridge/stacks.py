@@ -37,6 +37,7 @@ from jax_impl.snapshot import (
     check_snapshot_values,
     dtype_name,
     exact_float_cast,
+    read_stream_file,
     snapshot_metadata,
 )
 
@@ -91,17 +92,7 @@ def _as_tensor(value) -> torch.Tensor:
 
 def read_stream(path: str | os.PathLike) -> dict:
     """The snapshot dict a `save_stream` wrote (torch tensors on the CPU, "metadata" from the header)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
-            snap = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (a safe_open handle)
-            meta = dict(f.metadata() or {})
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{os.fspath(path)} is not a readable safetensors file: {err}") from None
-    if "metadata" in snap:
-        raise ValueError(f"{os.fspath(path)}: a tensor named 'metadata' is not part of a stream snapshot")
-    return {**snap, "metadata": meta}
+    return read_stream_file(path, "pt")
 
 
 def _as_torch(where: str, key: str, x) -> torch.Tensor:
