@@ -323,3 +323,25 @@ def test_twin_scan_and_python_layer_loops_give_the_same_bits():
         outs.append((out, logits, state.k))
     for a, b in zip(*outs):
         assert_same(a, b)
+
+
+def test_dropin_with_twin_kernels_gives_the_torch_twin_bits():
+    """`JaxTemporalStreaming(kernels="twin")` (stepped by the Pallas twins) and the torch stack built with
+    kernels="twin" (the Triton twins) on the same weight buffers: the same bits, torch tensors out."""
+    from torch_bridge import JaxMimiTransformer
+
+    cfg = jx.PRESETS["mimi-small"]
+    torch_twin = MimiTransformer.from_config(cfg, kernels="twin")
+    torch_twin.init_weights(generator=torch.Generator().manual_seed(3))
+    dropin = JaxMimiTransformer.from_config(cfg, kernels="twin")
+    for name, w in torch_twin.weights().items():
+        getattr(dropin, name).copy_(w)
+    torch_twin.streaming_init(2)
+    dropin.streaming_init(2)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = torch.randn(2, 2, cfg.dim, generator=gen)
+        a, b = torch_twin.step(x), dropin.step(x)
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        JaxMimiTransformer.from_config(cfg, kernels="fast")
