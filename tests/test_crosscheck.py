@@ -149,7 +149,7 @@ def test_cli_bad_checkpoint(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "--num-heads: required" in err and "has dim 32" in err and "\n" not in err
     assert main(["crosscheck", "--stack", "mimi-encoder", "--size", "small", "--steps", "5", "-q",
-                 "--checkpoint", str(small)]) == 0
+                 "--kernels", "reference", "--checkpoint", str(small)]) == 0
 
 
 @pytest.mark.parametrize("argv,flag", [(["--steps", "0"], "--steps"), (["--seed", "-1"], "--seed"),
