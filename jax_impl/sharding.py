@@ -52,6 +52,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
@@ -318,6 +319,9 @@ class ShardedStreamer(Streamer):
     The params are replicated copies on the mesh (`shard_sessions`).
     """
 
+    _ops = MappingProxyType({"reset_slot": sharded_reset_slot, "bump_slot_start": sharded_bump_slot_start,
+                             "reset_rows": sharded_reset_rows, "reset_streaming": sharded_reset_streaming})
+
     def __init__(self, config: StackConfig, params, batch_size: int, dtype=jnp.float32, *, mesh: Mesh | None = None,
                  axis: str = SESSIONS, output_device=None, layer_loop: str = "scan", exact_rope: bool = True,
                  rope_freqs: tuple[float, ...] | None = None):
@@ -351,22 +355,6 @@ class ShardedStreamer(Streamer):
 
     def step(self, x, active=None):
         return self._out(super().step(x, active))
-
-    def reset_slot(self, b: int) -> None:
-        self.state = sharded_reset_slot(self.state, b)
-
-    def bump_slot_start(self, b: int) -> None:
-        self.state = sharded_bump_slot_start(self.state, b)
-
-    def reset_rows(self, mask) -> None:
-        mask_np = np.asarray(mask)
-        self.state = sharded_reset_rows(self.state, jnp.asarray(mask))
-        if mask_np.dtype == bool and mask_np.all():
-            self.offset_bound = 0
-
-    def reset_streaming(self) -> None:
-        self.state = sharded_reset_streaming(self.state)
-        self.offset_bound = 0
 
     def snapshot(self) -> dict:
         """As `Streamer.snapshot` (copies); split by row, or gathered on `output_device` if set."""

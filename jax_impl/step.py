@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
@@ -204,22 +205,26 @@ class Streamer:
         self.offset_bound += T
         return outputs
 
+    # The recycle ops on this streamer's state (a subclass on another layout swaps the table).
+    _ops = MappingProxyType({"reset_slot": jit_reset_slot, "bump_slot_start": jit_bump_slot_start,
+                             "reset_rows": jit_reset_rows, "reset_streaming": jit_reset_streaming})
+
     def reset_slot(self, b: int) -> None:
         b = st.check_row("reset_slot", self.state, b)
-        self.state = jit_reset_slot(self.state, np.int32(b))  # a host scalar: no device read
+        self.state = self._ops["reset_slot"](self.state, np.int32(b))  # a host scalar: no device read
 
     def bump_slot_start(self, b: int) -> None:
         b = st.check_row("bump_slot_start", self.state, b)
-        self.state = jit_bump_slot_start(self.state, np.int32(b))
+        self.state = self._ops["bump_slot_start"](self.state, np.int32(b))
 
     def reset_rows(self, mask) -> None:
         mask_np = np.asarray(mask)
-        self.state = jit_reset_rows(self.state, jnp.asarray(mask))
+        self.state = self._ops["reset_rows"](self.state, jnp.asarray(mask))
         if mask_np.dtype == bool and mask_np.all():
             self.offset_bound = 0
 
     def reset_streaming(self) -> None:
-        self.state = jit_reset_streaming(self.state)
+        self.state = self._ops["reset_streaming"](self.state)
         self.offset_bound = 0
 
     # ------------------------------------------------------------------ snapshots, conversion
