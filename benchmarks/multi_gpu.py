@@ -35,9 +35,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 SMALL = "--small" in sys.argv[1:]
 if SMALL:  # two CPU devices; must be set before jax is imported
@@ -49,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax
 import jax.numpy as jnp
+from host_timing import host_ms, time_step
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -57,16 +56,6 @@ import jax_impl as jx
 from jax_impl import sharding as sh
 
 TARGETS = {"sessions": 1.15, "tensor_parallel": 0.6, "allreduce_us": 10.0}
-
-
-def host_ms(fn, n: int) -> float:
-    """Median ms of fn() (fn waits for its result)."""
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def copy_bandwidth(small: bool) -> float:
@@ -95,23 +84,6 @@ def full_state(config, B: int, dtype, sharding=None) -> jx.StreamState:
 
     return jax.jit(make, out_shardings=sharding)()
 
-
-def time_step(step, params, state, x, active, steps: int):
-    """(sync_ms, pipelined_ms, state) of a donated step."""
-    holder = {"state": state}
-
-    def one():
-        out, holder["state"] = step(params, holder["state"], x, active)
-        jax.block_until_ready((out, holder["state"]))
-
-    for _ in range(3):
-        one()
-    sync = host_ms(one, steps)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        _, holder["state"] = step(params, holder["state"], x, active)
-    jax.block_until_ready(holder["state"])
-    return sync, 1e3 * (time.perf_counter() - t0) / steps, holder["state"]
 
 
 def per_device_bytes(*trees) -> int:

@@ -24,9 +24,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -36,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from cuda_timing import copy_bandwidth, cuda_time, torch_graph
+from host_timing import host_ms, time_step
 from torch.profiler import ProfilerActivity, profile
 
 import jax_impl
@@ -48,16 +47,6 @@ from torch_bridge.jax_steppers import from_torch
 
 B = 4
 CASES = {"temporal": ("temporal", 1), "mimi2": ("mimi", 2), "mimi10": ("mimi", 10)}
-
-
-def host_time(fn, n: int) -> float:
-    """Median ms of fn() where fn blocks until its result is ready."""
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def count_kernels(fn) -> int:
@@ -126,20 +115,13 @@ def bench_case(name: str, steps: int, bandwidth: float) -> dict:
         step = jax_impl.make_step(config, layer_loop="python", kernels=kernels, rope_freqs=freqs)
         if kernels == "auto":
             rec["xla_bytes_accessed"] = bytes_accessed(step, params, state, xj, aj)
+        ms, pipelined, state = time_step(step, params, state, xj, aj, steps)
         holder = {"state": state}
 
         def jax_step(step=step, holder=holder):
             out, holder["state"] = step(params, holder["state"], xj, aj)
             jax.block_until_ready((out, holder["state"]))
 
-        for _ in range(3):
-            jax_step()
-        ms = host_time(jax_step, steps)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            _, holder["state"] = step(params, holder["state"], xj, aj)
-        jax.block_until_ready(holder["state"])
-        pipelined = 1e3 * (time.perf_counter() - t0) / steps
         key = "jax" if kernels == "auto" else "jax_xla_kernels"
         rec[f"{key}_ms"], rec[f"{key}_pipelined_ms"] = ms, pipelined
         rec[f"{key}_kernels"] = count_kernels(jax_step)
@@ -158,7 +140,7 @@ def bench_case(name: str, steps: int, bandwidth: float) -> dict:
 
     for _ in range(3):
         dropin_step()
-    rec["dropin_ms"] = host_time(dropin_step, steps)
+    rec["dropin_ms"] = host_ms(dropin_step, steps)
     rec["dropin_overhead"] = rec["dropin_ms"] / rec["jax_ms"] - 1
     dropin.streaming_init(1)  # frees its full-size ring
     print(name, "dropin", rec["dropin_ms"], flush=True)

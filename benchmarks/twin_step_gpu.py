@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from cuda_timing import torch_graph
+from host_timing import host_ms, time_step
 from torch.profiler import ProfilerActivity, profile
 
 import jax_impl
@@ -193,23 +194,6 @@ def accuracy(out, steps=120, B=4):
     torch.cuda.empty_cache()
 
 
-def time_jax(step, params, state, x, n=40):
-    for _ in range(5):
-        o, state = step(params, state, x, None)
-    jax.block_until_ready(o)
-    sync = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        o, state = step(params, state, x, None)
-        jax.block_until_ready(o)
-        sync.append(1e3 * (time.perf_counter() - t0))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        o, state = step(params, state, x, None)
-    jax.block_until_ready((o, state))
-    return statistics.median(sync), 1e3 * (time.perf_counter() - t0) / n, state
-
-
 def count_kernels(fn):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -230,35 +214,31 @@ def speed(kind, B, out, with_auto=False):
     jax.block_until_ready(step(params, state, xj, None)[0])
     rec["jax_twin_first_call_s"] = time.perf_counter() - t0
     state = jax_side(module)[1]._replace(offset=jnp.full((B,), module.config.capacity, jnp.int32))
-    rec["jax_twin_sync_ms"], rec["jax_twin_pipelined_ms"], state = time_jax(step, params, state, xj)
+    rec["jax_twin_sync_ms"], rec["jax_twin_pipelined_ms"], state = time_step(step, params, state, xj, None, 40)
     rec["jax_twin_kernels"] = count_kernels(lambda: jax.block_until_ready(step(params, state, xj, None)[0]))
     if with_auto:
         _, s2, auto = jax_side(module, kernels="auto", layer_loop="python")
         s2 = s2._replace(offset=jnp.full((B,), module.config.capacity, jnp.int32))
-        rec["jax_auto_sync_ms"], rec["jax_auto_pipelined_ms"], _ = time_jax(auto, params, s2, xj)
+        rec["jax_auto_sync_ms"], rec["jax_auto_pipelined_ms"], _ = time_step(auto, params, s2, xj, None, 40)
 
     def torch_step():
         module.step(x)
-    for _ in range(3):
-        torch_step()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(20):
-        t0 = time.perf_counter()
+    def torch_step_sync():
         torch_step()
         torch.cuda.synchronize()
-        ts.append(1e3 * (time.perf_counter() - t0))
-    rec["torch_twin_eager_sync_ms"] = statistics.median(ts)
+
+    for _ in range(3):
+        torch_step_sync()
+    rec["torch_twin_eager_sync_ms"] = host_ms(torch_step_sync, 20)
     rec["torch_twin_kernels"] = count_kernels(torch_step)
     try:
         replay = torch_graph(torch_step)
-        ts = []
-        for _ in range(30):
-            t0 = time.perf_counter()
+
+        def replay_sync():
             replay()
             torch.cuda.synchronize()
-            ts.append(1e3 * (time.perf_counter() - t0))
-        rec["torch_twin_graph_sync_ms"] = statistics.median(ts)
+
+        rec["torch_twin_graph_sync_ms"] = host_ms(replay_sync, 30)
     except Exception as err:  # noqa: BLE001 (recorded: a capture failure is a result)
         rec["torch_twin_graph_error"] = f"{type(err).__name__}: {err}"[:500]
     record(f"speed_{kind}_B{B}", rec, out)

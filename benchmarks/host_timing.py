@@ -1,0 +1,40 @@
+"""Host-side timing of jitted JAX steps, shared by the benchmark scripts (no torch needed)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+
+def host_ms(fn, n: int) -> float:
+    """Median ms of fn() measured on the host (fn waits for its own result)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def time_step(step, params, state, x, active, steps: int):
+    """(sync_ms, pipelined_ms, state) of a donated step `step(params, state, x, active)`.
+
+    Synchronized: each step's outputs and state are ready before the next is launched (median);
+    pipelined: `steps` launches back to back, then one wait (mean). Three warm-up steps first.
+    """
+    holder = {"state": state}
+
+    def one():
+        out, holder["state"] = step(params, holder["state"], x, active)
+        jax.block_until_ready((out, holder["state"]))
+
+    for _ in range(3):
+        one()
+    sync = host_ms(one, steps)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        _, holder["state"] = step(params, holder["state"], x, active)
+    jax.block_until_ready(holder["state"])
+    return sync, 1e3 * (time.perf_counter() - t0) / steps, holder["state"]
