@@ -81,13 +81,13 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, has_scale, ha
 
 def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
            residual: jax.Array | None = None, block_m: int | None = None, block_n: int | None = None,
-           num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
+           num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
     """y = epilogue(x @ w[layer].T), batch-invariant (module docstring).
 
     x: [M, K] float32/bfloat16/float16; w: [L, N, K] (layer: int or int32 scalar, may be
     traced) or [N, K] (layer=None), in x's dtype; scale: [L, N_out] or [N_out] (indexed like w);
     residual: [M, N_out]. N_out = N/2 for act="silu_gate", else N. Returns [M, N_out] in x's dtype.
-    block_m, block_n: output tile (they change the speed, never the bits).
+    block_m, block_n, num_warps, num_stages: output tile and launch (speed only, never the bits).
     """
     w, scale, layer = _stacked(w, scale, layer)
     M, K, _, N_out = check_twin_linear(x, w, act, ACTS, scale, residual)
@@ -114,7 +114,7 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
         in_specs=in_specs,
         out_specs=tile,
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="twin_linear",
     )(*operands)
     return out[:M]

@@ -93,7 +93,8 @@ def _layer_tensor(layer, L: int, device) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = None,
            scale: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-           block_m: int | None = None, block_n: int | None = None, num_warps: int = 4) -> torch.Tensor:
+           block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
+           num_stages: int = 2) -> torch.Tensor:
     """y = epilogue(x @ w[layer].T), batch-invariant; the signature and bits of the Pallas twin.
 
     x: [M, K]; w: [L, N, K] with layer an int or int tensor, or [N, K] with layer=None.
@@ -113,5 +114,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
         _layer_tensor(layer, w.shape[0], x.device), x, w, dummy if scale is None else scale,
         dummy if residual is None else residual, out, M, N=N, K=K, N_OUT=N_out, BM=BM, BN=BN, BK=BK,
         ACT=_ACT_CODE[act], HAS_SCALE=scale is not None, HAS_RES=residual is not None,
-        INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
+        INTERPRETED=interpreted, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False)
     return out

@@ -1,0 +1,278 @@
+"""Tile sweep of the twin linear and attention kernels on the GPU: which tiles reach the copy ceiling.
+
+    python benchmarks/twin_tune_gpu.py --out $OUT/twin_tune.json
+    TRITON_INTERPRET=1 python benchmarks/twin_tune_gpu.py --small --out /tmp/twin_tune.json  # CPU smoke
+
+The tiles (block_m, block_n, num_warps, num_stages) change the speed of a twin kernel, never its
+bits; the lanes of a sum (common.TWIN_MAX_BK) and the attention plan (TWIN_ATTENTION_BC /
+_CHUNK) are part of the numerics contract: they change the bits, the same way on both sides.
+This script varies both (the contract constants by patching `kernels_pallas.common`, which both
+packages read at call time) and reports, per shape and configuration:
+
+- ms per call of the Triton kernel, from a CUDA graph of 2 x L launches over L stacked layers
+  (the weights, 8 layers, are larger than the L2: each launch reads its layer from HBM), and the
+  weight (ring) bytes per second against the measured copy bandwidth;
+- whether the bits equal those of the first configuration with the same contract constants
+  (they must: tiles never change bits);
+- for the best and the default configuration, the Pallas kernel's ms per call (16 calls in one
+  jit) and whether its bits equal Triton's.
+
+Stage 1 sweeps block_n x num_warps (x block_m for M=16) at lanes 128; stage 2 the lanes and
+num_stages at stage 1's best tile. Never part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import kernels_pallas.common as common
+from jax_impl.parity import bits
+from kernels_pallas import twin_attention as pa
+from kernels_pallas import twin_linear as pli
+from kernels_triton import twin_attention as ta
+from kernels_triton import twin_linear as tli
+from torch_bridge.dlpack import to_jax
+
+RESULTS: dict = {}
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+# name: (M, N, K, act, residual) at the temporal sizes (dim 4096, 32 heads, FFN 11264, vocab 32000)
+SHAPES = {
+    "qkv_m4": (4, 12288, 4096, None, False),
+    "out_m4": (4, 4096, 4096, None, True),
+    "gate_m4": (4, 22528, 4096, "silu_gate", False),
+    "down_m4": (4, 4096, 11264, None, True),
+    "head_m4": (4, 32000, 4096, None, False),
+    "qkv_m1": (1, 12288, 4096, None, False),
+    "qkv_m16": (16, 12288, 4096, None, False),
+}
+SMALL_SHAPES = {"qkv_m4": (4, 96, 64, None, False), "gate_m4": (4, 64, 64, "silu_gate", False)}
+
+
+def record(key, value, out):
+    RESULTS[key] = value
+    print(key, json.dumps(value)[:2000], flush=True)
+    with open(out, "w") as f:
+        json.dump(RESULTS, f, indent=1)
+
+
+def graph_ms(launch, calls: int, reps: int = 10) -> float:
+    """ms per launch: a CUDA graph of `calls` launches (launch(i)), median of `reps` replays."""
+    if not GPU:
+        t0 = time.perf_counter()
+        for i in range(calls):
+            launch(i)
+        return 1e3 * (time.perf_counter() - t0) / calls
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(calls):
+            launch(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            launch(i)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def jax_ms(fn, args, calls: int, reps: int = 10) -> float:
+    """ms per kernel call of a jitted fn making `calls` calls (host dispatch of one jit amortized)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(1e3 * (time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def randn(*shape, scale=1.0, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return (torch.randn(shape, generator=g, device=DEVICE) * scale).to(torch.bfloat16)
+
+
+def same(a, b) -> bool:
+    a, b = (x.detach().cpu() if isinstance(x, torch.Tensor) else np.asarray(x) for x in (a, b))
+    return bool(np.array_equal(bits(a), bits(b)))
+
+
+def with_contract(**constants):
+    """Set contract constants of kernels_pallas.common (both packages read them at call time)."""
+    for k, v in constants.items():
+        setattr(common, k, v)
+
+
+DEFAULTS = {k: getattr(common, k) for k in ("TWIN_MAX_BK", "TWIN_ATTENTION_BC", "TWIN_ATTENTION_CHUNK")}
+
+
+def tune_linear(name, shape, out, ceiling, small):
+    M, N, K, act, has_res = shape
+    L = 1 if name.startswith("head") else (2 if small else 8)
+    n_out = N // 2 if act == "silu_gate" else N
+    x, w = randn(M, K), randn(L, N, K, scale=0.02, seed=1)
+    r = randn(M, n_out, seed=3) if has_res else None
+    wbytes = N * K * 2
+    refs: dict = {}  # lanes -> first output
+    rows = []
+
+    def run(cfg):
+        with_contract(TWIN_MAX_BK=cfg["lanes"])
+        kw = dict(act=act, residual=r, block_m=cfg["bm"], block_n=cfg["bn"], num_warps=cfg["warps"],
+                  num_stages=cfg["stages"])
+        try:
+            y = tli.linear(x, w, L - 1, **kw)
+            ms = graph_ms(lambda i: tli.linear(x, w, i % L, **kw), 2 * L)
+        except Exception as e:  # a tile the compiler refuses: recorded, the sweep goes on
+            rows.append({**cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            return None
+        ref = refs.setdefault(cfg["lanes"], y)
+        row = {**cfg, "ms": ms, "TBps": wbytes / (ms * 1e-3) / 1e12, "of_copy": wbytes / (ms * 1e-3) / ceiling,
+               "bits_as_first_same_lanes": same(y, ref)}
+        rows.append(row)
+        print(name, row, flush=True)
+        return row
+
+    def regs(c):  # float32 accumulator elements per thread
+        return c["bm"] * c["bn"] * c["lanes"] * (2 if act == "silu_gate" else 1) / (32 * c["warps"])
+
+    bms = [M] if M <= 4 else [4, 8, M]
+    stage1 = [dict(bm=bm, bn=bn, warps=wp, lanes=128, stages=2) for bm in bms for bn in (8, 16, 32, 64)
+              for wp in (4, 8)]
+    if small:
+        stage1 = stage1[:2]
+    stage1 = [c for c in stage1 if regs(c) <= 128]
+    done = [r_ for r_ in (run(c) for c in stage1) if r_]
+    best = min(done, key=lambda r_: r_["ms"])
+    stage2 = [dict(best, lanes=lanes, stages=st) for lanes in (64, 128, 256) for st in (1, 2, 3)
+              if (lanes, st) != (128, 2)]
+    stage2 = [{k: c[k] for k in ("bm", "bn", "warps", "lanes", "stages")} for c in stage2]
+    if small:
+        stage2 = stage2[:2]
+    done += [r_ for r_ in (run(c) for c in stage2 if regs(c) <= 256) if r_]
+    best = min(done, key=lambda r_: r_["ms"])
+
+    # the Pallas twin at the best tile and at today's default tile
+    pallas = []
+    for label, cfg in (("best", {k: best[k] for k in ("bm", "bn", "warps", "lanes", "stages")}),
+                       ("default", dict(bm=None, bn=None, warps=4, lanes=DEFAULTS["TWIN_MAX_BK"], stages=2))):
+        with_contract(TWIN_MAX_BK=cfg["lanes"])
+        kw = dict(act=act, block_m=cfg["bm"], block_n=cfg["bn"], num_warps=cfg["warps"], num_stages=cfg["stages"])
+        jx, jw, jr = to_jax(x), to_jax(w), None if r is None else to_jax(r)
+        try:
+            f1 = jax.jit(lambda x, w, r: pli.linear(x, w, L - 1, residual=r, **kw))
+            fn = jax.jit(lambda x, w, r: [pli.linear(x, w, i % L, residual=r, **kw) for i in range(2 * L)])
+            yj = f1(jx, jw, jr)
+            yt = tli.linear(x, w, L - 1, residual=r, **kw)
+            ms = jax_ms(fn, (jx, jw, jr), 2 * L)
+            pallas.append({"config": label, **cfg, "ms": ms, "TBps": wbytes / (ms * 1e-3) / 1e12,
+                           "pallas_equals_triton": same(yj, yt)})
+        except Exception as e:
+            pallas.append({"config": label, **cfg, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print(name, "pallas", pallas[-1], flush=True)
+    with_contract(**DEFAULTS)
+    record(f"linear_{name}", {"M": M, "N": N, "K": K, "act": act, "residual": has_res, "layers": L,
+                              "weight_bytes": wbytes, "triton": rows, "best": best, "pallas": pallas}, out)
+
+
+def tune_attention(out, ceiling, small):
+    B, H, T, D, C, L = (2, 2, 1, 16, 40, 2) if small else (4, 32, 1, 128, 3000, 4)
+    q = randn(B, H, T, D)
+    ring_k, ring_v = randn(L, B, H, C, D, seed=1), randn(L, B, H, C, D, seed=2)
+    positions = torch.arange(C, device=DEVICE, dtype=torch.int32)[None].expand(B, C).contiguous()
+    q_pos = torch.full((B, T), C - 1, device=DEVICE, dtype=torch.int32)
+    rbytes = 2 * B * H * C * D * 2
+    rows, refs = [], {}
+    plans = [(64, 256), (32, 256), (64, 512), (128, 512), (32, 128)]
+    warps = (2, 4, 8)
+    if small:
+        plans, warps = plans[:2], warps[:1]
+    for bc, chunk in plans:
+        with_contract(TWIN_ATTENTION_BC=bc, TWIN_ATTENTION_CHUNK=chunk)
+        for wp in warps:
+            cfg = dict(bc=bc, chunk=chunk, warps=wp)
+            try:
+                y = ta.attention(q, ring_k, ring_v, L - 1, positions, q_pos, context=C, num_warps=wp)
+                ms = graph_ms(lambda i, wp=wp: ta.attention(q, ring_k, ring_v, i % L, positions, q_pos, context=C,
+                                                            num_warps=wp), 2 * L)
+            except Exception as e:
+                rows.append({**cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                continue
+            ref = refs.setdefault((bc, chunk), y)
+            rows.append({**cfg, "ms": ms, "TBps": rbytes / (ms * 1e-3) / 1e12, "of_copy": rbytes / (ms * 1e-3) / ceiling,
+                         "bits_as_first_same_plan": same(y, ref)})
+            print("attention", rows[-1], flush=True)
+    ok = [r_ for r_ in rows if "ms" in r_]
+    best = min(ok, key=lambda r_: r_["ms"])
+    pallas = []
+    for label, cfg in (("best", best), ("default", dict(bc=DEFAULTS["TWIN_ATTENTION_BC"],
+                                                        chunk=DEFAULTS["TWIN_ATTENTION_CHUNK"], warps=4))):
+        with_contract(TWIN_ATTENTION_BC=cfg["bc"], TWIN_ATTENTION_CHUNK=cfg["chunk"])
+        jq, jk, jv, jp, jqp = (to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
+        try:
+            f1 = jax.jit(lambda q, k, v, p, qp: pa.attention(q, k, v, L - 1, p, qp, context=C, num_warps=cfg["warps"]))
+            fn = jax.jit(lambda q, k, v, p, qp: [pa.attention(q, k, v, i % L, p, qp, context=C, num_warps=cfg["warps"])
+                                                 for i in range(2 * L)])
+            yj = f1(jq, jk, jv, jp, jqp)
+            yt = ta.attention(q, ring_k, ring_v, L - 1, positions, q_pos, context=C, num_warps=cfg["warps"])
+            ms = jax_ms(fn, (jq, jk, jv, jp, jqp), 2 * L)
+            pallas.append({"config": label, "bc": cfg["bc"], "chunk": cfg["chunk"], "warps": cfg["warps"], "ms": ms,
+                           "TBps": rbytes / (ms * 1e-3) / 1e12, "pallas_equals_triton": same(yj, yt)})
+        except Exception as e:
+            pallas.append({"config": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print("attention pallas", pallas[-1], flush=True)
+    with_contract(**DEFAULTS)
+    record("attention", {"B": B, "H": H, "T": T, "D": D, "C": C, "layers": L, "ring_bytes": rbytes,
+                         "triton": rows, "best": best, "pallas": pallas}, out)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="twin_tune.json")
+    parser.add_argument("--only", default=None, help="run the cases whose name contains this")
+    parser.add_argument("--small", action="store_true", help="tiny shapes, interpreted (CPU smoke run)")
+    args = parser.parse_args()
+    if not GPU and not args.small:
+        raise SystemExit("twin_tune_gpu.py: no CUDA device; pass --small (with TRITON_INTERPRET=1) on a CPU")
+    ceiling = 1.0
+    if GPU:
+        from cuda_timing import copy_bandwidth
+        ceiling = copy_bandwidth()
+    record("meta", {"device": torch.cuda.get_device_name() if GPU else "cpu", "jax": jax.__version__,
+                    "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+                    "copy_TBps": ceiling / 1e12}, args.out)
+    cases = {f"linear_{k}": (lambda k=k, s=s: tune_linear(k, s, args.out, ceiling, args.small))
+             for k, s in (SMALL_SHAPES if args.small else SHAPES).items()}
+    cases["attention"] = lambda: tune_attention(args.out, ceiling, args.small)
+    for name, fn in cases.items():
+        if args.only and args.only not in name:
+            continue
+        try:
+            fn()
+        except Exception:
+            record(f"error_{name}", traceback.format_exc()[-3000:], args.out)
+        with_contract(**DEFAULTS)
+
+
+if __name__ == "__main__":
+    main()
