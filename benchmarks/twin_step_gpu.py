@@ -73,8 +73,10 @@ def outs(o):
 
 
 def bits_run(kind, steps, out, B=4, start_near=150):
+    t0 = time.perf_counter()
     module = build(kind, B)
     params, state, step = jax_side(module)
+    print(f"bits_{kind}: built in {time.perf_counter() - t0:.1f} s", flush=True)
     C = module.config.capacity
     start = max(0, C - start_near)
     module.state.offset.fill_(start)
@@ -113,6 +115,8 @@ def bits_run(kind, steps, out, B=4, start_near=150):
         max_offset = max(max_offset, int(module.state.offset.max()))
         j_out, state = step(params, state, to_jax(x, copy=None), to_jax(active, copy=None))
         j_out = outs(j_out)
+        if i in (0, 1) or i % 50 == 49:
+            print(f"bits_{kind}: step {i + 1} at {time.perf_counter() - t0:.1f} s", flush=True)
         names = ["out", "text_logits"][: len(t_out)]
         pairs = dict(zip(names, zip(t_out, j_out)))
         pairs.update(k=(module.state.k, state.k), v=(module.state.v, state.v),
@@ -251,8 +255,10 @@ def main():
     parser.add_argument("--only", default="bits,invariance,accuracy,speed")
     parser.add_argument("--small", action="store_true", help="small presets on the CPU (smoke run)")
     parser.add_argument("--stacks", default="mimi,temporal", help="which stacks (comma-separated)")
+    parser.add_argument("--batches", default="4", help="batch sizes of the speed part (comma-separated)")
     args = parser.parse_args()
     global DEVICE, SIZE
+    jax.config.update("jax_compilation_cache_dir", "/tmp/jax_cache")  # the same step twice compiles once
     if args.small:
         DEVICE, SIZE = "cpu", "-small"
     RESULTS["meta"] = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": datetime.date.today().isoformat(),
@@ -265,7 +271,8 @@ def main():
     if "invariance" in only:
         jobs += [functools.partial(invariance, kind, args.out) for kind in stacks]
     if "speed" in only:
-        jobs += [functools.partial(speed, kind, 4, args.out, with_auto="auto" in only) for kind in stacks]
+        jobs += [functools.partial(speed, kind, int(B), args.out, with_auto="auto" in only) for kind in stacks
+                 for B in args.batches.split(",")]
     if "accuracy" in only:
         jobs += [lambda: accuracy(args.out)]
     for job in jobs:

@@ -3,7 +3,7 @@
     python benchmarks/twin_tune_gpu.py --out $OUT/twin_tune.json
     TRITON_INTERPRET=1 python benchmarks/twin_tune_gpu.py --small --out /tmp/twin_tune.json  # CPU smoke
 
-The tiles (block_m, block_n, num_warps, num_stages) change the speed of a twin kernel, never its
+The tiles (block_m, block_n, num_warps) change the speed of a twin kernel, never its
 bits; the lanes of a sum (common.TWIN_MAX_BK) and the attention plan (TWIN_ATTENTION_BC /
 _CHUNK) are part of the numerics contract: they change the bits, the same way on both sides.
 This script varies both (the contract constants by patching `kernels_pallas.common`, which both
@@ -17,8 +17,8 @@ packages read at call time) and reports, per shape and configuration:
 - for the best and the default configuration, the Pallas kernel's ms per call (16 calls in one
   jit) and whether its bits equal Triton's.
 
-Stage 1 sweeps block_n x num_warps (x block_m for M=16) at lanes 128; stage 2 the lanes and
-num_stages at stage 1's best tile. Never part of the tests.
+Stage 1 sweeps block_n x num_warps (x block_m for M=16) at the contract's lanes; stage 2 half
+and twice the lanes at stage 1's best tile. Never part of the tests.
 """
 
 from __future__ import annotations
@@ -47,13 +47,12 @@ RESULTS: dict = {}
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 
-# name: (M, N, K, act, residual) at the temporal sizes (dim 4096, 32 heads, FFN 11264, vocab 32000)
+# name: (M, N, K, act, residual) at the temporal sizes (dim 4096, 32 heads, FFN 11264)
 SHAPES = {
     "qkv_m4": (4, 12288, 4096, None, False),
     "out_m4": (4, 4096, 4096, None, True),
     "gate_m4": (4, 22528, 4096, "silu_gate", False),
     "down_m4": (4, 4096, 11264, None, True),
-    "head_m4": (4, 32000, 4096, None, False),
     "qkv_m1": (1, 12288, 4096, None, False),
     "qkv_m16": (16, 12288, 4096, None, False),
 }
@@ -138,8 +137,7 @@ def tune_linear(name, shape, out, ceiling, small):
 
     def run(cfg):
         with_contract(TWIN_MAX_BK=cfg["lanes"])
-        kw = dict(act=act, residual=r, block_m=cfg["bm"], block_n=cfg["bn"], num_warps=cfg["warps"],
-                  num_stages=cfg["stages"])
+        kw = dict(act=act, residual=r, block_m=cfg["bm"], block_n=cfg["bn"], num_warps=cfg["warps"])
         try:
             y = tli.linear(x, w, L - 1, **kw)
             ms = graph_ms(lambda i: tli.linear(x, w, i % L, **kw), 2 * L)
@@ -156,28 +154,25 @@ def tune_linear(name, shape, out, ceiling, small):
     def regs(c):  # float32 accumulator elements per thread
         return c["bm"] * c["bn"] * c["lanes"] * (2 if act == "silu_gate" else 1) / (32 * c["warps"])
 
-    bms = [M] if M <= 4 else [4, 8, M]
-    stage1 = [dict(bm=bm, bn=bn, warps=wp, lanes=128, stages=2) for bm in bms for bn in (8, 16, 32, 64)
-              for wp in (4, 8)]
+    lanes0 = DEFAULTS["TWIN_MAX_BK"]
+    bms = [M] if M <= 4 else [4, 8]
+    stage1 = [dict(bm=bm, bn=bn, warps=wp, lanes=lanes0) for bm in bms for bn in (4, 8, 16) for wp in (4, 8)]
     if small:
         stage1 = stage1[:2]
-    stage1 = [c for c in stage1 if regs(c) <= 128]
-    done = [r_ for r_ in (run(c) for c in stage1) if r_]
+    done = [r_ for r_ in (run(c) for c in stage1 if regs(c) <= 128) if r_]
     best = min(done, key=lambda r_: r_["ms"])
-    stage2 = [dict(best, lanes=lanes, stages=st) for lanes in (64, 128, 256) for st in (1, 2, 3)
-              if (lanes, st) != (128, 2)]
-    stage2 = [{k: c[k] for k in ("bm", "bn", "warps", "lanes", "stages")} for c in stage2]
+    stage2 = [dict({k: best[k] for k in ("bm", "bn", "warps")}, lanes=lanes) for lanes in (lanes0 // 2, 2 * lanes0)]
     if small:
-        stage2 = stage2[:2]
+        stage2 = stage2[:1]
     done += [r_ for r_ in (run(c) for c in stage2 if regs(c) <= 256) if r_]
     best = min(done, key=lambda r_: r_["ms"])
 
     # the Pallas twin at the best tile and at today's default tile
     pallas = []
-    for label, cfg in (("best", {k: best[k] for k in ("bm", "bn", "warps", "lanes", "stages")}),
-                       ("default", dict(bm=None, bn=None, warps=4, lanes=DEFAULTS["TWIN_MAX_BK"], stages=2))):
+    for label, cfg in (("best", {k: best[k] for k in ("bm", "bn", "warps", "lanes")}),
+                       ("default", dict(bm=None, bn=None, warps=4, lanes=lanes0))):
         with_contract(TWIN_MAX_BK=cfg["lanes"])
-        kw = dict(act=act, block_m=cfg["bm"], block_n=cfg["bn"], num_warps=cfg["warps"], num_stages=cfg["stages"])
+        kw = dict(act=act, block_m=cfg["bm"], block_n=cfg["bn"], num_warps=cfg["warps"])
         jx, jw, jr = to_jax(x), to_jax(w), None if r is None else to_jax(r)
         try:
             f1 = jax.jit(lambda x, w, r: pli.linear(x, w, L - 1, residual=r, **kw))
@@ -203,7 +198,7 @@ def tune_attention(out, ceiling, small):
     q_pos = torch.full((B, T), C - 1, device=DEVICE, dtype=torch.int32)
     rbytes = 2 * B * H * C * D * 2
     rows, refs = [], {}
-    plans = [(64, 256), (32, 256), (64, 512), (128, 512), (32, 128)]
+    plans = [(64, 256), (32, 256), (64, 512)]
     warps = (2, 4, 8)
     if small:
         plans, warps = plans[:2], warps[:1]

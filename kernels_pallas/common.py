@@ -171,10 +171,10 @@ def stream_index(rotary_dim: int, mrope_section: Sequence[int], mrope_interleave
 # Twin kernels (kernels_pallas.twin_*, kernels_triton.twin_*): shared tiles and checks
 # --------------------------------------------------------------------------------------------
 TWIN_MAX_BK = 128  # lanes of a sum over K (the reduction order depends on this and K alone)
-TWIN_MAX_BN = 8    # output columns per program of the linear kernels (speed only; compiled)
-TWIN_LINEAR_MAX_BM = 4  # rows per program of the linear kernels: one [BN, BK] accumulator each
-TWIN_MAX_BM = 16   # rows per program of the norm kernels (speed only)
+TWIN_MAX_BN = 8    # output columns per program (speed only; compiled), 16 for the gated linear
+TWIN_MAX_BM = 8    # output rows per program (speed only; compiled)
 TWIN_INTERPRET_MAX_BN = 256  # interpreted (CPU), fewer, larger programs: each costs Python overhead
+TWIN_INTERPRET_MAX_BM = 64
 
 
 def largest_pow2_divisor(n: int, cap: int) -> int:
@@ -191,19 +191,23 @@ def twin_lanes(K: int) -> int:
 
 
 def twin_blocks(M: int, N: int, K: int, block_m: int | None = None, block_n: int | None = None,
-                interpreted: bool = False, masked_n: bool = False):
+                interpreted: bool = False, masked_n: bool = False, gated: bool = False):
     """(BM, BN, BK) of the twin linear kernel: BK from K alone (bits), BM, BN for speed.
 
-    BM is 1, 2 or 4 (each row has its own accumulator in the kernels). masked_n: the kernel
-    masks columns past N, so block_n need not divide N (Triton's).
+    The defaults are the fastest tiles of `benchmarks/twin_tune_gpu.py` on an H200 (RESULTS.md);
+    gated: the silu-gated linear, which computes two column blocks per program.
+
+    masked_n: the kernel masks columns past N, so block_n need not divide N (Triton's).
     """
     BK = twin_lanes(K)
-    BN = largest_pow2_divisor(N, TWIN_INTERPRET_MAX_BN if interpreted else TWIN_MAX_BN) if block_n is None else block_n
-    BM = min(TWIN_LINEAR_MAX_BM, next_pow2(M)) if block_m is None else block_m
-    if BM not in (1, 2, 4):
-        raise ValueError(f"twin linear: block_m must be 1, 2 or {TWIN_LINEAR_MAX_BM}, got {BM}")
-    if BN <= 0 or BN & (BN - 1) or (not masked_n and N % BN):
-        raise ValueError(f"twin linear: block_n must be a power of two{'' if masked_n else f' dividing {N}'}, got {BN}")
+    max_bn, max_bm = (TWIN_INTERPRET_MAX_BN, TWIN_INTERPRET_MAX_BM) if interpreted else (TWIN_MAX_BN, TWIN_MAX_BM)
+    BM = min(max_bm, next_pow2(M)) if block_m is None else block_m
+    if gated and not interpreted and BM <= 4:
+        max_bn *= 2
+    BN = largest_pow2_divisor(N, max_bn) if block_n is None else block_n
+    for name, v, total in (("block_m", BM, None), ("block_n", BN, None if masked_n else N)):
+        if v <= 0 or v & (v - 1) or (total is not None and total % v):
+            raise ValueError(f"twin linear: {name} must be a power of two dividing {total or 'any M'}, got {v}")
     return BM, BN, BK
 
 

@@ -3,14 +3,10 @@
 
 Contract (beside `twin_math`'s): program (i, j) computes rows i*BM.. and columns j*BN.. of
 `y = x @ w[layer].T`. Lane l of an output holds the sequential float32 sum, over the K blocks
-in order, of its products x[m, kb*BK + l] * w[n, kb*BK + l] (`twin_math.mac`: each product
-rounded, or fused where that gives the same bits); the BK lanes are then added by `tree_sum`.
-BK depends on K alone (`common.twin_blocks`), and every row is computed on its own, so the
-bits of a row depend neither on the batch nor on the tiles of M and N.
-
-Speed: each program loads a [BN, BK] weight tile once per K block and keeps one [BN, BK]
-accumulator per row (BM <= 4) in that tile's layout, so a weight is loaded and converted once
-for all the rows, with no register shuffles (a [BM, BN, BK] product would need them). Then, in order (each step rounded to x's dtype, as the reference rounds):
+in order, of its products x[m, kb*BK + l] * w[n, kb*BK + l] (each rounded, `twin_math.mul`);
+the BK lanes are then added by `tree_sum`. BK depends on K alone (`common.twin_blocks`), and
+every row is computed on its own, so the bits of a row depend neither on the batch nor on the
+tiles of M and N. Then, in order (each step rounded to x's dtype, as the reference rounds):
 
     y = to_dtype(acc)
     act="silu_gate" (N even): the kernel computes columns n and n + N/2 together and returns
@@ -56,56 +52,52 @@ def _epilogue(acc, dtype, act, scale, residual, gpu):
     return y
 
 
-def _kernel(layer_ref, x_ref, w_ref, *refs, K, BM, BN, BK, N_out, act, has_scale, has_res, fused, unroll, gpu):
-    """Program (i, j): rows i*BM.. (x_ref: the whole padded x, flat; o_ref a [BM, BN] block), columns j*BN.."""
+def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, has_scale, has_res, gpu):
+    """Program (i, j): rows block i, columns j*BN.. of the output (x_ref: [BM, K] rows block)."""
     scale_ref = refs[0] if has_scale else None
     res_ref = refs[int(has_scale)] if has_res else None
     o_ref = refs[-1]
     layer = layer_ref[0]
-    m0, n0 = pl.program_id(0) * BM, pl.program_id(1) * BN
-    kk = jnp.arange(BK, dtype=jnp.int32)[None, :] + jnp.zeros((BN, 1), jnp.int32)  # [BN, BK], rows alike
+    n0 = pl.program_id(1) * BN
+    gated = act == "silu_gate"
 
-    def sums(n_start):  # BM rows of [BN] sums for columns n_start ..
-        def body(kb, accs):
-            wb = w_ref[layer, pl.ds(n_start, BN), pl.ds(kb * BK, BK)].astype(tm.F32)  # [BN, BK]
-            # x [M*K] read as a [BN, BK] tile (rows alike): the weight tile's layout, no shuffle
-            return tuple(tm.mac(acc, pltriton.load(x_ref.at[(m0 + r) * K + kb * BK + kk]).astype(tm.F32), wb,
-                                fused, gpu)
-                         for r, acc in enumerate(accs))
+    def products(kb, n_start):
+        xb = x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)                          # [BM, BK]
+        wb = w_ref[layer, pl.ds(n_start, BN), pl.ds(kb * BK, BK)].astype(tm.F32)  # [BN, BK]
+        return tm.mul(xb[:, None, :], wb[None, :, :], gpu)                         # [BM, BN, BK]
 
-        zeros = jnp.zeros((BN, BK), tm.F32)
-        accs = lax.fori_loop(0, K // BK, body, (zeros,) * BM, unroll=unroll)
-        return [tm.tree_sum(a)[:, 0] for a in accs]
+    def body(kb, acc):
+        if gated:
+            return acc[0] + products(kb, n0), acc[1] + products(kb, n0 + N_out)
+        return acc + products(kb, n0)
 
-    a = sums(n0)
-    b = sums(n0 + N_out) if act == "silu_gate" else a
-    scale = scale_ref[layer, pl.ds(n0, BN)] if has_scale else None
-    for r in range(BM):
-        acc = (a[r], b[r]) if act == "silu_gate" else a[r]
-        residual = res_ref[r, :] if has_res else None
-        o_ref[r, :] = _epilogue(acc, o_ref.dtype, act, scale, residual, gpu)
+    zeros = jnp.zeros((x_ref.shape[0], BN, BK), tm.F32)
+    acc = lax.fori_loop(0, K // BK, body, (zeros, zeros) if gated else zeros)
+    acc = tuple(tm.tree_sum(a)[..., 0] for a in acc) if gated else tm.tree_sum(acc)[..., 0]
+    scale = scale_ref[layer, pl.ds(n0, BN)][None, :] if has_scale else None
+    residual = res_ref[...] if has_res else None
+    o_ref[...] = _epilogue(acc, o_ref.dtype, act, scale, residual, gpu)
 
 
 def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
            residual: jax.Array | None = None, block_m: int | None = None, block_n: int | None = None,
-           num_warps: int = 4, num_stages: int = 2, unroll: int = 1,
-           interpret: bool | None = None) -> jax.Array:
+           num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
     """y = epilogue(x @ w[layer].T), batch-invariant (module docstring).
 
     x: [M, K] float32/bfloat16/float16; w: [L, N, K] (layer: int or int32 scalar, may be
     traced) or [N, K] (layer=None), in x's dtype; scale: [L, N_out] or [N_out] (indexed like w);
     residual: [M, N_out]. N_out = N/2 for act="silu_gate", else N. Returns [M, N_out] in x's dtype.
-    block_m, block_n, num_warps, num_stages, unroll (of the loop over K): speed only, never the bits.
+    block_m, block_n: output tile (they change the speed, never the bits).
     """
     w, scale, layer = _stacked(w, scale, layer)
     M, K, _, N_out = check_twin_linear(x, w, act, ACTS, scale, residual)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret)
+    BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret, gated=act == "silu_gate")
     Mp = -(-M // BM) * BM
     pad = ((0, Mp - M), (0, 0))
-    operands = [jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, pad).reshape(-1), w]
-    in_specs = [_whole(a) for a in operands]
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, pad), w]
+    in_specs = [_whole(operands[0]), pl.BlockSpec((BM, K), lambda i, j: (i, 0)), _whole(w)]
     if scale is not None:
         operands.append(scale)
         in_specs.append(_whole(scale))
@@ -113,9 +105,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     if residual is not None:
         operands.append(jnp.pad(residual, pad))
         in_specs.append(tile)
-    kernel = functools.partial(_kernel, K=K, BM=BM, BN=BN, BK=BK, N_out=N_out, act=act, has_scale=scale is not None,
-                               has_res=residual is not None, fused=x.dtype in (jnp.bfloat16, jnp.float16),
-                               unroll=unroll, gpu=not interpret)
+    kernel = functools.partial(_kernel, K=K, BN=BN, BK=BK, N_out=N_out, act=act, has_scale=scale is not None,
+                               has_res=residual is not None, gpu=not interpret)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((Mp, N_out), x.dtype),
@@ -123,7 +114,7 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
         in_specs=in_specs,
         out_specs=tile,
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
         name="twin_linear",
     )(*operands)
     return out[:M]
