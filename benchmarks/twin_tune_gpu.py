@@ -31,12 +31,11 @@ import time
 import traceback
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 
-import kernels_pallas.common as common
 from jax_impl.parity import bits
+from kernels_pallas import common
 from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_linear as pli
 from kernels_triton import twin_attention as ta
@@ -137,11 +136,11 @@ def tune_linear(name, shape, out, ceiling, small):
 
     def run(cfg):
         with_contract(TWIN_MAX_BK=cfg["lanes"])
-        kw = dict(act=act, residual=r, block_m=cfg["bm"], block_n=cfg["bn"], num_warps=cfg["warps"])
+        kw = {"act": act, "residual": r, "block_m": cfg["bm"], "block_n": cfg["bn"], "num_warps": cfg["warps"]}
         try:
             y = tli.linear(x, w, L - 1, **kw)
             ms = graph_ms(lambda i: tli.linear(x, w, i % L, **kw), 2 * L)
-        except Exception as e:  # a tile the compiler refuses: recorded, the sweep goes on
+        except Exception as e:  # noqa: BLE001 (recorded: a tile the compiler refuses, the sweep goes on)
             rows.append({**cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             return None
         ref = refs.setdefault(cfg["lanes"], y)
@@ -156,12 +155,12 @@ def tune_linear(name, shape, out, ceiling, small):
 
     lanes0 = DEFAULTS["TWIN_MAX_BK"]
     bms = [M] if M <= 4 else [4, 8]
-    stage1 = [dict(bm=bm, bn=bn, warps=wp, lanes=lanes0) for bm in bms for bn in (4, 8, 16) for wp in (4, 8)]
+    stage1 = [{"bm": bm, "bn": bn, "warps": wp, "lanes": lanes0} for bm in bms for bn in (4, 8, 16) for wp in (4, 8)]
     if small:
         stage1 = stage1[:2]
     done = [r_ for r_ in (run(c) for c in stage1 if regs(c) <= 128) if r_]
     best = min(done, key=lambda r_: r_["ms"])
-    stage2 = [dict({k: best[k] for k in ("bm", "bn", "warps")}, lanes=lanes) for lanes in (lanes0 // 2, 2 * lanes0)]
+    stage2 = [{**{k: best[k] for k in ("bm", "bn", "warps")}, "lanes": lanes} for lanes in (lanes0 // 2, 2 * lanes0)]
     if small:
         stage2 = stage2[:1]
     done += [r_ for r_ in (run(c) for c in stage2 if regs(c) <= 256) if r_]
@@ -170,19 +169,19 @@ def tune_linear(name, shape, out, ceiling, small):
     # the Pallas twin at the best tile and at today's default tile
     pallas = []
     for label, cfg in (("best", {k: best[k] for k in ("bm", "bn", "warps", "lanes")}),
-                       ("default", dict(bm=None, bn=None, warps=4, lanes=lanes0))):
+                       ("default", {"bm": None, "bn": None, "warps": 4, "lanes": lanes0})):
         with_contract(TWIN_MAX_BK=cfg["lanes"])
-        kw = dict(act=act, block_m=cfg["bm"], block_n=cfg["bn"], num_warps=cfg["warps"])
+        kw = {"act": act, "block_m": cfg["bm"], "block_n": cfg["bn"], "num_warps": cfg["warps"]}
         jx, jw, jr = to_jax(x), to_jax(w), None if r is None else to_jax(r)
         try:
-            f1 = jax.jit(lambda x, w, r: pli.linear(x, w, L - 1, residual=r, **kw))
-            fn = jax.jit(lambda x, w, r: [pli.linear(x, w, i % L, residual=r, **kw) for i in range(2 * L)])
+            f1 = jax.jit(lambda x, w, r, kw=kw: pli.linear(x, w, L - 1, residual=r, **kw))
+            fn = jax.jit(lambda x, w, r, kw=kw: [pli.linear(x, w, i % L, residual=r, **kw) for i in range(2 * L)])
             yj = f1(jx, jw, jr)
             yt = tli.linear(x, w, L - 1, residual=r, **kw)
             ms = jax_ms(fn, (jx, jw, jr), 2 * L)
             pallas.append({"config": label, **cfg, "ms": ms, "TBps": wbytes / (ms * 1e-3) / 1e12,
                            "pallas_equals_triton": same(yj, yt)})
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (recorded: a Pallas config that fails, the sweep goes on)
             pallas.append({"config": label, **cfg, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         print(name, "pallas", pallas[-1], flush=True)
     with_contract(**DEFAULTS)
@@ -205,12 +204,12 @@ def tune_attention(out, ceiling, small):
     for bc, chunk in plans:
         with_contract(TWIN_ATTENTION_BC=bc, TWIN_ATTENTION_CHUNK=chunk)
         for wp in warps:
-            cfg = dict(bc=bc, chunk=chunk, warps=wp)
+            cfg = {"bc": bc, "chunk": chunk, "warps": wp}
             try:
                 y = ta.attention(q, ring_k, ring_v, L - 1, positions, q_pos, context=C, num_warps=wp)
                 ms = graph_ms(lambda i, wp=wp: ta.attention(q, ring_k, ring_v, i % L, positions, q_pos, context=C,
                                                             num_warps=wp), 2 * L)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 (recorded: a plan the compiler refuses, the sweep goes on)
                 rows.append({**cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 continue
             ref = refs.setdefault((bc, chunk), y)
@@ -220,20 +219,22 @@ def tune_attention(out, ceiling, small):
     ok = [r_ for r_ in rows if "ms" in r_]
     best = min(ok, key=lambda r_: r_["ms"])
     pallas = []
-    for label, cfg in (("best", best), ("default", dict(bc=DEFAULTS["TWIN_ATTENTION_BC"],
-                                                        chunk=DEFAULTS["TWIN_ATTENTION_CHUNK"], warps=4))):
+    for label, cfg in (("best", best), ("default", {"bc": DEFAULTS["TWIN_ATTENTION_BC"],
+                                                    "chunk": DEFAULTS["TWIN_ATTENTION_CHUNK"], "warps": 4})):
         with_contract(TWIN_ATTENTION_BC=cfg["bc"], TWIN_ATTENTION_CHUNK=cfg["chunk"])
         jq, jk, jv, jp, jqp = (to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
         try:
-            f1 = jax.jit(lambda q, k, v, p, qp: pa.attention(q, k, v, L - 1, p, qp, context=C, num_warps=cfg["warps"]))
-            fn = jax.jit(lambda q, k, v, p, qp: [pa.attention(q, k, v, i % L, p, qp, context=C, num_warps=cfg["warps"])
-                                                 for i in range(2 * L)])
+            f1 = jax.jit(lambda q, k, v, p, qp, cfg=cfg: pa.attention(q, k, v, L - 1, p, qp, context=C,
+                                                                      num_warps=cfg["warps"]))
+            fn = jax.jit(lambda q, k, v, p, qp, cfg=cfg: [pa.attention(q, k, v, i % L, p, qp, context=C,
+                                                                       num_warps=cfg["warps"])
+                                                          for i in range(2 * L)])
             yj = f1(jq, jk, jv, jp, jqp)
             yt = ta.attention(q, ring_k, ring_v, L - 1, positions, q_pos, context=C, num_warps=cfg["warps"])
             ms = jax_ms(fn, (jq, jk, jv, jp, jqp), 2 * L)
             pallas.append({"config": label, "bc": cfg["bc"], "chunk": cfg["chunk"], "warps": cfg["warps"], "ms": ms,
                            "TBps": rbytes / (ms * 1e-3) / 1e12, "pallas_equals_triton": same(yj, yt)})
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (recorded: a Pallas plan that fails, the sweep goes on)
             pallas.append({"config": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         print("attention pallas", pallas[-1], flush=True)
     with_contract(**DEFAULTS)
@@ -264,7 +265,7 @@ def main():
             continue
         try:
             fn()
-        except Exception:
+        except Exception:  # noqa: BLE001 (recorded: a failing case is a result, the next one still runs)
             record(f"error_{name}", traceback.format_exc()[-3000:], args.out)
         with_contract(**DEFAULTS)
 

@@ -155,3 +155,19 @@ def test_state_views_are_zero_copy():
     model.step(torch.randn(2, 2, 32))  # cannot donate the viewed buffers: JAX copies them instead
     assert view.offset.tolist() == [2, 2]  # the view kept the old buffer alive and intact
     assert model.state.offset.tolist() == [4, 4]
+
+
+@pytest.mark.parametrize("cls", [JaxTemporalStreaming, JaxMimiTransformer])
+def test_drop_in_streaming_init_allocates_no_torch_ring(cls, monkeypatch):
+    """The drop-in's state lives in JAX: streaming_init must not allocate (and drop) a torch ring,
+    which at the real sizes is 6.3 GB at B=4, and a bad batch size is refused before anything."""
+    config = PRESETS["temporal-small" if cls is JaxTemporalStreaming else "mimi-small"]
+    module = cls.from_config(config)
+    allocated = []
+    monkeypatch.setattr("torch_bridge.stacks.StreamState.zeros", lambda *a, **k: allocated.append(a))
+    module.streaming_init(3)
+    assert allocated == []
+    assert module.jax_state.k.shape[1] == 3
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        module.streaming_init(0)
+    assert module.jax_state.k.shape[1] == 3  # the refused call left the stream as it was

@@ -65,8 +65,11 @@ class _JaxBacked:
         return self._streamer.state
 
     def streaming_init(self, batch_size: int) -> None:
-        super().streaming_init(batch_size)  # validates, then allocates a torch state we drop
+        """A fresh JAX state for `batch_size` rows; no torch ring is allocated (the torch stack's
+        state stays None), and the previous JAX state is released first."""
+        self._check_batch_size(batch_size)
         self._state = None
+        self._streamer = None
         self._streamer = self._new_streamer(batch_size)
 
     def _new_streamer(self, batch_size: int) -> jax_impl.Streamer:

@@ -220,11 +220,16 @@ class _StreamingStack(nn.Module):
         """The streaming state (None before `streaming_init`)."""
         return self._state
 
-    def streaming_init(self, batch_size: int) -> None:
-        """Allocate a fresh state for `batch_size` rows (zeros, offsets at 0)."""
+    @staticmethod
+    def _check_batch_size(batch_size) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+
+    def streaming_init(self, batch_size: int) -> None:
+        """Allocate a fresh state for `batch_size` rows (zeros, offsets at 0)."""
+        self._check_batch_size(batch_size)
         c = self.config
+        self._state = None  # the old rings go before the new ones are allocated (one ring at a time)
         self._state = StreamState.zeros(c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim,
                                        self.dtype, self.device)
 
