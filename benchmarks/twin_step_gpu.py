@@ -12,7 +12,8 @@ accuracy against float32, speed. One device call:
    inputs: mean normwise error of out, greedy-token agreement, for the twin step, today's JAX
    step (kernels="auto") and the torch reference path, all bf16.
 4. speed: synchronized and pipelined ms/step of the JAX twin step (and today's JAX step), the
-   torch twin step eager and under a CUDA graph, kernel launches per step (torch.profiler).
+   torch twin step eager and under a CUDA graph, kernel launches per step and the kernels that
+   take the most GPU time (torch.profiler, which sees JAX's kernels too).
 """
 
 from __future__ import annotations
@@ -198,11 +199,19 @@ def accuracy(out, steps=120, B=4):
     torch.cuda.empty_cache()
 
 
-def count_kernels(fn):
+def kernel_profile(fn, top: int = 8):
+    """(kernels launched by one fn() call, the `top` kernel names by GPU time: [name, us, calls])."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    by_name: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+            t, n = by_name.get(e.name, (0.0, 0))
+            by_name[e.name] = (t + us, n + 1)
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return sum(n for _, n in by_name.values()), [[name[:80], round(t, 1), n] for name, (t, n) in ranked]
 
 
 def speed(kind, B, out, with_auto=False):
@@ -219,7 +228,8 @@ def speed(kind, B, out, with_auto=False):
     rec["jax_twin_first_call_s"] = time.perf_counter() - t0
     state = jax_side(module)[1]._replace(offset=jnp.full((B,), module.config.capacity, jnp.int32))
     rec["jax_twin_sync_ms"], rec["jax_twin_pipelined_ms"], state = time_step(step, params, state, xj, None, 40)
-    rec["jax_twin_kernels"] = count_kernels(lambda: jax.block_until_ready(step(params, state, xj, None)[0]))
+    rec["jax_twin_kernels"], rec["jax_twin_top_kernels"] = kernel_profile(
+        lambda: jax.block_until_ready(step(params, state, xj, None)[0]))
     if with_auto:
         _, s2, auto = jax_side(module, kernels="auto", layer_loop="python")
         s2 = s2._replace(offset=jnp.full((B,), module.config.capacity, jnp.int32))
@@ -234,7 +244,7 @@ def speed(kind, B, out, with_auto=False):
     for _ in range(3):
         torch_step_sync()
     rec["torch_twin_eager_sync_ms"] = host_ms(torch_step_sync, 20)
-    rec["torch_twin_kernels"] = count_kernels(torch_step)
+    rec["torch_twin_kernels"], rec["torch_twin_top_kernels"] = kernel_profile(torch_step)
     try:
         replay = torch_graph(torch_step)
 
