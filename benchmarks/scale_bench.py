@@ -1,0 +1,243 @@
+"""Batch scaling of the streaming steps with a full ring (issue 11), in one device call.
+
+    python benchmarks/scale_bench.py --out $OUT               # scale_bench.json + scale_bench.png
+    python benchmarks/scale_bench.py --small --out /tmp/scale  # CPU smoke run (small presets)
+
+For each stack and batch size (temporal T=1 at --batches, default 1,4,16,64; Mimi T=2 and T=10 at
+--mimi-batches, default 4,16,64), bf16, random weights shared by torch and JAX (DLPack), every
+ring slot random and visible (offsets at capacity), one record
+
+    {stack, T, B, scan, sync_ms, pipelined_ms, floor_ms, kernels, attention_TBps, dropin_ms,
+     torch_graph_ms, compile_s, device, date}
+
+for the JAX step (`kernels="auto"`) with the Python layer loop (scan: false) and with one
+`lax.scan` over the layers (scan: true):
+- sync_ms: median of synchronized steps (outputs and state ready before the next step);
+  pipelined_ms: the same steps launched back to back (`host_timing.time_step`);
+- floor_ms: (weight bytes + ring bytes) / the copy bandwidth measured in the same run;
+- kernels: CUDA kernels per step (torch.profiler); compile_s: the first call;
+- attention_TBps: one layer's Pallas ring attention alone, its k and v bytes per second;
+- dropin_ms: the torch-facing drop-in (`from_torch`) on the same weights, synchronized;
+- torch_graph_ms: the torch path under a CUDA graph, where its own ring fits beside JAX's
+  (null otherwise, with the reason in `torch_graph_note`).
+Then `sessions_in_80ms`: the largest B whose temporal step plus two Mimi T=2 steps (encoder and
+decoder: one 80 ms frame is two 25 Hz Mimi frames), synchronized, fit in 80 ms. Never part of
+the tests. On the CPU (--small) the GPU-only fields are null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from cuda_timing import copy_bandwidth, cuda_time, torch_graph
+from host_timing import host_ms, time_step
+from step_bench import count_kernels
+
+import jax_impl
+from jax_impl.config import PRESETS
+from kernels_pallas.ring_attention import ring_attention
+from torch_bridge import MimiTransformer, TemporalStreaming
+from torch_bridge.dlpack import to_jax
+from torch_bridge.jax_steppers import from_torch
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+
+
+def full_state(config, B: int, key: int = 1):
+    """A JAX state with every slot random and visible (offsets at capacity)."""
+    s = jax_impl.init_state(config, B, jnp.bfloat16)
+    k1, k2 = jax.random.split(jax.random.key(key))
+    return s._replace(k=jax.random.normal(k1, s.k.shape, jnp.bfloat16), v=jax.random.normal(k2, s.v.shape, jnp.bfloat16),
+                      offset=jnp.full_like(s.offset, config.capacity))
+
+
+def attention_tbps(config, state, steps: int) -> float | None:
+    """k + v bytes of one layer over the Pallas ring attention's time (GPU only)."""
+    if not GPU:
+        return None
+    B, H, C, D = state.k.shape[1:]
+    q = jax.random.normal(jax.random.key(5), (B, H, 1, D), jnp.bfloat16)
+    positions = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
+    q_pos = jnp.full((B, 1), C, jnp.int32)
+    f = jax.jit(lambda q, k, v: ring_attention(q, k, v, 1, positions, q_pos, context=config.context))
+    ms = host_ms(lambda: jax.block_until_ready(f(q, state.k, state.v)), steps)
+    return 2 * B * H * C * D * 2 / (ms * 1e-3) / 1e12
+
+
+def free_bytes() -> int | None:
+    return torch.cuda.mem_get_info()[0] if GPU else None
+
+
+def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None) -> list[dict]:
+    config = module.config
+    params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
+    weight_bytes = sum(int(w.nbytes) for w in module.weights().values())
+    x = torch.randn(B, T, config.dim, device=DEVICE, dtype=torch.bfloat16)
+    xj, aj = to_jax(x), to_jax(torch.ones(B, dtype=torch.bool, device=DEVICE))
+    state = full_state(config, B)
+    ring_bytes = int(state.k.nbytes + state.v.nbytes)
+    common = {"stack": kind, "T": T, "B": B, "device": torch.cuda.get_device_name() if GPU else "cpu",
+              "date": datetime.date.today().isoformat(),
+              "floor_ms": None if bandwidth is None else 1e3 * (weight_bytes + ring_bytes) / bandwidth,
+              "attention_TBps": attention_tbps(config, state, steps)}
+    records = []
+    for scan in (False, True):
+        step = jax_impl.make_step(config, layer_loop="scan" if scan else "python", kernels="auto",
+                                  rope_freqs=module.rope_freqs())
+        t0 = time.perf_counter()
+        out, state = step(params, state, xj, aj)
+        jax.block_until_ready((out, state))
+        compile_s = time.perf_counter() - t0
+        sync, pipelined, state = time_step(step, params, state, xj, aj, steps)
+        holder = {"state": state}
+
+        def one(step=step, holder=holder):
+            o, holder["state"] = step(params, holder["state"], xj, aj)
+            jax.block_until_ready((o, holder["state"]))
+
+        kernels = count_kernels(one) if GPU else None
+        state = holder["state"]
+        records.append(dict(common, scan=scan, sync_ms=sync, pipelined_ms=pipelined, compile_s=compile_s,
+                            kernels=kernels))
+        print(kind, T, B, "scan" if scan else "python", records[-1], flush=True)
+    del state, holder
+    gc.collect()
+
+    dropin_ms = time_dropin(module, B, x, steps)
+    gc.collect()
+
+    # the torch path under a CUDA graph, where its ring fits
+    graph_ms, note = None, None
+    if not GPU:
+        note = "no CUDA device"
+    elif free_bytes() < 1.1 * ring_bytes:
+        note = f"the torch ring ({ring_bytes / 2**30:.1f} GiB) does not fit in the free memory"
+    else:
+        module.streaming_init(B)
+        module.state.k.normal_()
+        module.state.v.normal_()
+        module.state.offset.fill_(config.capacity)
+        graph_ms = cuda_time(torch_graph(lambda: module.step(x)), steps)
+        module.streaming_end()
+        torch.cuda.empty_cache()
+    for r in records:
+        r.update(dropin_ms=dropin_ms, torch_graph_ms=graph_ms, torch_graph_note=note)
+    return records
+
+
+def time_dropin(module, B: int, x, steps: int) -> float:
+    """ms of the torch-facing drop-in's synchronized step on `module`'s weight buffers, its own full ring."""
+    dropin = from_torch(module, layer_loop="python")
+    dropin.streaming_init(B)
+    dropin._streamer.state = full_state(module.config, B)
+
+    def one():
+        dropin.step(x)
+        if GPU:
+            torch.cuda.synchronize()
+
+    for _ in range(3):
+        one()
+    ms = host_ms(one, steps)
+    dropin.streaming_end()
+    return ms
+
+
+def sessions_in_80ms(records: list[dict]) -> dict:
+    """The largest B whose temporal step + two Mimi T=2 steps (synchronized, best loop) fit in 80 ms."""
+    best = {}
+    for r in records:
+        key = (r["stack"], r["T"], r["B"])
+        best[key] = min(best.get(key, float("inf")), r["sync_ms"])
+    fits = {}
+    for (stack, T, B), ms in best.items():
+        if stack == "temporal" and ("mimi", 2, B) in best:
+            fits[B] = ms + 2 * best[("mimi", 2, B)]
+    ok = [B for B, ms in fits.items() if ms <= 80.0]
+    return {"frame_ms_by_B": fits, "largest_B": max(ok) if ok else None}
+
+
+def chart(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temporal = sorted((r for r in records if r["stack"] == "temporal"), key=lambda r: r["B"])
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for scan, style in ((False, "-"), (True, "--")):
+        rs = [r for r in temporal if r["scan"] == scan]
+        label = "scan" if scan else "Python loop"
+        ax.plot([r["B"] for r in rs], [r["sync_ms"] for r in rs], "o" + style, color="C0", label=f"JAX sync ({label})")
+        ax.plot([r["B"] for r in rs], [r["pipelined_ms"] for r in rs], "s" + style, color="C2",
+                label=f"JAX pipelined ({label})")
+    rs = [r for r in temporal if not r["scan"]]
+    for key, label, color in (("floor_ms", "floor (bytes / copy rate)", "gray"),
+                              ("torch_graph_ms", "torch, CUDA graph", "C1")):
+        pts = [(r["B"], r[key]) for r in rs if r[key] is not None]
+        if pts:
+            ax.plot(*zip(*pts), "^:", color=color, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sessions B (full 3000-frame ring)" if temporal and temporal[0]["device"] != "cpu" else "B")
+    ax.set_ylabel("ms per temporal step")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for scale_bench.json and scale_bench.png")
+    parser.add_argument("--batches", default="1,4,16,64", help="temporal batch sizes")
+    parser.add_argument("--mimi-batches", default="4,16,64", help="Mimi batch sizes (T=2 and T=10)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement (median)")
+    parser.add_argument("--small", action="store_true", help="small presets on the CPU (a smoke run)")
+    args = parser.parse_args()
+    if not GPU and not args.small:
+        raise SystemExit("scale_bench.py: no CUDA device; pass --small for the CPU smoke run")
+    os.makedirs(args.out, exist_ok=True)
+    bandwidth = copy_bandwidth() if GPU else None
+    size = "-small" if args.small else ""
+    cases = [("mimi", T, int(B)) for B in args.mimi_batches.split(",") for T in (2, 10)]
+    cases += [("temporal", 1, int(B)) for B in args.batches.split(",")]
+    records, errors = [], {}
+    modules = {}
+    for kind, T, B in cases:
+        if kind not in modules:
+            cls = TemporalStreaming if kind == "temporal" else MimiTransformer
+            modules = {kind: cls.from_config(PRESETS[kind + size], dtype=torch.bfloat16, device=DEVICE)}
+            modules[kind].init_weights(generator=torch.Generator(device=DEVICE).manual_seed(0))
+            gc.collect()
+        try:
+            records += bench(kind, T, B, modules[kind], args.steps, bandwidth)
+        except Exception as err:  # noqa: BLE001 (recorded: a case that fails, e.g. out of memory, is a result)
+            errors[f"{kind}_T{T}_B{B}"] = f"{type(err).__name__}: {err}"[:1000]
+            print("error", kind, T, B, errors[f"{kind}_T{T}_B{B}"], flush=True)
+        if GPU:
+            torch.cuda.empty_cache()
+        result = {"copy_TBps": None if bandwidth is None else bandwidth / 1e12, "records": records,
+                  "sessions_in_80ms": sessions_in_80ms(records), "errors": errors,
+                  "jax": jax.__version__, "torch": torch.__version__}
+        with open(os.path.join(args.out, "scale_bench.json"), "w") as f:
+            json.dump(result, f, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+    chart(records, os.path.join(args.out, "scale_bench.png"))
+    print(json.dumps(result["sessions_in_80ms"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
