@@ -46,3 +46,11 @@ def torch_graph(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def graph_per_call_ms(launch, calls: int, reps: int = 10) -> float:
+    """ms per launch(i) call: a CUDA graph of launch(0), ..., launch(calls - 1), median of `reps`
+    replays (each replay timed by a CUDA event pair), so no host launch cost is counted."""
+    replay = torch_graph(lambda: [launch(i) for i in range(calls)])
+    replay()
+    return cuda_time(replay, reps) / calls

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import triton
-from cuda_timing import copy_bandwidth
+from cuda_timing import copy_bandwidth, graph_per_call_ms
 from torch.profiler import ProfilerActivity, profile
 
 import kernels_pallas as kp
@@ -240,27 +240,7 @@ def kernel_us(run):
 
 def graph_us(fn, iters=20, reps=15):
     """Median µs per fn(j) call, j = 0..iters-1, replaying a CUDA graph of the iters calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for j in range(3):
-            fn(j)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for j in range(iters):
-            fn(j)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / iters)
-    return statistics.median(times)
+    return 1e3 * graph_per_call_ms(fn, iters, reps)
 
 
 def events_us(fn, iters=20, reps=15):

@@ -33,6 +33,7 @@ import traceback
 import jax
 import numpy as np
 import torch
+from cuda_timing import copy_bandwidth, graph_per_call_ms
 
 from jax_impl.parity import bits
 from kernels_pallas import common
@@ -65,33 +66,14 @@ def record(key, value, out):
         json.dump(RESULTS, f, indent=1)
 
 
-def graph_ms(launch, calls: int, reps: int = 10) -> float:
-    """ms per launch: a CUDA graph of `calls` launches (launch(i)), median of `reps` replays."""
-    if not GPU:
-        t0 = time.perf_counter()
-        for i in range(calls):
-            launch(i)
-        return 1e3 * (time.perf_counter() - t0) / calls
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(calls):
-            launch(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            launch(i)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+def graph_ms(launch, calls: int) -> float:
+    """ms per launch(i): `cuda_timing.graph_per_call_ms` on the GPU; a host timer when interpreted."""
+    if GPU:
+        return graph_per_call_ms(launch, calls)
+    t0 = time.perf_counter()
+    for i in range(calls):
+        launch(i)
+    return 1e3 * (time.perf_counter() - t0) / calls
 
 
 def jax_ms(fn, args, calls: int, reps: int = 10) -> float:
@@ -250,10 +232,7 @@ def main():
     args = parser.parse_args()
     if not GPU and not args.small:
         raise SystemExit("twin_tune_gpu.py: no CUDA device; pass --small (with TRITON_INTERPRET=1) on a CPU")
-    ceiling = 1.0
-    if GPU:
-        from cuda_timing import copy_bandwidth
-        ceiling = copy_bandwidth()
+    ceiling = copy_bandwidth() if GPU else 1.0
     record("meta", {"device": torch.cuda.get_device_name() if GPU else "cpu", "jax": jax.__version__,
                     "torch": torch.__version__, "date": datetime.date.today().isoformat(),
                     "copy_TBps": ceiling / 1e12}, args.out)
