@@ -71,40 +71,33 @@ def tree_sum(x, R: tl.constexpr, N: tl.constexpr):
     """Sum of x [R, N] over its last axis (N a power of two, at most 1024) in the fixed halving
     order of `kernels_pallas.twin_math.tree_sum`: x[:, :n/2] + x[:, n/2:], halved again; returns [R].
 
-    Written out level by level in one function: the interpreter re-patches the language on every
-    nested jit call, which made a helper per level the slowest part of a CPU step.
+    Each level sums an axis of length 2 (`tl.sum` over [R, 2, n/2]): one addition per element,
+    which is commutative, so the reduction's own order cannot change the bits. (A split of the
+    pair, `tl.split(tl.permute(...))`, made Triton 3.6 duplicate every level's code: minutes of
+    compilation and heavy spills when the tree runs inside a loop.) Written out level by level in
+    one function: the interpreter re-patches the language on every nested jit call.
     """
     tl.static_assert(N <= 1024, "tree_sum: at most 1024 lanes")
     if N >= 1024:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 512]), (0, 2, 1)))
-        x = a + b
+        x = tl.sum(tl.reshape(x, [R, 2, 512]), axis=1)
     if N >= 512:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 256]), (0, 2, 1)))
-        x = a + b
+        x = tl.sum(tl.reshape(x, [R, 2, 256]), axis=1)
     if N >= 256:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 128]), (0, 2, 1)))
-        x = a + b
+        x = tl.sum(tl.reshape(x, [R, 2, 128]), axis=1)
     if N >= 128:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 64]), (0, 2, 1)))
-        x = a + b
+        x = tl.sum(tl.reshape(x, [R, 2, 64]), axis=1)
     if N >= 64:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 32]), (0, 2, 1)))
-        x = a + b
+        x = tl.sum(tl.reshape(x, [R, 2, 32]), axis=1)
     if N >= 32:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 16]), (0, 2, 1)))
-        x = a + b
+        x = tl.sum(tl.reshape(x, [R, 2, 16]), axis=1)
     if N >= 16:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 8]), (0, 2, 1)))
-        x = a + b
+        x = tl.sum(tl.reshape(x, [R, 2, 8]), axis=1)
     if N >= 8:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 4]), (0, 2, 1)))
-        x = a + b
+        x = tl.sum(tl.reshape(x, [R, 2, 4]), axis=1)
     if N >= 4:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 2]), (0, 2, 1)))
-        x = a + b
+        x = tl.sum(tl.reshape(x, [R, 2, 2]), axis=1)
     if N >= 2:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 1]), (0, 2, 1)))
-        x = a + b
+        x = tl.sum(tl.reshape(x, [R, 2, 1]), axis=1)
     return tl.reshape(x, [R])
 
 
