@@ -214,15 +214,12 @@ def kernel_profile(fn, top: int = 8):
     return sum(n for _, n in by_name.values()), [[name[:80], round(t, 1), n] for name, (t, n) in ranked]
 
 
-def speed(kind, B, out, with_auto=False):
-    module = build(kind, B)
-    module.state.offset.fill_(module.config.capacity)  # full ring
+def jax_speed(module, x, rec, with_auto):
+    """The JAX twin step's (and, with_auto, today's fastest JAX step's) times into rec."""
+    B = x.shape[0]
     params, state, step = jax_side(module)
     state = state._replace(offset=jnp.full((B,), module.config.capacity, state.offset.dtype))
-    T = 1 if kind == "temporal" else 2
-    x = torch.randn(B, T, module.config.dim, device=DEVICE).to(torch.bfloat16)
     xj = to_jax(x)
-    rec = {"stack": kind, "B": B, "T": T}
     t0 = time.perf_counter()
     jax.block_until_ready(step(params, state, xj, None)[0])
     rec["jax_twin_first_call_s"] = time.perf_counter() - t0
@@ -234,6 +231,16 @@ def speed(kind, B, out, with_auto=False):
         _, s2, auto = jax_side(module, kernels="auto", layer_loop="python")
         s2 = s2._replace(offset=jnp.full((B,), module.config.capacity, jnp.int32))
         rec["jax_auto_sync_ms"], rec["jax_auto_pipelined_ms"], _ = time_step(auto, params, s2, xj, None, 40)
+
+
+def speed(kind, B, out, with_auto=False, with_jax=True):
+    module = build(kind, B)
+    module.state.offset.fill_(module.config.capacity)  # full ring
+    T = 1 if kind == "temporal" else 2
+    x = torch.randn(B, T, module.config.dim, device=DEVICE).to(torch.bfloat16)
+    rec = {"stack": kind, "B": B, "T": T}
+    if with_jax:
+        jax_speed(module, x, rec, with_auto)
 
     def torch_step():
         module.step(x)
@@ -262,7 +269,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="twin_step_gpu.json")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--only", default="bits,invariance,accuracy,speed")
+    parser.add_argument("--only", default="bits,invariance,accuracy,speed",
+                        help="parts to run; with speed, 'auto' adds today's JAX step, 'torch-only' leaves JAX out")
     parser.add_argument("--small", action="store_true", help="small presets on the CPU (smoke run)")
     parser.add_argument("--stacks", default="mimi,temporal", help="which stacks (comma-separated)")
     parser.add_argument("--batches", default="4", help="batch sizes of the speed part (comma-separated)")
@@ -281,7 +289,8 @@ def main():
     if "invariance" in only:
         jobs += [functools.partial(invariance, kind, args.out) for kind in stacks]
     if "speed" in only:
-        jobs += [functools.partial(speed, kind, int(B), args.out, with_auto="auto" in only) for kind in stacks
+        jobs += [functools.partial(speed, kind, int(B), args.out, with_auto="auto" in only,
+                                   with_jax="torch-only" not in only) for kind in stacks
                  for B in args.batches.split(",")]
     if "accuracy" in only:
         jobs += [lambda: accuracy(args.out)]
