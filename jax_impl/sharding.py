@@ -65,7 +65,6 @@ from . import state as st
 from .config import StackConfig, TemporalConfig, check_fit, describe
 from .model import run_layers
 from .ops import _acc_dtype, attend, linear, pick_kernels, rms_norm_f32
-from .snapshot import exact_float_cast
 from .state import StreamState
 from .step import _KEEP, Streamer, check_step_inputs, step_fn
 from .stream_io import state_from_snapshot, state_snapshot
@@ -372,19 +371,9 @@ class ShardedStreamer(Streamer):
     def convert(self, params, *, device=None, rope_freqs=_KEEP) -> None:
         """As `Streamer.convert` (dtype widening, new params / rope table); the stream stays on this
         mesh, placed by row, and `device` (if given) becomes the `output_device`."""
-        check_params(self.config, params, argname="convert(params)")
-        dtype = jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype)
-        check_params(self.config, params, dtype=dtype, argname="convert(params)")
-        src = jnp.dtype(self.state.k.dtype)
-        if not exact_float_cast(src.name, dtype.name):
-            raise TypeError(f"convert(params): the params hold {dtype}, the ring {src}; casting the ring to "
-                            f"{dtype} would round the stream's history (refused, nothing changed): start a "
-                            f"new stream in {dtype}")
+        dtype, options = self._convert_plan(params, rope_freqs)
         out_device = self.output_device if device is None else device
         k, v = self.state.k.astype(dtype), self.state.v.astype(dtype)  # elementwise: keeps the layout
-        options = dict(self._step_options)
-        if rope_freqs is not _KEEP:
-            options["rope_freqs"] = rope_freqs
         self.params, self._step_options = params, options
         self.state = self.state._replace(k=k, v=v)
         self._adopt(self.mesh, self.axis, out_device)

@@ -253,18 +253,10 @@ class Streamer:
         """`restore` the stream a `save_stream` (of either side) wrote to `path`."""
         self.restore(read_stream(path))
 
-    def convert(self, params, *, device=None, rope_freqs=_KEEP) -> None:
-        """Go on with `params` of another dtype and/or on another device (the drop-ins' `.to()`).
-
-        params: this config's variables, all of one dtype. The state moves to `device` (None: the
-        params' device) and its rings are cast to the params' dtype, an exact widening only
-        (bf16/f16 -> f32): a cast that would round the ring raises TypeError. Offsets and
-        `offset_bound` are kept. rope_freqs: a new table for the step (default: keep the one in
-        use). Checked first: on a refusal nothing changes.
-        """
+    def _convert_plan(self, params, rope_freqs):
+        """(dtype, step options) of `convert(params, rope_freqs=...)`, after its checks (nothing changed)."""
         check_params(self.config, params, argname="convert(params)")
-        leaf = jax.tree_util.tree_leaves(params)[0]
-        dtype = jnp.dtype(leaf.dtype)
+        dtype = jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype)
         check_params(self.config, params, dtype=dtype, argname="convert(params)")
         src = jnp.dtype(self.state.k.dtype)
         if not exact_float_cast(src.name, dtype.name):
@@ -274,7 +266,20 @@ class Streamer:
         options = dict(self._step_options)
         if rope_freqs is not _KEEP:
             options["rope_freqs"] = rope_freqs
+        return dtype, options
+
+    def convert(self, params, *, device=None, rope_freqs=_KEEP) -> None:
+        """Go on with `params` of another dtype and/or on another device (the drop-ins' `.to()`).
+
+        params: this config's variables, all of one dtype. The state moves to `device` (None: the
+        params' device) and its rings are cast to the params' dtype, an exact widening only
+        (bf16/f16 -> f32): a cast that would round the ring raises TypeError. Offsets and
+        `offset_bound` are kept. rope_freqs: a new table for the step (default: keep the one in
+        use). Checked first: on a refusal nothing changes.
+        """
+        dtype, options = self._convert_plan(params, rope_freqs)
         step = make_step(self.config, **options)
+        leaf = jax.tree_util.tree_leaves(params)[0]
         state = jax.device_put(self.state, device if device is not None else next(iter(leaf.devices())))
         state = state._replace(k=state.k.astype(dtype), v=state.v.astype(dtype))
         self.params, self.state, self._step_options, self._step = params, state, options, step
