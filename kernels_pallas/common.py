@@ -175,6 +175,7 @@ TWIN_MAX_BN = 8    # output columns per program (speed only; compiled), 16 for t
 TWIN_MAX_BM = 8    # output rows per program (speed only; compiled)
 TWIN_INTERPRET_MAX_BN = 256  # interpreted (CPU), fewer, larger programs: each costs Python overhead
 TWIN_INTERPRET_MAX_BM = 64
+TWIN_NORM_WARPS = 2  # warps of a norm program (compiled: one row each, see twin_norm_rows)
 
 
 def largest_pow2_divisor(n: int, cap: int) -> int:
@@ -188,6 +189,20 @@ def largest_pow2_divisor(n: int, cap: int) -> int:
 def twin_lanes(K: int) -> int:
     """BK, the lanes of every twin sum over an axis of length K: a function of K alone."""
     return largest_pow2_divisor(K, TWIN_MAX_BK)
+
+
+def twin_norm_rows(M: int, block_m: int | None = None, interpreted: bool = False) -> int:
+    """BM, the rows per program of the twin norm kernels (speed only).
+
+    Compiled, one row a program: its D / BK block loads go out together and need no shuffles
+    between rows (4 rows a program took 22 us a norm on an H200). Interpreted, as many rows as
+    fit in one program: the interpreter's cost is per program.
+    """
+    if block_m is not None:
+        if block_m <= 0 or block_m & (block_m - 1):
+            raise ValueError(f"norm(block_m): must be a power of two, got {block_m}")
+        return block_m
+    return min(TWIN_INTERPRET_MAX_BM, next_pow2(M)) if interpreted else 1
 
 
 def twin_blocks(M: int, N: int, K: int, block_m: int | None = None, block_n: int | None = None,

@@ -27,14 +27,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.common import TWIN_MAX_BM, check_twin_norm, next_pow2, twin_lanes
+from kernels_pallas.common import TWIN_NORM_WARPS, check_twin_norm, twin_lanes, twin_norm_rows
 
 KINDS = ("rms", "layer")
 
 
 def _row_sum(load, D, BK):
-    """S(.) of the contract: lanes over the D / BK blocks in order, then the tree; [BM] -> [BM, 1]."""
-    acc = lax.fori_loop(1, D // BK, lambda kb, a: a + load(kb), load(0))
+    """S(.) of the contract: lanes over the D / BK blocks in order, then the tree; [BM] -> [BM, 1].
+
+    The loop over blocks is unrolled (D / BK is at most a few dozen): the loads are independent
+    and all go out at once, where a rolled loop waits for each in turn (22 us a norm on an H200).
+    """
+    acc = load(0)
+    for kb in range(1, D // BK):
+        acc = acc + load(kb)
     return tm.tree_sum(acc)
 
 
@@ -71,8 +77,7 @@ def _kernel(layer_ref, x_ref, w_ref, b_ref, o_ref, *, D, BK, kind, eps, gpu):
 
     stats = _stats(load_x, D, BK, kind, eps, gpu)
 
-    @pl.loop(0, D // BK)
-    def _(kb):
+    for kb in range(D // BK):  # unrolled, like _row_sum
         cols = pl.ds(kb * BK, BK)
         w = w_ref[layer, cols].astype(tm.F32)[None, :]
         b = b_ref[layer, cols].astype(tm.F32)[None, :]
@@ -80,15 +85,15 @@ def _kernel(layer_ref, x_ref, w_ref, b_ref, o_ref, *, D, BK, kind, eps, gpu):
 
 
 def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=None, *, kind: str = "rms",
-         eps: float, block_m: int | None = None, num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
+         eps: float, block_m: int | None = None, num_warps: int = TWIN_NORM_WARPS, interpret: bool | None = None) -> jax.Array:
     """The contract's norm of each row of x [M, D]; weight, bias [L, D] at `layer` (int or traced
     int32 scalar), or [D] with layer=None; bias only for kind="layer". Returns x's shape and dtype."""
     weight, bias, layer = _stacked(weight, bias, layer, kind)
     M, D = check_twin_norm(x, weight, bias, kind, KINDS)
     BK = twin_lanes(D)
-    BM = min(TWIN_MAX_BM, next_pow2(M)) if block_m is None else block_m
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    BM = twin_norm_rows(M, block_m, interpret)
     Mp = -(-M // BM) * BM
     rows = pl.BlockSpec((BM, D), lambda i: (i, 0))
     whole = pl.BlockSpec(weight.shape, lambda i: (0, 0))

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.common import TWIN_MAX_BM, check_twin_norm, next_pow2, twin_lanes
+from kernels_pallas.common import TWIN_NORM_WARPS, check_twin_norm, twin_lanes, twin_norm_rows
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_linear import _layer_tensor
 from kernels_triton.twin_math import interpreting
@@ -22,7 +22,7 @@ def _row_sum(x_ptr, m, m_ok, mean, D: tl.constexpr, BM: tl.constexpr, BK: tl.con
     """S(.) of the contract over rows m: of x, x*x, or (x - mean)^2; returns [BM]."""
     k = tl.arange(0, BK)
     acc = tl.zeros([BM, BK], tl.float32)
-    for k0 in range(0, D, BK):
+    for k0 in tl.static_range(0, D, BK):  # unrolled: the loads go out together
         v = tl.load(x_ptr + m[:, None] * D + k0 + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
         if CENTER:
             v = v - mean[:, None]
@@ -47,7 +47,7 @@ def _kernel(layer_ptr, x_ptr, w_ptr, b_ptr, o_ptr, M, eps, INV_D: tl.constexpr, 
         mean = _row_sum(x_ptr, m, m_ok, zero, D, BM, BK, False, False) * INV_D
         var = _row_sum(x_ptr, m, m_ok, mean, D, BM, BK, True, True) * INV_D + eps
     r = tl.math.div_rn(tl.full([BM], 1.0, tl.float32), tl.math.sqrt_rn(var))
-    for k0 in range(0, D, BK):
+    for k0 in tl.static_range(0, D, BK):
         offs = m[:, None] * D + k0 + k[None, :]
         x = tl.load(x_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
         w = tl.load(w_ptr + layer * D + k0 + k).to(tl.float32)[None, :]
@@ -60,14 +60,14 @@ def _kernel(layer_ptr, x_ptr, w_ptr, b_ptr, o_ptr, M, eps, INV_D: tl.constexpr, 
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, layer=None, *,
-         kind: str = "rms", eps: float, block_m: int | None = None, num_warps: int = 4) -> torch.Tensor:
+         kind: str = "rms", eps: float, block_m: int | None = None, num_warps: int = TWIN_NORM_WARPS) -> torch.Tensor:
     """The contract's norm of each row of x [M, D] (the Pallas twin's signature and bits)."""
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
     M, D = check_twin_norm(x, weight, bias, kind, KINDS)
     if not x.is_contiguous():
         raise ValueError(f"norm(x): must be contiguous, got strides {x.stride()}")
-    BM = min(TWIN_MAX_BM, next_pow2(M)) if block_m is None else block_m
+    BM = twin_norm_rows(M, block_m, interpreting(_kernel))
     out = torch.empty_like(x)
     _kernel[(triton.cdiv(M, BM),)](
         _layer_tensor(layer, weight.shape[0], x.device), x, weight, weight if bias is None else bias, out, M,

@@ -186,6 +186,10 @@ def test_norm_twins_same_bits(kind, M, D, dtype):
     y_n = jax.jit(lambda x, w, b: pn.norm_native(x, w, b, jnp.int32(1), kind=kind, eps=eps))(x, w, b)
     y_t = tn.norm(to_torch(x), to_torch(w), None if b is None else to_torch(b), 1, kind=kind, eps=eps)
     assert_same(y_p, y_n, y_t, what=kind)
+    # one row a program, the compiled default: the tiles change the speed, never the bits
+    y_p1 = pn.norm(x, w, b, 1, kind=kind, eps=eps, block_m=1)
+    y_t1 = tn.norm(to_torch(x), to_torch(w), None if b is None else to_torch(b), 1, kind=kind, eps=eps, block_m=1)
+    assert_same(y_p, y_p1, y_t1, what=f"{kind} block_m=1")
     xf = x.astype(np.float64)
     if kind == "rms":
         want = xf / np.sqrt(eps + (xf**2).mean(-1, keepdims=True)) * w[1].astype(np.float64)
