@@ -3,7 +3,8 @@
 
 Contract (beside `twin_math`'s): program (i, j) computes rows i*BM.. and columns j*BN.. of
 `y = x @ w[layer].T`. Lane l of an output holds the sequential float32 sum, over the K blocks
-in order, of its products x[m, kb*BK + l] * w[n, kb*BK + l] (each rounded, `twin_math.mul`);
+in order, of its products x[m, kb*BK + l] * w[n, kb*BK + l] (`twin_math.mac`: each rounded,
+or fused where that gives the same bits);
 the BK lanes are then added by `tree_sum`. BK depends on K alone (`common.twin_blocks`), and
 every row is computed on its own, so the bits of a row depend neither on the batch nor on the
 tiles of M and N. Then, in order (each step rounded to x's dtype, as the reference rounds):
@@ -52,31 +53,38 @@ def _epilogue(acc, dtype, act, scale, residual, gpu):
     return y
 
 
-def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, has_scale, has_res, gpu):
-    """Program (i, j): rows block i, columns j*BN.. of the output (x_ref: [BM, K] rows block)."""
+def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, has_scale, has_res, fused, gpu):
+    """Program (i, j): rows block i, columns j*BN.. of the output (x_ref: [BM, K] rows block).
+
+    The loop carries the next block's weight tile, loaded before the current one is used (a
+    prefetch into registers): the kernel waits on memory latency, and this keeps a load in
+    flight while it computes (the Triton twin does the same).
+    """
     scale_ref = refs[0] if has_scale else None
     res_ref = refs[int(has_scale)] if has_res else None
     o_ref = refs[-1]
     layer = layer_ref[0]
     n0 = pl.program_id(1) * BN
-    gated = act == "silu_gate"
+    nkb = K // BK
+    starts = (n0, n0 + N_out) if act == "silu_gate" else (n0,)
 
-    def products(kb, n_start):
-        xb = x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)                          # [BM, BK]
-        wb = w_ref[layer, pl.ds(n_start, BN), pl.ds(kb * BK, BK)].astype(tm.F32)  # [BN, BK]
-        return tm.mul(xb[:, None, :], wb[None, :, :], gpu)                         # [BM, BN, BK]
+    def tiles(kb):  # the weight tiles [BN, BK] of block kb (the last block again past the end)
+        cols = pl.ds(jnp.minimum(kb, nkb - 1) * BK, BK)
+        return tuple(w_ref[layer, pl.ds(s, BN), cols] for s in starts)
 
-    def body(kb, acc):
-        if gated:
-            return acc[0] + products(kb, n0), acc[1] + products(kb, n0 + N_out)
-        return acc + products(kb, n0)
+    def body(kb, carry):
+        accs, wbs = carry
+        nxt = tiles(kb + 1)                                                       # prefetch
+        xb = x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)[:, None, :]             # [BM, 1, BK]
+        accs = tuple(tm.mac(a, xb, wb.astype(tm.F32)[None, :, :], fused, gpu) for a, wb in zip(accs, wbs))
+        return accs, nxt
 
     zeros = jnp.zeros((x_ref.shape[0], BN, BK), tm.F32)
-    acc = lax.fori_loop(0, K // BK, body, (zeros, zeros) if gated else zeros)
-    acc = tuple(tm.tree_sum(a)[..., 0] for a in acc) if gated else tm.tree_sum(acc)[..., 0]
+    accs, _ = lax.fori_loop(0, nkb, body, ((zeros,) * len(starts), tiles(0)))
+    sums = tuple(tm.tree_sum(a)[..., 0] for a in accs)
     scale = scale_ref[layer, pl.ds(n0, BN)][None, :] if has_scale else None
     residual = res_ref[...] if has_res else None
-    o_ref[...] = _epilogue(acc, o_ref.dtype, act, scale, residual, gpu)
+    o_ref[...] = _epilogue(sums if act == "silu_gate" else sums[0], o_ref.dtype, act, scale, residual, gpu)
 
 
 def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
@@ -106,7 +114,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
         operands.append(jnp.pad(residual, pad))
         in_specs.append(tile)
     kernel = functools.partial(_kernel, K=K, BN=BN, BK=BK, N_out=N_out, act=act, has_scale=scale is not None,
-                               has_res=residual is not None, gpu=not interpret)
+                               has_res=residual is not None, fused=x.dtype in (jnp.bfloat16, jnp.float16),
+                               gpu=not interpret)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((Mp, N_out), x.dtype),

@@ -9,6 +9,13 @@ compute the same bits, on the GPU and on the CPU):
   the GPU it is one ``mul.rn.f32`` (inline PTX); interpreted (CPU), ``where(isnan(p), nan, p)``
   stands between the product and the add, which XLA cannot contract through. The Triton twin
   launches with ``enable_fp_fusion=False``.
+* One exception, the linear kernels' products of two 16-bit values (`mac`): such a product is
+  exact in float32 (8 + 8 or 11 + 11 significant bits), so rounding it first or fusing it into
+  the add gives the same bits, and the GPU kernels fuse (``fma.rn.f32``; Triton's ``tl.fma``):
+  half the instructions. The CPU paths round first. The one caveat: a product that leaves
+  float32's normal range (under 2**-126, an activation times a weight below ~1e-38, or past
+  3e38) is not exact, and there a GPU result may differ from a CPU one. The two GPU twins
+  always agree with each other, as do the two CPU twins.
 * Division and square root are correctly rounded (``div.rn`` / ``sqrt.rn``; IEEE on the CPU).
 * A sum over an axis is `tree_sum`: the halves ``x[..., :n/2] + x[..., n/2:]``, halved again
   until one element is left. The order is a fixed function of the axis length, so it does not
@@ -61,6 +68,13 @@ def _opaque(y):
 def mul(a, b, gpu: bool):
     """a * b in float32, rounded on its own (never contracted into an FMA)."""
     return _asm("mul.rn.f32", (a, b), 2) if gpu else _opaque(a * b)
+
+
+def mac(acc, a, b, fused: bool, gpu: bool):
+    """acc + a * b; fused (a and b upcast from 16-bit values; module docstring): one FMA on the GPU."""
+    if fused and gpu:
+        return _asm("fma.rn.f32", (a, b, acc), 3)
+    return acc + mul(a, b, gpu)
 
 
 def div(a, b, gpu: bool):

@@ -21,14 +21,25 @@ _ACT_CODE = {None: 0, "silu_gate": 1, "gelu": 2}
 
 @triton.jit
 def _acc(x_ptr, w_ptr, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-         BK: tl.constexpr):
-    """Lane sums over the K blocks, in order, then the tree over the BK lanes: [BM, BN] float32."""
+         BK: tl.constexpr, FUSED: tl.constexpr):
+    """Lane sums over the K blocks, in order, then the tree over the BK lanes: [BM, BN] float32.
+
+    The next block's weight tile is loaded before the current one is used (a prefetch into
+    registers): the kernel waits on memory latency, and this keeps a load in flight while it
+    computes. FUSED (16-bit x and w): each product-then-add is one FMA, the same bits (twin_math).
+    """
     k = tl.arange(0, BK)
+    w_rows = w_ptr + n[:, None] * K + k[None, :]                                    # [BN, BK]
+    wb = tl.load(w_rows, mask=n_ok[:, None], other=0.0)
     acc = tl.zeros([BM, BN, BK], tl.float32)
     for k0 in range(0, K, BK):
+        wn = tl.load(w_rows + (k0 + BK), mask=n_ok[:, None] & (k0 + BK < K), other=0.0)  # prefetch
         xb = tl.load(x_ptr + m[:, None] * K + k0 + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-        wb = tl.load(w_ptr + n[:, None] * K + k0 + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-        acc = acc + xb[:, None, :] * wb[None, :, :]
+        if FUSED:
+            acc = tl.fma(xb[:, None, :], wb.to(tl.float32)[None, :, :], acc)
+        else:
+            acc = acc + xb[:, None, :] * wb.to(tl.float32)[None, :, :]
+        wb = wn
     return tl.reshape(tm.tree_sum(tl.reshape(acc, [BM * BN, BK]), BM * BN, BK), [BM, BN])
 
 
@@ -36,7 +47,7 @@ def _acc(x_ptr, w_ptr, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: 
 def _kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M,
             N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
             BK: tl.constexpr, ACT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr,
-            INTERPRETED: tl.constexpr):
+            FUSED: tl.constexpr, INTERPRETED: tl.constexpr):
     layer = tl.load(layer_ptr).to(tl.int64)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -45,12 +56,12 @@ def _kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M,
     w_layer = w_ptr + layer * N * K
     dtype = o_ptr.dtype.element_ty
     if ACT == 1:  # silu_gate: columns n and n + N/2
-        a = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK), dtype, INTERPRETED).to(tl.float32)
-        b = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n + N_OUT, n_ok, K, BM, BN, BK), dtype,
+        a = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED), dtype, INTERPRETED).to(tl.float32)
+        b = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n + N_OUT, n_ok, K, BM, BN, BK, FUSED), dtype,
                         INTERPRETED).to(tl.float32)
         y = tm.to_dtype(tm.to_dtype(tm.silu(a), dtype, INTERPRETED).to(tl.float32) * b, dtype, INTERPRETED)
     else:
-        y = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK), dtype, INTERPRETED)
+        y = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED), dtype, INTERPRETED)
         if ACT == 2:
             y = tm.to_dtype(tm.gelu(y.to(tl.float32)), dtype, INTERPRETED)
     if HAS_SCALE:
@@ -114,5 +125,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
         _layer_tensor(layer, w.shape[0], x.device), x, w, dummy if scale is None else scale,
         dummy if residual is None else residual, out, M, N=N, K=K, N_OUT=N_out, BM=BM, BN=BN, BK=BK,
         ACT=_ACT_CODE[act], HAS_SCALE=scale is not None, HAS_RES=residual is not None,
-        INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
+        FUSED=x.dtype in (torch.bfloat16, torch.float16), INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
     return out

@@ -3,8 +3,9 @@
 The contract is stated there; this module is its Triton twin, operation for operation (keep the
 two in step). Products are plain ``a * b``: every twin kernel launches with
 ``enable_fp_fusion=False``, which makes each product a ``mul.rn.f32`` of its own (the Pallas
-twin writes that instruction); the interpreter (numpy) never fuses. Division and square root are
-``div_rn`` / ``sqrt_rn``. `INTERPRETED` (constexpr) is True under ``TRITON_INTERPRET=1``, where
+twin writes that instruction); the interpreter (numpy) never fuses. The linear kernels' 16-bit
+products go through ``tl.fma`` (exact products: the same bits; see the Pallas module). Division
+and square root are ``div_rn`` / ``sqrt_rn``. `INTERPRETED` (constexpr) is True under ``TRITON_INTERPRET=1``, where
 the float32 -> bfloat16 cast truncates, so `to_dtype` rounds with integer operations there.
 """
 
