@@ -14,11 +14,12 @@ packages read at call time) and reports, per shape and configuration:
   weight (ring) bytes per second against the measured copy bandwidth;
 - whether the bits equal those of the first configuration with the same contract constants
   (they must: tiles never change bits);
-- for the best and the default configuration, the Pallas kernel's ms per call (16 calls in one
+- for every stage-1 tile and the default, the Pallas kernel's ms per call (2 x L calls in one
   jit) and whether its bits equal Triton's.
 
-Stage 1 sweeps block_n x num_warps (x block_m for M=16) at the contract's lanes; stage 2 half
-and twice the lanes at stage 1's best tile. Never part of the tests.
+Stage 1 sweeps block_n x num_warps (x block_m for M=16) at the contract's lanes, for Triton and
+for Pallas (their best tiles may differ); with --lanes, stage 2 times half and twice the lanes
+at Triton's best tile. Never part of the tests.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def with_contract(**constants):
         setattr(common, k, v)
 
 
+LANES_STAGE = False  # --lanes: also time half and twice the contract's lanes
 DEFAULTS = {k: getattr(common, k) for k in ("TWIN_MAX_BK", "TWIN_ATTENTION_BC", "TWIN_ATTENTION_CHUNK")}
 
 
@@ -138,37 +140,35 @@ def tune_linear(name, shape, out, ceiling, small):
     lanes0 = DEFAULTS["TWIN_MAX_BK"]
     bms = [M] if M <= 4 else [4, 8]
     stage1 = [{"bm": bm, "bn": bn, "warps": wp, "lanes": lanes0} for bm in bms for bn in (4, 8, 16) for wp in (4, 8)]
-    if small:
-        stage1 = stage1[:2]
-    done = [r_ for r_ in (run(c) for c in stage1 if regs(c) <= 128) if r_]
-    best = min(done, key=lambda r_: r_["ms"])
-    stage2 = [{**{k: best[k] for k in ("bm", "bn", "warps")}, "lanes": lanes} for lanes in (lanes0 // 2, 2 * lanes0)]
-    if small:
-        stage2 = stage2[:1]
-    done += [r_ for r_ in (run(c) for c in stage2 if regs(c) <= 256) if r_]
+    stage1 = [c for c in stage1 if regs(c) <= 128][: 2 if small else None]
+    done = [r_ for r_ in (run(c) for c in stage1) if r_]
+    if LANES_STAGE:  # half and twice the lanes at the best tile (a contract change: other bits)
+        best = min(done, key=lambda r_: r_["ms"])
+        stage2 = [{**{k: best[k] for k in ("bm", "bn", "warps")}, "lanes": lanes} for lanes in (lanes0 // 2, 2 * lanes0)]
+        done += [r_ for r_ in (run(c) for c in stage2 if regs(c) <= 256) if r_]
     best = min(done, key=lambda r_: r_["ms"])
 
-    # the Pallas twin at the best tile and at today's default tile
+    # the Pallas twin at every stage-1 tile and at the default tile, its bits against Triton's
     pallas = []
-    for label, cfg in (("best", {k: best[k] for k in ("bm", "bn", "warps", "lanes")}),
-                       ("default", {"bm": None, "bn": None, "warps": 4, "lanes": lanes0})):
+    jx, jw, jr = to_jax(x), to_jax(w), None if r is None else to_jax(r)
+    for cfg in [{"config": "default", "bm": None, "bn": None, "warps": 4, "lanes": lanes0}] + stage1:
         with_contract(TWIN_MAX_BK=cfg["lanes"])
         kw = {"act": act, "block_m": cfg["bm"], "block_n": cfg["bn"], "num_warps": cfg["warps"]}
-        jx, jw, jr = to_jax(x), to_jax(w), None if r is None else to_jax(r)
         try:
             f1 = jax.jit(lambda x, w, r, kw=kw: pli.linear(x, w, L - 1, residual=r, **kw))
             fn = jax.jit(lambda x, w, r, kw=kw: [pli.linear(x, w, i % L, residual=r, **kw) for i in range(2 * L)])
             yj = f1(jx, jw, jr)
             yt = tli.linear(x, w, L - 1, residual=r, **kw)
             ms = jax_ms(fn, (jx, jw, jr), 2 * L)
-            pallas.append({"config": label, **cfg, "ms": ms, "TBps": wbytes / (ms * 1e-3) / 1e12,
-                           "pallas_equals_triton": same(yj, yt)})
+            pallas.append({**cfg, "ms": ms, "TBps": wbytes / (ms * 1e-3) / 1e12, "pallas_equals_triton": same(yj, yt)})
         except Exception as e:  # noqa: BLE001 (recorded: a Pallas config that fails, the sweep goes on)
-            pallas.append({"config": label, **cfg, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            pallas.append({**cfg, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         print(name, "pallas", pallas[-1], flush=True)
+    pallas_best = min((p_ for p_ in pallas if "ms" in p_), key=lambda p_: p_["ms"], default=None)
     with_contract(**DEFAULTS)
     record(f"linear_{name}", {"M": M, "N": N, "K": K, "act": act, "residual": has_res, "layers": L,
-                              "weight_bytes": wbytes, "triton": rows, "best": best, "pallas": pallas}, out)
+                              "weight_bytes": wbytes, "triton": rows, "best": best, "pallas": pallas,
+                              "pallas_best": pallas_best}, out)
 
 
 def tune_attention(out, ceiling, small):
@@ -229,7 +229,10 @@ def main():
     parser.add_argument("--out", default="twin_tune.json")
     parser.add_argument("--only", default=None, help="run the cases whose name contains this")
     parser.add_argument("--small", action="store_true", help="tiny shapes, interpreted (CPU smoke run)")
+    parser.add_argument("--lanes", action="store_true", help="also half and twice the lanes (other bits)")
     args = parser.parse_args()
+    global LANES_STAGE
+    LANES_STAGE = args.lanes
     if not GPU and not args.small:
         raise SystemExit("twin_tune_gpu.py: no CUDA device; pass --small (with TRITON_INTERPRET=1) on a CPU")
     ceiling = copy_bandwidth() if GPU else 1.0
