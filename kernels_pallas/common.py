@@ -210,7 +210,8 @@ def twin_blocks(M: int, N: int, K: int, block_m: int | None = None, block_n: int
     """(BM, BN, BK) of the twin linear kernel: BK from K alone (bits), BM, BN for speed.
 
     The defaults are the fastest tiles of `benchmarks/twin_tune_gpu.py` on an H200 (RESULTS.md);
-    gated: the silu-gated linear, which computes two column blocks per program.
+    gated: the silu-gated linear, which computes two column blocks per program (Triton's best
+    tile at BM <= 4 is then twice as wide; the Pallas twin passes gated=False, its best is not).
 
     masked_n: the kernel masks columns past N, so block_n need not divide N (Triton's).
     """

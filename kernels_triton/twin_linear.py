@@ -24,22 +24,19 @@ def _acc(x_ptr, w_ptr, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: 
          BK: tl.constexpr, FUSED: tl.constexpr):
     """Lane sums over the K blocks, in order, then the tree over the BK lanes: [BM, BN] float32.
 
-    The next block's weight tile is loaded before the current one is used (a prefetch into
-    registers): the kernel waits on memory latency, and this keeps a load in flight while it
-    computes. FUSED (16-bit x and w): each product-then-add is one FMA, the same bits (twin_math).
+    FUSED (16-bit x and w): each product-then-add is one FMA, the same bits (twin_math). Unlike
+    the Pallas twin, no prefetch of the next weight tile: with Triton 3.6 it made every shape
+    1.5-3x slower on an H200 (benchmarks/RESULTS.md).
     """
     k = tl.arange(0, BK)
-    w_rows = w_ptr + n[:, None] * K + k[None, :]                                    # [BN, BK]
-    wb = tl.load(w_rows, mask=n_ok[:, None], other=0.0)
     acc = tl.zeros([BM, BN, BK], tl.float32)
     for k0 in range(0, K, BK):
-        wn = tl.load(w_rows + (k0 + BK), mask=n_ok[:, None] & (k0 + BK < K), other=0.0)  # prefetch
         xb = tl.load(x_ptr + m[:, None] * K + k0 + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+        wb = tl.load(w_ptr + n[:, None] * K + k0 + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
         if FUSED:
-            acc = tl.fma(xb[:, None, :], wb.to(tl.float32)[None, :, :], acc)
+            acc = tl.fma(xb[:, None, :], wb[None, :, :], acc)
         else:
-            acc = acc + xb[:, None, :] * wb.to(tl.float32)[None, :, :]
-        wb = wn
+            acc = acc + xb[:, None, :] * wb[None, :, :]
     return tl.reshape(tm.tree_sum(tl.reshape(acc, [BM * BN, BK]), BM * BN, BK), [BM, BN])
 
 
