@@ -16,7 +16,8 @@ for the JAX step (`kernels="auto"`) with the Python layer loop (scan: false) and
   pipelined_ms: the same steps launched back to back (`host_timing.time_step`);
 - floor_ms: (weight bytes + ring bytes) / the copy bandwidth measured in the same run;
 - kernels: CUDA kernels per step (torch.profiler); compile_s: the first call;
-- attention_TBps: one layer's Pallas ring attention alone, its k and v bytes per second;
+- attention_TBps: the Pallas ring attention alone over every layer (one jit), k and v bytes per
+  second (None where the ring is past its int32 offsets);
 - dropin_ms: the torch-facing drop-in (`from_torch`) on the same weights, synchronized;
 - torch_graph_ms: the torch path under a CUDA graph, where its own ring fits beside JAX's
   (null otherwise, with the reason in `torch_graph_note`).
@@ -48,7 +49,7 @@ from step_bench import count_kernels
 
 import jax_impl
 from jax_impl.config import PRESETS
-from kernels_pallas.ring_attention import ring_attention
+from kernels_pallas.ring_attention import fits_int32, ring_attention
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.dlpack import to_jax
 from torch_bridge.jax_steppers import from_torch
@@ -65,17 +66,19 @@ def full_state(config, B: int, key: int = 1):
                       offset=jnp.full_like(s.offset, config.capacity))
 
 
-def attention_tbps(config, state, steps: int) -> float | None:
-    """k + v bytes of one layer over the Pallas ring attention's time (GPU only)."""
-    if not GPU:
+def attention_tbps(config, state) -> float | None:
+    """k + v bytes of every layer over the Pallas ring attention's time, all layers in one jit
+    (GPU only; None where the ring is too large for the kernel's int32 offsets)."""
+    if not GPU or not fits_int32(state.k.shape):
         return None
-    B, H, C, D = state.k.shape[1:]
+    L, B, H, C, D = state.k.shape
     q = jax.random.normal(jax.random.key(5), (B, H, 1, D), jnp.bfloat16)
     positions = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
     q_pos = jnp.full((B, 1), C, jnp.int32)
-    f = jax.jit(lambda q, k, v: ring_attention(q, k, v, 1, positions, q_pos, context=config.context))
-    ms = host_ms(lambda: jax.block_until_ready(f(q, state.k, state.v)), steps)
-    return 2 * B * H * C * D * 2 / (ms * 1e-3) / 1e12
+    f = jax.jit(lambda q, k, v: [ring_attention(q, k, v, layer, positions, q_pos, context=config.context)
+                                 for layer in range(L)])
+    ms = host_ms(lambda: jax.block_until_ready(f(q, state.k, state.v)), 10)
+    return 2 * L * B * H * C * D * 2 / (ms * 1e-3) / 1e12
 
 
 def free_bytes() -> int | None:
@@ -93,7 +96,7 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
     common = {"stack": kind, "T": T, "B": B, "device": torch.cuda.get_device_name() if GPU else "cpu",
               "date": datetime.date.today().isoformat(),
               "floor_ms": None if bandwidth is None else 1e3 * (weight_bytes + ring_bytes) / bandwidth,
-              "attention_TBps": attention_tbps(config, state, steps)}
+              "attention_TBps": attention_tbps(config, state)}
     records = []
     for scan in (False, True):
         step = jax_impl.make_step(config, layer_loop="scan" if scan else "python", kernels="auto",
