@@ -105,6 +105,8 @@ def with_contract(**constants):
 
 
 LANES_STAGE = False  # --lanes: also time half and twice the contract's lanes
+STAGES = (None,)     # --stages: the Triton loops' pipeline depths to sweep (None: the default)
+PALLAS = True        # --no-pallas-sweep: time the Pallas linear at its default tile only
 DEFAULTS = {k: getattr(common, k) for k in ("TWIN_MAX_BK", "TWIN_ATTENTION_BC", "TWIN_ATTENTION_CHUNK")}
 
 
@@ -120,7 +122,8 @@ def tune_linear(name, shape, out, ceiling, small):
 
     def run(cfg):
         with_contract(TWIN_MAX_BK=cfg["lanes"])
-        kw = {"act": act, "residual": r, "block_m": cfg["bm"], "block_n": cfg["bn"], "num_warps": cfg["warps"]}
+        kw = {"act": act, "residual": r, "block_m": cfg["bm"], "block_n": cfg["bn"], "num_warps": cfg["warps"],
+              "num_stages": cfg.get("stages", common.TWIN_TRITON_STAGES)}
         try:
             y = tli.linear(x, w, L - 1, **kw)
             ms = graph_ms(lambda i: tli.linear(x, w, i % L, **kw), 2 * L)
@@ -141,7 +144,8 @@ def tune_linear(name, shape, out, ceiling, small):
     bms = [M] if M <= 4 else [4, 8]
     stage1 = [{"bm": bm, "bn": bn, "warps": wp, "lanes": lanes0} for bm in bms for bn in (4, 8, 16) for wp in (4, 8)]
     stage1 = [c for c in stage1 if regs(c) <= 128][: 2 if small else None]
-    done = [r_ for r_ in (run(c) for c in stage1) if r_]
+    triton_cfgs = [{**c, "stages": st} for c in stage1 if c["warps"] == 4 or len(STAGES) == 1 for st in STAGES]
+    done = [r_ for r_ in (run(c) for c in triton_cfgs) if r_]
     if LANES_STAGE:  # half and twice the lanes at the best tile (a contract change: other bits)
         best = min(done, key=lambda r_: r_["ms"])
         stage2 = [{**{k: best[k] for k in ("bm", "bn", "warps")}, "lanes": lanes} for lanes in (lanes0 // 2, 2 * lanes0)]
@@ -151,7 +155,7 @@ def tune_linear(name, shape, out, ceiling, small):
     # the Pallas twin at every stage-1 tile and at the default tile, its bits against Triton's
     pallas = []
     jx, jw, jr = to_jax(x), to_jax(w), None if r is None else to_jax(r)
-    for cfg in [{"config": "default", "bm": None, "bn": None, "warps": 4, "lanes": lanes0}] + stage1:
+    for cfg in [{"config": "default", "bm": None, "bn": None, "warps": 4, "lanes": lanes0}] + stage1 * PALLAS:
         with_contract(TWIN_MAX_BK=cfg["lanes"])
         kw = {"act": act, "block_m": cfg["bm"], "block_n": cfg["bn"], "num_warps": cfg["warps"]}
         try:
@@ -181,16 +185,17 @@ def tune_attention(out, ceiling, small):
     rows, refs = [], {}
     plans = [(64, 256), (32, 256), (64, 512)]
     warps = (2, 4, 8)
+    stages = [st for st in STAGES if st is not None] or [common.TWIN_TRITON_STAGES]
     if small:
         plans, warps = plans[:2], warps[:1]
     for bc, chunk in plans:
         with_contract(TWIN_ATTENTION_BC=bc, TWIN_ATTENTION_CHUNK=chunk)
-        for wp in warps:
-            cfg = {"bc": bc, "chunk": chunk, "warps": wp}
+        for wp, st in ((wp, st) for wp in warps for st in stages):
+            cfg = {"bc": bc, "chunk": chunk, "warps": wp, "stages": st}
             try:
-                y = ta.attention(q, ring_k, ring_v, L - 1, positions, q_pos, context=C, num_warps=wp)
-                ms = graph_ms(lambda i, wp=wp: ta.attention(q, ring_k, ring_v, i % L, positions, q_pos, context=C,
-                                                            num_warps=wp), 2 * L)
+                y = ta.attention(q, ring_k, ring_v, L - 1, positions, q_pos, context=C, num_warps=wp, num_stages=st)
+                ms = graph_ms(lambda i, wp=wp, st=st: ta.attention(q, ring_k, ring_v, i % L, positions, q_pos,
+                                                                   context=C, num_warps=wp, num_stages=st), 2 * L)
             except Exception as e:  # noqa: BLE001 (recorded: a plan the compiler refuses, the sweep goes on)
                 rows.append({**cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 continue
@@ -212,7 +217,8 @@ def tune_attention(out, ceiling, small):
                                                                        num_warps=cfg["warps"])
                                                           for i in range(2 * L)])
             yj = f1(jq, jk, jv, jp, jqp)
-            yt = ta.attention(q, ring_k, ring_v, L - 1, positions, q_pos, context=C, num_warps=cfg["warps"])
+            yt = ta.attention(q, ring_k, ring_v, L - 1, positions, q_pos, context=C, num_warps=cfg["warps"],
+                              num_stages=cfg.get("stages", common.TWIN_TRITON_STAGES))
             ms = jax_ms(fn, (jq, jk, jv, jp, jqp), 2 * L)
             pallas.append({"config": label, "bc": cfg["bc"], "chunk": cfg["chunk"], "warps": cfg["warps"], "ms": ms,
                            "TBps": rbytes / (ms * 1e-3) / 1e12, "pallas_equals_triton": same(yj, yt)})
@@ -230,9 +236,13 @@ def main():
     parser.add_argument("--only", default=None, help="run the cases whose name contains this")
     parser.add_argument("--small", action="store_true", help="tiny shapes, interpreted (CPU smoke run)")
     parser.add_argument("--lanes", action="store_true", help="also half and twice the lanes (other bits)")
+    parser.add_argument("--stages", default="", help="Triton pipeline depths to sweep, e.g. 1,3,4 (with 4 warps)")
+    parser.add_argument("--no-pallas-sweep", action="store_true", help="the Pallas linear at its default tile only")
     args = parser.parse_args()
-    global LANES_STAGE
+    global LANES_STAGE, STAGES, PALLAS
     LANES_STAGE = args.lanes
+    STAGES = tuple(int(v) for v in args.stages.split(",")) if args.stages else (None,)
+    PALLAS = not args.no_pallas_sweep
     if not GPU and not args.small:
         raise SystemExit("twin_tune_gpu.py: no CUDA device; pass --small (with TRITON_INTERPRET=1) on a CPU")
     ceiling = copy_bandwidth() if GPU else 1.0

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.common import check_twin_attention, twin_attention_plan
+from kernels_pallas.common import TWIN_TRITON_STAGES, check_twin_attention, twin_attention_plan
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_linear import _layer_tensor
 from kernels_triton.twin_math import interpreting
@@ -19,8 +19,10 @@ from kernels_triton.twin_math import interpreting
 def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_ptr, l_ptr, scale,
                   B: tl.constexpr, H: tl.constexpr, T: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
                   CONTEXT: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr, S: tl.constexpr,
-                  HB: tl.constexpr):
+                  HB: tl.constexpr, STAGES: tl.constexpr):
     """Program (b*(H/HB)*T + hb*T + t, split): heads hb*HB .. of query (b, t), one split.
+
+    The loop over the split's blocks is software-pipelined (STAGES, as in `twin_linear`).
 
     Each head's arithmetic is the contract's whatever HB: HB heads per program only saves the
     interpreter's per-program overhead (HB = 1 compiled).
@@ -39,7 +41,7 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
     m = tl.full([HB], float("-inf"), tl.float32)
     l = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, D], tl.float32)
-    for i in range(CHUNK // BC):
+    for i in tl.range(0, CHUNK // BC, num_stages=STAGES):
         c = split * CHUNK + i * BC + tl.arange(0, BC)
         ok = c < C
         pos = tl.load(pos_ptr + b * C + c, mask=ok, other=-1)
@@ -90,7 +92,8 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, H: tl.constexpr, T: tl.constex
 
 
 def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer, positions: torch.Tensor,
-              q_pos: torch.Tensor, *, context: int, num_warps: int = 4) -> torch.Tensor:
+              q_pos: torch.Tensor, *, context: int, num_warps: int = 4,
+              num_stages: int = TWIN_TRITON_STAGES) -> torch.Tensor:
     """The Pallas twin's signature and bits; returns [B, T, H, D] in q's dtype."""
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     for name, t in (("q", q), ("ring_k", ring_k), ("ring_v", ring_v)):
@@ -107,8 +110,8 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
     _split_kernel[(B * (H // HB) * T, S)](
         _layer_tensor(layer, ring_k.shape[0], dev), q, ring_k, ring_v, positions.to(torch.int32).contiguous(),
         q_pos.to(torch.int32).contiguous(), acc, m, l, float(torch.tensor(1.0 / math.sqrt(D), dtype=torch.float32)),
-        B=B, H=H, T=T, C=C, D=D, CONTEXT=context, CHUNK=chunk, BC=BC, S=S, HB=HB, num_warps=num_warps,
-        enable_fp_fusion=False)
+        B=B, H=H, T=T, C=C, D=D, CONTEXT=context, CHUNK=chunk, BC=BC, S=S, HB=HB, STAGES=num_stages,
+        num_warps=num_warps, enable_fp_fusion=False)
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=dev)
     _combine_kernel[(B * (H // HB) * T,)](acc, m, l, out, H=H, T=T, D=D, S=S, SP=triton.next_power_of_2(S),
                                           HB=HB, INTERPRETED=interpreted, num_warps=num_warps,

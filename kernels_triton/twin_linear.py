@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.common import TWIN_INTERPRET_MAX_BN, check_twin_linear, twin_blocks
+from kernels_pallas.common import TWIN_INTERPRET_MAX_BN, TWIN_TRITON_STAGES, check_twin_linear, twin_blocks
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -21,16 +21,18 @@ _ACT_CODE = {None: 0, "silu_gate": 1, "gelu": 2}
 
 @triton.jit
 def _acc(x_ptr, w_ptr, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-         BK: tl.constexpr, FUSED: tl.constexpr):
+         BK: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr):
     """Lane sums over the K blocks, in order, then the tree over the BK lanes: [BM, BN] float32.
 
-    FUSED (16-bit x and w): each product-then-add is one FMA, the same bits (twin_math). Unlike
-    the Pallas twin, no prefetch of the next weight tile: with Triton 3.6 it made every shape
-    1.5-3x slower on an H200 (benchmarks/RESULTS.md).
+    FUSED (16-bit x and w): each product-then-add is one FMA, the same bits (twin_math). The
+    loop is software-pipelined (`tl.range(num_stages=STAGES)`: asynchronous copies of the next
+    STAGES - 1 blocks into shared memory): the kernel waits on memory latency, and this keeps
+    loads in flight without holding them in registers. (A prefetch into registers, the Pallas
+    twin's way, made every shape 1.5-3x slower with Triton 3.6 on an H200: RESULTS.md.)
     """
     k = tl.arange(0, BK)
     acc = tl.zeros([BM, BN, BK], tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         xb = tl.load(x_ptr + m[:, None] * K + k0 + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
         wb = tl.load(w_ptr + n[:, None] * K + k0 + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
         if FUSED:
@@ -44,7 +46,7 @@ def _acc(x_ptr, w_ptr, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: 
 def _kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M,
             N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
             BK: tl.constexpr, ACT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr,
-            FUSED: tl.constexpr, INTERPRETED: tl.constexpr):
+            FUSED: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     layer = tl.load(layer_ptr).to(tl.int64)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -53,12 +55,12 @@ def _kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M,
     w_layer = w_ptr + layer * N * K
     dtype = o_ptr.dtype.element_ty
     if ACT == 1:  # silu_gate: columns n and n + N/2
-        a = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED), dtype, INTERPRETED).to(tl.float32)
-        b = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n + N_OUT, n_ok, K, BM, BN, BK, FUSED), dtype,
+        a = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED, STAGES), dtype, INTERPRETED).to(tl.float32)
+        b = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n + N_OUT, n_ok, K, BM, BN, BK, FUSED, STAGES), dtype,
                         INTERPRETED).to(tl.float32)
         y = tm.to_dtype(tm.to_dtype(tm.silu(a), dtype, INTERPRETED).to(tl.float32) * b, dtype, INTERPRETED)
     else:
-        y = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED), dtype, INTERPRETED)
+        y = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED, STAGES), dtype, INTERPRETED)
         if ACT == 2:
             y = tm.to_dtype(tm.gelu(y.to(tl.float32)), dtype, INTERPRETED)
     if HAS_SCALE:
@@ -101,10 +103,12 @@ def _layer_tensor(layer, L: int, device) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = None,
            scale: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-           block_m: int | None = None, block_n: int | None = None, num_warps: int = 4) -> torch.Tensor:
+           block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
+           num_stages: int = TWIN_TRITON_STAGES) -> torch.Tensor:
     """y = epilogue(x @ w[layer].T), batch-invariant; the signature and bits of the Pallas twin.
 
     x: [M, K]; w: [L, N, K] with layer an int or int tensor, or [N, K] with layer=None.
+    block_m, block_n, num_warps, num_stages (of the pipelined loop over K): speed only, never the bits.
     """
     w, scale, layer = _stacked(w, scale, layer)
     M, K, N, N_out = check_twin_linear(x, w, act, ACTS, scale, residual)
@@ -122,5 +126,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
         _layer_tensor(layer, w.shape[0], x.device), x, w, dummy if scale is None else scale,
         dummy if residual is None else residual, out, M, N=N, K=K, N_OUT=N_out, BM=BM, BN=BN, BK=BK,
         ACT=_ACT_CODE[act], HAS_SCALE=scale is not None, HAS_RES=residual is not None,
-        FUSED=x.dtype in (torch.bfloat16, torch.float16), INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
+        FUSED=x.dtype in (torch.bfloat16, torch.float16), STAGES=num_stages, INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
     return out
