@@ -123,7 +123,7 @@ def tune_linear(name, shape, out, ceiling, small):
     def run(cfg):
         with_contract(TWIN_MAX_BK=cfg["lanes"])
         kw = {"act": act, "residual": r, "block_m": cfg["bm"], "block_n": cfg["bn"], "num_warps": cfg["warps"],
-              "num_stages": cfg.get("stages", common.TWIN_TRITON_STAGES)}
+              "num_stages": cfg.get("stages") or common.TWIN_TRITON_LINEAR_STAGES}
         try:
             y = tli.linear(x, w, L - 1, **kw)
             ms = graph_ms(lambda i: tli.linear(x, w, i % L, **kw), 2 * L)
@@ -185,7 +185,7 @@ def tune_attention(out, ceiling, small):
     rows, refs = [], {}
     plans = [(64, 256), (32, 256), (64, 512)]
     warps = (2, 4, 8)
-    stages = [st for st in STAGES if st is not None] or [common.TWIN_TRITON_STAGES]
+    stages = [st for st in STAGES if st is not None] or [common.TWIN_TRITON_ATTENTION_STAGES]
     if small:
         plans, warps = plans[:2], warps[:1]
     for bc, chunk in plans:
@@ -218,7 +218,7 @@ def tune_attention(out, ceiling, small):
                                                           for i in range(2 * L)])
             yj = f1(jq, jk, jv, jp, jqp)
             yt = ta.attention(q, ring_k, ring_v, L - 1, positions, q_pos, context=C, num_warps=cfg["warps"],
-                              num_stages=cfg.get("stages", common.TWIN_TRITON_STAGES))
+                              num_stages=cfg.get("stages") or common.TWIN_TRITON_ATTENTION_STAGES)
             ms = jax_ms(fn, (jq, jk, jv, jp, jqp), 2 * L)
             pallas.append({"config": label, "bc": cfg["bc"], "chunk": cfg["chunk"], "warps": cfg["warps"], "ms": ms,
                            "TBps": rbytes / (ms * 1e-3) / 1e12, "pallas_equals_triton": same(yj, yt)})

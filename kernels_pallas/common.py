@@ -175,7 +175,10 @@ TWIN_MAX_BN = 8    # output columns per program (speed only; compiled), 16 for t
 TWIN_MAX_BM = 8    # output rows per program (speed only; compiled)
 TWIN_INTERPRET_MAX_BN = 256  # interpreted (CPU), fewer, larger programs: each costs Python overhead
 TWIN_INTERPRET_MAX_BM = 64
-TWIN_TRITON_STAGES = 3  # software-pipeline depth of the Triton twins' loops (speed only)
+# the Triton twins' launch (speed only): the fastest of benchmarks/twin_tune_gpu.py on an H200
+TWIN_TRITON_LINEAR_STAGES = 4     # software-pipeline depth of the linear's loop over K
+TWIN_TRITON_ATTENTION_STAGES = 1  # ... of the attention's loop over a split's blocks (deeper: slower)
+TWIN_TRITON_ATTENTION_WARPS = 2
 TWIN_NORM_WARPS = 2  # warps of a norm program (compiled: one row each, see twin_norm_rows)
 
 

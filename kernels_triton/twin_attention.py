@@ -9,7 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.common import TWIN_TRITON_STAGES, check_twin_attention, twin_attention_plan
+from kernels_pallas.common import (
+    TWIN_TRITON_ATTENTION_STAGES,
+    TWIN_TRITON_ATTENTION_WARPS,
+    check_twin_attention,
+    twin_attention_plan,
+)
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_linear import _layer_tensor
 from kernels_triton.twin_math import interpreting
@@ -50,16 +55,16 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
         offs = (row[:, None, None] + c[None, :, None]) * D + d[None, None, :]      # [HB, BC, D]
         k = tl.load(k_ptr + offs, mask=ok[None, :, None], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=ok[None, :, None], other=0.0).to(tl.float32)
-        s = tl.reshape(tm.tree_sum(tl.reshape(q[:, None, :] * k, [HB * BC, D]), HB * BC, D), [HB, BC]) * scale
+        s = tl.reshape(tm.loop_tree_sum(tl.reshape(q[:, None, :] * k, [HB * BC, D]), HB * BC, D), [HB, BC]) * scale
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m0 = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tm.exp(m - m0)
         p = tl.where(visible, tm.exp(s - m0[:, None]), 0.0)                   # [HB, BC]
-        l = l * a + tm.tree_sum(p, HB, BC)
+        l = l * a + tm.loop_tree_sum(p, HB, BC)
         pv = p[:, :, None] * tl.where(visible[:, :, None], v, 0.0)             # [HB, BC, D]
         pv = tl.reshape(tl.permute(pv, (0, 2, 1)), [HB * D, BC])
-        acc = acc * a[:, None] + tl.reshape(tm.tree_sum(pv, HB * D, BC), [HB, D])
+        acc = acc * a[:, None] + tl.reshape(tm.loop_tree_sum(pv, HB * D, BC), [HB, D])
         m = m_new
     part = bht * S + split                                                    # [HB]
     tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
@@ -92,8 +97,8 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, H: tl.constexpr, T: tl.constex
 
 
 def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer, positions: torch.Tensor,
-              q_pos: torch.Tensor, *, context: int, num_warps: int = 4,
-              num_stages: int = TWIN_TRITON_STAGES) -> torch.Tensor:
+              q_pos: torch.Tensor, *, context: int, num_warps: int = TWIN_TRITON_ATTENTION_WARPS,
+              num_stages: int = TWIN_TRITON_ATTENTION_STAGES) -> torch.Tensor:
     """The Pallas twin's signature and bits; returns [B, T, H, D] in q's dtype."""
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     for name, t in (("q", q), ("ring_k", ring_k), ("ring_v", ring_v)):

@@ -11,7 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.common import TWIN_INTERPRET_MAX_BN, TWIN_TRITON_STAGES, check_twin_linear, twin_blocks
+from kernels_pallas.common import (
+    TWIN_INTERPRET_MAX_BN,
+    TWIN_TRITON_LINEAR_STAGES,
+    check_twin_linear,
+    twin_blocks,
+)
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -21,7 +26,7 @@ _ACT_CODE = {None: 0, "silu_gate": 1, "gelu": 2}
 
 @triton.jit
 def _acc(x_ptr, w_ptr, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-         BK: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr):
+         BK: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr, LOOP_TREE: tl.constexpr):
     """Lane sums over the K blocks, in order, then the tree over the BK lanes: [BM, BN] float32.
 
     FUSED (16-bit x and w): each product-then-add is one FMA, the same bits (twin_math). The
@@ -29,6 +34,8 @@ def _acc(x_ptr, w_ptr, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: 
     STAGES - 1 blocks into shared memory): the kernel waits on memory latency, and this keeps
     loads in flight without holding them in registers. (A prefetch into registers, the Pallas
     twin's way, made every shape 1.5-3x slower with Triton 3.6 on an H200: RESULTS.md.)
+    LOOP_TREE: the lanes' tree in `loop_tree_sum`'s form (the same bits), for the gated kernel,
+    whose two trees in `tree_sum`'s form take 207 registers with Triton 3.6 (72 this way).
     """
     k = tl.arange(0, BK)
     acc = tl.zeros([BM, BN, BK], tl.float32)
@@ -39,7 +46,11 @@ def _acc(x_ptr, w_ptr, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: 
             acc = tl.fma(xb[:, None, :], wb[None, :, :], acc)
         else:
             acc = acc + xb[:, None, :] * wb[None, :, :]
-    return tl.reshape(tm.tree_sum(tl.reshape(acc, [BM * BN, BK]), BM * BN, BK), [BM, BN])
+    acc = tl.reshape(acc, [BM * BN, BK])
+    if LOOP_TREE:
+        return tl.reshape(tm.loop_tree_sum(acc, BM * BN, BK), [BM, BN])
+    else:
+        return tl.reshape(tm.tree_sum(acc, BM * BN, BK), [BM, BN])
 
 
 @triton.jit
@@ -55,12 +66,12 @@ def _kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M,
     w_layer = w_ptr + layer * N * K
     dtype = o_ptr.dtype.element_ty
     if ACT == 1:  # silu_gate: columns n and n + N/2
-        a = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED, STAGES), dtype, INTERPRETED).to(tl.float32)
-        b = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n + N_OUT, n_ok, K, BM, BN, BK, FUSED, STAGES), dtype,
+        a = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED, STAGES, ACT == 1), dtype, INTERPRETED).to(tl.float32)
+        b = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n + N_OUT, n_ok, K, BM, BN, BK, FUSED, STAGES, ACT == 1), dtype,
                         INTERPRETED).to(tl.float32)
         y = tm.to_dtype(tm.to_dtype(tm.silu(a), dtype, INTERPRETED).to(tl.float32) * b, dtype, INTERPRETED)
     else:
-        y = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED, STAGES), dtype, INTERPRETED)
+        y = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED, STAGES, ACT == 1), dtype, INTERPRETED)
         if ACT == 2:
             y = tm.to_dtype(tm.gelu(y.to(tl.float32)), dtype, INTERPRETED)
     if HAS_SCALE:
@@ -104,7 +115,7 @@ def _layer_tensor(layer, L: int, device) -> torch.Tensor:
 def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = None,
            scale: torch.Tensor | None = None, residual: torch.Tensor | None = None,
            block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
-           num_stages: int = TWIN_TRITON_STAGES) -> torch.Tensor:
+           num_stages: int = TWIN_TRITON_LINEAR_STAGES) -> torch.Tensor:
     """y = epilogue(x @ w[layer].T), batch-invariant; the signature and bits of the Pallas twin.
 
     x: [M, K]; w: [L, N, K] with layer an int or int tensor, or [N, K] with layer=None.
