@@ -171,7 +171,7 @@ def stream_index(rotary_dim: int, mrope_section: Sequence[int], mrope_interleave
 # Twin kernels (kernels_pallas.twin_*, kernels_triton.twin_*): shared tiles and checks
 # --------------------------------------------------------------------------------------------
 TWIN_MAX_BK = 128  # lanes of a sum over K (the reduction order depends on this and K alone)
-TWIN_MAX_BN = 8    # output columns per program (speed only; compiled), 16 for the gated linear
+TWIN_MAX_BN = 8    # output columns per program (speed only; compiled)
 TWIN_MAX_BM = 8    # output rows per program (speed only; compiled)
 TWIN_INTERPRET_MAX_BN = 256  # interpreted (CPU), fewer, larger programs: each costs Python overhead
 TWIN_INTERPRET_MAX_BM = 64
@@ -210,20 +210,16 @@ def twin_norm_rows(M: int, block_m: int | None = None, interpreted: bool = False
 
 
 def twin_blocks(M: int, N: int, K: int, block_m: int | None = None, block_n: int | None = None,
-                interpreted: bool = False, masked_n: bool = False, gated: bool = False):
+                interpreted: bool = False, masked_n: bool = False):
     """(BM, BN, BK) of the twin linear kernel: BK from K alone (bits), BM, BN for speed.
 
-    The defaults are the fastest tiles of `benchmarks/twin_tune_gpu.py` on an H200 (RESULTS.md);
-    gated: the silu-gated linear, which computes two column blocks per program (Triton's best
-    tile at BM <= 4 is then twice as wide; the Pallas twin passes gated=False, its best is not).
+    The defaults are the fastest tiles of `benchmarks/twin_tune_gpu.py` on an H200 (RESULTS.md).
 
     masked_n: the kernel masks columns past N, so block_n need not divide N (Triton's).
     """
     BK = twin_lanes(K)
     max_bn, max_bm = (TWIN_INTERPRET_MAX_BN, TWIN_INTERPRET_MAX_BM) if interpreted else (TWIN_MAX_BN, TWIN_MAX_BM)
     BM = min(max_bm, next_pow2(M)) if block_m is None else block_m
-    if gated and not interpreted and BM <= 4:
-        max_bn *= 2
     BN = largest_pow2_divisor(N, max_bn) if block_n is None else block_n
     for name, v, total in (("block_m", BM, None), ("block_n", BN, None if masked_n else N)):
         if v <= 0 or v & (v - 1) or (total is not None and total % v):

@@ -101,7 +101,7 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     M, K, _, N_out = check_twin_linear(x, w, act, ACTS, scale, residual)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret)  # gated: BN 8 is Pallas's best
+    BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret)
     Mp = -(-M // BM) * BM
     pad = ((0, Mp - M), (0, 0))
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, pad), w]

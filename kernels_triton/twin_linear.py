@@ -21,12 +21,12 @@ from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
 ACTS = (None, "silu_gate", "gelu")
-_ACT_CODE = {None: 0, "silu_gate": 1, "gelu": 2}
+_GATE_BN = 256  # columns per program of the gate kernel
 
 
 @triton.jit
 def _acc(x_ptr, w_ptr, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-         BK: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr, LOOP_TREE: tl.constexpr):
+         BK: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr):
     """Lane sums over the K blocks, in order, then the tree over the BK lanes: [BM, BN] float32.
 
     FUSED (16-bit x and w): each product-then-add is one FMA, the same bits (twin_math). The
@@ -34,8 +34,6 @@ def _acc(x_ptr, w_ptr, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: 
     STAGES - 1 blocks into shared memory): the kernel waits on memory latency, and this keeps
     loads in flight without holding them in registers. (A prefetch into registers, the Pallas
     twin's way, made every shape 1.5-3x slower with Triton 3.6 on an H200: RESULTS.md.)
-    LOOP_TREE: the lanes' tree in `loop_tree_sum`'s form (the same bits), for the gated kernel,
-    whose two trees in `tree_sum`'s form take 207 registers with Triton 3.6 (72 this way).
     """
     k = tl.arange(0, BK)
     acc = tl.zeros([BM, BN, BK], tl.float32)
@@ -46,34 +44,14 @@ def _acc(x_ptr, w_ptr, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: 
             acc = tl.fma(xb[:, None, :], wb[None, :, :], acc)
         else:
             acc = acc + xb[:, None, :] * wb[None, :, :]
-    acc = tl.reshape(acc, [BM * BN, BK])
-    if LOOP_TREE:
-        return tl.reshape(tm.loop_tree_sum(acc, BM * BN, BK), [BM, BN])
-    else:
-        return tl.reshape(tm.tree_sum(acc, BM * BN, BK), [BM, BN])
+    return tl.reshape(tm.tree_sum(tl.reshape(acc, [BM * BN, BK]), BM * BN, BK), [BM, BN])
 
 
 @triton.jit
-def _kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M,
-            N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            BK: tl.constexpr, ACT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr,
-            FUSED: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
-    layer = tl.load(layer_ptr).to(tl.int64)
-    m = tl.program_id(0) * BM + tl.arange(0, BM)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    m_ok = m < M
-    n_ok = n < N_OUT
-    w_layer = w_ptr + layer * N * K
+def _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT: tl.constexpr, HAS_SCALE: tl.constexpr,
+            HAS_RES: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The epilogue's layer scale and residual add, then the store of y [BM, BN] (in o's dtype)."""
     dtype = o_ptr.dtype.element_ty
-    if ACT == 1:  # silu_gate: columns n and n + N/2
-        a = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED, STAGES, ACT == 1), dtype, INTERPRETED).to(tl.float32)
-        b = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n + N_OUT, n_ok, K, BM, BN, BK, FUSED, STAGES, ACT == 1), dtype,
-                        INTERPRETED).to(tl.float32)
-        y = tm.to_dtype(tm.to_dtype(tm.silu(a), dtype, INTERPRETED).to(tl.float32) * b, dtype, INTERPRETED)
-    else:
-        y = tm.to_dtype(_acc(x_ptr, w_layer, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED, STAGES, ACT == 1), dtype, INTERPRETED)
-        if ACT == 2:
-            y = tm.to_dtype(tm.gelu(y.to(tl.float32)), dtype, INTERPRETED)
     if HAS_SCALE:
         s = tl.load(scale_ptr + layer * N_OUT + n, mask=n_ok, other=0.0).to(tl.float32)
         y = tm.to_dtype(s[None, :] * y.to(tl.float32), dtype, INTERPRETED)
@@ -83,6 +61,44 @@ def _kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M,
         r = tl.load(res_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         y = tm.to_dtype(r + y.to(tl.float32), dtype, INTERPRETED)
     tl.store(o_ptr + offs, y, mask=ok)
+
+
+@triton.jit
+def _kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M,
+            N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+            BK: tl.constexpr, GELU: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr,
+            FUSED: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program (i, j): rows i*BM .. and columns j*BN .. of the output (no act, or GELU)."""
+    layer = tl.load(layer_ptr).to(tl.int64)
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m_ok = m < M
+    n_ok = n < N_OUT
+    dtype = o_ptr.dtype.element_ty
+    y = tm.to_dtype(_acc(x_ptr, w_ptr + layer * N * K, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED, STAGES), dtype,
+                    INTERPRETED)
+    if GELU:
+        y = tm.to_dtype(tm.gelu(y.to(tl.float32)), dtype, INTERPRETED)
+    _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT, HAS_SCALE, HAS_RES, INTERPRETED)
+
+
+@triton.jit
+def _gate_kernel(layer_ptr, ab_ptr, scale_ptr, res_ptr, o_ptr, M, N_OUT: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The silu gate of the contract on ab [M, 2 * N_OUT], the projection already rounded to the
+    dtype (columns n and n + N_OUT), then scale and residual: to_dtype(to_dtype(silu(a)) * b)."""
+    layer = tl.load(layer_ptr).to(tl.int64)
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m_ok = m < M
+    n_ok = n < N_OUT
+    ok = m_ok[:, None] & n_ok[None, :]
+    offs = m[:, None] * (2 * N_OUT) + n[None, :]
+    a = tl.load(ab_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(ab_ptr + offs + N_OUT, mask=ok, other=0.0).to(tl.float32)
+    dtype = o_ptr.dtype.element_ty
+    y = tm.to_dtype(tm.to_dtype(tm.silu(a), dtype, INTERPRETED).to(tl.float32) * b, dtype, INTERPRETED)
+    _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT, HAS_SCALE, HAS_RES, INTERPRETED)
 
 
 def _stacked(w, scale, layer):
@@ -123,19 +139,31 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
     """
     w, scale, layer = _stacked(w, scale, layer)
     M, K, N, N_out = check_twin_linear(x, w, act, ACTS, scale, residual)
-    interpreted = interpreting(_kernel)
-    if interpreted and block_n is None:  # one program per row block: the interpreter's cost is per program
-        block_n = min(triton.next_power_of_2(N_out), TWIN_INTERPRET_MAX_BN)
-    BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpreted, masked_n=interpreted,
-                             gated=act == "silu_gate")
     for name, t in (("x", x), ("w", w), ("scale", scale), ("residual", residual)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"linear({name}): must be contiguous, got strides {t.stride()}")
+    interpreted = interpreting(_kernel)
+    gated = act == "silu_gate"
+    if interpreted and block_n is None:  # one program per row block: the interpreter's cost is per program
+        block_n = min(triton.next_power_of_2(N), TWIN_INTERPRET_MAX_BN)
+    BM, BN, BK = twin_blocks(M, N, K, block_m, block_n, interpreted=interpreted, masked_n=interpreted)
+    layer_t = _layer_tensor(layer, w.shape[0], x.device)
     out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)
+    # silu_gate: the whole projection [M, N] first (each half rounded, as the contract rounds a and
+    # b), then the gate: a fused gated kernel holds both halves' lanes and trees at once (207
+    # registers with Triton 3.6, 200 us a layer on an H200, against ~60 for the two kernels)
+    proj = torch.empty((M, N), dtype=x.dtype, device=x.device) if gated else out
     dummy = out  # never read when the flag is off
-    _kernel[(triton.cdiv(M, BM), triton.cdiv(N_out, BN))](
-        _layer_tensor(layer, w.shape[0], x.device), x, w, dummy if scale is None else scale,
-        dummy if residual is None else residual, out, M, N=N, K=K, N_OUT=N_out, BM=BM, BN=BN, BK=BK,
-        ACT=_ACT_CODE[act], HAS_SCALE=scale is not None, HAS_RES=residual is not None,
-        FUSED=x.dtype in (torch.bfloat16, torch.float16), STAGES=num_stages, INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
+    _kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+        layer_t, x, w, dummy if scale is None or gated else scale, dummy if residual is None or gated else residual,
+        proj, M, N=N, K=K, N_OUT=N, BM=BM, BN=BN, BK=BK, GELU=act == "gelu",
+        HAS_SCALE=scale is not None and not gated, HAS_RES=residual is not None and not gated,
+        FUSED=x.dtype in (torch.bfloat16, torch.float16), STAGES=num_stages, INTERPRETED=interpreted,
+        num_warps=num_warps, enable_fp_fusion=False)
+    if gated:
+        GB = min(_GATE_BN, triton.next_power_of_2(N_out))
+        _gate_kernel[(triton.cdiv(M, BM), triton.cdiv(N_out, GB))](
+            layer_t, proj, dummy if scale is None else scale, dummy if residual is None else residual, out, M,
+            N_OUT=N_out, BM=BM, BN=GB, HAS_SCALE=scale is not None, HAS_RES=residual is not None,
+            INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
     return out
