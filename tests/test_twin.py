@@ -117,13 +117,29 @@ def test_transcendentals_same_bits_in_pallas_triton_and_jnp(fn, lohi, ref, bound
         assert got[:4].tolist() == [0.0, np.inf, 0.0, 1.0]
 
 
+@triton.jit
+def _tree_kernel(x_ptr, o_ptr, R: tl.constexpr, N: tl.constexpr, LOOP: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, R)[:, None] * N + tl.arange(0, N)[None, :])
+    if LOOP:
+        y = ttm.loop_tree_sum(x, R, N)
+    else:
+        y = ttm.tree_sum(x, R, N)
+    tl.store(o_ptr + tl.arange(0, R), y)
+
+
 def test_tree_sum_order_is_the_halving_order():
-    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32) * 1e4
+    """Pallas's tree_sum and both Triton forms (split pair, axis sum) add in the halving order."""
+    x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32) * 1e4
     want = x.copy()
     while want.shape[-1] > 1:
         h = want.shape[-1] // 2
         want = want[:, :h] + want[:, h:]
+    assert not np.array_equal(want[:, 0], x.sum(-1))  # the order shows in the bits of this input
     assert_same(np.asarray(jax.jit(pm.tree_sum)(x)), want)
+    for loop in (False, True):
+        out = torch.empty(4)
+        _tree_kernel[(1,)](torch.from_numpy(x), out, R=4, N=64, LOOP=loop)
+        assert_same(out, want[:, 0], what=f"triton loop={loop}")
     with pytest.raises(ValueError, match="power of two"):
         pm.tree_sum(jnp.ones((2, 6)))
 
@@ -133,6 +149,7 @@ LINEAR = [  # M, N, K, L, act, scale, residual, dtype
     (4, 64, 176, 2, None, False, False, "float32"),
     (3, 64, 64, 2, None, False, True, "bfloat16"),
     (5, 96, 64, 2, "silu_gate", False, False, "float32"),
+    (4, 64, 128, 2, "silu_gate", True, True, "bfloat16"),  # the Triton gate kernel's scale and residual
     (2, 32, 128, 1, "gelu", True, True, "bfloat16"),
     (17, 96, 48, 2, None, True, True, "float32"),
 ]
@@ -153,6 +170,10 @@ def test_linear_twins_same_bits_and_batch_invariant(M, N, K, L, act, scale, res,
                                                                                               jnp.int32(L - 1))
     y_t = tli.linear(T(x), T(w), L - 1, scale=T(s), residual=T(r), **kw)
     assert_same(y_p, y_n, y_t, what="linear")
+    # other tiles and pipeline depths: the speed changes, never the bits
+    y_p2 = pli.linear(x, w, L - 1, scale=s, residual=r, block_n=16, **kw)
+    y_t2 = tli.linear(T(x), T(w), L - 1, scale=T(s), residual=T(r), block_n=16, num_stages=1, **kw)
+    assert_same(y_p, y_p2, y_t2, what="linear, other tiles")
     for row in (0, M - 1):  # alone, the row has the bits it has among the others
         alone = tli.linear(T(x[row:row + 1]), T(w), L - 1, scale=T(s), residual=None if r is None else T(r[row:row + 1]),
                            **kw)
@@ -248,6 +269,9 @@ def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T,
     o_t = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
                        torch.from_numpy(q_pos), context=C)
     assert_same(o_p, o_n, o_t, what="attention")
+    o_t2 = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
+                        torch.from_numpy(q_pos), context=C, num_warps=4, num_stages=2)
+    assert_same(o_t, o_t2, what="attention, other launch")
     out = np.asarray(o_p, np.float32)
     assert np.isfinite(out).all() and not out[0].any() and not np.signbit(out[0]).any()
     visible = (positions[:, None, :] >= 0) & (q_pos[:, :, None] - positions[:, None, :] >= 0) & (
