@@ -32,8 +32,8 @@ def _acc(x_ptr, w_ptr, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: 
     FUSED (16-bit x and w): each product-then-add is one FMA, the same bits (twin_math). The
     loop is software-pipelined (`tl.range(num_stages=STAGES)`: asynchronous copies of the next
     STAGES - 1 blocks into shared memory): the kernel waits on memory latency, and this keeps
-    loads in flight without holding them in registers. (A prefetch into registers, the Pallas
-    twin's way, made every shape 1.5-3x slower with Triton 3.6 on an H200: RESULTS.md.)
+    loads in flight without holding them in registers (the Pallas twin, whose lowering has no
+    such option, carries a prefetched tile through its loop instead).
     """
     k = tl.arange(0, BK)
     acc = tl.zeros([BM, BN, BK], tl.float32)
