@@ -55,16 +55,16 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
         offs = (row[:, None, None] + c[None, :, None]) * D + d[None, None, :]      # [HB, BC, D]
         k = tl.load(k_ptr + offs, mask=ok[None, :, None], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=ok[None, :, None], other=0.0).to(tl.float32)
-        s = tl.reshape(tm.loop_tree_sum(tl.reshape(q[:, None, :] * k, [HB * BC, D]), HB * BC, D), [HB, BC]) * scale
+        s = tl.reshape(tm.tree_sum(tl.reshape(q[:, None, :] * k, [HB * BC, D]), HB * BC, D, True), [HB, BC]) * scale
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m0 = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tm.exp(m - m0)
         p = tl.where(visible, tm.exp(s - m0[:, None]), 0.0)                   # [HB, BC]
-        l = l * a + tm.loop_tree_sum(p, HB, BC)
+        l = l * a + tm.tree_sum(p, HB, BC, True)
         pv = p[:, :, None] * tl.where(visible[:, :, None], v, 0.0)             # [HB, BC, D]
         pv = tl.reshape(tl.permute(pv, (0, 2, 1)), [HB * D, BC])
-        acc = acc * a[:, None] + tl.reshape(tm.loop_tree_sum(pv, HB * D, BC), [HB, D])
+        acc = acc * a[:, None] + tl.reshape(tm.tree_sum(pv, HB * D, BC, True), [HB, D])
         m = m_new
     part = bht * S + split                                                    # [HB]
     tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)

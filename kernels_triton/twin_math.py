@@ -68,80 +68,29 @@ def to_dtype(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def tree_sum(x, R: tl.constexpr, N: tl.constexpr):
+def tree_sum(x, R: tl.constexpr, N: tl.constexpr, IN_LOOP: tl.constexpr = False):
     """Sum of x [R, N] over its last axis (N a power of two, at most 1024) in the fixed halving
     order of `kernels_pallas.twin_math.tree_sum`: x[:, :n/2] + x[:, n/2:], halved again; returns [R].
 
-    For a tree that runs once, after a loop (the linear and norm kernels): each level splits the
-    pair (`tl.split(tl.permute(...))`), which Triton 3.6 keeps in registers. Inside a loop use
-    `loop_tree_sum` (same bits). Written out level by level in one function: the interpreter
+    Two forms of each level, the same additions (so the same bits), for two places:
+    - IN_LOOP=False, a tree that runs once, after a loop (the linear and norm kernels): each level
+      splits the pair (`tl.split(tl.permute(...))`), which Triton 3.6 keeps in registers;
+    - IN_LOOP=True, a tree inside a loop (the attention kernel): each level sums an axis of length 2
+      (`tl.sum` over [R, 2, n/2]: one commutative addition per element). The split form inside a
+      loop made Triton 3.6 duplicate every level's code (the attention took 240 s to compile and
+      spilled 23 KB a thread); this form goes through shared memory at every level, which made a
+      linear 2x slower where the tree runs once.
+    The levels are unrolled here (`static_range`), not a helper per level: the interpreter
     re-patches the language on every nested jit call.
     """
     tl.static_assert(N <= 1024, "tree_sum: at most 1024 lanes")
-    if N >= 1024:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 512]), (0, 2, 1)))
-        x = a + b
-    if N >= 512:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 256]), (0, 2, 1)))
-        x = a + b
-    if N >= 256:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 128]), (0, 2, 1)))
-        x = a + b
-    if N >= 128:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 64]), (0, 2, 1)))
-        x = a + b
-    if N >= 64:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 32]), (0, 2, 1)))
-        x = a + b
-    if N >= 32:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 16]), (0, 2, 1)))
-        x = a + b
-    if N >= 16:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 8]), (0, 2, 1)))
-        x = a + b
-    if N >= 8:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 4]), (0, 2, 1)))
-        x = a + b
-    if N >= 4:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 2]), (0, 2, 1)))
-        x = a + b
-    if N >= 2:
-        a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 1]), (0, 2, 1)))
-        x = a + b
-    return tl.reshape(x, [R])
-
-
-@triton.jit
-def loop_tree_sum(x, R: tl.constexpr, N: tl.constexpr):
-    """`tree_sum` (the same order, the same bits) for a tree inside a loop (the attention kernel).
-
-    Each level sums an axis of length 2 (`tl.sum` over [R, 2, n/2]): one addition per element,
-    which is commutative, so the reduction's own order cannot change the bits. `tree_sum`'s split
-    of the pair, inside a loop, made Triton 3.6 duplicate every level's code (the attention took
-    240 s to compile and spilled 23 KB a thread); this form goes through shared memory at each
-    level instead, which `tree_sum` avoids where the tree runs once (a linear took 2x longer).
-    """
-    tl.static_assert(N <= 1024, "loop_tree_sum: at most 1024 lanes")
-    if N >= 1024:
-        x = tl.sum(tl.reshape(x, [R, 2, 512]), axis=1)
-    if N >= 512:
-        x = tl.sum(tl.reshape(x, [R, 2, 256]), axis=1)
-    if N >= 256:
-        x = tl.sum(tl.reshape(x, [R, 2, 128]), axis=1)
-    if N >= 128:
-        x = tl.sum(tl.reshape(x, [R, 2, 64]), axis=1)
-    if N >= 64:
-        x = tl.sum(tl.reshape(x, [R, 2, 32]), axis=1)
-    if N >= 32:
-        x = tl.sum(tl.reshape(x, [R, 2, 16]), axis=1)
-    if N >= 16:
-        x = tl.sum(tl.reshape(x, [R, 2, 8]), axis=1)
-    if N >= 8:
-        x = tl.sum(tl.reshape(x, [R, 2, 4]), axis=1)
-    if N >= 4:
-        x = tl.sum(tl.reshape(x, [R, 2, 2]), axis=1)
-    if N >= 2:
-        x = tl.sum(tl.reshape(x, [R, 2, 1]), axis=1)
+    for level in tl.static_range(10):  # level halves 1024 -> 512 ... 2 -> 1 (those N has)
+        if (1024 >> level) <= N:
+            if IN_LOOP:
+                x = tl.sum(tl.reshape(x, [R, 2, 512 >> level]), axis=1)
+            else:
+                a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 512 >> level]), (0, 2, 1)))
+                x = a + b
     return tl.reshape(x, [R])
 
 

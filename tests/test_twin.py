@@ -120,15 +120,11 @@ def test_transcendentals_same_bits_in_pallas_triton_and_jnp(fn, lohi, ref, bound
 @triton.jit
 def _tree_kernel(x_ptr, o_ptr, R: tl.constexpr, N: tl.constexpr, LOOP: tl.constexpr):
     x = tl.load(x_ptr + tl.arange(0, R)[:, None] * N + tl.arange(0, N)[None, :])
-    if LOOP:
-        y = ttm.loop_tree_sum(x, R, N)
-    else:
-        y = ttm.tree_sum(x, R, N)
-    tl.store(o_ptr + tl.arange(0, R), y)
+    tl.store(o_ptr + tl.arange(0, R), ttm.tree_sum(x, R, N, LOOP))
 
 
 def test_tree_sum_order_is_the_halving_order():
-    """Pallas's tree_sum and both Triton forms (split pair, axis sum) add in the halving order."""
+    """Pallas's tree_sum and both forms of Triton's (split pair, axis sum) add in the halving order."""
     x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32) * 1e4
     want = x.copy()
     while want.shape[-1] > 1:
