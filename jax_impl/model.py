@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import twin_attention, twin_linear, twin_norm, twin_rope
+from kernels_pallas.common import TwinNorm
 
 from .config import MimiConfig, StackConfig, TemporalConfig, weight_specs
 from .ops import layer_norm, linear, ring_attention, rms_norm_f32
@@ -64,9 +65,10 @@ def mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
 # kernels="twin": every float operation in a twin kernel (kernels_pallas.twin_*), in the order of
 # torch_bridge/twin_layers.py on the Triton twins. The kernels read the stacked weights `w`
 # [L, ...] and the rings in place at `layer` (an int, or traced under lax.scan).
-def _twin_attention(c: StackConfig, h2, w: dict, layer, ring_k, ring_v, tables: StepTables, B: int, T: int):
-    """qkv, rotate + ring write, attention: h2 [B*T, dim] -> ([B*T, dim], ring_k, ring_v)."""
-    qkv = twin_linear.linear(h2, w["in_proj"], layer).reshape(B, T, 3, c.num_heads, c.head_dim)
+def _twin_attention(c: StackConfig, x2, norm: TwinNorm, w: dict, layer, ring_k, ring_v, tables: StepTables, B: int,
+                    T: int):
+    """norm + qkv (one kernel), rotate + ring write, attention: x2 [B*T, dim] -> ([B*T, dim], ring_k, ring_v)."""
+    qkv = twin_linear.linear(x2, w["in_proj"], layer, norm=norm).reshape(B, T, 3, c.num_heads, c.head_dim)
     q, ring_k, ring_v = twin_rope.rope_write(qkv, tables.cos[:, 0], tables.sin[:, 0], ring_k, ring_v, layer,
                                              tables.write_index, tables.write_mask)
     a = twin_attention.attention(q, ring_k, ring_v, layer, tables.positions, tables.q_pos, context=c.context)
@@ -75,32 +77,34 @@ def _twin_attention(c: StackConfig, h2, w: dict, layer, ring_k, ring_v, tables: 
 
 def twin_temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables, active,
                         exact_rope: bool = True, kernels: str = "twin"):
-    """Helium layer on the Pallas twins; w: the stacked weights (read at `layer` in place)."""
+    """Helium layer on the Pallas twins; w: the stacked weights (read at `layer` in place). Each
+    RMSNorm runs fused into the projection after it (`TwinNorm`)."""
     del active, exact_rope, kernels  # the writes follow tables.write_mask; the twins are always exact
     x, ring_k, ring_v = carry
     B, T, dim = x.shape
     x2 = x.reshape(B * T, dim)
-    h = twin_norm.norm(x2, w["norm1_alpha"], None, layer, kind="rms", eps=c.norm_eps)
-    a, ring_k, ring_v = _twin_attention(c, h, w, layer, ring_k, ring_v, tables, B, T)
+    a, ring_k, ring_v = _twin_attention(c, x2, TwinNorm("rms", w["norm1_alpha"], None, c.norm_eps), w, layer,
+                                        ring_k, ring_v, tables, B, T)
     x2 = twin_linear.linear(a, w["out_proj"], layer, residual=x2)
-    h = twin_norm.norm(x2, w["norm2_alpha"], None, layer, kind="rms", eps=c.norm_eps)
-    u = twin_linear.linear(h, w["linear_in"], layer, act="silu_gate")
+    u = twin_linear.linear(x2, w["linear_in"], layer, act="silu_gate",
+                           norm=TwinNorm("rms", w["norm2_alpha"], None, c.norm_eps))
     x2 = twin_linear.linear(u, w["linear_out"], layer, residual=x2)
     return x2.reshape(B, T, dim), ring_k, ring_v
 
 
 def twin_mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
                     exact_rope: bool = True, kernels: str = "twin"):
-    """Mimi layer on the Pallas twins; w: the stacked weights (read at `layer` in place)."""
+    """Mimi layer on the Pallas twins; w: the stacked weights (read at `layer` in place). Each
+    LayerNorm runs fused into the projection after it (`TwinNorm`)."""
     del active, exact_rope, kernels
     x, ring_k, ring_v = carry
     B, T, dim = x.shape
     x2 = x.reshape(B * T, dim)
-    h = twin_norm.norm(x2, w["norm1_weight"], w["norm1_bias"], layer, kind="layer", eps=c.norm_eps)
-    a, ring_k, ring_v = _twin_attention(c, h, w, layer, ring_k, ring_v, tables, B, T)
+    norm1 = TwinNorm("layer", w["norm1_weight"], w["norm1_bias"], c.norm_eps)
+    a, ring_k, ring_v = _twin_attention(c, x2, norm1, w, layer, ring_k, ring_v, tables, B, T)
     x2 = twin_linear.linear(a, w["out_proj"], layer, scale=w["scale1"], residual=x2)
-    h = twin_norm.norm(x2, w["norm2_weight"], w["norm2_bias"], layer, kind="layer", eps=c.norm_eps)
-    f = twin_linear.linear(h, w["linear1"], layer, act="gelu")
+    f = twin_linear.linear(x2, w["linear1"], layer, act="gelu",
+                           norm=TwinNorm("layer", w["norm2_weight"], w["norm2_bias"], c.norm_eps))
     x2 = twin_linear.linear(f, w["linear2"], layer, scale=w["scale2"], residual=x2)
     return x2.reshape(B, T, dim), ring_k, ring_v
 

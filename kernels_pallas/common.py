@@ -8,6 +8,7 @@ only asked for `shape`, `ndim` and `dtype`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 INT32_MAX = 2**31 - 1  # flat element offsets computed in int32 must stay at or below this
 
@@ -180,6 +181,7 @@ TWIN_TRITON_LINEAR_STAGES = 4     # software-pipeline depth of the linear's loop
 TWIN_TRITON_ATTENTION_STAGES = 1  # ... of the attention's loop over a split's blocks (deeper: slower)
 TWIN_TRITON_ATTENTION_WARPS = 2
 TWIN_NORM_WARPS = 2  # warps of a norm program (compiled: one row each, see twin_norm_rows)
+TWIN_PALLAS_PREFETCH = 1  # weight blocks the Pallas linear loads ahead of their use (speed only)
 
 
 def largest_pow2_divisor(n: int, cap: int) -> int:
@@ -227,8 +229,38 @@ def twin_blocks(M: int, N: int, K: int, block_m: int | None = None, block_n: int
     return BM, BN, BK
 
 
-def check_twin_linear(x, w, act, acts, scale, residual):
-    """(M, K, N, N_out) of a twin linear call, after checking shapes, dtypes and act."""
+class TwinNorm(NamedTuple):
+    """A twin norm fused into the linear that follows it: `linear(x, w, layer, norm=TwinNorm(...))`
+    multiplies norm(x) (the twin norm's contract, rounded to x's dtype), with the bits of
+    `twin_norm.norm` followed by `linear`, in one kernel instead of two.
+
+    kind: "rms" or "layer"; weight, bias: [L, K] (bias only for "layer"), read at the linear's
+    layer like its w, or [K] with layer=None; eps: the norm's epsilon.
+    """
+
+    kind: str
+    weight: Any
+    bias: Any
+    eps: float
+
+
+NORM_KINDS = ("rms", "layer")
+
+
+def stack_one_layer(w, scale, norm, layer):
+    """A twin linear's operands as stacks: a plain [N, K] weight (layer=None) becomes a one-layer
+    stack at layer 0, its scale [N] and norm weights [K] with it; returns (w, scale, norm, layer)."""
+    if layer is not None:
+        return w, scale, norm, layer
+    if getattr(w, "ndim", 0) != 2:
+        raise ValueError(f"linear(w): with layer=None w must be [N, K], got shape {tuple(getattr(w, 'shape', ()))}")
+    if norm is not None:
+        norm = norm._replace(weight=norm.weight[None], bias=None if norm.bias is None else norm.bias[None])
+    return w[None], None if scale is None else scale[None], norm, 0
+
+
+def check_twin_linear(x, w, act, acts, scale, residual, norm=None):
+    """(M, K, N, N_out) of a twin linear call, after checking shapes, dtypes, act and the fused norm."""
     if act not in acts:
         raise ValueError(f"linear(act): must be one of {acts}, got {act!r}")
     if len(x.shape) != 2:
@@ -246,21 +278,31 @@ def check_twin_linear(x, w, act, acts, scale, residual):
         raise ValueError(f"linear(scale): expected [{w.shape[0]}, {N_out}], got shape {tuple(scale.shape)}")
     if residual is not None and tuple(residual.shape) != (M, N_out):
         raise ValueError(f"linear(residual): expected [{M}, {N_out}], got shape {tuple(residual.shape)}")
+    if norm is not None:
+        if not isinstance(norm, TwinNorm):
+            raise TypeError(f"linear(norm): expected a TwinNorm or None, got {type(norm).__name__}")
+        _check_norm_params(norm.kind, norm.weight, norm.bias, K, "linear(norm.{})", layers=w.shape[0])
     return M, K, N, N_out
 
 
-def check_twin_norm(x, weight, bias, kind, kinds):
+def _check_norm_params(kind, weight, bias, D, where, layers=None):
+    """kind, and weight / bias [L, D] (L = layers when given); where: "norm({})"-like names."""
+    if kind not in NORM_KINDS:
+        raise ValueError(f"{where.format('kind')}: must be one of {NORM_KINDS}, got {kind!r}")
+    L = "L" if layers is None else layers
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (len(t.shape) != 2 or t.shape[1] != D or (layers is not None and t.shape[0] != layers)):
+            raise ValueError(f"{where.format(name)}: expected [{L}, D={D}], got shape {tuple(t.shape)}")
+    if kind == "layer" and bias is None:
+        raise ValueError(f"{where.format('bias')}: kind='layer' needs a bias")
+
+
+def check_twin_norm(x, weight, bias, kind):
     """(M, D) of a twin norm call, after checking shapes and dtypes."""
-    if kind not in kinds:
-        raise ValueError(f"norm(kind): must be one of {kinds}, got {kind!r}")
     if len(x.shape) != 2:
         raise ValueError(f"norm(x): expected [M, D], got shape {tuple(x.shape)}")
     M, D = x.shape
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (len(t.shape) != 2 or t.shape[1] != D):
-            raise ValueError(f"norm({name}): expected [L, D={D}], got shape {tuple(t.shape)}")
-    if kind == "layer" and bias is None:
-        raise ValueError("norm(bias): kind='layer' needs a bias")
+    _check_norm_params(kind, weight, bias, D, "norm({})")
     return M, D
 
 

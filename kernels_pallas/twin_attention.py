@@ -14,7 +14,8 @@ C slots are cut into S splits of `chunk` slots and each split into blocks of BC 
 starting from m = -inf, l = 0, acc = 0. The combine then takes the S partials in order:
 M = max_s m_s, w_s = exp(m_s - M0), L = sum_s l_s * w_s, O = sum_s acc_s * w_s (sequential sums),
 and out = to_dtype(O / L), or 0 when L == 0 (a query that sees no slot: what torch's SDPA gives,
-never NaN). Masked slots never enter the arithmetic (k, v of a recycled or never-written slot may
+never NaN). With one split (S == 1: Mimi's rings) the split kernel combines its own partial, the
+same formula, in the same launch. Masked slots never enter the arithmetic (k, v of a recycled or never-written slot may
 hold anything, NaN included). The ring is read in place at a layer index that may be traced.
 """
 
@@ -57,8 +58,10 @@ def _block(q, k, v, visible, carry, scale, gpu):
     return m_new, l, acc
 
 
-def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, acc_ref, m_ref, l_ref, *,
+def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *out_refs,
                   B, H, T, C, D, context, chunk, BC, S, scale, gpu):
+    """Program (b*H*T + h*T + t, split): one split of query (b, h, t). out_refs: the partials
+    (acc, m, l), or with one split (S == 1) the output, combined here (`_store_out`): one launch."""
     bht, split = pl.program_id(0), pl.program_id(1)
     b, t = bht // (H * T), bht % T
     d = jnp.arange(D, dtype=jnp.int32)
@@ -80,6 +83,11 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, acc_ref, m_
 
     init = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32), jnp.zeros((D,), tm.F32))
     m, l, acc = lax.fori_loop(0, chunk // BC, body, init)
+    if S == 1:
+        (o_ref,) = out_refs
+        _store_out(o_ref, _combine(lambda s: (m, l, acc), 1, o_ref.dtype, gpu), bht, H, T, D)
+        return
+    acc_ref, m_ref, l_ref = out_refs
     part = bht * S + split
     one = jnp.arange(1, dtype=jnp.int32)
     pltriton.store(acc_ref.at[part * D + d], acc)
@@ -106,9 +114,14 @@ def _combine(load, S: int, dtype, gpu):
     return tm.to_dtype(out, dtype)
 
 
+def _store_out(o_ref, out, bht, H, T, D):
+    """Query bht = (b*H + h)*T + t's output [D] into o_ref, flat [B, T, H, D]."""
+    b, h, t = bht // (H * T), (bht // T) % H, bht % T
+    pltriton.store(o_ref.at[((b * T + t) * H + h) * D + jnp.arange(D, dtype=jnp.int32)], out)
+
+
 def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, H, T, D, S, gpu):
     bht = pl.program_id(0)
-    b, h, t = bht // (H * T), (bht // T) % H, bht % T
     one = jnp.arange(1, dtype=jnp.int32)
     d = jnp.arange(D, dtype=jnp.int32)
 
@@ -117,8 +130,7 @@ def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, H, T, D, S, gpu):
         return (pltriton.load(m_ref.at[part + one]), pltriton.load(l_ref.at[part + one]),
                 pltriton.load(acc_ref.at[part * D + d]))
 
-    out = _combine(load, S, o_ref.dtype, gpu)
-    pltriton.store(o_ref.at[((b * T + t) * H + h) * D + d], out)                 # out [B, T, H, D]
+    _store_out(o_ref, _combine(load, S, o_ref.dtype, gpu), bht, H, T, D)
 
 
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
@@ -138,16 +150,20 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
                                S=S, scale=1.0 / math.sqrt(D), gpu=gpu)
     parts = B * H * T * S
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
-    acc, m, l = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((parts * D,), tm.F32), jax.ShapeDtypeStruct((parts,), tm.F32),
-                   jax.ShapeDtypeStruct((parts,), tm.F32)),
+    out_flat = jax.ShapeDtypeStruct((B * T * H * D,), q.dtype)
+    partials = (jax.ShapeDtypeStruct((parts * D,), tm.F32), jax.ShapeDtypeStruct((parts,), tm.F32),
+                jax.ShapeDtypeStruct((parts,), tm.F32))
+    split = pl.pallas_call(
+        kernel, out_shape=(out_flat,) if S == 1 else partials,
         grid=(B * H * T, S), interpret=interpret, compiler_params=params, name="twin_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1), ring_v.reshape(-1),
       positions.astype(jnp.int32).reshape(-1), q_pos.astype(jnp.int32).reshape(-1))
+    if S == 1:  # combined in the split kernel
+        return split[0].reshape(B, T, H, D)
+    acc, m, l = split
     out = pl.pallas_call(
         functools.partial(_combine_kernel, H=H, T=T, D=D, S=S, gpu=gpu),
-        out_shape=jax.ShapeDtypeStruct((B * T * H * D,), q.dtype),
+        out_shape=out_flat,
         grid=(B * H * T,), interpret=interpret, compiler_params=params, name="twin_attention_combine",
     )(acc, m, l)
     return out.reshape(B, T, H, D)

@@ -7,7 +7,11 @@ in order, of its products x[m, kb*BK + l] * w[n, kb*BK + l] (`twin_math.mac`: ea
 or fused where that gives the same bits);
 the BK lanes are then added by `tree_sum`. BK depends on K alone (`common.twin_blocks`), and
 every row is computed on its own, so the bits of a row depend neither on the batch nor on the
-tiles of M and N. Then, in order (each step rounded to x's dtype, as the reference rounds):
+tiles of M and N. With `norm=TwinNorm(...)` the kernel multiplies the normalized rows instead of
+x: each program computes its rows' statistics (`twin_norm.row_stats`, a pass over x) and
+normalizes each x block as it loads it, rounded to x's dtype: the bits of `twin_norm.norm` then
+`linear`, one launch instead of two. Then, in order (each step rounded to x's dtype, as the
+reference rounds):
 
     y = to_dtype(acc)
     act="silu_gate" (N even): the kernel computes columns n and n + N/2 together and returns
@@ -31,7 +35,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.common import check_twin_linear, twin_blocks
+from kernels_pallas.common import (
+    TWIN_PALLAS_PREFETCH,
+    TwinNorm,
+    check_twin_linear,
+    stack_one_layer,
+    twin_blocks,
+)
+from kernels_pallas.twin_norm import norm_native, normalize, row_stats
 
 ACTS = (None, "silu_gate", "gelu")
 
@@ -53,16 +64,19 @@ def _epilogue(acc, dtype, act, scale, residual, gpu):
     return y
 
 
-def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, has_scale, has_res, fused, gpu):
+def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, norm, eps, has_scale, has_res, fused,
+            prefetch, gpu):
     """Program (i, j): rows block i, columns j*BN.. of the output (x_ref: [BM, K] rows block).
 
-    The loop carries the next block's weight tile, loaded before the current one is used (a
-    prefetch into registers): the kernel waits on memory latency, and this keeps a load in
-    flight while it computes (the Triton twin does the same).
+    The loop carries the weight tiles of the next `prefetch` blocks, each loaded `prefetch`
+    iterations before it is used (a prefetch into registers): the kernel waits on memory latency,
+    and this keeps loads in flight while it computes (the Triton twin pipelines its loop instead).
     """
-    scale_ref = refs[0] if has_scale else None
-    res_ref = refs[int(has_scale)] if has_res else None
-    o_ref = refs[-1]
+    refs = list(refs)
+    nw_ref, nb_ref = (refs.pop(0), refs.pop(0)) if norm else (None, None)
+    scale_ref = refs.pop(0) if has_scale else None
+    res_ref = refs.pop(0) if has_res else None
+    (o_ref,) = refs
     layer = layer_ref[0]
     n0 = pl.program_id(1) * BN
     nkb = K // BK
@@ -72,15 +86,27 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, has_scale, ha
         cols = pl.ds(jnp.minimum(kb, nkb - 1) * BK, BK)
         return tuple(w_ref[layer, pl.ds(s, BN), cols] for s in starts)
 
+    def load_x(kb):  # block kb of the rows, float32 [BM, BK]
+        return x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)
+
+    stats = row_stats(load_x, K, BK, norm, eps, gpu) if norm else None
+
     def body(kb, carry):
-        accs, wbs = carry
-        nxt = tiles(kb + 1)                                                       # prefetch
-        xb = x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)[:, None, :]             # [BM, 1, BK]
+        accs, ahead = carry
+        xb = load_x(kb)
+        if norm:  # the fused norm: this block of norm(x), rounded as twin_norm.norm rounds it
+            cols = pl.ds(kb * BK, BK)
+            xb = tm.to_dtype(normalize(xb, nw_ref[layer, cols].astype(tm.F32)[None, :],
+                                       nb_ref[layer, cols].astype(tm.F32)[None, :], stats, norm, gpu),
+                             x_ref.dtype).astype(tm.F32)
+        xb = xb[:, None, :]                                                       # [BM, 1, BK]
+        wbs, ahead = ahead[0], (*ahead[1:], tiles(kb + prefetch))
         accs = tuple(tm.mac(a, xb, wb.astype(tm.F32)[None, :, :], fused, gpu) for a, wb in zip(accs, wbs))
-        return accs, nxt
+        return accs, ahead
 
     zeros = jnp.zeros((x_ref.shape[0], BN, BK), tm.F32)
-    accs, _ = lax.fori_loop(0, nkb, body, ((zeros,) * len(starts), tiles(0)))
+    init = ((zeros,) * len(starts), tuple(tiles(i) for i in range(prefetch)))
+    accs, _ = lax.fori_loop(0, nkb, body, init)
     sums = tuple(tm.tree_sum(a)[..., 0] for a in accs)
     scale = scale_ref[layer, pl.ds(n0, BN)][None, :] if has_scale else None
     residual = res_ref[...] if has_res else None
@@ -88,33 +114,41 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, has_scale, ha
 
 
 def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
-           residual: jax.Array | None = None, block_m: int | None = None, block_n: int | None = None,
-           num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
-    """y = epilogue(x @ w[layer].T), batch-invariant (module docstring).
+           residual: jax.Array | None = None, norm: TwinNorm | None = None, block_m: int | None = None,
+           block_n: int | None = None, num_warps: int = 4, prefetch: int = TWIN_PALLAS_PREFETCH,
+           interpret: bool | None = None) -> jax.Array:
+    """y = epilogue(norm(x) @ w[layer].T), batch-invariant (module docstring).
 
     x: [M, K] float32/bfloat16/float16; w: [L, N, K] (layer: int or int32 scalar, may be
     traced) or [N, K] (layer=None), in x's dtype; scale: [L, N_out] or [N_out] (indexed like w);
-    residual: [M, N_out]. N_out = N/2 for act="silu_gate", else N. Returns [M, N_out] in x's dtype.
-    block_m, block_n: output tile (they change the speed, never the bits).
+    residual: [M, N_out]; norm: a `TwinNorm` to fuse (None: x as it is). N_out = N/2 for
+    act="silu_gate", else N. Returns [M, N_out] in x's dtype.
+    block_m, block_n: output tile; prefetch: weight blocks loaded ahead (they change the speed,
+    never the bits).
     """
-    w, scale, layer = _stacked(w, scale, layer)
-    M, K, _, N_out = check_twin_linear(x, w, act, ACTS, scale, residual)
+    w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
+    M, K, _, N_out = check_twin_linear(x, w, act, ACTS, scale, residual, norm)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"linear(prefetch): expected an int >= 1, got {prefetch!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret)
     Mp = -(-M // BM) * BM
     pad = ((0, Mp - M), (0, 0))
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, pad), w]
-    in_specs = [_whole(operands[0]), pl.BlockSpec((BM, K), lambda i, j: (i, 0)), _whole(w)]
+    if norm is not None:
+        operands += [norm.weight, norm.weight if norm.bias is None else norm.bias]  # rms: the bias is unread
     if scale is not None:
         operands.append(scale)
-        in_specs.append(_whole(scale))
+    in_specs = [_whole(operands[0]), pl.BlockSpec((BM, K), lambda i, j: (i, 0))] + [_whole(a) for a in operands[2:]]
     tile = pl.BlockSpec((BM, BN), lambda i, j: (i, j))
     if residual is not None:
         operands.append(jnp.pad(residual, pad))
         in_specs.append(tile)
-    kernel = functools.partial(_kernel, K=K, BN=BN, BK=BK, N_out=N_out, act=act, has_scale=scale is not None,
-                               has_res=residual is not None, fused=x.dtype in (jnp.bfloat16, jnp.float16),
+    kernel = functools.partial(_kernel, K=K, BN=BN, BK=BK, N_out=N_out, act=act,
+                               norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
+                               has_scale=scale is not None, has_res=residual is not None,
+                               fused=x.dtype in (jnp.bfloat16, jnp.float16), prefetch=min(prefetch, K // BK),
                                gpu=not interpret)
     out = pl.pallas_call(
         kernel,
@@ -134,19 +168,12 @@ def _whole(a):
     return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
 
 
-def _stacked(w, scale, layer):
-    """Lift a plain [N, K] weight (layer=None) to a one-layer stack."""
-    if layer is not None:
-        return w, scale, layer
-    if getattr(w, "ndim", 0) != 2:
-        raise ValueError(f"linear(w): with layer=None w must be [N, K], got shape {getattr(w, 'shape', None)}")
-    return w[None], None if scale is None else scale[None], 0
-
-
-def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, **_):
+def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm=None, **_):
     """The plain jax.numpy reference: the same signature and bits, without Pallas."""
-    w, scale, layer = _stacked(w, scale, layer)
-    M, K, N, N_out = check_twin_linear(x, w, act, ACTS, scale, residual)
+    w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
+    M, K, N, N_out = check_twin_linear(x, w, act, ACTS, scale, residual, norm)
+    if norm is not None:
+        x = norm_native(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps)
     _, _, BK = twin_blocks(M, N_out, K)
     wl = lax.dynamic_index_in_dim(w, layer, keepdims=False).astype(tm.F32)  # [N, K]
     p = tm.mul(x.astype(tm.F32)[:, None, :], wl[None], False)                # [M, N, K]

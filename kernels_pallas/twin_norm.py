@@ -29,8 +29,6 @@ from jax.experimental.pallas import triton as pltriton
 from kernels_pallas import twin_math as tm
 from kernels_pallas.common import TWIN_NORM_WARPS, check_twin_norm, twin_lanes, twin_norm_rows
 
-KINDS = ("rms", "layer")
-
 
 def _row_sum(load, D, BK):
     """S(.) of the contract: lanes over the D / BK blocks in order, then the tree; [BM] -> [BM, 1].
@@ -44,7 +42,8 @@ def _row_sum(load, D, BK):
     return tm.tree_sum(acc)
 
 
-def _normalize(xf, w, b, stats, kind, gpu):
+def normalize(xf, w, b, stats, kind, gpu):
+    """The contract's normalized rows: xf [BM, n] float32, w, b [1, n], stats of `row_stats` ([BM, 1] each)."""
     if kind == "rms":
         (r,) = stats
         return tm.mul(xf, tm.mul(w, r, gpu), gpu)
@@ -52,7 +51,9 @@ def _normalize(xf, w, b, stats, kind, gpu):
     return tm.mul(tm.mul(xf - mean, r, gpu), w, gpu) + b
 
 
-def _stats(load_x, D, BK, kind, eps, gpu):
+def row_stats(load_x, D, BK, kind, eps, gpu):
+    """The contract's per-row statistics, (r,) for rms or (mean, r) for layer, each [BM, 1];
+    load_x(kb) -> float32 [BM, BK], block kb of the rows (twin_linear's fused norm calls this too)."""
     f32 = tm.F32
     inv_d = f32(1.0 / D)
     if kind == "rms":
@@ -75,13 +76,13 @@ def _kernel(layer_ref, x_ref, w_ref, b_ref, o_ref, *, D, BK, kind, eps, gpu):
     def load_x(kb):
         return x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)  # [BM, BK]
 
-    stats = _stats(load_x, D, BK, kind, eps, gpu)
+    stats = row_stats(load_x, D, BK, kind, eps, gpu)
 
     for kb in range(D // BK):  # unrolled, like _row_sum
         cols = pl.ds(kb * BK, BK)
         w = w_ref[layer, cols].astype(tm.F32)[None, :]
         b = b_ref[layer, cols].astype(tm.F32)[None, :]
-        o_ref[:, cols] = tm.to_dtype(_normalize(load_x(kb), w, b, stats, kind, gpu), o_ref.dtype)
+        o_ref[:, cols] = tm.to_dtype(normalize(load_x(kb), w, b, stats, kind, gpu), o_ref.dtype)
 
 
 def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=None, *, kind: str = "rms",
@@ -89,7 +90,7 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
     """The contract's norm of each row of x [M, D]; weight, bias [L, D] at `layer` (int or traced
     int32 scalar), or [D] with layer=None; bias only for kind="layer". Returns x's shape and dtype."""
     weight, bias, layer = _stacked(weight, bias, layer, kind)
-    M, D = check_twin_norm(x, weight, bias, kind, KINDS)
+    M, D = check_twin_norm(x, weight, bias, kind)
     BK = twin_lanes(D)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -122,12 +123,12 @@ def _stacked(weight, bias, layer, kind):
 def norm_native(x, weight, bias=None, layer=None, *, kind: str = "rms", eps: float, **_):
     """The plain jax.numpy reference: the same signature and bits, without Pallas."""
     weight, bias, layer = _stacked(weight, bias, layer, kind)
-    M, D = check_twin_norm(x, weight, bias, kind, KINDS)
+    M, D = check_twin_norm(x, weight, bias, kind)
     BK = twin_lanes(D)
     xf = x.astype(tm.F32)
     blocks = xf.reshape(M, D // BK, BK)
-    stats = _stats(lambda kb: lax.dynamic_index_in_dim(blocks, kb, axis=1, keepdims=False), D, BK, kind, eps,
+    stats = row_stats(lambda kb: lax.dynamic_index_in_dim(blocks, kb, axis=1, keepdims=False), D, BK, kind, eps,
                    False)
     w = lax.dynamic_index_in_dim(weight, layer, keepdims=False).astype(tm.F32)[None, :]
     b = lax.dynamic_index_in_dim(bias, layer, keepdims=False).astype(tm.F32)[None, :]
-    return tm.to_dtype(_normalize(xf, w, b, stats, kind, False), x.dtype)
+    return tm.to_dtype(normalize(xf, w, b, stats, kind, False), x.dtype)

@@ -16,16 +16,16 @@ from kernels_pallas.common import (
     twin_attention_plan,
 )
 from kernels_triton import twin_math as tm
-from kernels_triton.twin_linear import _layer_tensor
 from kernels_triton.twin_math import interpreting
 
 
 @triton.jit
-def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_ptr, l_ptr, scale,
+def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_ptr, l_ptr, o_ptr, scale,
                   B: tl.constexpr, H: tl.constexpr, T: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
                   CONTEXT: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr, S: tl.constexpr,
-                  HB: tl.constexpr, STAGES: tl.constexpr):
-    """Program (b*(H/HB)*T + hb*T + t, split): heads hb*HB .. of query (b, t), one split.
+                  HB: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program (b*(H/HB)*T + hb*T + t, split): heads hb*HB .. of query (b, t), one split; its
+    partials into acc, m, l, or with one split (S == 1) the output into o.
 
     The loop over the split's blocks is software-pipelined (STAGES, as in `twin_linear`).
 
@@ -66,10 +66,24 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
         pv = tl.reshape(tl.permute(pv, (0, 2, 1)), [HB * D, BC])
         acc = acc * a[:, None] + tl.reshape(tm.tree_sum(pv, HB * D, BC, True), [HB, D])
         m = m_new
-    part = bht * S + split                                                    # [HB]
-    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
-    tl.store(m_ptr + part, m)
-    tl.store(l_ptr + part, l)
+    if S == 1:  # one split: the combine of the contract, here (one launch)
+        w = tm.exp(m - tl.where(m == float("-inf"), 0.0, m))
+        L = tl.zeros([HB], tl.float32) + l * w
+        O = tl.zeros([HB, D], tl.float32) + acc * w[:, None]
+        _store_out(o_ptr, L, O, b, t, h, d, H, T, INTERPRETED)
+    else:
+        part = bht * S + split                                                # [HB]
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
+        tl.store(m_ptr + part, m)
+        tl.store(l_ptr + part, l)
+
+
+@triton.jit
+def _store_out(o_ptr, L, O, b, t, h, d, H: tl.constexpr, T: tl.constexpr, INTERPRETED: tl.constexpr):
+    """out = O / L (0 where L == 0) of heads h [HB] of query (b, t), into o [B, T, H, D]."""
+    out = tl.where(L[:, None] > 0, tl.math.div_rn(O, tl.where(L > 0, L, 1.0)[:, None]), 0.0)
+    tl.store(o_ptr + ((b * T + t) * H + h[:, None]) * d.shape[0] + d[None, :],
+             tm.to_dtype(out, o_ptr.dtype.element_ty, INTERPRETED))
 
 
 @triton.jit
@@ -91,9 +105,7 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, H: tl.constexpr, T: tl.constex
         w = tm.exp(tl.load(m_ptr + bht * S + s) - m0)
         L = L + tl.load(l_ptr + bht * S + s) * w
         O = O + tl.load(acc_ptr + (bht[:, None] * S + s) * D + d[None, :]) * w[:, None]
-    out = tl.where(L[:, None] > 0, tl.math.div_rn(O, tl.where(L > 0, L, 1.0)[:, None]), 0.0)
-    tl.store(o_ptr + ((b * T + t) * H + h[:, None]) * D + d[None, :],
-             tm.to_dtype(out, o_ptr.dtype.element_ty, INTERPRETED))
+    _store_out(o_ptr, L, O, b, t, h, d, H, T, INTERPRETED)
 
 
 def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer, positions: torch.Tensor,
@@ -107,18 +119,21 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
     BC, chunk, S = twin_attention_plan(C)
     parts = B * H * T * S
     dev = q.device
-    acc = torch.empty(parts * D, dtype=torch.float32, device=dev)
-    m = torch.empty(parts, dtype=torch.float32, device=dev)
-    l = torch.empty(parts, dtype=torch.float32, device=dev)
+    out = torch.empty((B, T, H, D), dtype=q.dtype, device=dev)
+    one = S == 1  # no partials: the split kernel writes out
+    acc = out if one else torch.empty(parts * D, dtype=torch.float32, device=dev)
+    m = out if one else torch.empty(parts, dtype=torch.float32, device=dev)
+    l = out if one else torch.empty(parts, dtype=torch.float32, device=dev)
     interpreted = interpreting(_split_kernel)
     HB = H if interpreted and not H & (H - 1) else 1  # interpreted: all heads of a query per program
     _split_kernel[(B * (H // HB) * T, S)](
-        _layer_tensor(layer, ring_k.shape[0], dev), q, ring_k, ring_v, positions.to(torch.int32).contiguous(),
-        q_pos.to(torch.int32).contiguous(), acc, m, l, float(torch.tensor(1.0 / math.sqrt(D), dtype=torch.float32)),
-        B=B, H=H, T=T, C=C, D=D, CONTEXT=context, CHUNK=chunk, BC=BC, S=S, HB=HB, STAGES=num_stages,
-        num_warps=num_warps, enable_fp_fusion=False)
-    out = torch.empty((B, T, H, D), dtype=q.dtype, device=dev)
-    _combine_kernel[(B * (H // HB) * T,)](acc, m, l, out, H=H, T=T, D=D, S=S, SP=triton.next_power_of_2(S),
-                                          HB=HB, INTERPRETED=interpreted, num_warps=num_warps,
-                                          enable_fp_fusion=False)
+        tm.layer_tensor(layer, ring_k.shape[0], dev, "attention"), q, ring_k, ring_v,
+        positions.to(torch.int32).contiguous(), q_pos.to(torch.int32).contiguous(), acc, m, l, out,
+        float(torch.tensor(1.0 / math.sqrt(D), dtype=torch.float32)), B=B, H=H, T=T, C=C, D=D, CONTEXT=context,
+        CHUNK=chunk, BC=BC, S=S, HB=HB, STAGES=num_stages, INTERPRETED=interpreted, num_warps=num_warps,
+        enable_fp_fusion=False)
+    if not one:
+        _combine_kernel[(B * (H // HB) * T,)](acc, m, l, out, H=H, T=T, D=D, S=S, SP=triton.next_power_of_2(S),
+                                              HB=HB, INTERPRETED=interpreted, num_warps=num_warps,
+                                              enable_fp_fusion=False)
     return out

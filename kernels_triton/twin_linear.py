@@ -7,6 +7,7 @@ both kernels to it bit for bit.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -14,31 +15,42 @@ import triton.language as tl
 from kernels_pallas.common import (
     TWIN_INTERPRET_MAX_BN,
     TWIN_TRITON_LINEAR_STAGES,
+    TwinNorm,
     check_twin_linear,
+    stack_one_layer,
     twin_blocks,
 )
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
+from kernels_triton.twin_norm import normalize, row_stats
 
 ACTS = (None, "silu_gate", "gelu")
 _GATE_BN = 256  # columns per program of the gate kernel
 
 
 @triton.jit
-def _acc(x_ptr, w_ptr, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-         BK: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr):
+def _acc(x_ptr, w_ptr, nw_ptr, nb_ptr, eps, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+         BK: tl.constexpr, NORM: tl.constexpr, INV_K: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr,
+         INTERPRETED: tl.constexpr):
     """Lane sums over the K blocks, in order, then the tree over the BK lanes: [BM, BN] float32.
 
-    FUSED (16-bit x and w): each product-then-add is one FMA, the same bits (twin_math). The
-    loop is software-pipelined (`tl.range(num_stages=STAGES)`: asynchronous copies of the next
-    STAGES - 1 blocks into shared memory): the kernel waits on memory latency, and this keeps
-    loads in flight without holding them in registers (the Pallas twin, whose lowering has no
-    such option, carries a prefetched tile through its loop instead).
+    NORM ("rms", "layer" or ""): the rows' statistics first (`twin_norm.row_stats`), then each x
+    block normalized and rounded to x's dtype as it is loaded (the fused norm, module docstring of
+    the Pallas twin). FUSED (16-bit x and w): each product-then-add is one FMA, the same bits
+    (twin_math). The loop is software-pipelined (`tl.range(num_stages=STAGES)`: asynchronous
+    copies of the next STAGES - 1 blocks into shared memory): the kernel waits on memory latency,
+    and this keeps loads in flight without holding them in registers (the Pallas twin, whose
+    lowering has no such option, carries prefetched tiles through its loop instead).
     """
     k = tl.arange(0, BK)
+    if NORM != "":
+        mean, r = row_stats(x_ptr, m, m_ok, eps, INV_K, K, BM, BK, NORM == "rms")
     acc = tl.zeros([BM, BN, BK], tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         xb = tl.load(x_ptr + m[:, None] * K + k0 + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+        if NORM != "":
+            xb = tm.to_dtype(normalize(xb, nw_ptr, nb_ptr, k0 + k, mean, r, NORM == "rms"),
+                             x_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)
         wb = tl.load(w_ptr + n[:, None] * K + k0 + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
         if FUSED:
             acc = tl.fma(xb[:, None, :], wb[None, :, :], acc)
@@ -64,10 +76,10 @@ def _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT: tl.con
 
 
 @triton.jit
-def _kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M,
+def _kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, scale_ptr, res_ptr, o_ptr, M, eps,
             N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            BK: tl.constexpr, GELU: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr,
-            FUSED: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+            BK: tl.constexpr, NORM: tl.constexpr, INV_K: tl.constexpr, GELU: tl.constexpr, HAS_SCALE: tl.constexpr,
+            HAS_RES: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (i, j): rows i*BM .. and columns j*BN .. of the output (no act, or GELU)."""
     layer = tl.load(layer_ptr).to(tl.int64)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -75,8 +87,9 @@ def _kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M,
     m_ok = m < M
     n_ok = n < N_OUT
     dtype = o_ptr.dtype.element_ty
-    y = tm.to_dtype(_acc(x_ptr, w_ptr + layer * N * K, m, m_ok, n, n_ok, K, BM, BN, BK, FUSED, STAGES), dtype,
-                    INTERPRETED)
+    acc = _acc(x_ptr, w_ptr + layer * N * K, nw_ptr + layer * K, nb_ptr + layer * K, eps, m, m_ok, n, n_ok, K, BM,
+               BN, BK, NORM, INV_K, FUSED, STAGES, INTERPRETED)
+    y = tm.to_dtype(acc, dtype, INTERPRETED)
     if GELU:
         y = tm.to_dtype(tm.gelu(y.to(tl.float32)), dtype, INTERPRETED)
     _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT, HAS_SCALE, HAS_RES, INTERPRETED)
@@ -101,45 +114,21 @@ def _gate_kernel(layer_ptr, ab_ptr, scale_ptr, res_ptr, o_ptr, M, N_OUT: tl.cons
     _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT, HAS_SCALE, HAS_RES, INTERPRETED)
 
 
-def _stacked(w, scale, layer):
-    if layer is not None:
-        return w, scale, layer
-    if w.dim() != 2:
-        raise ValueError(f"linear(w): with layer=None w must be [N, K], got shape {tuple(w.shape)}")
-    return w[None], None if scale is None else scale[None], 0
-
-
-_LAYER_TENSORS: dict = {}
-
-
-def _layer_tensor(layer, L: int, device) -> torch.Tensor:
-    """The layer index as a 1-element int32 device tensor (an int is range-checked here).
-
-    An int's tensor is made once per (device, layer) and kept: no host-to-device copy per call,
-    so the twin layers can be captured in a CUDA graph.
-    """
-    if isinstance(layer, torch.Tensor):
-        return layer.reshape(1).to(device=device, dtype=torch.int32)
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
-        raise ValueError(f"linear(layer): expected an int in [0, {L}) or an int tensor, got {layer!r}")
-    key = (torch.device(device), layer)
-    if key not in _LAYER_TENSORS:
-        _LAYER_TENSORS[key] = torch.tensor([layer], dtype=torch.int32, device=device)
-    return _LAYER_TENSORS[key]
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = None,
-           scale: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None, residual: torch.Tensor | None = None, norm: TwinNorm | None = None,
            block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
            num_stages: int = TWIN_TRITON_LINEAR_STAGES) -> torch.Tensor:
-    """y = epilogue(x @ w[layer].T), batch-invariant; the signature and bits of the Pallas twin.
+    """y = epilogue(norm(x) @ w[layer].T), batch-invariant; the signature and bits of the Pallas twin.
 
-    x: [M, K]; w: [L, N, K] with layer an int or int tensor, or [N, K] with layer=None.
+    x: [M, K]; w: [L, N, K] with layer an int or int tensor, or [N, K] with layer=None; norm: a
+    `TwinNorm` to fuse, or None.
     block_m, block_n, num_warps, num_stages (of the pipelined loop over K): speed only, never the bits.
     """
-    w, scale, layer = _stacked(w, scale, layer)
-    M, K, N, N_out = check_twin_linear(x, w, act, ACTS, scale, residual)
-    for name, t in (("x", x), ("w", w), ("scale", scale), ("residual", residual)):
+    w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
+    M, K, N, N_out = check_twin_linear(x, w, act, ACTS, scale, residual, norm)
+    nw, nb = (None, None) if norm is None else (norm.weight, norm.bias)
+    for name, t in (("x", x), ("w", w), ("scale", scale), ("residual", residual), ("norm.weight", nw),
+                    ("norm.bias", nb)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"linear({name}): must be contiguous, got strides {t.stride()}")
     interpreted = interpreting(_kernel)
@@ -147,7 +136,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
     if interpreted and block_n is None:  # one program per row block: the interpreter's cost is per program
         block_n = min(triton.next_power_of_2(N), TWIN_INTERPRET_MAX_BN)
     BM, BN, BK = twin_blocks(M, N, K, block_m, block_n, interpreted=interpreted, masked_n=interpreted)
-    layer_t = _layer_tensor(layer, w.shape[0], x.device)
+    layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear")
     out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)
     # silu_gate: the whole projection [M, N] first (each half rounded, as the contract rounds a and
     # b), then the gate: a fused gated kernel holds both halves' lanes and trees at once (207
@@ -155,8 +144,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
     proj = torch.empty((M, N), dtype=x.dtype, device=x.device) if gated else out
     dummy = out  # never read when the flag is off
     _kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
-        layer_t, x, w, dummy if scale is None or gated else scale, dummy if residual is None or gated else residual,
-        proj, M, N=N, K=K, N_OUT=N, BM=BM, BN=BN, BK=BK, GELU=act == "gelu",
+        layer_t, x, w, dummy if nw is None else nw, dummy if nb is None else nb,
+        dummy if scale is None or gated else scale, dummy if residual is None or gated else residual,
+        proj, M, 0.0 if norm is None else norm.eps, N=N, K=K, N_OUT=N, BM=BM, BN=BN, BK=BK,
+        NORM="" if norm is None else norm.kind, INV_K=float(np.float32(1.0 / K)), GELU=act == "gelu",
         HAS_SCALE=scale is not None and not gated, HAS_RES=residual is not None and not gated,
         FUSED=x.dtype in (torch.bfloat16, torch.float16), STAGES=num_stages, INTERPRETED=interpreted,
         num_warps=num_warps, enable_fp_fusion=False)

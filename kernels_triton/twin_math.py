@@ -11,6 +11,7 @@ the float32 -> bfloat16 cast truncates, so `to_dtype` rounds with integer operat
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
@@ -48,6 +49,25 @@ def interpreting(kernel) -> bool:
     is decorated (at import), so the object is what a launch will actually run.
     """
     return isinstance(kernel, InterpretedFunction)
+
+
+_LAYER_TENSORS: dict = {}
+
+
+def layer_tensor(layer, L: int, device, who: str) -> torch.Tensor:
+    """The layer index as a 1-element int32 device tensor (an int is range-checked here).
+
+    An int's tensor is made once per (device, layer) and kept: no host-to-device copy per call,
+    so the twin layers can be captured in a CUDA graph.
+    """
+    if isinstance(layer, torch.Tensor):
+        return layer.reshape(1).to(device=device, dtype=torch.int32)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
+        raise ValueError(f"{who}(layer): expected an int in [0, {L}) or an int tensor, got {layer!r}")
+    key = (torch.device(device), layer)
+    if key not in _LAYER_TENSORS:
+        _LAYER_TENSORS[key] = torch.tensor([layer], dtype=torch.int32, device=device)
+    return _LAYER_TENSORS[key]
 
 
 @triton.jit

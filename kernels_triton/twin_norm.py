@@ -10,10 +10,7 @@ import triton.language as tl
 
 from kernels_pallas.common import TWIN_NORM_WARPS, check_twin_norm, twin_lanes, twin_norm_rows
 from kernels_triton import twin_math as tm
-from kernels_triton.twin_linear import _layer_tensor
 from kernels_triton.twin_math import interpreting
-
-KINDS = ("rms", "layer")
 
 
 @triton.jit
@@ -33,12 +30,10 @@ def _row_sum(x_ptr, m, m_ok, mean, D: tl.constexpr, BM: tl.constexpr, BK: tl.con
 
 
 @triton.jit
-def _kernel(layer_ptr, x_ptr, w_ptr, b_ptr, o_ptr, M, eps, INV_D: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-            BK: tl.constexpr, RMS: tl.constexpr, INTERPRETED: tl.constexpr):
-    layer = tl.load(layer_ptr).to(tl.int64)
-    m = tl.program_id(0) * BM + tl.arange(0, BM)
-    m_ok = m < M
-    k = tl.arange(0, BK)
+def row_stats(x_ptr, m, m_ok, eps, INV_D: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+              RMS: tl.constexpr):
+    """(mean, r) [BM] of the contract for rows m of x [M, D] (mean 0 for RMS); twin_linear's fused
+    norm calls this too."""
     zero = tl.zeros([BM], tl.float32)
     if RMS:
         var = eps + _row_sum(x_ptr, m, m_ok, zero, D, BM, BK, True, False) * INV_D
@@ -46,16 +41,34 @@ def _kernel(layer_ptr, x_ptr, w_ptr, b_ptr, o_ptr, M, eps, INV_D: tl.constexpr, 
     else:
         mean = _row_sum(x_ptr, m, m_ok, zero, D, BM, BK, False, False) * INV_D
         var = _row_sum(x_ptr, m, m_ok, mean, D, BM, BK, True, True) * INV_D + eps
-    r = tl.math.div_rn(tl.full([BM], 1.0, tl.float32), tl.math.sqrt_rn(var))
+    return mean, tl.math.div_rn(tl.full([BM], 1.0, tl.float32), tl.math.sqrt_rn(var))
+
+
+@triton.jit
+def normalize(x, w_ptr, b_ptr, cols, mean, r, RMS: tl.constexpr):
+    """The contract's normalized rows x [BM, n] float32 at columns cols [n] of the weights
+    (w_ptr, b_ptr: this layer's [D]); mean, r: `row_stats`."""
+    w = tl.load(w_ptr + cols).to(tl.float32)[None, :]
+    if RMS:
+        y = x * (w * r[:, None])
+    else:
+        b = tl.load(b_ptr + cols).to(tl.float32)[None, :]
+        y = ((x - mean[:, None]) * r[:, None]) * w + b
+    return y
+
+
+@triton.jit
+def _kernel(layer_ptr, x_ptr, w_ptr, b_ptr, o_ptr, M, eps, INV_D: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+            BK: tl.constexpr, RMS: tl.constexpr, INTERPRETED: tl.constexpr):
+    layer = tl.load(layer_ptr).to(tl.int64)
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_ok = m < M
+    k = tl.arange(0, BK)
+    mean, r = row_stats(x_ptr, m, m_ok, eps, INV_D, D, BM, BK, RMS)
     for k0 in tl.static_range(0, D, BK):
         offs = m[:, None] * D + k0 + k[None, :]
         x = tl.load(x_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + layer * D + k0 + k).to(tl.float32)[None, :]
-        if RMS:
-            y = x * (w * r[:, None])
-        else:
-            b = tl.load(b_ptr + layer * D + k0 + k).to(tl.float32)[None, :]
-            y = ((x - mean[:, None]) * r[:, None]) * w + b
+        y = normalize(x, w_ptr + layer * D, b_ptr + layer * D, k0 + k, mean, r, RMS)
         tl.store(o_ptr + offs, tm.to_dtype(y, o_ptr.dtype.element_ty, INTERPRETED), mask=m_ok[:, None])
 
 
@@ -64,13 +77,13 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """The contract's norm of each row of x [M, D] (the Pallas twin's signature and bits)."""
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
-    M, D = check_twin_norm(x, weight, bias, kind, KINDS)
+    M, D = check_twin_norm(x, weight, bias, kind)
     if not x.is_contiguous():
         raise ValueError(f"norm(x): must be contiguous, got strides {x.stride()}")
     BM = twin_norm_rows(M, block_m, interpreting(_kernel))
     out = torch.empty_like(x)
     _kernel[(triton.cdiv(M, BM),)](
-        _layer_tensor(layer, weight.shape[0], x.device), x, weight, weight if bias is None else bias, out, M,
+        tm.layer_tensor(layer, weight.shape[0], x.device, "norm"), x, weight, weight if bias is None else bias, out, M,
         eps, INV_D=float(np.float32(1.0 / D)), D=D, BM=BM, BK=twin_lanes(D), RMS=kind == "rms", INTERPRETED=interpreting(_kernel),
         num_warps=num_warps, enable_fp_fusion=False)
     return out

@@ -9,7 +9,6 @@ import triton.language as tl
 
 from kernels_pallas.common import check_twin_rope, next_pow2
 from kernels_triton import twin_math as tm
-from kernels_triton.twin_linear import _layer_tensor
 from kernels_triton.twin_math import interpreting
 
 
@@ -88,7 +87,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ring_k: 
     q = torch.empty((B, H, T, D), dtype=qkv.dtype, device=qkv.device)
     HB = H if interpreting(_write_kernel) and not H & (H - 1) else 1
     _write_kernel[(B * T, H // HB)](
-        _layer_tensor(layer, L, qkv.device), qkv, cos, sin, write_index.to(torch.int32).contiguous(),
+        tm.layer_tensor(layer, L, qkv.device, "rope_write"), qkv, cos, sin, write_index.to(torch.int32).contiguous(),
         write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, B=B, T=T, H=H, C=C, D=D, HB=HB,
         INTERPRETED=interpreting(_write_kernel), enable_fp_fusion=False)
     return q, ring_k, ring_v

@@ -30,6 +30,7 @@ from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_math as pm
 from kernels_pallas import twin_norm as pn
 from kernels_pallas import twin_rope as pr
+from kernels_pallas.common import TwinNorm
 from kernels_triton import twin_attention as ta
 from kernels_triton import twin_linear as tli
 from kernels_triton import twin_math as ttm
@@ -189,6 +190,53 @@ def test_linear_refuses_bad_arguments():
         pli.linear(x, w.astype(jnp.bfloat16), 0)
     with pytest.raises(ValueError, match=r"linear\(layer\)"):
         tli.linear(torch.ones(2, 8), torch.ones(1, 4, 8), 3)
+
+
+@pytest.mark.parametrize("kind,act,dtype", [("rms", None, "bfloat16"), ("rms", "silu_gate", "float32"),
+                                            ("layer", "gelu", "bfloat16"), ("layer", None, "float32")])
+def test_linear_with_fused_norm_has_the_bits_of_norm_then_linear(kind, act, dtype):
+    """norm=TwinNorm(...): one kernel with the bits of twin_norm.norm followed by linear, on both
+    sides, whatever the tiles and the prefetch depth, and batch-invariant."""
+    M, N, K, L, eps = 5, 64, 192, 2, 1e-5  # K: three blocks of 64 lanes
+    rng = np.random.default_rng(K + len(kind))
+    x = (rng.standard_normal((M, K)) * 3).astype(NP[dtype])
+    w = (rng.standard_normal((L, N, K)) * 0.1).astype(NP[dtype])
+    nw = rng.standard_normal((L, K)).astype(NP[dtype])
+    nb = rng.standard_normal((L, K)).astype(NP[dtype]) if kind == "layer" else None
+    T = (lambda a: None if a is None else to_torch(a))
+    i = jnp.int32(L - 1)
+    two_kernels = jax.jit(lambda x, w, nw, nb, i: pli.linear(pn.norm(x, nw, nb, i, kind=kind, eps=eps), w, i,
+                                                             act=act))(x, w, nw, nb, i)
+    y_p = jax.jit(lambda x, w, nw, nb, i: pli.linear(x, w, i, act=act, norm=TwinNorm(kind, nw, nb, eps)))(
+        x, w, nw, nb, i)
+    y_n = pli.linear_native(x, w, L - 1, act=act, norm=TwinNorm(kind, nw, nb, eps))
+    y_p2 = pli.linear(x, w, L - 1, act=act, norm=TwinNorm(kind, nw, nb, eps), block_n=16, prefetch=2)
+    tnorm = TwinNorm(kind, T(nw), T(nb), eps)
+    y_t = tli.linear(T(x), T(w), L - 1, act=act, norm=tnorm)
+    y_t2 = tli.linear(tn.norm(T(x), T(nw), T(nb), L - 1, kind=kind, eps=eps), T(w), L - 1, act=act)
+    assert_same(two_kernels, y_p, y_n, y_p2, y_t, y_t2, what=f"fused {kind} norm")
+    alone = tli.linear(T(x[M - 1:]), T(w), L - 1, act=act, norm=tnorm)
+    assert_same(alone[0], y_t[M - 1], what="the last row alone")
+    # a plain [N, K] weight with [K] norm weights (layer=None), as the torch layers call it
+    flat = tli.linear(T(x), T(w[L - 1]), act=act, norm=TwinNorm(kind, T(nw[L - 1]), T(None if nb is None else nb[L - 1]),
+                                                                 eps))
+    assert_same(flat, y_t, what="layer=None")
+
+
+def test_linear_refuses_a_bad_fused_norm_or_prefetch():
+    x, w = jnp.ones((2, 8)), jnp.ones((2, 4, 8))
+    with pytest.raises(ValueError, match=r"linear\(norm\.weight\): expected \[2, D=8\]"):
+        pli.linear(x, w, 0, norm=TwinNorm("rms", jnp.ones((2, 6)), None, 1e-5))
+    with pytest.raises(ValueError, match=r"linear\(norm\.weight\)"):
+        tli.linear(torch.ones(2, 8), torch.ones(2, 4, 8), 0, norm=TwinNorm("rms", torch.ones(1, 8), None, 1e-5))
+    with pytest.raises(ValueError, match=r"linear\(norm\.kind\)"):
+        pli.linear(x, w, 0, norm=TwinNorm("batch", jnp.ones((2, 8)), None, 1e-5))
+    with pytest.raises(ValueError, match=r"linear\(norm\.bias\): kind='layer' needs a bias"):
+        pli.linear(x, w, 0, norm=TwinNorm("layer", jnp.ones((2, 8)), None, 1e-5))
+    with pytest.raises(TypeError, match=r"linear\(norm\): expected a TwinNorm"):
+        pli.linear(x, w, 0, norm=("rms", jnp.ones((2, 8)), None, 1e-5))
+    with pytest.raises(ValueError, match=r"linear\(prefetch\)"):
+        pli.linear(x, w, 0, prefetch=0)
 
 
 @pytest.mark.parametrize("kind,M,D,dtype", [("rms", 3, 64, "float32"), ("rms", 3, 176, "bfloat16"),

@@ -6,25 +6,29 @@ Same signatures as `layers.temporal_layer` / `layers.mimi_layer`: x [B, T, dim];
 weights (views into the stacked buffers: no copy); ring_k, ring_v [B, H, C, D] (views of the
 stacked ring, written in place); tables: `ring.StepTables` with the twin RoPE tables. Per layer:
 
-    temporal: rms norm -> qkv -> rotate + ring write -> attention -> out-proj + residual
-              -> rms norm -> gated in-proj (silu) -> out-proj + residual
-    mimi:     layer norm -> qkv -> rotate + ring write -> attention -> out-proj * scale1 + residual
-              -> layer norm -> linear1 (gelu) -> linear2 * scale2 + residual
+    temporal: rms norm + qkv -> rotate + ring write -> attention -> out-proj + residual
+              -> rms norm + gated in-proj (silu) -> out-proj + residual
+    mimi:     layer norm + qkv -> rotate + ring write -> attention -> out-proj * scale1 + residual
+              -> layer norm + linear1 (gelu) -> linear2 * scale2 + residual
+
+(a "+" joins what runs in one kernel: each norm is fused into the projection after it.)
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels_pallas.common import TwinNorm
 from kernels_triton import twin_attention, twin_linear, twin_norm, twin_rope
 
 from .ring import StepTables
 
 
-def _attention(h2, w, num_heads: int, ring_k, ring_v, tables: StepTables, B: int, T: int, context: int):
-    """qkv, rotate + write, attention: h2 [B*T, dim] -> attention output [B*T, dim]."""
-    dim = h2.shape[1]
-    qkv = twin_linear.linear(h2, w["in_proj"]).view(B, T, 3, num_heads, dim // num_heads)
+def _attention(x2, norm: TwinNorm, w, num_heads: int, ring_k, ring_v, tables: StepTables, B: int, T: int,
+               context: int):
+    """norm + qkv (one kernel), rotate + write, attention: x2 [B*T, dim] -> attention output [B*T, dim]."""
+    dim = x2.shape[1]
+    qkv = twin_linear.linear(x2, w["in_proj"], norm=norm).view(B, T, 3, num_heads, dim // num_heads)
     q, _, _ = twin_rope.rope_write(qkv, tables.cos[:, 0].contiguous(), tables.sin[:, 0].contiguous(),
                                    ring_k[None], ring_v[None], 0, tables.write_index, tables.write_mask)
     return twin_attention.attention(q, ring_k[None], ring_v[None], 0, tables.positions, tables.q_pos,
@@ -35,11 +39,10 @@ def temporal_layer(x, w: dict, num_heads: int, eps: float, ring_k, ring_v, table
     """Helium layer on the twins (module docstring); `active` is carried by `tables.write_mask`."""
     B, T, dim = x.shape
     x2 = x.reshape(B * T, dim)
-    h = twin_norm.norm(x2, w["norm1_alpha"], kind="rms", eps=eps)
-    x2 = twin_linear.linear(_attention(h, w, num_heads, ring_k, ring_v, tables, B, T, context), w["out_proj"],
-                            residual=x2)
-    h = twin_norm.norm(x2, w["norm2_alpha"], kind="rms", eps=eps)
-    u = twin_linear.linear(h, w["linear_in"], act="silu_gate")
+    a = _attention(x2, TwinNorm("rms", w["norm1_alpha"], None, eps), w, num_heads, ring_k, ring_v, tables, B, T,
+                   context)
+    x2 = twin_linear.linear(a, w["out_proj"], residual=x2)
+    u = twin_linear.linear(x2, w["linear_in"], act="silu_gate", norm=TwinNorm("rms", w["norm2_alpha"], None, eps))
     return twin_linear.linear(u, w["linear_out"], residual=x2).view(B, T, dim)
 
 
@@ -47,11 +50,10 @@ def mimi_layer(x, w: dict, num_heads: int, eps: float, ring_k, ring_v, tables, a
     """Mimi layer on the twins (module docstring)."""
     B, T, dim = x.shape
     x2 = x.reshape(B * T, dim)
-    h = twin_norm.norm(x2, w["norm1_weight"], w["norm1_bias"], kind="layer", eps=eps)
-    a = _attention(h, w, num_heads, ring_k, ring_v, tables, B, T, context)
+    a = _attention(x2, TwinNorm("layer", w["norm1_weight"], w["norm1_bias"], eps), w, num_heads, ring_k, ring_v,
+                   tables, B, T, context)
     x2 = twin_linear.linear(a, w["out_proj"], scale=w["scale1"], residual=x2)
-    h = twin_norm.norm(x2, w["norm2_weight"], w["norm2_bias"], kind="layer", eps=eps)
-    f = twin_linear.linear(h, w["linear1"], act="gelu")
+    f = twin_linear.linear(x2, w["linear1"], act="gelu", norm=TwinNorm("layer", w["norm2_weight"], w["norm2_bias"], eps))
     return twin_linear.linear(f, w["linear2"], scale=w["scale2"], residual=x2).view(B, T, dim)
 
 
