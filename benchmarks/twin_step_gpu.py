@@ -200,7 +200,7 @@ def accuracy(out, steps=120, B=4):
     torch.cuda.empty_cache()
 
 
-def kernel_profile(fn, top: int = 8):
+def kernel_profile(fn, top: int = 14):
     """(kernels launched by one fn() call, the `top` kernel names by GPU time: [name, us, calls])."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -215,8 +215,9 @@ def kernel_profile(fn, top: int = 8):
     return sum(n for _, n in by_name.values()), [[name[:80], round(t, 1), n] for name, (t, n) in ranked]
 
 
-def jax_speed(module, x, rec, with_auto):
-    """The JAX twin step's (and, with_auto, today's fastest JAX step's) times into rec."""
+def jax_speed(module, x, rec, with_auto, with_loop):
+    """The JAX twin step's (and, with_auto, today's fastest JAX step's; with_loop, the twin layers in
+    a Python loop) times into rec."""
     B = x.shape[0]
     params, state, step = jax_side(module)
     state = state._replace(offset=jnp.full((B,), module.config.capacity, state.offset.dtype))
@@ -232,16 +233,27 @@ def jax_speed(module, x, rec, with_auto):
         _, s2, auto = jax_side(module, kernels="auto", layer_loop="python")
         s2 = s2._replace(offset=jnp.full((B,), module.config.capacity, jnp.int32))
         rec["jax_auto_sync_ms"], rec["jax_auto_pipelined_ms"], _ = time_step(auto, params, s2, xj, None, 40)
+    if with_loop:  # the twin layers in a Python loop (static layer indexes): what the scan's loop costs
+        del state
+        _, s3, looped = jax_side(module, layer_loop="python")
+        s3 = s3._replace(offset=jnp.full((B,), module.config.capacity, jnp.int32))
+        t0 = time.perf_counter()
+        _, s3 = jax.block_until_ready(looped(params, s3, xj, None))  # the state is donated: keep the new one
+        rec["jax_twin_python_loop_first_call_s"] = time.perf_counter() - t0
+        rec["jax_twin_python_loop_sync_ms"], rec["jax_twin_python_loop_pipelined_ms"], s3 = time_step(
+            looped, params, s3, xj, None, 40)
+        rec["jax_twin_python_loop_kernels"], _ = kernel_profile(
+            lambda: jax.block_until_ready(looped(params, s3, xj, None)[0]))
 
 
-def speed(kind, B, out, with_auto=False, with_jax=True):
+def speed(kind, B, out, with_auto=False, with_jax=True, with_loop=False):
     module = build(kind, B)
     module.state.offset.fill_(module.config.capacity)  # full ring
     T = 1 if kind == "temporal" else 2
     x = torch.randn(B, T, module.config.dim, device=DEVICE).to(torch.bfloat16)
     rec = {"stack": kind, "B": B, "T": T}
     if with_jax:
-        jax_speed(module, x, rec, with_auto)
+        jax_speed(module, x, rec, with_auto, with_loop)
 
     def torch_step():
         module.step(x)
@@ -271,7 +283,8 @@ def main():
     parser.add_argument("--out", default="twin_step_gpu.json")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--only", default="bits,invariance,accuracy,speed",
-                        help="parts to run; with speed, 'auto' adds today's JAX step, 'torch-only' leaves JAX out")
+                        help="parts to run; with speed, 'auto' adds today's JAX step, 'loop' the twin step as a "
+                             "Python loop, 'torch-only' leaves JAX out")
     parser.add_argument("--small", action="store_true", help="small presets on the CPU (smoke run)")
     parser.add_argument("--stacks", default="mimi,temporal", help="which stacks (comma-separated)")
     parser.add_argument("--batches", default="4", help="batch sizes of the speed part (comma-separated)")
@@ -291,7 +304,7 @@ def main():
         jobs += [functools.partial(invariance, kind, args.out) for kind in stacks]
     if "speed" in only:
         jobs += [functools.partial(speed, kind, int(B), args.out, with_auto="auto" in only,
-                                   with_jax="torch-only" not in only) for kind in stacks
+                                   with_jax="torch-only" not in only, with_loop="loop" in only) for kind in stacks
                  for B in args.batches.split(",")]
     if "accuracy" in only:
         jobs += [lambda: accuracy(args.out)]

@@ -40,6 +40,7 @@ from jax_impl.parity import bits
 from kernels_pallas import common
 from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_linear as pli
+from kernels_pallas.common import TwinNorm
 from kernels_triton import twin_attention as ta
 from kernels_triton import twin_linear as tli
 from torch_bridge.dlpack import to_jax
@@ -48,16 +49,17 @@ RESULTS: dict = {}
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 
-# name: (M, N, K, act, residual) at the temporal sizes (dim 4096, 32 heads, FFN 11264)
+# name: (M, N, K, act, residual, fused rms norm) at the temporal sizes (dim 4096, 32 heads, FFN 11264)
 SHAPES = {
-    "qkv_m4": (4, 12288, 4096, None, False),
-    "out_m4": (4, 4096, 4096, None, True),
-    "gate_m4": (4, 22528, 4096, "silu_gate", False),
-    "down_m4": (4, 4096, 11264, None, True),
-    "qkv_m1": (1, 12288, 4096, None, False),
-    "qkv_m16": (16, 12288, 4096, None, False),
+    "qkv_m4": (4, 12288, 4096, None, False, False),
+    "qkv_norm_m4": (4, 12288, 4096, None, False, True),
+    "out_m4": (4, 4096, 4096, None, True, False),
+    "gate_norm_m4": (4, 22528, 4096, "silu_gate", False, True),
+    "down_m4": (4, 4096, 11264, None, True, False),
+    "qkv_norm_m1": (1, 12288, 4096, None, False, True),
+    "qkv_norm_m16": (16, 12288, 4096, None, False, True),
 }
-SMALL_SHAPES = {"qkv_m4": (4, 96, 64, None, False), "gate_m4": (4, 64, 64, "silu_gate", False)}
+SMALL_SHAPES = {"qkv_norm_m4": (4, 96, 64, None, False, True), "gate_m4": (4, 64, 64, "silu_gate", False, False)}
 
 
 def record(key, value, out):
@@ -107,23 +109,27 @@ def with_contract(**constants):
 LANES_STAGE = False  # --lanes: also time half and twice the contract's lanes
 STAGES = (None,)     # --stages: the Triton loops' pipeline depths to sweep (None: the default)
 PALLAS = True        # --no-pallas-sweep: time the Pallas linear at its default tile only
+TRITON = True        # --no-triton-sweep: time the Triton linear at its default tile only
+PREFETCH = (common.TWIN_PALLAS_PREFETCH,)  # --prefetch: the Pallas linear's prefetch depths to sweep
 DEFAULTS = {k: getattr(common, k) for k in ("TWIN_MAX_BK", "TWIN_ATTENTION_BC", "TWIN_ATTENTION_CHUNK")}
 
 
 def tune_linear(name, shape, out, ceiling, small):
-    M, N, K, act, has_res = shape
+    M, N, K, act, has_res, has_norm = shape
     L = 1 if name.startswith("head") else (2 if small else 8)
     n_out = N // 2 if act == "silu_gate" else N
     x, w = randn(M, K), randn(L, N, K, scale=0.02, seed=1)
     r = randn(M, n_out, seed=3) if has_res else None
+    nw = randn(L, K, seed=4) if has_norm else None
+    tnorm = TwinNorm("rms", nw, None, 1e-5) if has_norm else None
     wbytes = N * K * 2
     refs: dict = {}  # lanes -> first output
     rows = []
 
     def run(cfg):
         with_contract(TWIN_MAX_BK=cfg["lanes"])
-        kw = {"act": act, "residual": r, "block_m": cfg["bm"], "block_n": cfg["bn"], "num_warps": cfg["warps"],
-              "num_stages": cfg.get("stages") or common.TWIN_TRITON_LINEAR_STAGES}
+        kw = {"act": act, "residual": r, "norm": tnorm, "block_m": cfg["bm"], "block_n": cfg["bn"],
+              "num_warps": cfg["warps"], "num_stages": cfg.get("stages") or common.TWIN_TRITON_LINEAR_STAGES}
         try:
             y = tli.linear(x, w, L - 1, **kw)
             ms = graph_ms(lambda i: tli.linear(x, w, i % L, **kw), 2 * L)
@@ -145,6 +151,8 @@ def tune_linear(name, shape, out, ceiling, small):
     stage1 = [{"bm": bm, "bn": bn, "warps": wp, "lanes": lanes0} for bm in bms for bn in (4, 8, 16) for wp in (4, 8)]
     stage1 = [c for c in stage1 if regs(c) <= 128][: 2 if small else None]
     triton_cfgs = [{**c, "stages": st} for c in stage1 if c["warps"] == 4 or len(STAGES) == 1 for st in STAGES]
+    if not TRITON:  # --no-triton-sweep: the default tile only
+        triton_cfgs = [{"bm": None, "bn": None, "warps": 4, "lanes": lanes0}]
     done = [r_ for r_ in (run(c) for c in triton_cfgs) if r_]
     if LANES_STAGE:  # half and twice the lanes at the best tile (a contract change: other bits)
         best = min(done, key=lambda r_: r_["ms"])
@@ -155,14 +163,17 @@ def tune_linear(name, shape, out, ceiling, small):
     # the Pallas twin at every stage-1 tile and at the default tile, its bits against Triton's
     pallas = []
     jx, jw, jr = to_jax(x), to_jax(w), None if r is None else to_jax(r)
-    for cfg in [{"config": "default", "bm": None, "bn": None, "warps": 4, "lanes": lanes0}] + stage1 * PALLAS:
+    jnorm = None if tnorm is None else tnorm._replace(weight=to_jax(nw))
+    tiles = [{"config": "default", "bm": None, "bn": None, "warps": 4, "lanes": lanes0}] + stage1 * PALLAS
+    for cfg in [{**c, "prefetch": p_} for c in tiles for p_ in PREFETCH]:
         with_contract(TWIN_MAX_BK=cfg["lanes"])
         kw = {"act": act, "block_m": cfg["bm"], "block_n": cfg["bn"], "num_warps": cfg["warps"]}
+        pkw = {**kw, "norm": jnorm, "prefetch": cfg["prefetch"]}
         try:
-            f1 = jax.jit(lambda x, w, r, kw=kw: pli.linear(x, w, L - 1, residual=r, **kw))
-            fn = jax.jit(lambda x, w, r, kw=kw: [pli.linear(x, w, i % L, residual=r, **kw) for i in range(2 * L)])
+            f1 = jax.jit(lambda x, w, r, pkw=pkw: pli.linear(x, w, L - 1, residual=r, **pkw))
+            fn = jax.jit(lambda x, w, r, pkw=pkw: [pli.linear(x, w, i % L, residual=r, **pkw) for i in range(2 * L)])
             yj = f1(jx, jw, jr)
-            yt = tli.linear(x, w, L - 1, residual=r, **kw)
+            yt = tli.linear(x, w, L - 1, residual=r, norm=tnorm, **kw)
             ms = jax_ms(fn, (jx, jw, jr), 2 * L)
             pallas.append({**cfg, "ms": ms, "TBps": wbytes / (ms * 1e-3) / 1e12, "pallas_equals_triton": same(yj, yt)})
         except Exception as e:  # noqa: BLE001 (recorded: a Pallas config that fails, the sweep goes on)
@@ -170,7 +181,7 @@ def tune_linear(name, shape, out, ceiling, small):
         print(name, "pallas", pallas[-1], flush=True)
     pallas_best = min((p_ for p_ in pallas if "ms" in p_), key=lambda p_: p_["ms"], default=None)
     with_contract(**DEFAULTS)
-    record(f"linear_{name}", {"M": M, "N": N, "K": K, "act": act, "residual": has_res, "layers": L,
+    record(f"linear_{name}", {"M": M, "N": N, "K": K, "act": act, "residual": has_res, "norm": has_norm, "layers": L,
                               "weight_bytes": wbytes, "triton": rows, "best": best, "pallas": pallas,
                               "pallas_best": pallas_best}, out)
 
@@ -238,8 +249,12 @@ def main():
     parser.add_argument("--lanes", action="store_true", help="also half and twice the lanes (other bits)")
     parser.add_argument("--stages", default="", help="Triton pipeline depths to sweep, e.g. 1,3,4 (with 4 warps)")
     parser.add_argument("--no-pallas-sweep", action="store_true", help="the Pallas linear at its default tile only")
+    parser.add_argument("--no-triton-sweep", action="store_true", help="the Triton linear at its default tile only")
+    parser.add_argument("--prefetch", default="", help="Pallas linear prefetch depths to sweep, e.g. 1,2,3")
     args = parser.parse_args()
-    global LANES_STAGE, STAGES, PALLAS
+    global LANES_STAGE, STAGES, PALLAS, TRITON, PREFETCH
+    TRITON = not args.no_triton_sweep
+    PREFETCH = tuple(int(v) for v in args.prefetch.split(",")) if args.prefetch else PREFETCH
     LANES_STAGE = args.lanes
     STAGES = tuple(int(v) for v in args.stages.split(",")) if args.stages else (None,)
     PALLAS = not args.no_pallas_sweep

@@ -182,6 +182,8 @@ TWIN_TRITON_ATTENTION_STAGES = 1  # ... of the attention's loop over a split's b
 TWIN_TRITON_ATTENTION_WARPS = 2
 TWIN_NORM_WARPS = 2  # warps of a norm program (compiled: one row each, see twin_norm_rows)
 TWIN_PALLAS_PREFETCH = 1  # weight blocks the Pallas linear loads ahead of their use (speed only)
+TWIN_NORM_ROWS_IN_FLIGHT = 32  # block-rows a norm's statistics loop loads at once (twin_norm_unroll)
+TWIN_FUSED_NORM_MAX_BM = 4  # a linear's norm runs fused only up to this many rows a program (twin_fuse_norm)
 
 
 def largest_pow2_divisor(n: int, cap: int) -> int:
@@ -209,6 +211,22 @@ def twin_norm_rows(M: int, block_m: int | None = None, interpreted: bool = False
             raise ValueError(f"norm(block_m): must be a power of two, got {block_m}")
         return block_m
     return min(TWIN_INTERPRET_MAX_BM, next_pow2(M)) if interpreted else 1
+
+
+def twin_norm_unroll(num_blocks: int, BM: int) -> int:
+    """Blocks of BK lanes a norm's statistics loop loads per iteration, for programs of BM rows
+    (speed only: the additions are the same, in the same order). One row a program: all of them
+    (the loads go out together). More rows: fewer, so a program holds ~TWIN_NORM_ROWS_IN_FLIGHT
+    block-rows at once, not all (32 blocks x 8 rows would spill)."""
+    return largest_pow2_divisor(num_blocks, max(1, TWIN_NORM_ROWS_IN_FLIGHT // BM)) if BM > 1 else num_blocks
+
+
+def twin_fuse_norm(BM: int) -> bool:
+    """Whether a linear given `norm=` runs it fused in its own kernel (else the norm kernel first;
+    the bits are the same). Fused, every program computes its rows' statistics again: on an H200
+    that pays at one row a program, is even at 4 and costs 30-75% of the projection at 8
+    (benchmarks/twin_ab_gpu.py, RESULTS.md)."""
+    return BM <= TWIN_FUSED_NORM_MAX_BM
 
 
 def twin_blocks(M: int, N: int, K: int, block_m: int | None = None, block_n: int | None = None,

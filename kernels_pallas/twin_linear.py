@@ -10,7 +10,8 @@ every row is computed on its own, so the bits of a row depend neither on the bat
 tiles of M and N. With `norm=TwinNorm(...)` the kernel multiplies the normalized rows instead of
 x: each program computes its rows' statistics (`twin_norm.row_stats`, a pass over x) and
 normalizes each x block as it loads it, rounded to x's dtype: the bits of `twin_norm.norm` then
-`linear`, one launch instead of two. Then, in order (each step rounded to x's dtype, as the
+`linear`, one launch instead of two. Where that does not pay (programs of many rows,
+`common.twin_fuse_norm`), `linear` runs the norm kernel first: the same bits. Then, in order (each step rounded to x's dtype, as the
 reference rounds):
 
     y = to_dtype(acc)
@@ -35,14 +36,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
+from kernels_pallas import twin_norm
 from kernels_pallas.common import (
     TWIN_PALLAS_PREFETCH,
     TwinNorm,
     check_twin_linear,
     stack_one_layer,
     twin_blocks,
+    twin_fuse_norm,
+    twin_norm_unroll,
 )
-from kernels_pallas.twin_norm import norm_native, normalize, row_stats
 
 ACTS = (None, "silu_gate", "gelu")
 
@@ -89,18 +92,18 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, norm, eps, ha
     def load_x(kb):  # block kb of the rows, float32 [BM, BK]
         return x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)
 
-    stats = row_stats(load_x, K, BK, norm, eps, gpu) if norm else None
+    stats = twin_norm.row_stats(load_x, K, BK, norm, eps, gpu, twin_norm_unroll(nkb, x_ref.shape[0])) if norm else None
 
     def body(kb, carry):
         accs, ahead = carry
+        wbs, ahead = ahead[0], (*ahead[1:], tiles(kb + prefetch))                 # the prefetch goes out first
         xb = load_x(kb)
         if norm:  # the fused norm: this block of norm(x), rounded as twin_norm.norm rounds it
             cols = pl.ds(kb * BK, BK)
-            xb = tm.to_dtype(normalize(xb, nw_ref[layer, cols].astype(tm.F32)[None, :],
+            xb = tm.to_dtype(twin_norm.normalize(xb, nw_ref[layer, cols].astype(tm.F32)[None, :],
                                        nb_ref[layer, cols].astype(tm.F32)[None, :], stats, norm, gpu),
                              x_ref.dtype).astype(tm.F32)
         xb = xb[:, None, :]                                                       # [BM, 1, BK]
-        wbs, ahead = ahead[0], (*ahead[1:], tiles(kb + prefetch))
         accs = tuple(tm.mac(a, xb, wb.astype(tm.F32)[None, :, :], fused, gpu) for a, wb in zip(accs, wbs))
         return accs, ahead
 
@@ -133,6 +136,9 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret)
+    if norm is not None and not twin_fuse_norm(BM):  # the norm kernel first: the same bits
+        x = twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
+        norm = None
     Mp = -(-M // BM) * BM
     pad = ((0, Mp - M), (0, 0))
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, pad), w]
@@ -173,7 +179,7 @@ def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     M, K, N, N_out = check_twin_linear(x, w, act, ACTS, scale, residual, norm)
     if norm is not None:
-        x = norm_native(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps)
+        x = twin_norm.norm_native(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps)
     _, _, BK = twin_blocks(M, N_out, K)
     wl = lax.dynamic_index_in_dim(w, layer, keepdims=False).astype(tm.F32)  # [N, K]
     p = tm.mul(x.astype(tm.F32)[:, None, :], wl[None], False)                # [M, N, K]

@@ -27,18 +27,32 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.common import TWIN_NORM_WARPS, check_twin_norm, twin_lanes, twin_norm_rows
+from kernels_pallas.common import (
+    TWIN_NORM_WARPS,
+    check_twin_norm,
+    twin_lanes,
+    twin_norm_rows,
+    twin_norm_unroll,
+)
 
 
-def _row_sum(load, D, BK):
-    """S(.) of the contract: lanes over the D / BK blocks in order, then the tree; [BM] -> [BM, 1].
+def _row_sum(load, D, BK, unroll):
+    """S(.) of the contract: lanes over the D / BK blocks in order from +0, then the tree;
+    load(kb) -> [BM, BK] (kb may be traced); returns [BM, 1].
 
-    The loop over blocks is unrolled (D / BK is at most a few dozen): the loads are independent
-    and all go out at once, where a rolled loop waits for each in turn (22 us a norm on an H200).
+    unroll: blocks written out per loop iteration (`common.twin_norm_unroll`); their loads are
+    independent and go out together, where a loop of one block waits for each in turn (22 us a
+    norm of one row on an H200).
     """
-    acc = load(0)
-    for kb in range(1, D // BK):
-        acc = acc + load(kb)
+    nkb = D // BK
+    acc = jnp.zeros_like(load(0))
+
+    def blocks(i, acc):
+        for j in range(unroll):
+            acc = acc + load(i * unroll + j)
+        return acc
+
+    acc = blocks(0, acc) if unroll == nkb else lax.fori_loop(0, nkb // unroll, blocks, acc)
     return tm.tree_sum(acc)
 
 
@@ -51,22 +65,24 @@ def normalize(xf, w, b, stats, kind, gpu):
     return tm.mul(tm.mul(xf - mean, r, gpu), w, gpu) + b
 
 
-def row_stats(load_x, D, BK, kind, eps, gpu):
+def row_stats(load_x, D, BK, kind, eps, gpu, unroll=None):
     """The contract's per-row statistics, (r,) for rms or (mean, r) for layer, each [BM, 1];
-    load_x(kb) -> float32 [BM, BK], block kb of the rows (twin_linear's fused norm calls this too)."""
+    load_x(kb) -> float32 [BM, BK], block kb of the rows (kb may be traced with unroll=False;
+    twin_linear's fused norm calls this too); unroll: see `_row_sum` (None: all blocks)."""
+    unroll = D // BK if unroll is None else unroll
     f32 = tm.F32
     inv_d = f32(1.0 / D)
     if kind == "rms":
-        ss = _row_sum(lambda kb: tm.mul(load_x(kb), load_x(kb), gpu), D, BK)
+        ss = _row_sum(lambda kb: tm.mul(load_x(kb), load_x(kb), gpu), D, BK, unroll)
         var = f32(eps) + tm.mul(ss, inv_d, gpu)
         return (tm.div(f32(1.0), tm.sqrt(var, gpu), gpu),)
-    mean = tm.mul(_row_sum(load_x, D, BK), inv_d, gpu)
+    mean = tm.mul(_row_sum(load_x, D, BK, unroll), inv_d, gpu)
 
     def centered_sq(kb):
         c = load_x(kb) - mean
         return tm.mul(c, c, gpu)
 
-    var = tm.mul(_row_sum(centered_sq, D, BK), inv_d, gpu)
+    var = tm.mul(_row_sum(centered_sq, D, BK, unroll), inv_d, gpu)
     return mean, tm.div(f32(1.0), tm.sqrt(var + f32(eps), gpu), gpu)
 
 
@@ -76,9 +92,9 @@ def _kernel(layer_ref, x_ref, w_ref, b_ref, o_ref, *, D, BK, kind, eps, gpu):
     def load_x(kb):
         return x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)  # [BM, BK]
 
-    stats = row_stats(load_x, D, BK, kind, eps, gpu)
+    stats = row_stats(load_x, D, BK, kind, eps, gpu, twin_norm_unroll(D // BK, x_ref.shape[0]))
 
-    for kb in range(D // BK):  # unrolled, like _row_sum
+    for kb in range(D // BK):  # written out
         cols = pl.ds(kb * BK, BK)
         w = w_ref[layer, cols].astype(tm.F32)[None, :]
         b = b_ref[layer, cols].astype(tm.F32)[None, :]

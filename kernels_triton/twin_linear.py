@@ -19,10 +19,12 @@ from kernels_pallas.common import (
     check_twin_linear,
     stack_one_layer,
     twin_blocks,
+    twin_fuse_norm,
+    twin_norm_unroll,
 )
 from kernels_triton import twin_math as tm
+from kernels_triton import twin_norm
 from kernels_triton.twin_math import interpreting
-from kernels_triton.twin_norm import normalize, row_stats
 
 ACTS = (None, "silu_gate", "gelu")
 _GATE_BN = 256  # columns per program of the gate kernel
@@ -30,8 +32,8 @@ _GATE_BN = 256  # columns per program of the gate kernel
 
 @triton.jit
 def _acc(x_ptr, w_ptr, nw_ptr, nb_ptr, eps, m, m_ok, n, n_ok, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-         BK: tl.constexpr, NORM: tl.constexpr, INV_K: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr,
-         INTERPRETED: tl.constexpr):
+         BK: tl.constexpr, NORM: tl.constexpr, INV_K: tl.constexpr, NORM_UNROLL: tl.constexpr, FUSED: tl.constexpr,
+         STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     """Lane sums over the K blocks, in order, then the tree over the BK lanes: [BM, BN] float32.
 
     NORM ("rms", "layer" or ""): the rows' statistics first (`twin_norm.row_stats`), then each x
@@ -44,12 +46,12 @@ def _acc(x_ptr, w_ptr, nw_ptr, nb_ptr, eps, m, m_ok, n, n_ok, K: tl.constexpr, B
     """
     k = tl.arange(0, BK)
     if NORM != "":
-        mean, r = row_stats(x_ptr, m, m_ok, eps, INV_K, K, BM, BK, NORM == "rms")
+        mean, r = twin_norm.row_stats(x_ptr, m, m_ok, eps, INV_K, K, BM, BK, NORM == "rms", NORM_UNROLL)
     acc = tl.zeros([BM, BN, BK], tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         xb = tl.load(x_ptr + m[:, None] * K + k0 + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
         if NORM != "":
-            xb = tm.to_dtype(normalize(xb, nw_ptr, nb_ptr, k0 + k, mean, r, NORM == "rms"),
+            xb = tm.to_dtype(twin_norm.normalize(xb, nw_ptr, nb_ptr, k0 + k, mean, r, NORM == "rms"),
                              x_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)
         wb = tl.load(w_ptr + n[:, None] * K + k0 + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
         if FUSED:
@@ -78,8 +80,9 @@ def _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT: tl.con
 @triton.jit
 def _kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, scale_ptr, res_ptr, o_ptr, M, eps,
             N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            BK: tl.constexpr, NORM: tl.constexpr, INV_K: tl.constexpr, GELU: tl.constexpr, HAS_SCALE: tl.constexpr,
-            HAS_RES: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+            BK: tl.constexpr, NORM: tl.constexpr, INV_K: tl.constexpr, NORM_UNROLL: tl.constexpr, GELU: tl.constexpr,
+            HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr,
+            INTERPRETED: tl.constexpr):
     """Program (i, j): rows i*BM .. and columns j*BN .. of the output (no act, or GELU)."""
     layer = tl.load(layer_ptr).to(tl.int64)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -88,7 +91,7 @@ def _kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, scale_ptr, res_ptr, o_ptr, 
     n_ok = n < N_OUT
     dtype = o_ptr.dtype.element_ty
     acc = _acc(x_ptr, w_ptr + layer * N * K, nw_ptr + layer * K, nb_ptr + layer * K, eps, m, m_ok, n, n_ok, K, BM,
-               BN, BK, NORM, INV_K, FUSED, STAGES, INTERPRETED)
+               BN, BK, NORM, INV_K, NORM_UNROLL, FUSED, STAGES, INTERPRETED)
     y = tm.to_dtype(acc, dtype, INTERPRETED)
     if GELU:
         y = tm.to_dtype(tm.gelu(y.to(tl.float32)), dtype, INTERPRETED)
@@ -137,6 +140,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
         block_n = min(triton.next_power_of_2(N), TWIN_INTERPRET_MAX_BN)
     BM, BN, BK = twin_blocks(M, N, K, block_m, block_n, interpreted=interpreted, masked_n=interpreted)
     layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear")
+    if norm is not None and not twin_fuse_norm(BM):  # the norm kernel first: the same bits
+        x = twin_norm.norm(x, nw, nb, layer_t, kind=norm.kind, eps=norm.eps)
+        norm = nw = nb = None
     out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)
     # silu_gate: the whole projection [M, N] first (each half rounded, as the contract rounds a and
     # b), then the gate: a fused gated kernel holds both halves' lanes and trees at once (207
@@ -147,7 +153,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
         layer_t, x, w, dummy if nw is None else nw, dummy if nb is None else nb,
         dummy if scale is None or gated else scale, dummy if residual is None or gated else residual,
         proj, M, 0.0 if norm is None else norm.eps, N=N, K=K, N_OUT=N, BM=BM, BN=BN, BK=BK,
-        NORM="" if norm is None else norm.kind, INV_K=float(np.float32(1.0 / K)), GELU=act == "gelu",
+        NORM="" if norm is None else norm.kind, INV_K=float(np.float32(1.0 / K)),
+        NORM_UNROLL=twin_norm_unroll(K // BK, BM), GELU=act == "gelu",
         HAS_SCALE=scale is not None and not gated, HAS_RES=residual is not None and not gated,
         FUSED=x.dtype in (torch.bfloat16, torch.float16), STAGES=num_stages, INTERPRETED=interpreted,
         num_warps=num_warps, enable_fp_fusion=False)

@@ -8,39 +8,53 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.common import TWIN_NORM_WARPS, check_twin_norm, twin_lanes, twin_norm_rows
+from kernels_pallas.common import (
+    TWIN_NORM_WARPS,
+    check_twin_norm,
+    twin_lanes,
+    twin_norm_rows,
+    twin_norm_unroll,
+)
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
 
 @triton.jit
-def _row_sum(x_ptr, m, m_ok, mean, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SQUARE: tl.constexpr,
-             CENTER: tl.constexpr):
-    """S(.) of the contract over rows m: of x, x*x, or (x - mean)^2; returns [BM]."""
+def _term(x_ptr, m, m_ok, mean, k0, D: tl.constexpr, BK: tl.constexpr, SQUARE: tl.constexpr, CENTER: tl.constexpr):
+    """Block k0 of rows m: x, x*x or (x - mean)^2, float32 [BM, BK]."""
     k = tl.arange(0, BK)
+    v = tl.load(x_ptr + m[:, None] * D + k0 + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+    if CENTER:
+        v = v - mean[:, None]
+    if SQUARE:
+        v = v * v
+    return v
+
+
+@triton.jit
+def _row_sum(x_ptr, m, m_ok, mean, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SQUARE: tl.constexpr,
+             CENTER: tl.constexpr, UNROLL: tl.constexpr):
+    """S(.) of the contract over rows m: of x, x*x, or (x - mean)^2; returns [BM]. UNROLL blocks
+    per loop iteration, written out (`common.twin_norm_unroll`; the same additions either way)."""
     acc = tl.zeros([BM, BK], tl.float32)
-    for k0 in tl.static_range(0, D, BK):  # unrolled: the loads go out together
-        v = tl.load(x_ptr + m[:, None] * D + k0 + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-        if CENTER:
-            v = v - mean[:, None]
-        if SQUARE:
-            v = v * v
-        acc = acc + v
+    for k0 in tl.range(0, D, BK * UNROLL):
+        for j in tl.static_range(UNROLL):  # their loads go out together
+            acc = acc + _term(x_ptr, m, m_ok, mean, k0 + j * BK, D, BK, SQUARE, CENTER)
     return tm.tree_sum(acc, BM, BK)
 
 
 @triton.jit
 def row_stats(x_ptr, m, m_ok, eps, INV_D: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-              RMS: tl.constexpr):
+              RMS: tl.constexpr, UNROLL: tl.constexpr):
     """(mean, r) [BM] of the contract for rows m of x [M, D] (mean 0 for RMS); twin_linear's fused
     norm calls this too."""
     zero = tl.zeros([BM], tl.float32)
     if RMS:
-        var = eps + _row_sum(x_ptr, m, m_ok, zero, D, BM, BK, True, False) * INV_D
+        var = eps + _row_sum(x_ptr, m, m_ok, zero, D, BM, BK, True, False, UNROLL) * INV_D
         mean = zero
     else:
-        mean = _row_sum(x_ptr, m, m_ok, zero, D, BM, BK, False, False) * INV_D
-        var = _row_sum(x_ptr, m, m_ok, mean, D, BM, BK, True, True) * INV_D + eps
+        mean = _row_sum(x_ptr, m, m_ok, zero, D, BM, BK, False, False, UNROLL) * INV_D
+        var = _row_sum(x_ptr, m, m_ok, mean, D, BM, BK, True, True, UNROLL) * INV_D + eps
     return mean, tl.math.div_rn(tl.full([BM], 1.0, tl.float32), tl.math.sqrt_rn(var))
 
 
@@ -59,12 +73,12 @@ def normalize(x, w_ptr, b_ptr, cols, mean, r, RMS: tl.constexpr):
 
 @triton.jit
 def _kernel(layer_ptr, x_ptr, w_ptr, b_ptr, o_ptr, M, eps, INV_D: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-            BK: tl.constexpr, RMS: tl.constexpr, INTERPRETED: tl.constexpr):
+            BK: tl.constexpr, RMS: tl.constexpr, UNROLL: tl.constexpr, INTERPRETED: tl.constexpr):
     layer = tl.load(layer_ptr).to(tl.int64)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = m < M
     k = tl.arange(0, BK)
-    mean, r = row_stats(x_ptr, m, m_ok, eps, INV_D, D, BM, BK, RMS)
+    mean, r = row_stats(x_ptr, m, m_ok, eps, INV_D, D, BM, BK, RMS, UNROLL)
     for k0 in tl.static_range(0, D, BK):
         offs = m[:, None] * D + k0 + k[None, :]
         x = tl.load(x_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
@@ -80,10 +94,11 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     M, D = check_twin_norm(x, weight, bias, kind)
     if not x.is_contiguous():
         raise ValueError(f"norm(x): must be contiguous, got strides {x.stride()}")
-    BM = twin_norm_rows(M, block_m, interpreting(_kernel))
+    BM, BK = twin_norm_rows(M, block_m, interpreting(_kernel)), twin_lanes(D)
     out = torch.empty_like(x)
     _kernel[(triton.cdiv(M, BM),)](
         tm.layer_tensor(layer, weight.shape[0], x.device, "norm"), x, weight, weight if bias is None else bias, out, M,
-        eps, INV_D=float(np.float32(1.0 / D)), D=D, BM=BM, BK=twin_lanes(D), RMS=kind == "rms", INTERPRETED=interpreting(_kernel),
-        num_warps=num_warps, enable_fp_fusion=False)
+        eps, INV_D=float(np.float32(1.0 / D)), D=D, BM=BM, BK=BK, RMS=kind == "rms",
+        UNROLL=twin_norm_unroll(D // BK, BM), INTERPRETED=interpreting(_kernel), num_warps=num_warps,
+        enable_fp_fusion=False)
     return out

@@ -25,6 +25,7 @@ import jax_impl as jx
 from jax_impl.config import with_options
 from jax_impl.parity import bits
 from jax_impl.tables import rope_freqs
+from kernels_pallas import common
 from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_math as pm
@@ -192,12 +193,13 @@ def test_linear_refuses_bad_arguments():
         tli.linear(torch.ones(2, 8), torch.ones(1, 4, 8), 3)
 
 
-@pytest.mark.parametrize("kind,act,dtype", [("rms", None, "bfloat16"), ("rms", "silu_gate", "float32"),
-                                            ("layer", "gelu", "bfloat16"), ("layer", None, "float32")])
-def test_linear_with_fused_norm_has_the_bits_of_norm_then_linear(kind, act, dtype):
-    """norm=TwinNorm(...): one kernel with the bits of twin_norm.norm followed by linear, on both
-    sides, whatever the tiles and the prefetch depth, and batch-invariant."""
-    M, N, K, L, eps = 5, 64, 192, 2, 1e-5  # K: three blocks of 64 lanes
+@pytest.mark.parametrize("kind,act,dtype,M", [("rms", None, "bfloat16", 3), ("rms", "silu_gate", "float32", 5),
+                                              ("layer", "gelu", "bfloat16", 4), ("layer", None, "float32", 7)])
+def test_linear_with_fused_norm_has_the_bits_of_norm_then_linear(kind, act, dtype, M):
+    """norm=TwinNorm(...): the bits of twin_norm.norm followed by linear, on both sides, whatever
+    the tiles and the prefetch depth, and batch-invariant; in one kernel up to
+    TWIN_FUSED_NORM_MAX_BM rows a program (M <= 4 here), else the norm kernel first."""
+    N, K, L, eps = 64, 192, 2, 1e-5  # K: three blocks of 64 lanes
     rng = np.random.default_rng(K + len(kind))
     x = (rng.standard_normal((M, K)) * 3).astype(NP[dtype])
     w = (rng.standard_normal((L, N, K)) * 0.1).astype(NP[dtype])
@@ -207,8 +209,10 @@ def test_linear_with_fused_norm_has_the_bits_of_norm_then_linear(kind, act, dtyp
     i = jnp.int32(L - 1)
     two_kernels = jax.jit(lambda x, w, nw, nb, i: pli.linear(pn.norm(x, nw, nb, i, kind=kind, eps=eps), w, i,
                                                              act=act))(x, w, nw, nb, i)
-    y_p = jax.jit(lambda x, w, nw, nb, i: pli.linear(x, w, i, act=act, norm=TwinNorm(kind, nw, nb, eps)))(
-        x, w, nw, nb, i)
+    fused = jax.jit(lambda x, w, nw, nb, i: pli.linear(x, w, i, act=act, norm=TwinNorm(kind, nw, nb, eps)))
+    y_p = fused(x, w, nw, nb, i)
+    launches = str(jax.make_jaxpr(fused)(x, w, nw, nb, i)).count("pallas_call[")
+    assert launches == (1 if M <= common.TWIN_FUSED_NORM_MAX_BM else 2), launches
     y_n = pli.linear_native(x, w, L - 1, act=act, norm=TwinNorm(kind, nw, nb, eps))
     y_p2 = pli.linear(x, w, L - 1, act=act, norm=TwinNorm(kind, nw, nb, eps), block_n=16, prefetch=2)
     tnorm = TwinNorm(kind, T(nw), T(nb), eps)
