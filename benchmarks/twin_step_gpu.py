@@ -288,6 +288,7 @@ def main():
     parser.add_argument("--small", action="store_true", help="small presets on the CPU (smoke run)")
     parser.add_argument("--stacks", default="mimi,temporal", help="which stacks (comma-separated)")
     parser.add_argument("--batches", default="4", help="batch sizes of the speed part (comma-separated)")
+    parser.add_argument("--bits-batch", type=int, default=4, help="the batch size of the bit run")
     args = parser.parse_args()
     global DEVICE, SIZE
     jax.config.update("jax_compilation_cache_dir", "/tmp/jax_cache")  # the same step twice compiles once
@@ -299,7 +300,7 @@ def main():
     only = args.only.split(",")
     stacks = args.stacks.split(",")
     if "bits" in only:
-        jobs += [functools.partial(bits_run, kind, args.steps, args.out) for kind in stacks]
+        jobs += [functools.partial(bits_run, kind, args.steps, args.out, B=args.bits_batch) for kind in stacks]
     if "invariance" in only:
         jobs += [functools.partial(invariance, kind, args.out) for kind in stacks]
     if "speed" in only:

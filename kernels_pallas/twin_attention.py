@@ -67,7 +67,7 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *out_refs,
     d = jnp.arange(D, dtype=jnp.int32)
     q = pltriton.load(q_ref.at[bht * D + d]).astype(tm.F32)                     # q [B, H, T, D]
     q_pos = qpos_ref[b * T + t]
-    row = (layer_ref[0] * B * H + bht // T) * C                                  # first slot of (layer, b, h)
+    row = layer_ref[0] * B * H + bht // T                                        # (layer, b, h) of the ring
 
     def body(i, carry):
         c = split * chunk + i * BC + jnp.arange(BC, dtype=jnp.int32)
@@ -76,9 +76,11 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *out_refs,
         pos = jnp.where(ok, pltriton.load(pos_ref.at[b * C + cc]), -1)
         delta = q_pos - pos
         visible = ok & (pos >= 0) & (delta >= 0) & (delta < context)
-        offs = (row + cc[:, None]) * D + d[None, :]
-        k = pltriton.load(k_ref.at[offs]).astype(tm.F32)
-        v = pltriton.load(v_ref.at[offs]).astype(tm.F32)
+        # the rings as [L*B*H, C, D], indexed per dimension, not by a flat offset: past 2**32 bytes
+        # the lowering computes the addresses in 64 bits (a flat int32 offset overflows once
+        # L*B*H*C*D > 2**31: the temporal ring at B >= 6)
+        k = pltriton.load(k_ref.at[row, cc]).astype(tm.F32)                          # [BC, D]
+        v = pltriton.load(v_ref.at[row, cc]).astype(tm.F32)
         return _block(q, k, v, visible, carry, scale, gpu)
 
     init = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32), jnp.zeros((D,), tm.F32))
@@ -156,7 +158,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     split = pl.pallas_call(
         kernel, out_shape=(out_flat,) if S == 1 else partials,
         grid=(B * H * T, S), interpret=interpret, compiler_params=params, name="twin_attention",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1), ring_v.reshape(-1),
+    )(jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1, C, D), ring_v.reshape(-1, C, D),
       positions.astype(jnp.int32).reshape(-1), q_pos.astype(jnp.int32).reshape(-1))
     if S == 1:  # combined in the split kernel
         return split[0].reshape(B, T, H, D)

@@ -55,6 +55,7 @@ def tables(offset: jax.Array, T: int, freqs: jax.Array, *, interpret: bool | Non
         out_shape=(out, out), grid=(B,), in_specs=[pl.BlockSpec((B,), lambda b: (0,)),
                                                    pl.BlockSpec((half,), lambda b: (0,))],
         out_specs=(row, row), interpret=interpret, name="twin_rope_tables",
+        compiler_params=pltriton.CompilerParams(),  # Triton, not whatever the default backend is
     )(offset.astype(jnp.int32), freqs.astype(tm.F32))
     return cos[:, :T], sin[:, :T]
 
@@ -74,7 +75,9 @@ def rotate(r, i, cos, sin, dtype, gpu):
 
 def _write_kernel(layer_ref, qkv_ref, cos_ref, sin_ref, slot_ref, wmask_ref, k_in, v_in,
                   q_ref, k_ref, v_ref, *, B, T, H, C, D, gpu):
-    """Program (b*T + t, h): one head of one query; all offsets flat (1-D refs)."""
+    """Program (b*T + t, h): one head of one query. Flat offsets (1-D refs) except into the rings,
+    [L*B*H, C, D] indexed per dimension: past 2**32 bytes the lowering computes those addresses in
+    64 bits (a flat int32 offset overflows once L*B*H*C*D > 2**31: the temporal ring at B >= 6)."""
     del k_in, v_in  # aliased to k_ref, v_ref
     bt, h = pl.program_id(0), pl.program_id(1)
     b, t = bt // T, bt % T
@@ -97,10 +100,10 @@ def _write_kernel(layer_ref, qkv_ref, cos_ref, sin_ref, slot_ref, wmask_ref, k_i
     def _():
         k0, k1 = rotate(*pairs(1), cos, sin, dtype, gpu)
         v0, v1 = (tm.to_dtype(x, dtype) for x in pairs(2))
-        ring = (((layer_ref[0] * B + b) * H + h) * C + slot_ref[bt]) * D + j2  # ring [L, B, H, C, D]
-        for ref, (e, o) in ((k_ref, (k0, k1)), (v_ref, (v0, v1))):
-            pltriton.store(ref.at[ring], e)
-            pltriton.store(ref.at[ring + 1], o)
+        row, slot = (layer_ref[0] * B + b) * H + h, slot_ref[bt]
+        for ref, (e, o) in ((k_ref, (k0, k1)), (v_ref, (v0, v1))):           # ring [L*B*H, C, D]
+            pltriton.store(ref.at[row, slot, j2], e)
+            pltriton.store(ref.at[row, slot, j2 + 1], o)
 
 
 def rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer,
@@ -116,17 +119,19 @@ def rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, ring_k: jax.Array
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     kernel = functools.partial(_write_kernel, B=B, T=T, H=H, C=C, D=D, gpu=not interpret)
+    rows = (ring_k.shape[0] * B * H, C, D)  # the rings as [L*B*H, C, D] (see _write_kernel)
     q, k, v = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((B * H * T * D,), qkv.dtype),
-                   jax.ShapeDtypeStruct((ring_k.size,), ring_k.dtype),
-                   jax.ShapeDtypeStruct((ring_v.size,), ring_v.dtype)),
+                   jax.ShapeDtypeStruct(rows, ring_k.dtype), jax.ShapeDtypeStruct(rows, ring_v.dtype)),
         grid=(B * T, H),
         input_output_aliases={6: 1, 7: 2},
         interpret=interpret,
+        compiler_params=pltriton.CompilerParams(),  # Triton, not whatever the default backend is
         name="twin_rope_write",
     )(jnp.asarray(layer, jnp.int32).reshape(1), qkv.reshape(-1), cos.reshape(-1), sin.reshape(-1),
-      write_index.astype(jnp.int32).reshape(-1), write_mask.astype(jnp.int32).reshape(-1), ring_k.reshape(-1), ring_v.reshape(-1))
+      write_index.astype(jnp.int32).reshape(-1), write_mask.astype(jnp.int32).reshape(-1), ring_k.reshape(rows),
+      ring_v.reshape(rows))
     return q.reshape(B, H, T, D), k.reshape(ring_k.shape), v.reshape(ring_v.shape)
 
 

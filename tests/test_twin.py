@@ -143,6 +143,37 @@ def test_tree_sum_order_is_the_halving_order():
 
 
 # ------------------------------------------------------------------------------------- kernels
+def _triton_module_text(fn, *shapes, monkeypatch, capsys) -> str:
+    """The Triton modules (text) of the Pallas kernels `fn` launches, lowered for CUDA on this
+    CPU-only machine (nothing is allocated or run: pallas_call(debug=True) prints them)."""
+    import functools
+
+    monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
+    capsys.readouterr()
+    jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("B,wide", [(16, True), (1, False)])
+def test_ring_kernels_address_a_large_ring_in_64_bits(B, wide, monkeypatch, capsys):
+    """The temporal ring at B=16 has L*B*H*C*D = 6.3e9 elements: flat int32 offsets would wrap
+    (and read and write other memory); the attention and the ring write must address it in 64
+    bits. At B=1 (0.4e9 elements) 32 bits do (the check can fail)."""
+    L, H, T, C, D = 32, 32, 1, 3000, 128
+    S = jax.ShapeDtypeStruct
+    ring, pos, qp = S((L, B, H, C, D), jnp.bfloat16), S((B, C), jnp.int32), S((B, T), jnp.int32)
+    attn = _triton_module_text(
+        lambda q, k, p, t: pa.attention(q, k, k, jnp.int32(31), p, t, context=C, interpret=False),
+        S((B, H, T, D), jnp.bfloat16), ring, pos, qp, monkeypatch=monkeypatch, capsys=capsys)
+    rope = _triton_module_text(
+        lambda qkv, c, k, i, m: pr.rope_write(qkv, c, c, k, k, jnp.int32(31), i, m, interpret=False),
+        S((B, T, 3, H, D), jnp.bfloat16), S((B, T, D // 2), jnp.float32), ring, qp, S((B, T), jnp.bool_),
+        monkeypatch=monkeypatch, capsys=capsys)
+    assert "module @twin_attention" in attn and "module @twin_rope_write" in rope
+    assert ("x128xi64>" in attn) == wide   # the [BC, D] offsets of the k and v loads
+    assert ("i64" in rope) == wide
+
+
 LINEAR = [  # M, N, K, L, act, scale, residual, dtype
     (4, 64, 176, 2, None, False, False, "float32"),
     (3, 64, 64, 2, None, False, True, "bfloat16"),
