@@ -79,8 +79,9 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *out_refs,
         # the rings as [L*B*H, C, D], indexed per dimension, not by a flat offset: past 2**32 bytes
         # the lowering computes the addresses in 64 bits (a flat int32 offset overflows once
         # L*B*H*C*D > 2**31: the temporal ring at B >= 6)
-        k = pltriton.load(k_ref.at[row, cc]).astype(tm.F32)                          # [BC, D]
-        v = pltriton.load(v_ref.at[row, cc]).astype(tm.F32)
+        at = (row, cc[:, None], d[None, :])                      # every index an array: a gather, also interpreted
+        k = pltriton.load(k_ref.at[at]).astype(tm.F32)                                # [BC, D]
+        v = pltriton.load(v_ref.at[at]).astype(tm.F32)
         return _block(q, k, v, visible, carry, scale, gpu)
 
     init = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32), jnp.zeros((D,), tm.F32))

@@ -11,8 +11,8 @@ tiles of M and N. With `norm=TwinNorm(...)` the kernel multiplies the normalized
 x: each program computes its rows' statistics (`twin_norm.row_stats`, a pass over x) and
 normalizes each x block as it loads it, rounded to x's dtype: the bits of `twin_norm.norm` then
 `linear`, one launch instead of two. Where that does not pay (programs of many rows,
-`common.twin_fuse_norm`), `linear` runs the norm kernel first: the same bits. Then, in order (each step rounded to x's dtype, as the
-reference rounds):
+`common.twin_fuse_norm`), `linear` runs the norm kernel first: the same bits. Then, in order
+(each step rounded to x's dtype, as the reference rounds):
 
     y = to_dtype(acc)
     act="silu_gate" (N even): the kernel computes columns n and n + N/2 together and returns
@@ -92,7 +92,8 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, norm, eps, ha
     def load_x(kb):  # block kb of the rows, float32 [BM, BK]
         return x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)
 
-    stats = twin_norm.row_stats(load_x, K, BK, norm, eps, gpu, twin_norm_unroll(nkb, x_ref.shape[0])) if norm else None
+    unroll = twin_norm_unroll(nkb, x_ref.shape[0])
+    stats = twin_norm.row_stats(load_x, K, BK, norm, eps, gpu, unroll) if norm else None
 
     def body(kb, carry):
         accs, ahead = carry
@@ -100,9 +101,8 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, norm, eps, ha
         xb = load_x(kb)
         if norm:  # the fused norm: this block of norm(x), rounded as twin_norm.norm rounds it
             cols = pl.ds(kb * BK, BK)
-            xb = tm.to_dtype(twin_norm.normalize(xb, nw_ref[layer, cols].astype(tm.F32)[None, :],
-                                       nb_ref[layer, cols].astype(tm.F32)[None, :], stats, norm, gpu),
-                             x_ref.dtype).astype(tm.F32)
+            w_n, b_n = (r[layer, cols].astype(tm.F32)[None, :] for r in (nw_ref, nb_ref))
+            xb = tm.to_dtype(twin_norm.normalize(xb, w_n, b_n, stats, norm, gpu), x_ref.dtype).astype(tm.F32)
         xb = xb[:, None, :]                                                       # [BM, 1, BK]
         accs = tuple(tm.mac(a, xb, wb.astype(tm.F32)[None, :, :], fused, gpu) for a, wb in zip(accs, wbs))
         return accs, ahead
