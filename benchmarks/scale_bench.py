@@ -10,14 +10,14 @@ ring slot random and visible (offsets at capacity), one record
     {stack, T, B, scan, sync_ms, pipelined_ms, floor_ms, kernels, attention_TBps, dropin_ms,
      torch_graph_ms, compile_s, device, date}
 
-for the JAX step (`kernels="auto"`) with the Python layer loop (scan: false) and with one
-`lax.scan` over the layers (scan: true):
+for the JAX step (`kernels="auto"`, or `--kernels twin`) with the Python layer loop (scan: false)
+and with one `lax.scan` over the layers (scan: true) (`--loops`):
 - sync_ms: median of synchronized steps (outputs and state ready before the next step);
   pipelined_ms: the same steps launched back to back (`host_timing.time_step`);
 - floor_ms: (weight bytes + ring bytes) / the copy bandwidth measured in the same run;
 - kernels: CUDA kernels per step (torch.profiler); compile_s: the first call;
 - attention_TBps: the Pallas ring attention alone over every layer (one jit), k and v bytes per
-  second (None where the ring is past its int32 offsets);
+  second (None where the ring is past its int32 offsets); with --kernels twin, the twin attention;
 - dropin_ms: the torch-facing drop-in (`from_torch`) on the same weights, synchronized;
 - torch_graph_ms: the torch path under a CUDA graph, where its own ring fits beside JAX's
   (null otherwise, with the reason in `torch_graph_note`).
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -49,6 +50,7 @@ from step_bench import count_kernels
 
 import jax_impl
 from jax_impl.config import PRESETS
+from kernels_pallas import twin_attention
 from kernels_pallas.ring_attention import fits_int32, ring_attention
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.dlpack import to_jax
@@ -58,25 +60,34 @@ GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 
 
+RANDOM_RING_MAX_BYTES = 16 * 2**30  # larger rings are filled with a constant: random bits need a temporary as large
+
+
 def full_state(config, B: int, key: int = 1):
-    """A JAX state with every slot random and visible (offsets at capacity)."""
+    """A JAX state with every slot visible (offsets at capacity), random up to RANDOM_RING_MAX_BYTES
+    (the values do not change the kernels' work)."""
     s = jax_impl.init_state(config, B, jnp.bfloat16)
     k1, k2 = jax.random.split(jax.random.key(key))
-    return s._replace(k=jax.random.normal(k1, s.k.shape, jnp.bfloat16), v=jax.random.normal(k2, s.v.shape, jnp.bfloat16),
-                      offset=jnp.full_like(s.offset, config.capacity))
+    if 2 * s.k.nbytes <= RANDOM_RING_MAX_BYTES:
+        k, v = jax.random.normal(k1, s.k.shape, jnp.bfloat16), jax.random.normal(k2, s.v.shape, jnp.bfloat16)
+    else:
+        k, v = jnp.full(s.k.shape, 0.5, jnp.bfloat16), jnp.full(s.v.shape, -0.25, jnp.bfloat16)
+    return s._replace(k=k, v=v, offset=jnp.full_like(s.offset, config.capacity))
 
 
-def attention_tbps(config, state) -> float | None:
-    """k + v bytes of every layer over the Pallas ring attention's time, all layers in one jit
-    (GPU only; None where the ring is too large for the kernel's int32 offsets)."""
-    if not GPU or not fits_int32(state.k.shape):
+def attention_tbps(config, state, kernels: str) -> float | None:
+    """k + v bytes of every layer over the ring attention's time, all layers in one jit (GPU only).
+    kernels="twin": the twin attention; else the Pallas ring attention (None where the ring is too
+    large for its int32 offsets)."""
+    if not GPU or (kernels != "twin" and not fits_int32(state.k.shape)):
         return None
     L, B, H, C, D = state.k.shape
     q = jax.random.normal(jax.random.key(5), (B, H, 1, D), jnp.bfloat16)
     positions = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
     q_pos = jnp.full((B, 1), C, jnp.int32)
-    f = jax.jit(lambda q, k, v: [ring_attention(q, k, v, layer, positions, q_pos, context=config.context)
-                                 for layer in range(L)])
+    attend = (functools.partial(twin_attention.attention, context=config.context) if kernels == "twin" else
+              functools.partial(ring_attention, context=config.context))
+    f = jax.jit(lambda q, k, v: [attend(q, k, v, layer, positions, q_pos) for layer in range(L)])
     ms = host_ms(lambda: jax.block_until_ready(f(q, state.k, state.v)), 10)
     return 2 * L * B * H * C * D * 2 / (ms * 1e-3) / 1e12
 
@@ -85,7 +96,8 @@ def free_bytes() -> int | None:
     return torch.cuda.mem_get_info()[0] if GPU else None
 
 
-def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None) -> list[dict]:
+def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None, kernels: str = "auto",
+          loops=("python", "scan"), with_torch: bool = True) -> list[dict]:
     config = module.config
     params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
     weight_bytes = sum(int(w.nbytes) for w in module.weights().values())
@@ -96,10 +108,10 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
     common = {"stack": kind, "T": T, "B": B, "device": torch.cuda.get_device_name() if GPU else "cpu",
               "date": datetime.date.today().isoformat(),
               "floor_ms": None if bandwidth is None else 1e3 * (weight_bytes + ring_bytes) / bandwidth,
-              "attention_TBps": attention_tbps(config, state)}
+              "attention_TBps": attention_tbps(config, state, kernels), "kernels_mode": kernels}
     records = []
-    for scan in (False, True):
-        step = jax_impl.make_step(config, layer_loop="scan" if scan else "python", kernels="auto",
+    for scan in (loop == "scan" for loop in loops):
+        step = jax_impl.make_step(config, layer_loop="scan" if scan else "python", kernels=kernels,
                                   rope_freqs=module.rope_freqs())
         t0 = time.perf_counter()
         out, state = step(params, state, xj, aj)
@@ -120,12 +132,14 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
     del state, holder
     gc.collect()
 
-    dropin_ms = time_dropin(module, B, x, steps)
+    dropin_ms = time_dropin(module, B, x, steps) if with_torch else None
     gc.collect()
 
     # the torch path under a CUDA graph, where its ring fits
     graph_ms, note = None, None
-    if not GPU:
+    if not with_torch:
+        note = "not run (--no-torch)"
+    elif not GPU:
         note = "no CUDA device"
     elif free_bytes() < 1.1 * ring_bytes:
         note = f"the torch ring ({ring_bytes / 2**30:.1f} GiB) does not fit in the free memory"
@@ -210,6 +224,9 @@ def main() -> None:
     parser.add_argument("--mimi-batches", default="4,16,64", help="Mimi batch sizes (T=2 and T=10)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement (median)")
     parser.add_argument("--small", action="store_true", help="small presets on the CPU (a smoke run)")
+    parser.add_argument("--kernels", default="auto", choices=("auto", "twin"), help="the JAX step's kernels")
+    parser.add_argument("--loops", default="python,scan", help="layer loops to time (python, scan)")
+    parser.add_argument("--no-torch", action="store_true", help="no drop-in or torch timings (rings too large)")
     args = parser.parse_args()
     if not GPU and not args.small:
         raise SystemExit("scale_bench.py: no CUDA device; pass --small for the CPU smoke run")
@@ -227,7 +244,8 @@ def main() -> None:
             modules[kind].init_weights(generator=torch.Generator(device=DEVICE).manual_seed(0))
             gc.collect()
         try:
-            records += bench(kind, T, B, modules[kind], args.steps, bandwidth)
+            records += bench(kind, T, B, modules[kind], args.steps, bandwidth, args.kernels, args.loops.split(","),
+                             not args.no_torch)
         except Exception as err:  # noqa: BLE001 (recorded: a case that fails, e.g. out of memory, is a result)
             errors[f"{kind}_T{T}_B{B}"] = f"{type(err).__name__}: {err}"[:1000]
             print("error", kind, T, B, errors[f"{kind}_T{T}_B{B}"], flush=True)

@@ -129,13 +129,16 @@ def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables:
     """
     if kernels == "twin":
         twin_fn = TWIN_LAYERS[layer_fn]
+        # the write mask as the int32 the ring-write kernel reads, once a step (else a convert a layer)
+        tables = tables._replace(write_mask=tables.write_mask.astype(jnp.int32))
         if layer_loop == "python":
             for layer in range(c.num_layers):
                 carry = twin_fn(c, stacked, carry, layer, tables, active)
             return carry
-        carry, _ = lax.scan(lambda cr, layer: (twin_fn(c, stacked, cr, layer, tables, active), None), carry,
-                            jnp.arange(c.num_layers), unroll=scan_unroll)
-        return carry
+        # the loop's own counter is the layer index (scanning over an arange copies each index
+        # out of it: a 4-byte copy a layer on the GPU)
+        return lax.fori_loop(0, c.num_layers, lambda layer, cr: twin_fn(c, stacked, cr, layer, tables, active),
+                             carry, unroll=scan_unroll)
     if layer_loop == "python":
         for layer in range(c.num_layers):
             w = {name: a[layer] for name, a in stacked.items()}

@@ -184,6 +184,7 @@ TWIN_NORM_WARPS = 2  # warps of a norm program (compiled: one row each, see twin
 TWIN_PALLAS_PREFETCH = 1  # weight blocks the Pallas linear loads ahead of their use (speed only)
 TWIN_NORM_ROWS_IN_FLIGHT = 32  # block-rows a norm's statistics loop loads at once (twin_norm_unroll)
 TWIN_FUSED_NORM_MAX_BM = 4  # a linear's norm runs fused only up to this many rows a program (twin_fuse_norm)
+TWIN_INTERPRET_FUSED_NORM_MAX_BM = 64  # ... interpreted (every interpreted tile, TWIN_INTERPRET_MAX_BM)
 
 
 def largest_pow2_divisor(n: int, cap: int) -> int:
@@ -221,12 +222,13 @@ def twin_norm_unroll(num_blocks: int, BM: int) -> int:
     return largest_pow2_divisor(num_blocks, max(1, TWIN_NORM_ROWS_IN_FLIGHT // BM)) if BM > 1 else num_blocks
 
 
-def twin_fuse_norm(BM: int) -> bool:
+def twin_fuse_norm(BM: int, interpreted: bool = False) -> bool:
     """Whether a linear given `norm=` runs it fused in its own kernel (else the norm kernel first;
     the bits are the same). Fused, every program computes its rows' statistics again: on an H200
     that pays at one row a program, is even at 4 and costs 30-75% of the projection at 8
-    (benchmarks/twin_ab_gpu.py, RESULTS.md)."""
-    return BM <= TWIN_FUSED_NORM_MAX_BM
+    (benchmarks/twin_ab_gpu.py, RESULTS.md). Interpreted (CPU), the cost is per program: fused up
+    to TWIN_INTERPRET_FUSED_NORM_MAX_BM rows (a test lowers it to run the other path)."""
+    return BM <= (TWIN_INTERPRET_FUSED_NORM_MAX_BM if interpreted else TWIN_FUSED_NORM_MAX_BM)
 
 
 def twin_blocks(M: int, N: int, K: int, block_m: int | None = None, block_n: int | None = None,

@@ -136,7 +136,7 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret)
-    if norm is not None and not twin_fuse_norm(BM):  # the norm kernel first: the same bits
+    if norm is not None and not twin_fuse_norm(BM, interpret):  # the norm kernel first: the same bits
         x = twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
         norm = None
     Mp = -(-M // BM) * BM

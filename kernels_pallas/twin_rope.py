@@ -112,7 +112,8 @@ def rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, ring_k: jax.Array
 
     qkv: [B, T, 3, H, D] (the in-projection's output, Moshi's `b t (p h d)` split); cos, sin:
     float32 [B, T, D/2]; ring_k, ring_v: [L, B, H, C, D] in qkv's dtype (aliased to the outputs);
-    layer: int or int32 scalar (may be traced); write_index: int [B, T]; write_mask: bool [B, T].
+    layer: int or int32 scalar (may be traced); write_index: int [B, T]; write_mask: bool [B, T]
+    (or int32, nonzero where written: the kernel reads int32).
     q comes back as [B, H, T, D].
     """
     B, T, H, D, (_L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)

@@ -140,7 +140,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
         block_n = min(triton.next_power_of_2(N), TWIN_INTERPRET_MAX_BN)
     BM, BN, BK = twin_blocks(M, N, K, block_m, block_n, interpreted=interpreted, masked_n=interpreted)
     layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear")
-    if norm is not None and not twin_fuse_norm(BM):  # the norm kernel first: the same bits
+    if norm is not None and not twin_fuse_norm(BM, interpreted):  # the norm kernel first: the same bits
         x = twin_norm.norm(x, nw, nb, layer_t, kind=norm.kind, eps=norm.eps)
         norm = nw = nb = None
     out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)

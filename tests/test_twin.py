@@ -226,10 +226,11 @@ def test_linear_refuses_bad_arguments():
 
 @pytest.mark.parametrize("kind,act,dtype,M", [("rms", None, "bfloat16", 3), ("rms", "silu_gate", "float32", 5),
                                               ("layer", "gelu", "bfloat16", 4), ("layer", None, "float32", 7)])
-def test_linear_with_fused_norm_has_the_bits_of_norm_then_linear(kind, act, dtype, M):
+def test_linear_with_fused_norm_has_the_bits_of_norm_then_linear(kind, act, dtype, M, monkeypatch):
     """norm=TwinNorm(...): the bits of twin_norm.norm followed by linear, on both sides, whatever
-    the tiles and the prefetch depth, and batch-invariant; in one kernel up to
-    TWIN_FUSED_NORM_MAX_BM rows a program (M <= 4 here), else the norm kernel first."""
+    the tiles and the prefetch depth, and batch-invariant; in one kernel up to the fused-norm row
+    limit (lowered here to the GPU's 4 rows a program: M <= 4 fused), else the norm kernel first."""
+    monkeypatch.setattr(common, "TWIN_INTERPRET_FUSED_NORM_MAX_BM", common.TWIN_FUSED_NORM_MAX_BM)
     N, K, L, eps = 64, 192, 2, 1e-5  # K: three blocks of 64 lanes
     rng = np.random.default_rng(K + len(kind))
     x = (rng.standard_normal((M, K)) * 3).astype(NP[dtype])
