@@ -125,7 +125,8 @@ def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables:
     "scan": one `lax.scan` over (layer index, weight slices), compiled once whatever L;
     "python": a loop with constant layer indexes, so XLA slices weights and rings statically.
     kernels="twin": the twin layer, which reads the stacked weights in place at the (traced)
-    layer index, so the scan carries no weight slices.
+    layer index, so the scan carries no weight slices (as `lax.fori_loop`, itself a scan, whose
+    counter is that index).
     """
     if kernels == "twin":
         twin_fn = TWIN_LAYERS[layer_fn]
