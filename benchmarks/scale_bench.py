@@ -70,8 +70,9 @@ def full_state(config, B: int, key: int = 1):
     k1, k2 = jax.random.split(jax.random.key(key))
     if 2 * s.k.nbytes <= RANDOM_RING_MAX_BYTES:
         k, v = jax.random.normal(k1, s.k.shape, jnp.bfloat16), jax.random.normal(k2, s.v.shape, jnp.bfloat16)
-    else:
-        k, v = jnp.full(s.k.shape, 0.5, jnp.bfloat16), jnp.full(s.v.shape, -0.25, jnp.bfloat16)
+    else:  # filled in place (the zero rings donated): no second ring, ever (at B=64 one is 50 GB)
+        fill = jax.jit(lambda a, value: jnp.full_like(a, value), donate_argnums=0)
+        k, v = fill(s.k, 0.5), fill(s.v, -0.25)
     return s._replace(k=k, v=v, offset=jnp.full_like(s.offset, config.capacity))
 
 
@@ -108,7 +109,7 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
     common = {"stack": kind, "T": T, "B": B, "device": torch.cuda.get_device_name() if GPU else "cpu",
               "date": datetime.date.today().isoformat(),
               "floor_ms": None if bandwidth is None else 1e3 * (weight_bytes + ring_bytes) / bandwidth,
-              "attention_TBps": attention_tbps(config, state, kernels), "kernels_mode": kernels}
+              "kernels_mode": kernels}
     records = []
     for scan in (loop == "scan" for loop in loops):
         step = jax_impl.make_step(config, layer_loop="scan" if scan else "python", kernels=kernels,
@@ -129,6 +130,12 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
         records.append(dict(common, scan=scan, sync_ms=sync, pipelined_ms=pipelined, compile_s=compile_s,
                             kernels=kernels))
         print(kind, T, B, "scan" if scan else "python", records[-1], flush=True)
+    try:  # after the steps: a probe that fails (B=64 ran out of memory in it once) loses no step record
+        tbps, note = attention_tbps(config, holder["state"], kernels), None
+    except Exception as err:  # noqa: BLE001 (recorded)
+        tbps, note = None, f"{type(err).__name__}: {err}"[:300]
+    for r in records:
+        r.update(attention_TBps=tbps, attention_note=note)
     del state, holder
     gc.collect()
 
