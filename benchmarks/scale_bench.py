@@ -202,6 +202,8 @@ def chart(records: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     temporal = sorted((r for r in records if r["stack"] == "temporal"), key=lambda r: r["B"])
+    if not temporal:  # nothing to plot (every temporal case failed, or none was asked for)
+        return
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for scan, style in ((False, "-"), (True, "--")):
         rs = [r for r in temporal if r["scan"] == scan]
@@ -209,7 +211,7 @@ def chart(records: list[dict], path: str) -> None:
         ax.plot([r["B"] for r in rs], [r["sync_ms"] for r in rs], "o" + style, color="C0", label=f"JAX sync ({label})")
         ax.plot([r["B"] for r in rs], [r["pipelined_ms"] for r in rs], "s" + style, color="C2",
                 label=f"JAX pipelined ({label})")
-    rs = [r for r in temporal if not r["scan"]]
+    rs = list({r["B"]: r for r in temporal}.values())  # one record per B (the floor and torch lines)
     for key, label, color in (("floor_ms", "floor (bytes / copy rate)", "gray"),
                               ("torch_graph_ms", "torch, CUDA graph", "C1")):
         pts = [(r["B"], r[key]) for r in rs if r[key] is not None]
