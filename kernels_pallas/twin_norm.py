@@ -45,7 +45,7 @@ def _row_sum(load, D, BK, unroll):
     norm of one row on an H200).
     """
     nkb = D // BK
-    acc = jnp.zeros_like(load(0))
+    acc = jnp.zeros_like(load(0))  # (its shape; the load itself is dead code)
 
     def blocks(i, acc):
         for j in range(unroll):
@@ -67,7 +67,7 @@ def normalize(xf, w, b, stats, kind, gpu):
 
 def row_stats(load_x, D, BK, kind, eps, gpu, unroll=None):
     """The contract's per-row statistics, (r,) for rms or (mean, r) for layer, each [BM, 1];
-    load_x(kb) -> float32 [BM, BK], block kb of the rows (kb may be traced with unroll=False;
+    load_x(kb) -> float32 [BM, BK], block kb of the rows (kb is traced when unroll < D / BK;
     twin_linear's fused norm calls this too); unroll: see `_row_sum` (None: all blocks)."""
     unroll = D // BK if unroll is None else unroll
     f32 = tm.F32
