@@ -279,10 +279,13 @@ def stack_one_layer(w, scale, norm, layer):
     return w[None], None if scale is None else scale[None], norm, 0
 
 
-def check_twin_linear(x, w, act, acts, scale, residual, norm=None):
+LINEAR_ACTS = (None, "silu_gate", "gelu")  # the twin linears' activations
+
+
+def check_twin_linear(x, w, act, scale, residual, norm=None):
     """(M, K, N, N_out) of a twin linear call, after checking shapes, dtypes, act and the fused norm."""
-    if act not in acts:
-        raise ValueError(f"linear(act): must be one of {acts}, got {act!r}")
+    if act not in LINEAR_ACTS:
+        raise ValueError(f"linear(act): must be one of {LINEAR_ACTS}, got {act!r}")
     if len(x.shape) != 2:
         raise ValueError(f"linear(x): expected [M, K], got shape {tuple(x.shape)}")
     if len(w.shape) != 3 or w.shape[2] != x.shape[1]:

@@ -47,8 +47,6 @@ from kernels_pallas.common import (
     twin_norm_unroll,
 )
 
-ACTS = (None, "silu_gate", "gelu")
-
 
 def _epilogue(acc, dtype, act, scale, residual, gpu):
     """acc: float32 [..., N'] (silu_gate: a pair (a, b)) -> the output in dtype (module docstring)."""
@@ -130,7 +128,7 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     never the bits).
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
-    M, K, _, N_out = check_twin_linear(x, w, act, ACTS, scale, residual, norm)
+    M, K, _, N_out = check_twin_linear(x, w, act, scale, residual, norm)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"linear(prefetch): expected an int >= 1, got {prefetch!r}")
     if interpret is None:
@@ -177,7 +175,7 @@ def _whole(a):
 def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm=None, **_):
     """The plain jax.numpy reference: the same signature and bits, without Pallas."""
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
-    M, K, N, N_out = check_twin_linear(x, w, act, ACTS, scale, residual, norm)
+    M, K, N, N_out = check_twin_linear(x, w, act, scale, residual, norm)
     if norm is not None:
         x = twin_norm.norm_native(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps)
     _, _, BK = twin_blocks(M, N_out, K)

@@ -26,7 +26,6 @@ from kernels_triton import twin_math as tm
 from kernels_triton import twin_norm
 from kernels_triton.twin_math import interpreting
 
-ACTS = (None, "silu_gate", "gelu")
 _GATE_BN = 256  # columns per program of the gate kernel
 
 
@@ -128,7 +127,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
     block_m, block_n, num_warps, num_stages (of the pipelined loop over K): speed only, never the bits.
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
-    M, K, N, N_out = check_twin_linear(x, w, act, ACTS, scale, residual, norm)
+    M, K, N, N_out = check_twin_linear(x, w, act, scale, residual, norm)
     nw, nb = (None, None) if norm is None else (norm.weight, norm.bias)
     for name, t in (("x", x), ("w", w), ("scale", scale), ("residual", residual), ("norm.weight", nw),
                     ("norm.bias", nb)):
