@@ -225,7 +225,7 @@ def twin_norm_unroll(num_blocks: int, BM: int) -> int:
 def twin_fuse_norm(BM: int, interpreted: bool = False) -> bool:
     """Whether a linear given `norm=` runs it fused in its own kernel (else the norm kernel first;
     the bits are the same). Fused, every program computes its rows' statistics again: on an H200
-    that pays at one row a program, is even at 4 and costs 30-75% of the projection at 8
+    that pays at one row a program, is even at 4 and costs 30-77% of the projection at 8
     (benchmarks/twin_ab_gpu.py, RESULTS.md). Interpreted (CPU), the cost is per program: fused up
     to TWIN_INTERPRET_FUSED_NORM_MAX_BM rows (a test lowers it to run the other path)."""
     return BM <= (TWIN_INTERPRET_FUSED_NORM_MAX_BM if interpreted else TWIN_FUSED_NORM_MAX_BM)
