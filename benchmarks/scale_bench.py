@@ -125,10 +125,10 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
             o, holder["state"] = step(params, holder["state"], xj, aj)
             jax.block_until_ready((o, holder["state"]))
 
-        kernels = count_kernels(one) if GPU else None
+        launches = count_kernels(one) if GPU else None
         state = holder["state"]
         records.append(dict(common, scan=scan, sync_ms=sync, pipelined_ms=pipelined, compile_s=compile_s,
-                            kernels=kernels))
+                            kernels=launches))
         print(kind, T, B, "scan" if scan else "python", records[-1], flush=True)
     try:  # after the steps: a probe that fails (B=64 ran out of memory in it once) loses no step record
         tbps, note = attention_tbps(config, holder["state"], kernels), None

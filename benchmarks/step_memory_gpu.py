@@ -1,0 +1,88 @@
+"""Where a jitted step keeps a second ring: XLA's memory analysis of the compiled step, no run.
+
+    python benchmarks/step_memory_gpu.py --batches 4,64 --out $OUT/step_memory.json
+    python benchmarks/step_memory_gpu.py --small --batches 2 --out /tmp/step_memory.json   # CPU smoke
+
+For each batch size and mode, the step (`jax_impl.make_step`, state donated) is lowered and
+compiled from abstract shapes (nothing is allocated, so B=64's 100 GB of ring need not exist) and
+the record holds XLA's `memory_analysis()` (argument, output, alias and temp bytes) next to one
+ring's bytes, and every instruction of the optimized HLO whose result has the ring's shape, by
+opcode (a `copy` there is a second ring). The optimized HLO of each case is written beside the
+JSON (gzip). Never part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import gzip
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax
+import jax.numpy as jnp
+
+import jax_impl
+from jax_impl.config import PRESETS
+
+
+def analyse(config, B, kernels, layer_loop, out_dir):
+    S = jax.ShapeDtypeStruct
+    dt = jnp.bfloat16
+    params = jax.eval_shape(lambda: jax_impl.init_params(config, jax.random.key(0), dt))
+    state = jax.eval_shape(lambda: jax_impl.init_state(config, B, dt))
+    step = jax_impl.make_step(config, kernels=kernels, layer_loop=layer_loop)
+    compiled = step.lower(params, state, S((B, 1 if config.dim > 1024 else 2, config.dim), dt), None).compile()
+    ma = compiled.memory_analysis()
+    fields = {k: getattr(ma, k, None) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                                 "alias_size_in_bytes", "temp_size_in_bytes",
+                                                 "generated_code_size_in_bytes")}
+    text = compiled.as_text()
+    ring = "bf16[" + ",".join(str(d) for d in state.k.shape) + "]"
+    ops = collections.Counter()
+    copies = []
+    for line in text.splitlines():
+        if ring in line.split("=", 1)[-1][:200] and "=" in line:
+            m = re.search(r"\b([a-z][a-z0-9\-]*)\(", line.split("=", 1)[1])  # dtypes precede "[", opcodes "("
+            op = m.group(1) if m else "?"
+            ops[op] += 1
+            if op in ("copy", "copy-start", "fusion") and len(copies) < 20:
+                copies.append(line.strip()[:300])
+    name = f"step_hlo_B{B}_{kernels}_{layer_loop}.txt.gz"
+    with gzip.open(os.path.join(out_dir, name), "wt") as f:
+        f.write(text)
+    return {"B": B, "kernels": kernels, "layer_loop": layer_loop, "ring_bytes_each": int(state.k.size * 2),
+            **fields, "ring_shaped_ops": dict(ops), "ring_shaped_copies_or_fusions": copies, "hlo": name}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="step_memory.json")
+    parser.add_argument("--batches", default="4,64")
+    parser.add_argument("--modes", default="twin:scan,auto:python")
+    parser.add_argument("--small", action="store_true")
+    args = parser.parse_args()
+    config = PRESETS["temporal-small" if args.small else "temporal"]
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    results = {"meta": {"device": str(jax.devices()[0]), "date": datetime.date.today().isoformat(),
+                        "jax": jax.__version__}, "records": []}
+    for B in (int(b) for b in args.batches.split(",")):
+        for mode in args.modes.split(","):
+            kernels, loop = mode.split(":")
+            try:
+                rec = analyse(config, B, kernels, loop, out_dir)
+            except Exception as e:  # noqa: BLE001 (recorded: a compile that fails is a result)
+                rec = {"B": B, "kernels": kernels, "layer_loop": loop, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+            results["records"].append(rec)
+            print(json.dumps(rec)[:1500], flush=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
