@@ -1,14 +1,16 @@
 """Where a jitted step keeps a second ring: XLA's memory analysis of the compiled step, no run.
 
     python benchmarks/step_memory_gpu.py --batches 4,64 --out $OUT/step_memory.json
-    python benchmarks/step_memory_gpu.py --small --batches 2 --out /tmp/step_memory.json   # CPU smoke
+    python benchmarks/step_memory_gpu.py --batches 64 --run 64 --out $OUT/step_memory.json  # and run it once
+    python benchmarks/step_memory_gpu.py --small --batches 2 --run 2 --weights-from jax --out /tmp/step_memory.json  # CPU
 
 For each batch size and mode, the step (`jax_impl.make_step`, state donated) is lowered and
 compiled from abstract shapes (nothing is allocated, so B=64's 100 GB of ring need not exist) and
 the record holds XLA's `memory_analysis()` (argument, output, alias and temp bytes) next to one
 ring's bytes, and every instruction of the optimized HLO whose result has the ring's shape, by
 opcode (a `copy` there is a second ring). The optimized HLO of each case is written beside the
-JSON (gzip). Never part of the tests.
+JSON (gzip). With --run, the step then runs once on real buffers (the rings filled in place): is
+the donated ring updated in place, and what does the device hold? Never part of the tests.
 """
 
 from __future__ import annotations
@@ -60,12 +62,54 @@ def analyse(config, B, kernels, layer_loop, out_dir):
             **fields, "ring_shaped_ops": dict(ops), "ring_shaped_copies_or_fusions": copies, "hlo": name}
 
 
+def run_once(config, B, kernels, layer_loop, weights_from):
+    """Run the step once on real buffers: does the donated ring come back in place (same address),
+    and what does the device hold before and after (or when it fails)? weights_from: "jax" (init
+    here) or "torch" (a torch module's buffers through DLPack, as scale_bench.py does)."""
+    from scale_bench import full_state
+
+    def in_use():
+        stats = jax.devices()[0].memory_stats() or {}
+        return {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+
+    dt = jnp.bfloat16
+    rec = {"B": B, "kernels": kernels, "layer_loop": layer_loop, "weights_from": weights_from}
+    if weights_from == "torch":
+        import torch
+
+        from torch_bridge import TemporalStreaming
+        from torch_bridge.dlpack import to_jax
+        module = TemporalStreaming.from_config(config, dtype=torch.bfloat16, device="cuda")
+        module.init_weights(generator=torch.Generator(device="cuda").manual_seed(0))
+        params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
+        rec["torch_allocated"] = torch.cuda.memory_allocated()
+        rec["torch_reserved"] = torch.cuda.memory_reserved()
+    else:
+        params = jax_impl.init_params(config, jax.random.key(0), dt)
+    state = full_state(config, B)
+    jax.block_until_ready(state)
+    rec["before"] = in_use()
+    k_ptr, v_ptr = state.k.unsafe_buffer_pointer(), state.v.unsafe_buffer_pointer()
+    step = jax_impl.make_step(config, kernels=kernels, layer_loop=layer_loop)
+    x = jnp.zeros((B, 1, config.dim), dt)
+    try:
+        out, new = step(params, state, x, jnp.ones((B,), bool))
+        jax.block_until_ready((out, new))
+        rec.update(k_in_place=new.k.unsafe_buffer_pointer() == k_ptr, v_in_place=new.v.unsafe_buffer_pointer() == v_ptr,
+                   after=in_use())
+    except Exception as e:  # noqa: BLE001 (recorded: the failure and the memory then are the result)
+        rec.update(error=f"{type(e).__name__}: {str(e)[:400]}", at_error=in_use())
+    return rec
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="step_memory.json")
     parser.add_argument("--batches", default="4,64")
     parser.add_argument("--modes", default="twin:scan,auto:python")
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--run", default="", help="also run the step once at these B (real buffers), e.g. 16,64")
+    parser.add_argument("--weights-from", default="jax,torch", help="where --run's weights come from")
     args = parser.parse_args()
     config = PRESETS["temporal-small" if args.small else "temporal"]
     out_dir = os.path.dirname(os.path.abspath(args.out))
@@ -82,6 +126,14 @@ def main():
             print(json.dumps(rec)[:1500], flush=True)
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
+    for B in (int(b) for b in args.run.split(",") if b):
+        for source in args.weights_from.split(","):
+            for mode in args.modes.split(","):
+                rec = run_once(config, B, *mode.split(":"), source)
+                results.setdefault("runs", []).append(rec)
+                print(json.dumps(rec)[:1500], flush=True)
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

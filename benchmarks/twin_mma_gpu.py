@@ -38,6 +38,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_linear as pli
 from kernels_triton import twin_linear as tli
+from kernels_triton.twin_math import layer_tensor
 from torch_bridge.dlpack import to_jax
 
 GPU = torch.cuda.is_available()
@@ -107,7 +108,7 @@ def triton_mma(x, w, layer, *, BN, BK, warps, stages, acc_in_dot):
     Mp, K = x.shape
     N = w.shape[1]
     out = torch.empty(Mp, N, device=x.device, dtype=torch.float32)
-    lt = torch.tensor([layer], dtype=torch.int32, device=x.device)
+    lt = layer_tensor(layer, w.shape[0], x.device, "triton_mma")  # cached: no host copy under graph capture
     kern = _triton_kernel[(N // BN, Mp // BMX)](lt, x, w, out, N, K=K, BN=BN, BK=BK, BM=BMX, STAGES=stages,
                                                ACC_IN_DOT=acc_in_dot, num_warps=warps)
     return out, kern

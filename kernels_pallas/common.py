@@ -222,6 +222,41 @@ def twin_norm_unroll(num_blocks: int, BM: int) -> int:
     return largest_pow2_divisor(num_blocks, max(1, TWIN_NORM_ROWS_IN_FLIGHT // BM)) if BM > 1 else num_blocks
 
 
+# The twin linears' two forms (kernels_pallas.twin_linear docstring): "lanes" (CUDA cores, every
+# backend) and "mma" (tensor cores: compiled for the GPU, 16-bit operands)
+LINEAR_FORMS = ("lanes", "mma")
+TWIN_MMA_ROWS = 16    # x rows per program of the MMA form (the MMA's n dimension): fixed, so a row's bits never see M
+TWIN_MMA_MAX_BN = 64  # output columns per program of the MMA form (speed only)
+TWIN_MMA_STAGES = 4   # software-pipeline depth of the MMA form's loop over K (speed only, both sides)
+_SIXTEEN_BIT = ("bfloat16", "float16", "torch.bfloat16", "torch.float16")
+
+
+def twin_linear_form(N_out: int, K: int, dtype, compiled: bool, form: str | None = None) -> str:
+    """Which form of the twin linear runs: `form` if given (checked), else "mma" where it can
+    (compiled for the GPU, 16-bit x and w, K and N_out multiples of 16), else "lanes".
+
+    A function of the shapes, the dtype and the backend alone, never of M: both twins pick the
+    same form, and a row's bits do not depend on the batch.
+    """
+    if form not in (None, *LINEAR_FORMS):
+        raise ValueError(f"linear(form): must be one of {LINEAR_FORMS} or None, got {form!r}")
+    fits = str(dtype) in _SIXTEEN_BIT and twin_lanes(K) >= 16 and N_out % 16 == 0
+    if form == "mma" and not fits:
+        raise ValueError(f"linear(form='mma'): needs bfloat16/float16 x and w, K and N_out multiples of 16; "
+                         f"got {dtype}, K={K}, N_out={N_out}")
+    if form is not None:
+        return form
+    return "mma" if compiled and fits else "lanes"
+
+
+def twin_mma_blocks(N_out: int, K: int, block_n: int | None = None) -> tuple[int, int]:
+    """(BN, BK) of the MMA form: BK = `twin_lanes(K)` (the norm's blocks too), BN for speed."""
+    BN = largest_pow2_divisor(N_out, TWIN_MMA_MAX_BN) if block_n is None else block_n
+    if BN < 16 or BN & (BN - 1) or N_out % BN:
+        raise ValueError(f"twin linear (form 'mma'): block_n must be a power of two >= 16 dividing {N_out}, got {BN}")
+    return BN, twin_lanes(K)
+
+
 def twin_fuse_norm(BM: int, interpreted: bool = False) -> bool:
     """Whether a linear given `norm=` runs it fused in its own kernel (else the norm kernel first;
     the bits are the same). Fused, every program computes its rows' statistics again: on an H200

@@ -1,18 +1,29 @@
 """Batch-invariant linear layer (x @ w[layer].T) as a Pallas kernel, with epilogues; Triton twin in
 `kernels_triton.twin_linear`, plain reference `linear_native` beside it.
 
-Contract (beside `twin_math`'s): program (i, j) computes rows i*BM.. and columns j*BN.. of
-`y = x @ w[layer].T`. Lane l of an output holds the sequential float32 sum, over the K blocks
-in order, of its products x[m, kb*BK + l] * w[n, kb*BK + l] (`twin_math.mac`: each rounded,
-or fused where that gives the same bits);
-the BK lanes are then added by `tree_sum`. BK depends on K alone (`common.twin_blocks`), and
-every row is computed on its own, so the bits of a row depend neither on the batch nor on the
-tiles of M and N. With `norm=TwinNorm(...)` the kernel multiplies the normalized rows instead of
-x: each program computes its rows' statistics (`twin_norm.row_stats`, a pass over x) and
-normalizes each x block as it loads it, rounded to x's dtype: the bits of `twin_norm.norm` then
-`linear`, one launch instead of two. Where that does not pay (programs of many rows,
-`common.twin_fuse_norm`), `linear` runs the norm kernel first: the same bits. Then, in order
-(each step rounded to x's dtype, as the reference rounds):
+Contract (beside `twin_math`'s). Each output row is computed on its own, so its bits depend
+neither on the batch nor on the tiles of M and N. The float32 accumulator of an output element
+is one of two forms (`common.twin_linear_form`, a function of N, K, the dtype and the backend,
+never of M; both twins pick the same):
+
+* "lanes" (CUDA cores; every backend, the only form interpreted on the CPU): lane l holds the
+  sequential float32 sum, over the K blocks in order, of its products x[m, kb*BK + l] *
+  w[n, kb*BK + l] (`twin_math.mac`: each rounded, or fused where that gives the same bits);
+  the BK lanes are then added by `tree_sum`. BK depends on K alone (`common.twin_blocks`).
+* "mma" (tensor cores; compiled for the GPU with 16-bit x and w): `acc += dot(w_block, x_block^T)`
+  over the K blocks of BK = `twin_lanes(K)` in order, each block a float32-accumulating matrix
+  product on the tensor cores in the hardware's own order, with TWIN_MMA_ROWS rows of x a
+  program (the MMA's n dimension, fixed). There is no plain reference for these bits: on the
+  H200 the Pallas and Triton kernels give the same bits at every tile tried, with mma.sync and
+  wgmma alike (`benchmarks/twin_mma_gpu.py`, RESULTS.md), and the GPU tests hold them to each
+  other. They differ from the lane form's bits (another order), within float32 rounding.
+
+With `norm=TwinNorm(...)` the lane form's kernel multiplies the normalized rows instead of x:
+each program computes its rows' statistics (`twin_norm.row_stats`, a pass over x) and normalizes
+each x block as it loads it, rounded to x's dtype: the bits of `twin_norm.norm` then `linear`,
+one launch instead of two. Where that does not pay (programs of many rows, `common.twin_fuse_norm`;
+the MMA form always), `linear` runs the norm kernel first: the same bits. Then, in order (each step rounded to x's
+dtype, as the reference rounds):
 
     y = to_dtype(acc)
     act="silu_gate" (N even): the kernel computes columns n and n + N/2 together and returns
@@ -38,12 +49,16 @@ from jax.experimental.pallas import triton as pltriton
 from kernels_pallas import twin_math as tm
 from kernels_pallas import twin_norm
 from kernels_pallas.common import (
+    TWIN_MMA_ROWS,
+    TWIN_MMA_STAGES,
     TWIN_PALLAS_PREFETCH,
     TwinNorm,
     check_twin_linear,
     stack_one_layer,
     twin_blocks,
     twin_fuse_norm,
+    twin_linear_form,
+    twin_mma_blocks,
     twin_norm_unroll,
 )
 
@@ -114,18 +129,55 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, norm, eps, ha
     o_ref[...] = _epilogue(sums if act == "silu_gate" else sums[0], o_ref.dtype, act, scale, residual, gpu)
 
 
+def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, has_scale, has_res, gpu):
+    """Program (j, i): columns j*BN.. of rows i*R.. (R = TWIN_MMA_ROWS), the MMA form: acc [BN, R]
+    += w_block [BN, BK] @ x_block^T over the K blocks in order (module docstring).
+
+    x_ref [M, K], the residual and o_ref [M, N_out] are whole and unpadded: the rows past M are
+    read as row M - 1 (inside the ref, also interpreted), zeroed, and masked out of the store (no
+    pad or slice kernels around the call)."""
+    refs = list(refs)
+    scale_ref = refs.pop(0) if has_scale else None
+    res_ref = refs.pop(0) if has_res else None
+    (o_ref,) = refs
+    layer = layer_ref[0]
+    n0 = pl.program_id(0) * BN
+    m = pl.program_id(1) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
+    ok = (m < M)[:, None]
+    rows = jnp.minimum(m, M - 1)[:, None]
+    starts = (n0, n0 + N_out) if act == "silu_gate" else (n0,)
+    lanes = jnp.arange(BK, dtype=jnp.int32)[None, :]
+
+    def body(kb, accs):
+        xb = jnp.where(ok, pltriton.load(x_ref.at[rows, kb * BK + lanes]), jnp.zeros((), x_ref.dtype))  # [R, BK]
+        return tuple(a + lax.dot_general(w_ref[layer, pl.ds(s, BN), pl.ds(kb * BK, BK)], xb, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=tm.F32) for a, s in zip(accs, starts))
+
+    zeros = jnp.zeros((BN, TWIN_MMA_ROWS), tm.F32)
+    accs = lax.fori_loop(0, K // BK, body, (zeros,) * len(starts))
+    sums = tuple(a.T for a in accs)                                               # [R, BN]
+    cols = n0 + jnp.arange(BN, dtype=jnp.int32)[None, :]
+    scale = scale_ref[layer, pl.ds(n0, BN)][None, :] if has_scale else None
+    residual = pltriton.load(res_ref.at[rows, cols]) if has_res else None
+    y = _epilogue(sums if act == "silu_gate" else sums[0], o_ref.dtype, act, scale, residual, gpu)
+    # stored at m itself: masked rows must not alias row M - 1 (interpreted, a masked store writes back
+    # what it read, and duplicate indices would race)
+    pltriton.store(o_ref.at[m[:, None], cols], y, mask=jnp.broadcast_to(ok, y.shape))
+
+
 def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
            residual: jax.Array | None = None, norm: TwinNorm | None = None, block_m: int | None = None,
            block_n: int | None = None, num_warps: int = 4, prefetch: int = TWIN_PALLAS_PREFETCH,
-           interpret: bool | None = None) -> jax.Array:
+           form: str | None = None, interpret: bool | None = None) -> jax.Array:
     """y = epilogue(norm(x) @ w[layer].T), batch-invariant (module docstring).
 
     x: [M, K] float32/bfloat16/float16; w: [L, N, K] (layer: int or int32 scalar, may be
     traced) or [N, K] (layer=None), in x's dtype; scale: [L, N_out] or [N_out] (indexed like w);
     residual: [M, N_out]; norm: a `TwinNorm` to fuse (None: x as it is). N_out = N/2 for
     act="silu_gate", else N. Returns [M, N_out] in x's dtype.
-    block_m, block_n: output tile; prefetch: weight blocks loaded ahead (they change the speed,
-    never the bits).
+    form: "lanes" or "mma" (None: `common.twin_linear_form`'s choice; the two give other bits).
+    block_m (lane form only), block_n: output tile; prefetch: weight blocks the lane form loads
+    ahead (the MMA form's loop is pipelined by the compiler); these change the speed, never the bits.
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     M, K, _, N_out = check_twin_linear(x, w, act, scale, residual, norm)
@@ -133,6 +185,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
         raise ValueError(f"linear(prefetch): expected an int >= 1, got {prefetch!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if twin_linear_form(N_out, K, x.dtype, compiled=not interpret, form=form) == "mma":
+        return _linear_mma(x, w, layer, act, scale, residual, norm, block_m, block_n, num_warps, interpret)
     BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret)
     if norm is not None and not twin_fuse_norm(BM, interpret):  # the norm kernel first: the same bits
         x = twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
@@ -167,13 +221,42 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     return out[:M]
 
 
+def _linear_mma(x, w, layer, act, scale, residual, norm, block_m, block_n, num_warps, interpret):
+    """The MMA form (`_mma_kernel`), the norm kernel first (fused into this form's loop, the
+    normalization stalled its pipeline: 43 against 26 us for the qkv projection at M=4 on an H200)."""
+    M, K = x.shape
+    N_out = w.shape[1] // 2 if act == "silu_gate" else w.shape[1]
+    if block_m is not None and block_m != TWIN_MMA_ROWS:
+        raise ValueError(f"linear(block_m): the MMA form has {TWIN_MMA_ROWS} rows a program, got {block_m}")
+    BN, BK = twin_mma_blocks(N_out, K, block_n)
+    if norm is not None:
+        x = twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w]
+    operands += [t for t in (scale, residual) if t is not None]
+    # the columns first in the grid: the row blocks of one column block run together (its weights in L2)
+    return pl.pallas_call(
+        functools.partial(_mma_kernel, M=M, K=K, BN=BN, BK=BK, N_out=N_out, act=act, has_scale=scale is not None,
+                          has_res=residual is not None, gpu=not interpret),
+        out_shape=jax.ShapeDtypeStruct((M, N_out), x.dtype),
+        grid=(N_out // BN, -(-M // TWIN_MMA_ROWS)),
+        in_specs=[_whole(a) for a in operands],
+        out_specs=_whole(jax.ShapeDtypeStruct((M, N_out), x.dtype)),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=TWIN_MMA_STAGES),
+        name="twin_linear_mma",
+    )(*operands)
+
+
 def _whole(a):
     """A BlockSpec giving the kernel the whole array (indexed in place inside)."""
-    return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
+    return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
 
 
-def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm=None, **_):
-    """The plain jax.numpy reference: the same signature and bits, without Pallas."""
+def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm=None, form=None, **_):
+    """The plain jax.numpy reference of the lane form: the same signature and bits, without Pallas
+    (the MMA form's bits are the tensor cores': no plain reference has them)."""
+    if form not in (None, "lanes"):
+        raise ValueError(f"linear_native(form): the reference computes the lane form only, got {form!r}")
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     M, K, N, N_out = check_twin_linear(x, w, act, scale, residual, norm)
     if norm is not None:

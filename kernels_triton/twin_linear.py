@@ -14,12 +14,16 @@ import triton.language as tl
 
 from kernels_pallas.common import (
     TWIN_INTERPRET_MAX_BN,
+    TWIN_MMA_ROWS,
+    TWIN_MMA_STAGES,
     TWIN_TRITON_LINEAR_STAGES,
     TwinNorm,
     check_twin_linear,
     stack_one_layer,
     twin_blocks,
     twin_fuse_norm,
+    twin_linear_form,
+    twin_mma_blocks,
     twin_norm_unroll,
 )
 from kernels_triton import twin_math as tm
@@ -116,15 +120,58 @@ def _gate_kernel(layer_ptr, ab_ptr, scale_ptr, res_ptr, o_ptr, M, N_OUT: tl.cons
     _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT, HAS_SCALE, HAS_RES, INTERPRETED)
 
 
+@triton.jit
+def _dot(w, xb, INTERPRETED: tl.constexpr):
+    """w [BN, BK] @ xb[R, BK]^T in float32 on the tensor cores. Interpreted, on float32 copies (exact
+    products): the interpreter's bfloat16 dot multiplies the raw bits (Triton 3.6)."""
+    if INTERPRETED:
+        return tl.dot(w.to(tl.float32), tl.trans(xb.to(tl.float32)), input_precision="ieee")
+    else:
+        return tl.dot(w, tl.trans(xb))
+
+
+@triton.jit
+def _mma_kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M, N: tl.constexpr, K: tl.constexpr,
+                N_OUT: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr,
+                HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program (j, i): columns j*BN .. of rows i*R .. (R = TWIN_MMA_ROWS), the MMA form of the
+    contract: acc [BN, R] += w_block @ x_block^T over the K blocks in order; ACT "", "gelu" or
+    "silu_gate" (columns n and n + N_OUT in two accumulators, the gate in the epilogue)."""
+    layer = tl.load(layer_ptr).to(tl.int64)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = tl.program_id(1) * R + tl.arange(0, R)
+    m_ok = m < M
+    n_ok = n < N_OUT
+    k = tl.arange(0, BK)
+    w_ptr += layer * N * K
+    acc = tl.zeros([BN, R], tl.float32)
+    acc_b = tl.zeros([BN, R], tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        xb = tl.load(x_ptr + m[:, None] * K + k0 + k[None, :], mask=m_ok[:, None], other=0.0)
+        acc += _dot(tl.load(w_ptr + n[:, None] * K + k0 + k[None, :]), xb, INTERPRETED)
+        if ACT == "silu_gate":
+            acc_b += _dot(tl.load(w_ptr + (n[:, None] + N_OUT) * K + k0 + k[None, :]), xb, INTERPRETED)
+    dtype = o_ptr.dtype.element_ty
+    y = tm.to_dtype(tl.trans(acc), dtype, INTERPRETED)                                     # [R, BN]
+    if ACT == "silu_gate":
+        b = tm.to_dtype(tl.trans(acc_b), dtype, INTERPRETED).to(tl.float32)
+        y = tm.to_dtype(tm.to_dtype(tm.silu(y.to(tl.float32)), dtype, INTERPRETED).to(tl.float32) * b, dtype,
+                        INTERPRETED)
+    if ACT == "gelu":
+        y = tm.to_dtype(tm.gelu(y.to(tl.float32)), dtype, INTERPRETED)
+    _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT, HAS_SCALE, HAS_RES, INTERPRETED)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = None,
            scale: torch.Tensor | None = None, residual: torch.Tensor | None = None, norm: TwinNorm | None = None,
            block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
-           num_stages: int = TWIN_TRITON_LINEAR_STAGES) -> torch.Tensor:
+           num_stages: int | None = None, form: str | None = None) -> torch.Tensor:
     """y = epilogue(norm(x) @ w[layer].T), batch-invariant; the signature and bits of the Pallas twin.
 
     x: [M, K]; w: [L, N, K] with layer an int or int tensor, or [N, K] with layer=None; norm: a
-    `TwinNorm` to fuse, or None.
-    block_m, block_n, num_warps, num_stages (of the pipelined loop over K): speed only, never the bits.
+    `TwinNorm` to fuse, or None; form: "lanes", "mma" or None (`common.twin_linear_form`).
+    block_m (lane form only), block_n, num_warps, num_stages (of the pipelined loop over K; None:
+    the form's default): speed only, never the bits.
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     M, K, N, N_out = check_twin_linear(x, w, act, scale, residual, norm)
@@ -135,10 +182,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
             raise ValueError(f"linear({name}): must be contiguous, got strides {t.stride()}")
     interpreted = interpreting(_kernel)
     gated = act == "silu_gate"
+    layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear")
+    if twin_linear_form(N_out, K, x.dtype, compiled=not interpreted, form=form) == "mma":
+        return _linear_mma(x, w, layer_t, act, scale, residual, norm, block_m, block_n, num_warps,
+                           TWIN_MMA_STAGES if num_stages is None else num_stages, interpreted)
     if interpreted and block_n is None:  # one program per row block: the interpreter's cost is per program
         block_n = min(triton.next_power_of_2(N), TWIN_INTERPRET_MAX_BN)
     BM, BN, BK = twin_blocks(M, N, K, block_m, block_n, interpreted=interpreted, masked_n=interpreted)
-    layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear")
     if norm is not None and not twin_fuse_norm(BM, interpreted):  # the norm kernel first: the same bits
         x = twin_norm.norm(x, nw, nb, layer_t, kind=norm.kind, eps=norm.eps)
         norm = nw = nb = None
@@ -155,7 +205,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
         NORM="" if norm is None else norm.kind, INV_K=float(np.float32(1.0 / K)),
         NORM_UNROLL=twin_norm_unroll(K // BK, BM), GELU=act == "gelu",
         HAS_SCALE=scale is not None and not gated, HAS_RES=residual is not None and not gated,
-        FUSED=x.dtype in (torch.bfloat16, torch.float16), STAGES=num_stages, INTERPRETED=interpreted,
+        FUSED=x.dtype in (torch.bfloat16, torch.float16),
+        STAGES=TWIN_TRITON_LINEAR_STAGES if num_stages is None else num_stages, INTERPRETED=interpreted,
         num_warps=num_warps, enable_fp_fusion=False)
     if gated:
         GB = min(_GATE_BN, triton.next_power_of_2(N_out))
@@ -163,4 +214,23 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
             layer_t, proj, dummy if scale is None else scale, dummy if residual is None else residual, out, M,
             N_OUT=N_out, BM=BM, BN=GB, HAS_SCALE=scale is not None, HAS_RES=residual is not None,
             INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
+    return out
+
+
+def _linear_mma(x, w, layer_t, act, scale, residual, norm, block_m, block_n, num_warps, num_stages, interpreted):
+    """The MMA form (`_mma_kernel`): one launch with the gate, the norm kernel first (as the Pallas twin)."""
+    M, K = x.shape
+    N = w.shape[1]
+    N_out = N // 2 if act == "silu_gate" else N
+    if block_m is not None and block_m != TWIN_MMA_ROWS:
+        raise ValueError(f"linear(block_m): the MMA form has {TWIN_MMA_ROWS} rows a program, got {block_m}")
+    BN, BK = twin_mma_blocks(N_out, K, block_n)
+    if norm is not None:
+        x = twin_norm.norm(x, norm.weight, norm.bias, layer_t, kind=norm.kind, eps=norm.eps)
+    out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)
+    _mma_kernel[(N_out // BN, triton.cdiv(M, TWIN_MMA_ROWS))](
+        layer_t, x, w, out if scale is None else scale, out if residual is None else residual, out, M,  # out: unread
+        N=N, K=K, N_OUT=N_out, R=TWIN_MMA_ROWS, BN=BN, BK=BK, ACT=act or "", HAS_SCALE=scale is not None,
+        HAS_RES=residual is not None, STAGES=num_stages, INTERPRETED=interpreted, num_warps=num_warps,
+        enable_fp_fusion=False)
     return out

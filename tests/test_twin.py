@@ -275,6 +275,99 @@ def test_linear_refuses_a_bad_fused_norm_or_prefetch():
         pli.linear(x, w, 0, prefetch=0)
 
 
+MMA = [  # (M, N, K, L, act, scale, res, norm kind): the MMA form, interpreted
+    (1, 64, 128, 2, None, False, True, None),
+    (5, 96, 256, 2, "silu_gate", False, True, "rms"),
+    (17, 32, 64, 1, "gelu", True, True, "layer"),  # two row blocks of TWIN_MMA_ROWS
+]
+
+
+def _mma_case(M, N, K, L, act, scale, res, kind):
+    rng = np.random.default_rng(M + N + K)
+    n_out = N // 2 if act == "silu_gate" else N
+    b16 = NP["bfloat16"]
+    x = rng.standard_normal((M, K)).astype(b16)
+    w = (rng.standard_normal((L, N, K)) * 0.1).astype(b16)
+    s = rng.standard_normal((L, n_out)).astype(b16) if scale else None
+    r = rng.standard_normal((M, n_out)).astype(b16) if res else None
+    norm = None if kind is None else TwinNorm(kind, (1 + 0.1 * rng.standard_normal((L, K))).astype(b16),
+                                              rng.standard_normal((L, K)).astype(b16) if kind == "layer" else None, 1e-5)
+    return x, w, s, r, norm
+
+
+@pytest.mark.parametrize("M,N,K,L,act,scale,res,kind", MMA)
+def test_linear_mma_form_interpreted_agrees_with_the_lane_form(M, N, K, L, act, scale, res, kind):
+    """form="mma" (what runs compiled on the GPU for 16-bit operands, `common.twin_linear_form`),
+    interpreted: its sums run in another order than the lane form's (interpreted: XLA's and
+    numpy's matrix products; compiled: the tensor cores', which the GPU test holds the twins to
+    bit for bit), so both twins are held to the lane form's reference within bf16 rounding (two
+    roundings for the gate); the epilogues, the norm (its kernel first) and the row blocks past M
+    are the same code as compiled; a row alone has the bits it has among the others."""
+    x, w, s, r, norm = _mma_case(M, N, K, L, act, scale, res, kind)
+    T = (lambda a: None if a is None else to_torch(a))
+    ref = np.asarray(pli.linear_native(x, w, L - 1, act=act, scale=s, residual=r, norm=norm), np.float32)
+    y_p = jax.jit(lambda x, w, s, r, i: pli.linear(x, w, i, act=act, scale=s, residual=r, norm=norm, form="mma"))(
+        x, w, s, r, jnp.int32(L - 1))
+    tnorm = None if norm is None else TwinNorm(kind, T(norm.weight), T(norm.bias), norm.eps)
+    y_t = tli.linear(T(x), T(w), L - 1, act=act, scale=T(s), residual=T(r), norm=tnorm, form="mma")
+    bound = (2 ** -6 if act == "silu_gate" else 2 ** -7) * np.abs(ref) + 1e-3 * np.abs(ref).max()
+    for name, y in (("pallas", np.asarray(y_p, np.float32)), ("triton", y_t.float().numpy())):
+        assert y.shape == ref.shape
+        assert (np.abs(y - ref) <= bound).all(), (name, np.abs(y - ref).max())
+    for row in (0, M - 1):
+        alone = pli.linear(x[row:row + 1], w, L - 1, act=act, scale=s, residual=None if r is None else r[row:row + 1],
+                           norm=norm, form="mma")
+        assert_same(alone[0], y_p[row], what=f"pallas mma row {row} alone")
+        alone = tli.linear(T(x[row:row + 1]), T(w), L - 1, act=act, scale=T(s),
+                           residual=None if r is None else T(r[row:row + 1]), norm=tnorm, form="mma")
+        assert_same(alone[0], y_t[row], what=f"triton mma row {row} alone")
+
+
+def test_linear_form_is_chosen_by_shape_dtype_and_backend_never_by_batch(monkeypatch, capsys):
+    """Compiled, 16-bit operands with K and N_out multiples of 16 take the MMA form (the lowered
+    module holds a tt.dot), float32 the lane form (none), at M=1 and M=16 alike; form="mma" where
+    it cannot run is refused, naming the argument."""
+    b16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)  # as the kernels pass them: x.dtype
+    assert common.twin_linear_form(4096, 4096, b16, compiled=True) == "mma"
+    assert common.twin_linear_form(4096, 4096, torch.float16, compiled=True) == "mma"
+    assert common.twin_linear_form(4096, 4096, b16, compiled=False) == "lanes"
+    assert common.twin_linear_form(4096, 4096, f32, compiled=True) == "lanes"
+    assert common.twin_linear_form(4096, 4104, b16, compiled=True) == "lanes"  # K: 8 lanes
+    S = jax.ShapeDtypeStruct
+    for M in (1, 16):
+        for dtype, dot in ((jnp.bfloat16, True), (jnp.float32, False)):
+            text = _triton_module_text(lambda x, w: pli.linear(x, w, 1, interpret=False), S((M, 256), dtype),
+                                       S((2, 128, 256), dtype), monkeypatch=monkeypatch, capsys=capsys)
+            assert ("tt.dot" in text) == dot, (M, dtype)
+    with pytest.raises(ValueError, match=r"linear\(form='mma'\): needs bfloat16/float16"):
+        pli.linear(jnp.ones((2, 32)), jnp.ones((1, 32, 32)), 0, form="mma")
+    with pytest.raises(ValueError, match=r"linear\(form\): must be one of"):
+        tli.linear(torch.ones(2, 32), torch.ones(1, 32, 32), 0, form="tensor")
+    with pytest.raises(ValueError, match=r"linear\(block_m\): the MMA form"):
+        pli.linear(jnp.ones((2, 32), jnp.bfloat16), jnp.ones((1, 32, 32), jnp.bfloat16), 0, form="mma", block_m=4)
+    with pytest.raises(ValueError, match=r"linear_native\(form\)"):
+        pli.linear_native(jnp.ones((2, 32)), jnp.ones((1, 32, 32)), 0, form="mma")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or jax.default_backend() != "gpu",
+                    reason="GPU only: the MMA form's bits are the tensor cores' (CPU: the interpreted test above)")
+@pytest.mark.parametrize("M,N,K,L,act,scale,res,kind", MMA + [(16, 256, 512, 2, "silu_gate", False, True, "rms")])
+def test_linear_mma_form_gpu_twins_same_bits_and_batch_invariant(M, N, K, L, act, scale, res, kind):
+    """Compiled on the GPU: the Pallas and Triton MMA forms give the same bits, at other tiles too,
+    and a row alone has the bits it has among the others."""
+    x, w, s, r, norm = _mma_case(M, N, K, L, act, scale, res, kind)
+    C = (lambda a: None if a is None else to_torch(a).cuda())
+    tnorm = None if norm is None else TwinNorm(kind, C(norm.weight), C(norm.bias), norm.eps)
+    y_p = pli.linear(jnp.asarray(x), jnp.asarray(w), L - 1, act=act, scale=s, residual=r, norm=norm)
+    y_t = tli.linear(C(x), C(w), L - 1, act=act, scale=C(s), residual=C(r), norm=tnorm)
+    y_t2 = tli.linear(C(x), C(w), L - 1, act=act, scale=C(s), residual=C(r), norm=tnorm, block_n=16, num_stages=2)
+    assert_same(np.asarray(y_p), y_t.cpu(), y_t2.cpu(), what="mma form, GPU")
+    for row in (0, M - 1):
+        alone = tli.linear(C(x[row:row + 1]), C(w), L - 1, act=act, scale=C(s),
+                           residual=None if r is None else C(r[row:row + 1]), norm=tnorm)
+        assert_same(alone[0].cpu(), y_t[row].cpu(), what=f"row {row} alone, GPU")
+
+
 @pytest.mark.parametrize("kind,M,D,dtype", [("rms", 3, 64, "float32"), ("rms", 3, 176, "bfloat16"),
                                              ("layer", 5, 48, "float32"), ("layer", 4, 32, "bfloat16")])
 def test_norm_twins_same_bits(kind, M, D, dtype):
