@@ -70,8 +70,10 @@ def full_state(config, B: int, key: int = 1):
     k1, k2 = jax.random.split(jax.random.key(key))
     if 2 * s.k.nbytes <= RANDOM_RING_MAX_BYTES:
         k, v = jax.random.normal(k1, s.k.shape, jnp.bfloat16), jax.random.normal(k2, s.v.shape, jnp.bfloat16)
-    else:  # filled in place (the zero rings donated): no second ring, ever (at B=64 one is 50 GB)
-        fill = jax.jit(lambda a, value: jnp.full_like(a, value), donate_argnums=0)
+    else:  # filled in place (the zero rings donated): no second ring, ever (at B=64 one is 50 GB).
+        # keep_unused: full_like does not read `a`, and jit drops an unused argument, donated or
+        # not: the output was then a new 50 GB buffer beside the zero ring (out of memory at B=64)
+        fill = jax.jit(lambda a, value: jnp.full_like(a, value), donate_argnums=0, keep_unused=True)
         k, v = fill(s.k, 0.5), fill(s.v, -0.25)
     return s._replace(k=k, v=v, offset=jnp.full_like(s.offset, config.capacity))
 

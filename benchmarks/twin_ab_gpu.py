@@ -1,19 +1,17 @@
-"""A/B timings of the twin linear on the GPU, side by side in one process: the fused norm
-(`linear(norm=TwinNorm(...))`) against the norm kernel then the linear, on both sides, and the
-Pallas linear's prefetch depths; optionally an older Pallas linear module (--old FILE, a copy of
-`kernels_pallas/twin_linear.py` from another commit) at the same shapes.
+"""A/B timings of the twin linear's two forms on the GPU, side by side in one process: the MMA
+form (tensor cores) at each block_n x pipeline depth, against the lane form at its defaults, on
+both sides, and the twin norm kernel.
 
-    python benchmarks/twin_ab_gpu.py --out $OUT/twin_ab.json [--old benchmarks/ab_old_twin_linear.py]
+    python benchmarks/twin_ab_gpu.py --out $OUT/twin_ab.json [--batches 1,4,16] [--stages 4,6,8] [--bn 32,64]
 
-Every variant's bits are checked against the Pallas default's (they must be equal). Never part
-of the tests.
+Bits: every MMA variant must equal the Pallas MMA default (tiles and depths never change them),
+and the Triton lane form the Pallas lane form. Never part of the tests.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 
 import jax
@@ -23,89 +21,78 @@ from twin_tune_gpu import jax_ms, randn, same
 
 from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_norm as pn
-from kernels_pallas.common import TwinNorm
 from kernels_triton import twin_linear as tli
 from kernels_triton import twin_norm as tn
 from torch_bridge.dlpack import to_jax
 
 L = 8  # stacked layers: larger than the L2, each call reads its layer from HBM
-SHAPES = {  # name: (N, K, act, residual, norm) at the temporal sizes
-    "qkv": (12288, 4096, None, False, True),
-    "gate": (22528, 4096, "silu_gate", False, True),
-    "out": (4096, 4096, None, True, False),
-    "down": (4096, 11264, None, True, False),
+SHAPES = {  # name: (N, K, act, residual) at the temporal sizes
+    "qkv": (12288, 4096, None, False),
+    "gate": (22528, 4096, "silu_gate", False),
+    "out": (4096, 4096, None, True),
+    "down": (4096, 11264, None, True),
 }
 
 
-def load_module(path):
-    spec = importlib.util.spec_from_file_location("old_twin_linear", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def case(M, name, old, prefetches):
-    N, K, act, has_res, has_norm = SHAPES[name]
+def case(M, name, bns, stages):
+    N, K, act, has_res = SHAPES[name]
     n_out = N // 2 if act == "silu_gate" else N
     x, w = randn(M, K), randn(L, N, K, scale=0.02, seed=1)
     r = randn(M, n_out, seed=3) if has_res else None
-    nw = randn(L, K, seed=4)
-    jx, jw, jr, jnw = to_jax(x), to_jax(w), None if r is None else to_jax(r), to_jax(nw)
+    jx, jw, jr = to_jax(x), to_jax(w), None if r is None else to_jax(r)
     rec = {"M": M, "N": N, "K": K, "act": act, "weight_bytes": N * K * 2}
 
-    def pallas(label, one):  # one(x, w, r, nw, layer) -> y
-        f1 = jax.jit(lambda *a: one(*a, L - 1))
-        fn = jax.jit(lambda *a: [one(*a, i % L) for i in range(2 * L)])
-        y = f1(jx, jw, jr, jnw)
-        rec[label] = jax_ms(fn, (jx, jw, jr, jnw), 2 * L)
+    def pallas(label, **kw):
+        f1 = jax.jit(lambda x, w, r: pli.linear(x, w, L - 1, act=act, residual=r, **kw))
+        fn = jax.jit(lambda x, w, r: [pli.linear(x, w, i % L, act=act, residual=r, **kw) for i in range(2 * L)])
+        y = f1(jx, jw, jr)
+        rec[label] = jax_ms(fn, (jx, jw, jr), 2 * L)
         return y
 
-    def triton(label, one):
-        y = one(L - 1)
-        rec[label] = graph_per_call_ms(one, 2 * L)
+    def triton(label, **kw):
+        y = tli.linear(x, w, L - 1, act=act, residual=r, **kw)
+        rec[label] = graph_per_call_ms(lambda i: tli.linear(x, w, i % L, act=act, residual=r, **kw), 2 * L)
         return y
 
-    eps = 1e-5
-    if has_norm:
-        ref = pallas("pallas_fused_ms", lambda x, w, r, nw, i: pli.linear(x, w, i, act=act, norm=TwinNorm("rms", nw, None, eps)))
-        ys = [pallas("pallas_separate_ms", lambda x, w, r, nw, i: pli.linear(pn.norm(x, nw, None, i, kind="rms", eps=eps),
-                                                                                w, i, act=act))]
-        ys.append(triton("triton_fused_ms", lambda i: tli.linear(x, w, i % L, act=act, norm=TwinNorm("rms", nw, None, eps))))
-        ys.append(triton("triton_separate_ms", lambda i: tli.linear(tn.norm(x, nw, None, i % L, kind="rms", eps=eps),
-                                                                    w, i % L, act=act)))
-        for p in prefetches:
-            ys.append(pallas(f"pallas_fused_prefetch{p}_ms", lambda x, w, r, nw, i, p=p: pli.linear(
-                x, w, i, act=act, norm=TwinNorm("rms", nw, None, eps), prefetch=p)))
-    else:
-        ref = pallas("pallas_ms", lambda x, w, r, nw, i: pli.linear(x, w, i, act=act, residual=r))
-        ys = [triton("triton_ms", lambda i: tli.linear(x, w, i % L, act=act, residual=r))]
-        for p in prefetches:
-            ys.append(pallas(f"pallas_prefetch{p}_ms", lambda x, w, r, nw, i, p=p: pli.linear(
-                x, w, i, act=act, residual=r, prefetch=p)))
-        if old is not None:
-            ys.append(pallas("pallas_old_ms", lambda x, w, r, nw, i: old.linear(x, w, i, act=act, residual=r)))
-    rec["bits_equal"] = all(same(ref, y) for y in ys)
+    ref = pallas("pallas_mma_default_ms")
+    mma = [triton("triton_mma_default_ms")]
+    for bn in bns:
+        for st in stages:
+            mma.append(pallas(f"pallas_mma_bn{bn}_s{st}_ms", block_n=bn, num_stages=st))
+            mma.append(triton(f"triton_mma_bn{bn}_s{st}_ms", block_n=bn, num_stages=st))
+    lanes = pallas("pallas_lanes_ms", form="lanes")
+    rec["mma_bits_equal"] = all(same(ref, y) for y in mma)
+    rec["lanes_bits_equal"] = same(lanes, triton("triton_lanes_ms", form="lanes"))
     rec["TBps"] = {k: rec["weight_bytes"] / (v * 1e-3) / 1e12 for k, v in rec.items() if k.endswith("_ms")}
+    return rec
+
+
+def norm_case(M, D=4096):
+    x, nw = randn(M, D), randn(L, D, seed=4)
+    jx, jnw = to_jax(x), to_jax(nw)
+    fn = jax.jit(lambda x, nw: [pn.norm(x, nw, None, i % L, kind="rms", eps=1e-5) for i in range(2 * L)])
+    rec = {"M": M, "D": D, "pallas_ms": jax_ms(fn, (jx, jnw), 2 * L),
+           "triton_ms": graph_per_call_ms(lambda i: tn.norm(x, nw, None, i % L, kind="rms", eps=1e-5), 2 * L)}
+    rec["bits_equal"] = same(fn(jx, jnw)[L - 1], tn.norm(x, nw, None, L - 1, kind="rms", eps=1e-5))
     return rec
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="twin_ab.json")
-    parser.add_argument("--old", default=None, help="an older kernels_pallas/twin_linear.py to time beside")
     parser.add_argument("--batches", default="1,4,16")
-    parser.add_argument("--prefetch", default="2,3", help="Pallas prefetch depths besides the default")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="which of " + ",".join(SHAPES))
+    parser.add_argument("--bn", default="32,64", help="MMA block_n values")
+    parser.add_argument("--stages", default="4,8", help="MMA pipeline depths")
     args = parser.parse_args()
-    old = load_module(args.old) if args.old else None
-    prefetches = [int(p) for p in args.prefetch.split(",") if p]
+    bns, stages = ([int(v) for v in a.split(",") if v] for a in (args.bn, args.stages))
     results = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                         "jax": jax.__version__, "torch": torch.__version__, "layers": L}}
     for M in (int(b) for b in args.batches.split(",")):
-        for name in args.shapes.split(","):
-            key = f"{name}_m{M}"
+        cases = [(f"{name}_m{M}", lambda M=M, name=name: case(M, name, bns, stages)) for name in args.shapes.split(",")]
+        for key, run in [*cases, (f"rms_norm_m{M}", lambda M=M: norm_case(M))]:
             try:
-                results[key] = case(M, name, old, prefetches)
+                results[key] = run()
             except Exception as e:  # noqa: BLE001 (recorded: a failing case is a result, the next one runs)
                 results[key] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
             print(key, json.dumps(results[key]), flush=True)

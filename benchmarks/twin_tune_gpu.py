@@ -1,4 +1,5 @@
-"""Tile sweep of the twin linear and attention kernels on the GPU: which tiles reach the copy ceiling.
+"""Tile sweep of the twin linear (its lane form; the MMA form: `twin_ab_gpu.py`) and attention kernels on
+the GPU: which tiles reach the copy ceiling.
 
     python benchmarks/twin_tune_gpu.py --out $OUT/twin_tune.json
     TRITON_INTERPRET=1 python benchmarks/twin_tune_gpu.py --small --out /tmp/twin_tune.json  # CPU smoke
@@ -128,7 +129,7 @@ def tune_linear(name, shape, out, ceiling, small):
 
     def run(cfg):
         with_contract(TWIN_MAX_BK=cfg["lanes"])
-        kw = {"act": act, "residual": r, "norm": tnorm, "block_m": cfg["bm"], "block_n": cfg["bn"],
+        kw = {"act": act, "residual": r, "norm": tnorm, "block_m": cfg["bm"], "block_n": cfg["bn"], "form": "lanes",
               "num_warps": cfg["warps"], "num_stages": cfg.get("stages") or common.TWIN_TRITON_LINEAR_STAGES}
         try:
             y = tli.linear(x, w, L - 1, **kw)
@@ -167,7 +168,7 @@ def tune_linear(name, shape, out, ceiling, small):
     tiles = [{"config": "default", "bm": None, "bn": None, "warps": 4, "lanes": lanes0}] + stage1 * PALLAS
     for cfg in [{**c, "prefetch": p_} for c in tiles for p_ in PREFETCH]:
         with_contract(TWIN_MAX_BK=cfg["lanes"])
-        kw = {"act": act, "block_m": cfg["bm"], "block_n": cfg["bn"], "num_warps": cfg["warps"]}
+        kw = {"act": act, "block_m": cfg["bm"], "block_n": cfg["bn"], "num_warps": cfg["warps"], "form": "lanes"}
         pkw = {**kw, "norm": jnorm, "prefetch": cfg["prefetch"]}
         try:
             f1 = jax.jit(lambda x, w, r, pkw=pkw: pli.linear(x, w, L - 1, residual=r, **pkw))

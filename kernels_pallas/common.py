@@ -227,7 +227,9 @@ def twin_norm_unroll(num_blocks: int, BM: int) -> int:
 LINEAR_FORMS = ("lanes", "mma")
 TWIN_MMA_ROWS = 16    # x rows per program of the MMA form (the MMA's n dimension): fixed, so a row's bits never see M
 TWIN_MMA_MAX_BN = 64  # output columns per program of the MMA form (speed only)
-TWIN_MMA_STAGES = 4   # software-pipeline depth of the MMA form's loop over K (speed only, both sides)
+TWIN_MMA_STAGES = 4   # software-pipeline depth of the MMA form's loop over K (speed only, both sides) ...
+TWIN_MMA_FEW_PROGRAMS_STAGES = 8  # ... where the grid has fewer column blocks than the H200 has SMs
+H200_SMS = 132
 _SIXTEEN_BIT = ("bfloat16", "float16", "torch.bfloat16", "torch.float16")
 
 
@@ -255,6 +257,12 @@ def twin_mma_blocks(N_out: int, K: int, block_n: int | None = None) -> tuple[int
     if BN < 16 or BN & (BN - 1) or N_out % BN:
         raise ValueError(f"twin linear (form 'mma'): block_n must be a power of two >= 16 dividing {N_out}, got {BN}")
     return BN, twin_lanes(K)
+
+
+def twin_mma_stages(N_out: int, BN: int) -> int:
+    """The MMA form's pipeline depth (speed only): deeper where few programs (N_out / BN column
+    blocks, under one per SM) must keep the copy rate's bytes in flight by themselves."""
+    return TWIN_MMA_STAGES if N_out // BN >= H200_SMS else TWIN_MMA_FEW_PROGRAMS_STAGES
 
 
 def twin_fuse_norm(BM: int, interpreted: bool = False) -> bool:

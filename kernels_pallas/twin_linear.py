@@ -50,7 +50,6 @@ from kernels_pallas import twin_math as tm
 from kernels_pallas import twin_norm
 from kernels_pallas.common import (
     TWIN_MMA_ROWS,
-    TWIN_MMA_STAGES,
     TWIN_PALLAS_PREFETCH,
     TwinNorm,
     check_twin_linear,
@@ -59,6 +58,7 @@ from kernels_pallas.common import (
     twin_fuse_norm,
     twin_linear_form,
     twin_mma_blocks,
+    twin_mma_stages,
     twin_norm_unroll,
 )
 
@@ -167,8 +167,8 @@ def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, has_sc
 
 def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
            residual: jax.Array | None = None, norm: TwinNorm | None = None, block_m: int | None = None,
-           block_n: int | None = None, num_warps: int = 4, prefetch: int = TWIN_PALLAS_PREFETCH,
-           form: str | None = None, interpret: bool | None = None) -> jax.Array:
+           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+           prefetch: int = TWIN_PALLAS_PREFETCH, form: str | None = None, interpret: bool | None = None) -> jax.Array:
     """y = epilogue(norm(x) @ w[layer].T), batch-invariant (module docstring).
 
     x: [M, K] float32/bfloat16/float16; w: [L, N, K] (layer: int or int32 scalar, may be
@@ -176,8 +176,9 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     residual: [M, N_out]; norm: a `TwinNorm` to fuse (None: x as it is). N_out = N/2 for
     act="silu_gate", else N. Returns [M, N_out] in x's dtype.
     form: "lanes" or "mma" (None: `common.twin_linear_form`'s choice; the two give other bits).
-    block_m (lane form only), block_n: output tile; prefetch: weight blocks the lane form loads
-    ahead (the MMA form's loop is pipelined by the compiler); these change the speed, never the bits.
+    block_m (lane form only), block_n: output tile; num_stages: the MMA form's pipeline depth (None:
+    `common.twin_mma_stages`; the lane form's is 2); prefetch: weight blocks the lane form loads
+    ahead itself. These change the speed, never the bits.
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     M, K, _, N_out = check_twin_linear(x, w, act, scale, residual, norm)
@@ -186,7 +187,7 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if twin_linear_form(N_out, K, x.dtype, compiled=not interpret, form=form) == "mma":
-        return _linear_mma(x, w, layer, act, scale, residual, norm, block_m, block_n, num_warps, interpret)
+        return _linear_mma(x, w, layer, act, scale, residual, norm, block_m, block_n, num_warps, num_stages, interpret)
     BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret)
     if norm is not None and not twin_fuse_norm(BM, interpret):  # the norm kernel first: the same bits
         x = twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
@@ -215,13 +216,13 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
         in_specs=in_specs,
         out_specs=tile,
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages or 2),
         name="twin_linear",
     )(*operands)
     return out[:M]
 
 
-def _linear_mma(x, w, layer, act, scale, residual, norm, block_m, block_n, num_warps, interpret):
+def _linear_mma(x, w, layer, act, scale, residual, norm, block_m, block_n, num_warps, num_stages, interpret):
     """The MMA form (`_mma_kernel`), the norm kernel first (fused into this form's loop, the
     normalization stalled its pipeline: 43 against 26 us for the qkv projection at M=4 on an H200)."""
     M, K = x.shape
@@ -242,7 +243,8 @@ def _linear_mma(x, w, layer, act, scale, residual, norm, block_m, block_n, num_w
         in_specs=[_whole(a) for a in operands],
         out_specs=_whole(jax.ShapeDtypeStruct((M, N_out), x.dtype)),
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=TWIN_MMA_STAGES),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps,
+                                                num_stages=num_stages or twin_mma_stages(N_out, BN)),
         name="twin_linear_mma",
     )(*operands)
 

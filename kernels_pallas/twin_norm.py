@@ -94,11 +94,14 @@ def _kernel(layer_ref, x_ref, w_ref, b_ref, o_ref, *, D, BK, kind, eps, gpu):
 
     stats = row_stats(load_x, D, BK, kind, eps, gpu, twin_norm_unroll(D // BK, x_ref.shape[0]))
 
-    for kb in range(D // BK):  # written out
+    ys = []  # written out; every block computed before the first store: a load after a store waits
+    for kb in range(D // BK):  # for it (the refs may alias), and the blocks then went one at a time
         cols = pl.ds(kb * BK, BK)
         w = w_ref[layer, cols].astype(tm.F32)[None, :]
         b = b_ref[layer, cols].astype(tm.F32)[None, :]
-        o_ref[:, cols] = tm.to_dtype(normalize(load_x(kb), w, b, stats, kind, gpu), o_ref.dtype)
+        ys.append(tm.to_dtype(normalize(load_x(kb), w, b, stats, kind, gpu), o_ref.dtype))
+    for kb, y in enumerate(ys):
+        o_ref[:, pl.ds(kb * BK, BK)] = y
 
 
 def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=None, *, kind: str = "rms",

@@ -15,7 +15,6 @@ import triton.language as tl
 from kernels_pallas.common import (
     TWIN_INTERPRET_MAX_BN,
     TWIN_MMA_ROWS,
-    TWIN_MMA_STAGES,
     TWIN_TRITON_LINEAR_STAGES,
     TwinNorm,
     check_twin_linear,
@@ -24,6 +23,7 @@ from kernels_pallas.common import (
     twin_fuse_norm,
     twin_linear_form,
     twin_mma_blocks,
+    twin_mma_stages,
     twin_norm_unroll,
 )
 from kernels_triton import twin_math as tm
@@ -184,8 +184,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
     gated = act == "silu_gate"
     layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear")
     if twin_linear_form(N_out, K, x.dtype, compiled=not interpreted, form=form) == "mma":
-        return _linear_mma(x, w, layer_t, act, scale, residual, norm, block_m, block_n, num_warps,
-                           TWIN_MMA_STAGES if num_stages is None else num_stages, interpreted)
+        return _linear_mma(x, w, layer_t, act, scale, residual, norm, block_m, block_n, num_warps, num_stages,
+                           interpreted)
     if interpreted and block_n is None:  # one program per row block: the interpreter's cost is per program
         block_n = min(triton.next_power_of_2(N), TWIN_INTERPRET_MAX_BN)
     BM, BN, BK = twin_blocks(M, N, K, block_m, block_n, interpreted=interpreted, masked_n=interpreted)
@@ -231,6 +231,6 @@ def _linear_mma(x, w, layer_t, act, scale, residual, norm, block_m, block_n, num
     _mma_kernel[(N_out // BN, triton.cdiv(M, TWIN_MMA_ROWS))](
         layer_t, x, w, out if scale is None else scale, out if residual is None else residual, out, M,  # out: unread
         N=N, K=K, N_OUT=N_out, R=TWIN_MMA_ROWS, BN=BN, BK=BK, ACT=act or "", HAS_SCALE=scale is not None,
-        HAS_RES=residual is not None, STAGES=num_stages, INTERPRETED=interpreted, num_warps=num_warps,
-        enable_fp_fusion=False)
+        HAS_RES=residual is not None, STAGES=num_stages or twin_mma_stages(N_out, BN), INTERPRETED=interpreted,
+        num_warps=num_warps, enable_fp_fusion=False)
     return out

@@ -72,18 +72,21 @@ def normalize(x, w_ptr, b_ptr, cols, mean, r, RMS: tl.constexpr):
 
 
 @triton.jit
-def _kernel(layer_ptr, x_ptr, w_ptr, b_ptr, o_ptr, M, eps, INV_D: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-            BK: tl.constexpr, RMS: tl.constexpr, UNROLL: tl.constexpr, INTERPRETED: tl.constexpr):
+def _kernel(layer_ptr, x_ptr, w_ptr, b_ptr, o_ptr, M, eps, INV_D: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+            BM: tl.constexpr, BK: tl.constexpr, RMS: tl.constexpr, UNROLL: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Rows i*BM ..: the statistics over the BK blocks, then the whole rows (DP = D rounded up to a
+    power of two, masked) normalized in one piece and stored once: block by block, each load after
+    a store waited for it (the pointers may alias), one block at a time. Elementwise: the same bits."""
     layer = tl.load(layer_ptr).to(tl.int64)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     m_ok = m < M
-    k = tl.arange(0, BK)
     mean, r = row_stats(x_ptr, m, m_ok, eps, INV_D, D, BM, BK, RMS, UNROLL)
-    for k0 in tl.static_range(0, D, BK):
-        offs = m[:, None] * D + k0 + k[None, :]
-        x = tl.load(x_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
-        y = normalize(x, w_ptr + layer * D, b_ptr + layer * D, k0 + k, mean, r, RMS)
-        tl.store(o_ptr + offs, tm.to_dtype(y, o_ptr.dtype.element_ty, INTERPRETED), mask=m_ok[:, None])
+    cols = tl.arange(0, DP)
+    ok = m_ok[:, None] & (cols < D)[None, :]
+    offs = m[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    y = normalize(x, w_ptr + layer * D, b_ptr + layer * D, tl.minimum(cols, D - 1), mean, r, RMS)  # in the ref
+    tl.store(o_ptr + offs, tm.to_dtype(y, o_ptr.dtype.element_ty, INTERPRETED), mask=ok)
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, layer=None, *,
@@ -98,7 +101,7 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty_like(x)
     _kernel[(triton.cdiv(M, BM),)](
         tm.layer_tensor(layer, weight.shape[0], x.device, "norm"), x, weight, weight if bias is None else bias, out, M,
-        eps, INV_D=float(np.float32(1.0 / D)), D=D, BM=BM, BK=BK, RMS=kind == "rms",
+        eps, INV_D=float(np.float32(1.0 / D)), D=D, DP=triton.next_power_of_2(D), BM=BM, BK=BK, RMS=kind == "rms",
         UNROLL=twin_norm_unroll(D // BK, BM), INTERPRETED=interpreting(_kernel), num_warps=num_warps,
         enable_fp_fusion=False)
     return out
