@@ -259,10 +259,17 @@ def twin_mma_blocks(N_out: int, K: int, block_n: int | None = None) -> tuple[int
     return BN, twin_lanes(K)
 
 
-def twin_mma_stages(N_out: int, BN: int) -> int:
+TWIN_MMA_SMEM_BYTES = 200 * 1024  # shared memory the MMA form's pipeline may fill (an H200 block gets 227 KB)
+
+
+def twin_mma_stages(N_out: int, BN: int, BK: int, weight_tiles: int = 1, itemsize: int = 2) -> int:
     """The MMA form's pipeline depth (speed only): deeper where few programs (N_out / BN column
-    blocks, under one per SM) must keep the copy rate's bytes in flight by themselves."""
-    return TWIN_MMA_STAGES if N_out // BN >= H200_SMS else TWIN_MMA_FEW_PROGRAMS_STAGES
+    blocks, under one per SM) must keep the copy rate's bytes in flight by themselves, and no
+    deeper than TWIN_MMA_SMEM_BYTES holds (each stage: `weight_tiles` [BN, BK] tiles, two for the
+    gate, and the [TWIN_MMA_ROWS, BK] x tile)."""
+    depth = TWIN_MMA_STAGES if N_out // BN >= H200_SMS else TWIN_MMA_FEW_PROGRAMS_STAGES
+    stage = (weight_tiles * BN + TWIN_MMA_ROWS) * BK * itemsize
+    return max(1, min(depth, TWIN_MMA_SMEM_BYTES // stage))
 
 
 def twin_fuse_norm(BM: int, interpreted: bool = False) -> bool:

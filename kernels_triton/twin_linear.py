@@ -231,6 +231,6 @@ def _linear_mma(x, w, layer_t, act, scale, residual, norm, block_m, block_n, num
     _mma_kernel[(N_out // BN, triton.cdiv(M, TWIN_MMA_ROWS))](
         layer_t, x, w, out if scale is None else scale, out if residual is None else residual, out, M,  # out: unread
         N=N, K=K, N_OUT=N_out, R=TWIN_MMA_ROWS, BN=BN, BK=BK, ACT=act or "", HAS_SCALE=scale is not None,
-        HAS_RES=residual is not None, STAGES=num_stages or twin_mma_stages(N_out, BN), INTERPRETED=interpreted,
+        HAS_RES=residual is not None, STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate")), INTERPRETED=interpreted,
         num_warps=num_warps, enable_fp_fusion=False)
     return out
