@@ -78,7 +78,7 @@ def _twin_attention(c: StackConfig, x2, norm: TwinNorm, w: dict, layer, ring_k, 
 def twin_temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables, active,
                         exact_rope: bool = True, kernels: str = "twin"):
     """Helium layer on the Pallas twins; w: the stacked weights (read at `layer` in place). Each
-    RMSNorm runs fused into the projection after it (`TwinNorm`)."""
+    RMSNorm is passed to the projection after it (`TwinNorm`: fused, or its kernel first)."""
     del active, exact_rope, kernels  # the writes follow tables.write_mask; the twins are always exact
     x, ring_k, ring_v = carry
     B, T, dim = x.shape
@@ -95,7 +95,7 @@ def twin_temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTa
 def twin_mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
                     exact_rope: bool = True, kernels: str = "twin"):
     """Mimi layer on the Pallas twins; w: the stacked weights (read at `layer` in place). Each
-    LayerNorm runs fused into the projection after it (`TwinNorm`)."""
+    LayerNorm is passed to the projection after it (`TwinNorm`: fused, or its kernel first)."""
     del active, exact_rope, kernels
     x, ring_k, ring_v = carry
     B, T, dim = x.shape

@@ -273,11 +273,12 @@ def twin_mma_stages(N_out: int, BN: int, BK: int, weight_tiles: int = 1, itemsiz
 
 
 def twin_fuse_norm(BM: int, interpreted: bool = False) -> bool:
-    """Whether a linear given `norm=` runs it fused in its own kernel (else the norm kernel first;
-    the bits are the same). Fused, every program computes its rows' statistics again: on an H200
-    that pays at one row a program, is even at 4 and costs 30-77% of the projection at 8
-    (benchmarks/twin_ab_gpu.py, RESULTS.md). Interpreted (CPU), the cost is per program: fused up
-    to TWIN_INTERPRET_FUSED_NORM_MAX_BM rows (a test lowers it to run the other path)."""
+    """Whether the lane form of a linear given `norm=` runs it fused in its own kernel (else the norm
+    kernel first; the bits are the same; the MMA form never fuses it: it stalled that form's
+    pipeline, RESULTS.md's fifth session). Fused, every program computes its rows' statistics
+    again: on an H200 that pays at one row a program, is even at 4 and costs 30-77% of the
+    projection at 8 (the fourth session's A/B, RESULTS.md). Interpreted (CPU), the cost is per
+    program: fused up to TWIN_INTERPRET_FUSED_NORM_MAX_BM rows (a test lowers it to run the other path)."""
     return BM <= (TWIN_INTERPRET_FUSED_NORM_MAX_BM if interpreted else TWIN_FUSED_NORM_MAX_BM)
 
 

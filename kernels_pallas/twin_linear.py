@@ -22,8 +22,8 @@ With `norm=TwinNorm(...)` the lane form's kernel multiplies the normalized rows 
 each program computes its rows' statistics (`twin_norm.row_stats`, a pass over x) and normalizes
 each x block as it loads it, rounded to x's dtype: the bits of `twin_norm.norm` then `linear`,
 one launch instead of two. Where that does not pay (programs of many rows, `common.twin_fuse_norm`;
-the MMA form always), `linear` runs the norm kernel first: the same bits. Then, in order (each step rounded to x's
-dtype, as the reference rounds):
+the MMA form always), `linear` runs the norm kernel first: the same bits. Then, in order (each step
+rounded to x's dtype, as the reference rounds):
 
     y = to_dtype(acc)
     act="silu_gate" (N even): the kernel computes columns n and n + N/2 together and returns
@@ -176,8 +176,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     residual: [M, N_out]; norm: a `TwinNorm` to fuse (None: x as it is). N_out = N/2 for
     act="silu_gate", else N. Returns [M, N_out] in x's dtype.
     form: "lanes" or "mma" (None: `common.twin_linear_form`'s choice; the two give other bits).
-    block_m (lane form only), block_n: output tile; num_stages: the MMA form's pipeline depth (None:
-    `common.twin_mma_stages`; the lane form's is 2); prefetch: weight blocks the lane form loads
+    block_m (lane form only), block_n: output tile; num_stages: the pipeline depth (None: the MMA
+    form's `common.twin_mma_stages`, the lane form's 2); prefetch: weight blocks the lane form loads
     ahead itself. These change the speed, never the bits.
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)

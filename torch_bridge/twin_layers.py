@@ -11,7 +11,9 @@ stacked ring, written in place); tables: `ring.StepTables` with the twin RoPE ta
     mimi:     layer norm + qkv -> rotate + ring write -> attention -> out-proj * scale1 + residual
               -> layer norm + linear1 (gelu) -> linear2 * scale2 + residual
 
-(a "+" joins what runs in one kernel: each norm is fused into the projection after it.)
+(a "+" joins what one linear call does: each norm is passed to the projection after it, which fuses
+it (the lane form, up to 4 rows a program) or runs the norm kernel first (the MMA form: the GPU's for
+16-bit weights); the same bits either way, `kernels_pallas.twin_linear`.)
 """
 
 from __future__ import annotations
