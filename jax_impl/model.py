@@ -67,10 +67,9 @@ def mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
 # [L, ...] and the rings in place at `layer` (an int, or traced under lax.scan).
 def _twin_attention(c: StackConfig, x2, norm: TwinNorm, w: dict, layer, ring_k, ring_v, tables: StepTables, B: int,
                     T: int):
-    """norm + qkv (one kernel), rotate + ring write, attention: x2 [B*T, dim] -> ([B*T, dim], ring_k, ring_v)."""
-    qkv = twin_linear.linear(x2, w["in_proj"], layer, norm=norm).reshape(B, T, 3, c.num_heads, c.head_dim)
-    q, ring_k, ring_v = twin_rope.rope_write(qkv, tables.cos[:, 0], tables.sin[:, 0], ring_k, ring_v, layer,
-                                             tables.write_index, tables.write_mask)
+    """norm, qkv + rotate + ring write, attention: x2 [B*T, dim] -> ([B*T, dim], ring_k, ring_v)."""
+    q, ring_k, ring_v = twin_linear.linear_rope_write(x2, w["in_proj"], layer, tables.cos[:, 0], tables.sin[:, 0],
+                                                      ring_k, ring_v, tables.write_index, tables.write_mask, norm=norm)
     a = twin_attention.attention(q, ring_k, ring_v, layer, tables.positions, tables.q_pos, context=c.context)
     return a.reshape(B * T, c.dim), ring_k, ring_v
 

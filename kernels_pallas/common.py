@@ -262,6 +262,23 @@ def twin_mma_blocks(N_out: int, K: int, block_n: int | None = None) -> tuple[int
 TWIN_MMA_SMEM_BYTES = 200 * 1024  # shared memory the MMA form's pipeline may fill (an H200 block gets 227 KB)
 
 
+def twin_qkv_plan(N: int, K: int, D: int, dtype, compiled: bool, form: str | None = None,
+                  block_n: int | None = None) -> tuple[str, int | None]:
+    """(form, BN) of the qkv projection with the RoPE and ring-write epilogue (`linear_rope_write`):
+    `twin_linear_form`'s form, the MMA form only where a program's columns hold whole GPT-J pairs
+    of one head (BN a power of two >= 16 dividing the head dim D); BN is None for the lane form."""
+    chosen = twin_linear_form(N, K, dtype, compiled, form)
+    if chosen == "lanes":
+        return chosen, None
+    BN = largest_pow2_divisor(D, TWIN_MMA_MAX_BN) if block_n is None else block_n
+    if BN >= 16 and not BN & (BN - 1) and D % BN == 0:
+        return chosen, BN
+    if form == "mma" or block_n is not None:
+        raise ValueError(f"linear_rope_write(block_n): the MMA form needs a power of two >= 16 dividing the head "
+                         f"dim {D}, got {BN}")
+    return "lanes", None
+
+
 def twin_mma_stages(N_out: int, BN: int, BK: int, weight_tiles: int = 1, itemsize: int = 2) -> int:
     """The MMA form's pipeline depth (speed only): deeper where few programs (N_out / BN column
     blocks, under one per SM) must keep the copy rate's bytes in flight by themselves, and no

@@ -34,6 +34,10 @@ rounded to x's dtype, as the reference rounds):
 
 The weights are read in place from the stacked `w [L, N, K]` at a layer index that may be
 traced (no per-layer copy under `lax.scan`); `layer=None` takes a plain `[N, K]`.
+
+`linear_rope_write` is the attention's qkv projection with `twin_rope.rope_write`'s contract in
+its epilogue (rotate q and k, write k and v into the ring): one kernel in the MMA form, a linear
+then `rope_write` in the lane form; the same bits as the two calls either way.
 """
 
 from __future__ import annotations
@@ -47,19 +51,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas import twin_norm
+from kernels_pallas import twin_norm, twin_rope
 from kernels_pallas.common import (
     TWIN_MMA_ROWS,
     TWIN_PALLAS_PREFETCH,
     TwinNorm,
     check_twin_linear,
+    check_twin_rope,
     stack_one_layer,
     twin_blocks,
     twin_fuse_norm,
+    twin_lanes,
     twin_linear_form,
     twin_mma_blocks,
     twin_mma_stages,
     twin_norm_unroll,
+    twin_qkv_plan,
 )
 
 
@@ -143,18 +150,8 @@ def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, has_sc
     layer = layer_ref[0]
     n0 = pl.program_id(0) * BN
     m = pl.program_id(1) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
-    ok = (m < M)[:, None]
-    rows = jnp.minimum(m, M - 1)[:, None]
     starts = (n0, n0 + N_out) if act == "silu_gate" else (n0,)
-    lanes = jnp.arange(BK, dtype=jnp.int32)[None, :]
-
-    def body(kb, accs):
-        xb = jnp.where(ok, pltriton.load(x_ref.at[rows, kb * BK + lanes]), jnp.zeros((), x_ref.dtype))  # [R, BK]
-        return tuple(a + lax.dot_general(w_ref[layer, pl.ds(s, BN), pl.ds(kb * BK, BK)], xb, (((1,), (1,)), ((), ())),
-                                         preferred_element_type=tm.F32) for a, s in zip(accs, starts))
-
-    zeros = jnp.zeros((BN, TWIN_MMA_ROWS), tm.F32)
-    accs = lax.fori_loop(0, K // BK, body, (zeros,) * len(starts))
+    accs, ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts)
     sums = tuple(a.T for a in accs)                                               # [R, BN]
     cols = n0 + jnp.arange(BN, dtype=jnp.int32)[None, :]
     scale = scale_ref[layer, pl.ds(n0, BN)][None, :] if has_scale else None
@@ -247,6 +244,102 @@ def _linear_mma(x, w, layer, act, scale, residual, norm, block_m, block_n, num_w
                                                 num_stages=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"))),
         name="twin_linear_mma",
     )(*operands)
+
+
+def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts):
+    """The MMA form's loop of one program: (acc [BN, R] per start column, ok [R, 1], rows [R, 1]);
+    rows past M are read as row M - 1 (inside the ref) and zeroed."""
+    layer = layer_ref[0]
+    ok = (m < M)[:, None]
+    rows = jnp.minimum(m, M - 1)[:, None]
+    lanes = jnp.arange(BK, dtype=jnp.int32)[None, :]
+
+    def body(kb, accs):
+        xb = jnp.where(ok, pltriton.load(x_ref.at[rows, kb * BK + lanes]), jnp.zeros((), x_ref.dtype))  # [R, BK]
+        return tuple(a + lax.dot_general(w_ref[layer, pl.ds(s, BN), pl.ds(kb * BK, BK)], xb, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=tm.F32) for a, s in zip(accs, starts))
+
+    zeros = jnp.zeros((BN, TWIN_MMA_ROWS), tm.F32)
+    return lax.fori_loop(0, K // BK, body, (zeros,) * len(starts)), ok, rows
+
+
+def _qkv_kernel(layer_ref, x_ref, w_ref, cos_ref, sin_ref, slot_ref, wmask_ref, k_in, v_in, q_ref, k_ref, v_ref, *,
+                M, K, BN, BK, B, T, H, C, D, gpu):
+    """Program (j, i): columns j*BN.. of rows i*R.. of qkv = x @ w[layer].T (the MMA form), then
+    `twin_rope.rope_write`'s epilogue on them: a program's columns lie in one head of q, k or v
+    (BN | D) and hold whole GPT-J pairs. q is rotated into q_ref [B*H*T, D]; k rotated and v as it
+    is go into the rings [L*B*H, C, D] at the write slots where the write mask is set. Row m is
+    (b, t) = (m // T, m % T). Stores use the unclamped rows (masked rows never alias valid ones)."""
+    del k_in, v_in  # aliased to k_ref, v_ref
+    n0 = pl.program_id(0) * BN
+    m = pl.program_id(1) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
+    (acc,), ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, (n0,))
+    dtype = q_ref.dtype
+    y = tm.to_dtype(acc.T, dtype)                                     # [R, BN]: what `linear` returns
+    part, h, d0 = n0 // (H * D), (n0 // D) % H, n0 % D
+    freq = d0 // 2 + jnp.arange(BN // 2, dtype=jnp.int32)[None, :]
+    cos, sin = (pltriton.load(ref.at[rows, freq]) for ref in (cos_ref, sin_ref))     # [R, BN/2]
+    r, i = (a[..., 0] for a in jnp.split(y.astype(tm.F32).reshape(TWIN_MMA_ROWS, BN // 2, 2), 2, axis=-1))
+    rotated = jnp.stack(twin_rope.rotate(r, i, cos, sin, dtype, gpu), axis=-1).reshape(TWIN_MMA_ROWS, BN)
+    out = jnp.where(part < 2, rotated, y)                             # v is not rotated
+    cols = d0 + jnp.arange(BN, dtype=jnp.int32)[None, :]
+    b, t = (m // T)[:, None], (m % T)[:, None]
+    full = (TWIN_MMA_ROWS, BN)
+    pltriton.store(q_ref.at[(b * H + h) * T + t, cols], out, mask=jnp.broadcast_to(ok & (part == 0), full))
+    written = ok & (pltriton.load(wmask_ref.at[rows]) != 0)
+    ring_row, slot = (layer_ref[0] * B + b) * H + h, pltriton.load(slot_ref.at[rows])
+    for ref, p in ((k_ref, 1), (v_ref, 2)):
+        pltriton.store(ref.at[ring_row, slot, cols], out, mask=jnp.broadcast_to(written & (part == p), full))
+
+
+def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: jax.Array, ring_k: jax.Array,
+                      ring_v: jax.Array, write_index: jax.Array, write_mask: jax.Array, *, norm: TwinNorm | None = None,
+                      block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                      form: str | None = None, interpret: bool | None = None):
+    """The qkv projection with the RoPE rotation and the ring write in its epilogue: the bits of
+    `linear(x, w, layer, norm=norm)` reshaped to [B, T, 3, H, D], then `twin_rope.rope_write`.
+
+    x: [B*T, K]; w: [L, 3*H*D, K] (layer may be traced); cos, sin: float32 [B, T, D/2]; ring_k,
+    ring_v: [L, B, H, C, D] in x's dtype (aliased to the outputs); write_index, write_mask: [B, T].
+    Returns (q [B, H, T, D], ring_k, ring_v). The MMA form runs it as one kernel after the norm's
+    (`common.twin_qkv_plan`); the lane form as `linear` then `rope_write`, the same bits as ever.
+    """
+    B, T = write_index.shape
+    H, D = ring_k.shape[2], ring_k.shape[4]
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    chosen, BN = twin_qkv_plan(w.shape[1], x.shape[1], D, x.dtype, not interpret, form, block_n)
+    if chosen == "lanes":
+        qkv = linear(x, w, layer, norm=norm, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                     form="lanes", interpret=interpret).reshape(B, T, 3, H, D)
+        return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, interpret=interpret)
+    M, K, N, _ = check_twin_linear(x, w, None, None, None, norm)
+    check_twin_rope(jax.ShapeDtypeStruct((B, T, 3, H, D), x.dtype), cos, sin, ring_k, ring_v, write_index, write_mask)
+    if (M, N) != (B * T, 3 * H * D):
+        raise ValueError(f"linear_rope_write: x must be [B*T={B * T}, K] and w [L, 3*H*D={3 * H * D}, K], got x "
+                         f"{tuple(x.shape)} and w {tuple(w.shape)}")
+    if norm is not None:
+        x = twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
+    L, C = ring_k.shape[0], ring_k.shape[3]
+    rows = (L * B * H, C, D)  # the rings as [L*B*H, C, D], indexed per dimension (64-bit addresses when large)
+    BK = twin_lanes(K)
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w, cos.reshape(M, D // 2), sin.reshape(M, D // 2),
+                write_index.astype(jnp.int32).reshape(M), write_mask.astype(jnp.int32).reshape(M),
+                ring_k.reshape(rows), ring_v.reshape(rows)]
+    q_flat = jax.ShapeDtypeStruct((B * H * T, D), x.dtype)
+    q, k, v = pl.pallas_call(
+        functools.partial(_qkv_kernel, M=M, K=K, BN=BN, BK=BK, B=B, T=T, H=H, C=C, D=D, gpu=not interpret),
+        out_shape=(q_flat, jax.ShapeDtypeStruct(rows, ring_k.dtype), jax.ShapeDtypeStruct(rows, ring_v.dtype)),
+        grid=(N // BN, -(-M // TWIN_MMA_ROWS)),
+        in_specs=[_whole(a) for a in operands],
+        out_specs=(_whole(q_flat), _whole(operands[7]), _whole(operands[8])),
+        input_output_aliases={7: 1, 8: 2},
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps,
+                                                num_stages=num_stages or twin_mma_stages(N, BN, BK)),
+        name="twin_qkv_rope_write",
+    )(*operands)
+    return q.reshape(B, H, T, D), k.reshape(ring_k.shape), v.reshape(ring_v.shape)
 
 
 def _whole(a):

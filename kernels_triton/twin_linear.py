@@ -18,16 +18,19 @@ from kernels_pallas.common import (
     TWIN_TRITON_LINEAR_STAGES,
     TwinNorm,
     check_twin_linear,
+    check_twin_rope,
     stack_one_layer,
     twin_blocks,
     twin_fuse_norm,
+    twin_lanes,
     twin_linear_form,
     twin_mma_blocks,
     twin_mma_stages,
     twin_norm_unroll,
+    twin_qkv_plan,
 )
 from kernels_triton import twin_math as tm
-from kernels_triton import twin_norm
+from kernels_triton import twin_norm, twin_rope
 from kernels_triton.twin_math import interpreting
 
 _GATE_BN = 256  # columns per program of the gate kernel
@@ -234,3 +237,87 @@ def _linear_mma(x, w, layer_t, act, scale, residual, norm, block_m, block_n, num
         HAS_RES=residual is not None, STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate")), INTERPRETED=interpreted,
         num_warps=num_warps, enable_fp_fusion=False)
     return out
+
+
+@triton.jit
+def _qkv_kernel(layer_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, q_ptr, k_ptr, v_ptr, M,
+                K: tl.constexpr, B: tl.constexpr, T: tl.constexpr, H: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
+                R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program (j, i): the MMA form's columns j*BN .. of rows i*R .. of qkv, then rope_write's
+    epilogue (the Pallas twin `_qkv_kernel`: a program's columns lie in one head, whole GPT-J pairs)."""
+    layer = tl.load(layer_ptr).to(tl.int64)
+    n0 = tl.program_id(0) * BN
+    n = n0 + tl.arange(0, BN)
+    m = tl.program_id(1) * R + tl.arange(0, R)
+    m_ok = m < M
+    k = tl.arange(0, BK)
+    w_ptr += layer * (3 * H * D) * K
+    acc = tl.zeros([BN, R], tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        xb = tl.load(x_ptr + m[:, None] * K + k0 + k[None, :], mask=m_ok[:, None], other=0.0)
+        acc += _dot(tl.load(w_ptr + n[:, None] * K + k0 + k[None, :]), xb, INTERPRETED)
+    dtype = q_ptr.dtype.element_ty
+    y = tm.to_dtype(tl.trans(acc), dtype, INTERPRETED)                                     # [R, BN]
+    part = n0 // (H * D)
+    h = (n0 // D) % H
+    d0 = n0 % D
+    HALF: tl.constexpr = BN // 2
+    cs = m[:, None] * (D // 2) + d0 // 2 + tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_ptr + cs, mask=m_ok[:, None], other=0.0)
+    sin = tl.load(sin_ptr + cs, mask=m_ok[:, None], other=0.0)
+    r, i = tl.split(tl.reshape(y.to(tl.float32), [R, HALF, 2]))
+    r2, i2 = twin_rope.rotate(r, i, cos, sin, dtype, INTERPRETED)
+    out = y
+    if part < 2:  # v is not rotated
+        out = tl.reshape(tl.join(r2, i2), [R, BN])
+    cols = d0 + tl.arange(0, BN)[None, :]
+    b = (m // T)[:, None]
+    t = (m % T)[:, None]
+    ok = tl.broadcast_to(m_ok[:, None], [R, BN])
+    if part == 0:
+        tl.store(q_ptr + ((b * H + h) * T + t) * D + cols, out, mask=ok)
+    else:
+        written = ok & (tl.load(wmask_ptr + m, mask=m_ok, other=0) != 0)[:, None]
+        slot = tl.load(slot_ptr + m, mask=m_ok, other=0).to(tl.int64)[:, None]
+        ring = (((layer * B + b) * H + h) * C + slot) * D + cols
+        if part == 1:
+            tl.store(k_ptr + ring, out, mask=written)
+        else:
+            tl.store(v_ptr + ring, out, mask=written)
+
+
+def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor,
+                      ring_k: torch.Tensor, ring_v: torch.Tensor, write_index: torch.Tensor, write_mask: torch.Tensor, *,
+                      norm: TwinNorm | None = None, block_n: int | None = None, num_warps: int = 4,
+                      num_stages: int | None = None, form: str | None = None):
+    """The qkv projection with the RoPE rotation and the ring write in its epilogue (the Pallas
+    twin's signature and bits): `linear` then `twin_rope.rope_write`, one kernel in the MMA form.
+    Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place."""
+    B, T = write_index.shape
+    H, D = ring_k.shape[2], ring_k.shape[4]
+    interpreted = interpreting(_qkv_kernel)
+    chosen, BN = twin_qkv_plan(w.shape[1], x.shape[1], D, x.dtype, not interpreted, form, block_n)
+    if chosen == "lanes":
+        qkv = linear(x, w, layer, norm=norm, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                     form="lanes").view(B, T, 3, H, D)
+        return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
+    M, K, N, _ = check_twin_linear(x, w, None, None, None, norm)
+    check_twin_rope(torch.empty((B, T, 3, H, D), dtype=x.dtype, device="meta"), cos, sin, ring_k, ring_v,
+                    write_index, write_mask)
+    if (M, N) != (B * T, 3 * H * D):
+        raise ValueError(f"linear_rope_write: x must be [B*T={B * T}, K] and w [L, 3*H*D={3 * H * D}, K], got x "
+                         f"{tuple(x.shape)} and w {tuple(w.shape)}")
+    for name, t in (("x", x), ("w", w), ("cos", cos), ("sin", sin), ("ring_k", ring_k), ("ring_v", ring_v)):
+        if not t.is_contiguous():
+            raise ValueError(f"linear_rope_write({name}): must be contiguous, got strides {t.stride()}")
+    layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear_rope_write")
+    if norm is not None:
+        x = twin_norm.norm(x, norm.weight, norm.bias, layer_t, kind=norm.kind, eps=norm.eps)
+    q = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)
+    BK = twin_lanes(K)
+    _qkv_kernel[(N // BN, triton.cdiv(M, TWIN_MMA_ROWS))](
+        layer_t, x, w, cos, sin, write_index.to(torch.int32).contiguous(), write_mask.to(torch.int32).contiguous(),
+        q, ring_k, ring_v, M, K=K, B=B, T=T, H=H, C=ring_k.shape[3], D=D, R=TWIN_MMA_ROWS, BN=BN, BK=BK,
+        STAGES=num_stages or twin_mma_stages(N, BN, BK), INTERPRETED=interpreted, num_warps=num_warps,
+        enable_fp_fusion=False)
+    return q, ring_k, ring_v

@@ -38,7 +38,8 @@ def tables(offset: torch.Tensor, T: int, freqs: torch.Tensor):
 
 
 @triton.jit
-def _rotate(r, i, cos, sin, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+def rotate(r, i, cos, sin, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The contract's rotation of pairs (r, i) (float32) -> (r', i') in dtype (`twin_linear` calls it too)."""
     return (tm.to_dtype(r * cos - i * sin, dtype, INTERPRETED), tm.to_dtype(r * sin + i * cos, dtype, INTERPRETED))
 
 
@@ -58,14 +59,14 @@ def _write_kernel(layer_ptr, qkv_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, q_p
     sin = tl.load(sin_ptr + bt * HALF + tl.arange(0, HALF))[None, :]
     dtype = q_ptr.dtype.element_ty
     base = bt * 3 * H * D + h * D + j2
-    q0, q1 = _rotate(tl.load(qkv_ptr + base).to(tl.float32), tl.load(qkv_ptr + base + 1).to(tl.float32),
+    q0, q1 = rotate(tl.load(qkv_ptr + base).to(tl.float32), tl.load(qkv_ptr + base + 1).to(tl.float32),
                      cos, sin, dtype, INTERPRETED)
     q_out = ((b * H + h) * T + t) * D + j2
     tl.store(q_ptr + q_out, q0)
     tl.store(q_ptr + q_out + 1, q1)
     if tl.load(wmask_ptr + bt) != 0:
         kb = base + H * D
-        k0, k1 = _rotate(tl.load(qkv_ptr + kb).to(tl.float32), tl.load(qkv_ptr + kb + 1).to(tl.float32),
+        k0, k1 = rotate(tl.load(qkv_ptr + kb).to(tl.float32), tl.load(qkv_ptr + kb + 1).to(tl.float32),
                          cos, sin, dtype, INTERPRETED)
         vb = base + 2 * H * D
         slot = tl.load(slot_ptr + bt).to(tl.int64)

@@ -169,9 +169,15 @@ def test_ring_kernels_address_a_large_ring_in_64_bits(B, wide, monkeypatch, caps
         lambda qkv, c, k, i, m: pr.rope_write(qkv, c, c, k, k, jnp.int32(31), i, m, interpret=False),
         S((B, T, 3, H, D), jnp.bfloat16), S((B, T, D // 2), jnp.float32), ring, qp, S((B, T), jnp.bool_),
         monkeypatch=monkeypatch, capsys=capsys)
+    fused = _triton_module_text(  # the MMA form's qkv projection with the ring write in its epilogue
+        lambda x, w, c, k, i, m: pli.linear_rope_write(x, w, jnp.int32(31), c, c, k, k, i, m, interpret=False),
+        S((B * T, 4096), jnp.bfloat16), S((L, 3 * H * D, 4096), jnp.bfloat16), S((B, T, D // 2), jnp.float32), ring,
+        qp, S((B, T), jnp.bool_), monkeypatch=monkeypatch, capsys=capsys)
     assert "module @twin_attention" in attn and "module @twin_rope_write" in rope
+    assert "module @twin_qkv_rope_write" in fused and "tt.dot" in fused
     assert ("x128xi64>" in attn) == wide   # the [BC, D] offsets of the k and v loads
     assert ("i64" in rope) == wide
+    assert ("16x64xi64>" in fused) == wide  # the [rows, BN] offsets of its ring stores
 
 
 LINEAR = [  # M, N, K, L, act, scale, residual, dtype
@@ -350,6 +356,49 @@ def test_linear_form_is_chosen_by_shape_dtype_and_backend_never_by_batch(monkeyp
         pli.linear_native(jnp.ones((2, 32)), jnp.ones((1, 32, 32)), 0, form="mma")
 
 
+def _qkv_case(B, T, H, D, C, L, K, seed=0):
+    """x [B*T, K], w [L, 3HD, K], cos/sin, rings, write slots and a mask with unwritten rows (bf16)."""
+    rng = np.random.default_rng(seed)
+    b16 = NP["bfloat16"]
+    x = rng.standard_normal((B * T, K)).astype(b16)
+    w = (rng.standard_normal((L, 3 * H * D, K)) * 0.1).astype(b16)
+    ring_k, ring_v = (rng.standard_normal((L, B, H, C, D)).astype(b16) for _ in range(2))
+    offset = rng.integers(0, 5000, B).astype(np.int32)
+    angle = (offset[:, None, None] + np.arange(T)[None, :, None]) * rope_freqs(D, 10000.0)[None, None, :]
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    write_index = ((offset[:, None] + np.arange(T)) % C).astype(np.int32)
+    write_mask = rng.random((B, T)) < 0.7
+    norm = TwinNorm("rms", (1 + 0.1 * rng.standard_normal((L, K))).astype(b16), None, 1e-5)
+    return x, w, cos, sin, ring_k, ring_v, write_index, write_mask, norm
+
+
+def test_qkv_rope_write_mma_form_has_the_bits_of_linear_then_rope_write():
+    """linear_rope_write, the MMA form's one kernel (qkv projection, RoPE rotation and ring write in
+    its epilogue), interpreted: the bits of linear(form="mma") then rope_write on each side, and the
+    two sides agree; rows past the 16 of a block, T=2, unwritten rows (mask), recycled slots."""
+    B, T, H, D, C, L, K = 9, 2, 2, 16, 8, 2, 64  # 18 rows: two row blocks
+    x, w, cos, sin, ring_k, ring_v, wi, wm, norm = _qkv_case(B, T, H, D, C, L, K)
+    fused = jax.jit(lambda *a: pli.linear_rope_write(*a[:2], L - 1, *a[2:], norm=norm, form="mma"))
+    q, k, v = fused(x, w, cos, sin, ring_k, ring_v, wi, wm)
+    qkv = jax.jit(lambda x, w: pli.linear(x, w, L - 1, norm=norm, form="mma"))(x, w).reshape(B, T, 3, H, D)
+    q2, k2, v2 = jax.jit(lambda *a: pr.rope_write(*a[:5], L - 1, *a[5:]))(qkv, cos, sin, ring_k, ring_v, wi, wm)
+    for name, a, b in (("q", q, q2), ("ring_k", k, k2), ("ring_v", v, v2)):
+        assert_same(a, b, what=f"pallas fused {name}")
+    assert not np.array_equal(np.asarray(k), ring_k), "the ring was written"
+    T_ = to_torch
+    tnorm = TwinNorm("rms", T_(norm.weight), None, norm.eps)
+    tk, tv = T_(ring_k).clone(), T_(ring_v).clone()
+    tq, _, _ = tli.linear_rope_write(T_(x), T_(w), L - 1, T_(cos), T_(sin), tk, tv, T_(wi), T_(wm), norm=tnorm,
+                                     form="mma")
+    tk2, tv2 = T_(ring_k).clone(), T_(ring_v).clone()
+    tqkv = tli.linear(T_(x), T_(w), L - 1, norm=tnorm, form="mma").view(B, T, 3, H, D)
+    tq2, _, _ = tr.rope_write(tqkv, T_(cos), T_(sin), tk2, tv2, L - 1, T_(wi), T_(wm))
+    for name, a, b in (("q", tq, tq2), ("ring_k", tk, tk2), ("ring_v", tv, tv2)):
+        assert_same(a, b, what=f"triton fused {name}")
+    with pytest.raises(ValueError, match=r"linear_rope_write\(block_n\)"):
+        pli.linear_rope_write(x, w, 0, cos, sin, ring_k, ring_v, wi, wm, form="mma", block_n=32)  # > D
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or jax.default_backend() != "gpu",
                     reason="GPU only: the MMA form's bits are the tensor cores' (CPU: the interpreted test above)")
 @pytest.mark.parametrize("M,N,K,L,act,scale,res,kind", MMA + [(16, 256, 512, 2, "silu_gate", False, True, "rms")])
@@ -367,6 +416,27 @@ def test_linear_mma_form_gpu_twins_same_bits_and_batch_invariant(M, N, K, L, act
         alone = tli.linear(C(x[row:row + 1]), C(w), L - 1, act=act, scale=C(s),
                            residual=None if r is None else C(r[row:row + 1]), norm=tnorm)
         assert_same(alone[0].cpu(), y_t[row].cpu(), what=f"row {row} alone, GPU")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or jax.default_backend() != "gpu",
+                    reason="GPU only: the MMA form's bits are the tensor cores' (CPU: the interpreted test above)")
+@pytest.mark.parametrize("B,T,H,D", [(3, 1, 4, 128), (5, 2, 8, 64)])
+def test_qkv_rope_write_gpu_twins_same_bits(B, T, H, D):
+    """Compiled on the GPU: the fused qkv + RoPE + ring write kernel has the bits of linear then
+    rope_write, and the Pallas and Triton kernels agree."""
+    C, L, K = 12, 2, 256
+    x, w, cos, sin, ring_k, ring_v, wi, wm, norm = _qkv_case(B, T, H, D, C, L, K, seed=B)
+    q, k, v = pli.linear_rope_write(*(jnp.asarray(a) for a in (x, w)), L - 1, *(jnp.asarray(a) for a in
+                                    (cos, sin, ring_k, ring_v, wi, wm)), norm=norm)
+    qkv = pli.linear(jnp.asarray(x), jnp.asarray(w), L - 1, norm=norm).reshape(B, T, 3, H, D)
+    q2, k2, v2 = pr.rope_write(qkv, *(jnp.asarray(a) for a in (cos, sin, ring_k, ring_v)), L - 1, jnp.asarray(wi),
+                               jnp.asarray(wm))
+    C_ = (lambda a: to_torch(a).cuda())
+    tk, tv = C_(ring_k), C_(ring_v)
+    tq, _, _ = tli.linear_rope_write(C_(x), C_(w), L - 1, C_(cos), C_(sin), tk, tv, C_(wi), C_(wm),
+                                     norm=TwinNorm("rms", C_(norm.weight), None, norm.eps))
+    for name, a, b, t in (("q", q, q2, tq), ("ring_k", k, k2, tk), ("ring_v", v, v2, tv)):
+        assert_same(np.asarray(a), np.asarray(b), t.cpu(), what=f"fused {name}, GPU")
 
 
 @pytest.mark.parametrize("kind,M,D,dtype", [("rms", 3, 64, "float32"), ("rms", 3, 176, "bfloat16"),

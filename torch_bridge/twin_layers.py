@@ -6,43 +6,45 @@ Same signatures as `layers.temporal_layer` / `layers.mimi_layer`: x [B, T, dim];
 weights (views into the stacked buffers: no copy); ring_k, ring_v [B, H, C, D] (views of the
 stacked ring, written in place); tables: `ring.StepTables` with the twin RoPE tables. Per layer:
 
-    temporal: rms norm + qkv -> rotate + ring write -> attention -> out-proj + residual
+    temporal: rms norm + qkv + rotate + ring write -> attention -> out-proj + residual
               -> rms norm + gated in-proj (silu) -> out-proj + residual
-    mimi:     layer norm + qkv -> rotate + ring write -> attention -> out-proj * scale1 + residual
+    mimi:     layer norm + qkv + rotate + ring write -> attention -> out-proj * scale1 + residual
               -> layer norm + linear1 (gelu) -> linear2 * scale2 + residual
 
-(a "+" joins what one linear call does: each norm is passed to the projection after it, which fuses
-it (the lane form, up to 4 rows a program) or runs the norm kernel first (the MMA form: the GPU's for
-16-bit weights); the same bits either way, `kernels_pallas.twin_linear`.)
+(a "+" joins what one twin call does, `kernels_pallas.twin_linear`: each norm is passed to the
+projection after it, which fuses it (the lane form, up to 4 rows a program) or runs the norm kernel
+first (the MMA form: the GPU's for 16-bit weights); the qkv projection, rotation and ring write are
+one kernel in the MMA form, a linear then `rope_write` in the lane form; the same bits either way.)
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels_pallas.common import TwinNorm
+from kernels_pallas.common import TwinNorm, stack_one_layer
 from kernels_triton import twin_attention, twin_linear, twin_norm, twin_rope
 
 from .ring import StepTables
 
 
-def _attention(x2, norm: TwinNorm, w, num_heads: int, ring_k, ring_v, tables: StepTables, B: int, T: int,
-               context: int):
-    """norm + qkv (one kernel), rotate + write, attention: x2 [B*T, dim] -> attention output [B*T, dim]."""
+def _attention(x2, norm: TwinNorm, w, ring_k, ring_v, tables: StepTables, B: int, T: int, context: int):
+    """norm, qkv + rotate + write, attention: x2 [B*T, dim] -> attention output [B*T, dim]."""
     dim = x2.shape[1]
-    qkv = twin_linear.linear(x2, w["in_proj"], norm=norm).view(B, T, 3, num_heads, dim // num_heads)
-    q, _, _ = twin_rope.rope_write(qkv, tables.cos[:, 0].contiguous(), tables.sin[:, 0].contiguous(),
-                                   ring_k[None], ring_v[None], 0, tables.write_index, tables.write_mask)
+    w_in, _, norm, layer = stack_one_layer(w["in_proj"], None, norm, None)  # one-layer stacks, as the rings
+    q, _, _ = twin_linear.linear_rope_write(x2, w_in, layer, tables.cos[:, 0].contiguous(),
+                                            tables.sin[:, 0].contiguous(), ring_k[None], ring_v[None],
+                                            tables.write_index, tables.write_mask, norm=norm)
     return twin_attention.attention(q, ring_k[None], ring_v[None], 0, tables.positions, tables.q_pos,
                                     context=context).view(B * T, dim)
 
 
 def temporal_layer(x, w: dict, num_heads: int, eps: float, ring_k, ring_v, tables, active, *, context: int):
-    """Helium layer on the twins (module docstring); `active` is carried by `tables.write_mask`."""
+    """Helium layer on the twins (module docstring); `active` is carried by `tables.write_mask`, the
+    head count by the rings' shape."""
+    del num_heads, active
     B, T, dim = x.shape
     x2 = x.reshape(B * T, dim)
-    a = _attention(x2, TwinNorm("rms", w["norm1_alpha"], None, eps), w, num_heads, ring_k, ring_v, tables, B, T,
-                   context)
+    a = _attention(x2, TwinNorm("rms", w["norm1_alpha"], None, eps), w, ring_k, ring_v, tables, B, T, context)
     x2 = twin_linear.linear(a, w["out_proj"], residual=x2)
     u = twin_linear.linear(x2, w["linear_in"], act="silu_gate", norm=TwinNorm("rms", w["norm2_alpha"], None, eps))
     return twin_linear.linear(u, w["linear_out"], residual=x2).view(B, T, dim)
@@ -50,10 +52,11 @@ def temporal_layer(x, w: dict, num_heads: int, eps: float, ring_k, ring_v, table
 
 def mimi_layer(x, w: dict, num_heads: int, eps: float, ring_k, ring_v, tables, active, *, context: int):
     """Mimi layer on the twins (module docstring)."""
+    del num_heads, active
     B, T, dim = x.shape
     x2 = x.reshape(B * T, dim)
-    a = _attention(x2, TwinNorm("layer", w["norm1_weight"], w["norm1_bias"], eps), w, num_heads, ring_k, ring_v,
-                   tables, B, T, context)
+    a = _attention(x2, TwinNorm("layer", w["norm1_weight"], w["norm1_bias"], eps), w, ring_k, ring_v, tables, B, T,
+                   context)
     x2 = twin_linear.linear(a, w["out_proj"], scale=w["scale1"], residual=x2)
     f = twin_linear.linear(x2, w["linear1"], act="gelu", norm=TwinNorm("layer", w["norm2_weight"], w["norm2_bias"], eps))
     return twin_linear.linear(f, w["linear2"], scale=w["scale2"], residual=x2).view(B, T, dim)
