@@ -424,8 +424,7 @@ class _StreamingStack(nn.Module):
         if self.kernels == "twin":
             from . import twin_layers
 
-            cos, sin = twin_layers.rope_tables(offset, T, rope_freqs(c.head_dim, c.max_period, offset.device))
-            tables = tables._replace(cos=cos, sin=sin)
+            tables = twin_layers.twin_tables(tables, offset, T, rope_freqs(c.head_dim, c.max_period, offset.device))
         return tables
 
     @torch.no_grad()
