@@ -229,6 +229,7 @@ TWIN_MMA_ROWS = 16    # x rows per program of the MMA form (the MMA's n dimensio
 TWIN_MMA_MAX_BN = 64  # output columns per program of the MMA form (speed only)
 TWIN_MMA_STAGES = 4   # software-pipeline depth of the MMA form's loop over K (speed only, both sides) ...
 TWIN_MMA_FEW_PROGRAMS_STAGES = 8  # ... where the grid has fewer column blocks than the H200 has SMs
+TWIN_MMA_SMEM_BYTES = 200 * 1024  # shared memory the MMA form's pipeline may fill (an H200 block gets 227 KB)
 H200_SMS = 132
 _SIXTEEN_BIT = ("bfloat16", "float16", "torch.bfloat16", "torch.float16")
 
@@ -255,11 +256,8 @@ def twin_mma_blocks(N_out: int, K: int, block_n: int | None = None) -> tuple[int
     """(BN, BK) of the MMA form: BK = `twin_lanes(K)` (the norm's blocks too), BN for speed."""
     BN = largest_pow2_divisor(N_out, TWIN_MMA_MAX_BN) if block_n is None else block_n
     if BN < 16 or BN & (BN - 1) or N_out % BN:
-        raise ValueError(f"twin linear (form 'mma'): block_n must be a power of two >= 16 dividing {N_out}, got {BN}")
+        raise ValueError(f"linear(block_n): the MMA form needs a power of two >= 16 dividing N_out={N_out}, got {BN}")
     return BN, twin_lanes(K)
-
-
-TWIN_MMA_SMEM_BYTES = 200 * 1024  # shared memory the MMA form's pipeline may fill (an H200 block gets 227 KB)
 
 
 def twin_qkv_plan(N: int, K: int, D: int, dtype, compiled: bool, form: str | None = None,

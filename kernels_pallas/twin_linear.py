@@ -240,8 +240,8 @@ def _linear_mma(x, w, layer, act, scale, residual, norm, block_m, block_n, num_w
         in_specs=[_whole(a) for a in operands],
         out_specs=_whole(jax.ShapeDtypeStruct((M, N_out), x.dtype)),
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps,
-                                                num_stages=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"))),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=num_warps, num_stages=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"))),
         name="twin_linear_mma",
     )(*operands)
 

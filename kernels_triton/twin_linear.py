@@ -126,7 +126,7 @@ def _gate_kernel(layer_ptr, ab_ptr, scale_ptr, res_ptr, o_ptr, M, N_OUT: tl.cons
 @triton.jit
 def _dot(w, xb, INTERPRETED: tl.constexpr):
     """w [BN, BK] @ xb[R, BK]^T in float32 on the tensor cores. Interpreted, on float32 copies (exact
-    products): the interpreter's bfloat16 dot multiplies the raw bits (Triton 3.6)."""
+    products): the interpreter's bfloat16 dot multiplies the raw bits (seen with Triton 3.9's)."""
     if INTERPRETED:
         return tl.dot(w.to(tl.float32), tl.trans(xb.to(tl.float32)), input_precision="ieee")
     else:
@@ -234,8 +234,8 @@ def _linear_mma(x, w, layer_t, act, scale, residual, norm, block_m, block_n, num
     _mma_kernel[(N_out // BN, triton.cdiv(M, TWIN_MMA_ROWS))](
         layer_t, x, w, out if scale is None else scale, out if residual is None else residual, out, M,  # out: unread
         N=N, K=K, N_OUT=N_out, R=TWIN_MMA_ROWS, BN=BN, BK=BK, ACT=act or "", HAS_SCALE=scale is not None,
-        HAS_RES=residual is not None, STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate")), INTERPRETED=interpreted,
-        num_warps=num_warps, enable_fp_fusion=False)
+        HAS_RES=residual is not None, STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate")),
+        INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
     return out
 
 
