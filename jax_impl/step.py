@@ -199,7 +199,7 @@ class Streamer:
     def step(self, x, active=None):
         T = int(np.shape(x)[1]) if np.ndim(x) == 3 else 0
         st.check_headroom(self.offset_bound, T, self.state.offset.dtype)
-        if active is not None:
+        if active is not None and not isinstance(active, jax.Array):
             active = jnp.asarray(active)
         outputs, self.state = self._step(self.params, self.state, x, active)
         self.offset_bound += T

@@ -128,6 +128,22 @@ def test_drop_in_script_runs_unchanged_on_either_class():
     torch.testing.assert_close(out_j, out_t, rtol=1e-5, atol=1e-5)
 
 
+def test_drop_in_without_active_steps_every_row_as_an_all_true_mask_does():
+    """step(x) hands JAX no mask (the JAX step's own all-rows one, no torch mask a step): the same
+    outputs and state, bit for bit, as step(x, all True)."""
+    cfg = PRESETS["mimi-small"]
+    module = MimiTransformer.from_config(cfg)
+    module.init_weights(generator=torch.Generator().manual_seed(0))
+    a, b = from_torch(module), from_torch(module)
+    a.streaming_init(3)
+    b.streaming_init(3)
+    for x in torch.randn(3, 3, 2, cfg.dim, generator=torch.Generator().manual_seed(1)):
+        assert torch.equal(a.step(x), b.step(x, torch.ones(3, dtype=torch.bool)))
+    for name in ("k", "v", "offset", "start_offset"):
+        assert torch.equal(getattr(a.state, name), getattr(b.state, name)), name
+    assert a.state.offset.tolist() == [6, 6, 6]
+
+
 def test_drop_in_refuses_bad_input_with_state_unchanged():
     model = JaxMimiTransformer(num_layers=2, dim=32, num_heads=4, context=10, ffn=64)
     with pytest.raises(RuntimeError, match="before streaming_init"):

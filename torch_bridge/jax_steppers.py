@@ -153,10 +153,11 @@ class _JaxBacked:
         """Same contract as the torch stack's step; returns torch tensors on the module's device.
 
         x and active are shared with JAX when it can take them as they are, copied otherwise
-        (a non-contiguous or misaligned input: a few KB per step).
+        (a non-contiguous or misaligned input: a few KB per step). No active: the JAX step's own
+        all-rows mask (no torch mask made and handed over each step).
         """
         _, active = self._check_step_inputs(x, active)
-        outputs = self._streamer.step(to_jax(x, copy=None), to_jax(active, copy=None))
+        outputs = self._streamer.step(to_jax(x, copy=None), None if active is None else to_jax(active, copy=None))
         return jax.tree_util.tree_map(to_torch, outputs)
 
 

@@ -392,7 +392,8 @@ class _StreamingStack(nn.Module):
         self.restore(read_stream(path))
 
     # ----------------------------------------------------------------------------- step
-    def _check_step_inputs(self, x, active) -> tuple[StreamState, torch.Tensor]:
+    def _check_step_inputs(self, x, active) -> tuple[StreamState, torch.Tensor | None]:
+        """(state, active) after checking step's arguments; active stays None when not given."""
         state = self._require_state("step")
         c = self.config
         if not isinstance(x, torch.Tensor):
@@ -409,9 +410,7 @@ class _StreamingStack(nn.Module):
                             f"x.to({self.dtype}) if that rounding is what you want")
         if x.device != self.device:
             raise ValueError(f"step(x): x is on {x.device}; the stack is on {self.device}")
-        if active is None:
-            active = torch.ones(state.batch_size, dtype=torch.bool, device=self.device)
-        return state, self._check_row_mask("step(active)", active, state)
+        return state, None if active is None else self._check_row_mask("step(active)", active, state)
 
     def rope_freqs(self) -> tuple[float, ...]:
         """This stack's RoPE frequency table, computed on its device (the JAX path can share it)."""
@@ -434,6 +433,8 @@ class _StreamingStack(nn.Module):
         The tables are built once and every layer uses them. Inactive rows leave the state as is.
         """
         state, active = self._check_step_inputs(x, active)
+        if active is None:
+            active = torch.ones(state.batch_size, dtype=torch.bool, device=self.device)
         x = x.to(self.dtype)  # an exact widening (checked), or x itself
         c = self.config
         tables = self.step_tables(state.offset, state.start_offset, active, x.shape[1])

@@ -1,0 +1,81 @@
+"""What the torch-facing drop-in adds to the bare JAX step, on the host (issue 11: <= 5%).
+
+    python benchmarks/dropin_overhead.py                 # small presets, the CPU (host cost alone)
+    python benchmarks/dropin_overhead.py --real          # real sizes (on a GPU)
+
+For each stack, B=4: the drop-in (`from_torch`) stepped with active=None and with a mask, and the
+bare jitted JAX step on the same weights, interleaved call by call (the same machine state for
+all three); medians of synchronized steps, in us. Never part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import torch
+
+import jax_impl
+from jax_impl.config import PRESETS
+from torch_bridge import MimiTransformer, TemporalStreaming
+from torch_bridge.dlpack import to_jax
+from torch_bridge.jax_steppers import from_torch
+
+
+def measure(kind: str, real: bool, steps: int, B: int = 4) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cls, T = (TemporalStreaming, 1) if kind == "temporal" else (MimiTransformer, 2)
+    config = PRESETS[kind if real else f"{kind}-small"]
+    dtype = torch.bfloat16 if real else torch.float32
+    module = cls.from_config(config, dtype=dtype, device=device)
+    module.init_weights(generator=torch.Generator(device=device).manual_seed(0))
+    dropin = from_torch(module, layer_loop="python")
+    dropin.streaming_init(B)
+    x = torch.randn(B, T, config.dim, device=device).to(dtype)
+    active = torch.ones(B, dtype=torch.bool, device=device)
+    params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
+    step = jax_impl.make_step(config, layer_loop="python", rope_freqs=module.rope_freqs())
+    holder = {"state": jax.device_put(jax_impl.init_state(config, B, params["params"]["layers"]["in_proj"].dtype),
+                                      params["params"]["layers"]["in_proj"].devices().pop())}
+    xj = to_jax(x)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def bare():
+        out, holder["state"] = step(params, holder["state"], xj, None)
+        jax.block_until_ready((out, holder["state"]))
+
+    calls = {"dropin_active_none_us": lambda: (dropin.step(x), sync()),
+             "dropin_active_mask_us": lambda: (dropin.step(x, active), sync()),
+             "bare_jax_us": bare}
+    times: dict = {k: [] for k in calls}
+    for _ in range(20):
+        for f in calls.values():
+            f()
+    for _ in range(steps):
+        for k, f in calls.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(1e6 * (time.perf_counter() - t0))
+    rec = {k: statistics.median(v) for k, v in times.items()}
+    rec["overhead_active_none"] = rec["dropin_active_none_us"] / rec["bare_jax_us"] - 1
+    return rec
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--real", action="store_true", help="the real sizes (bf16), not the small presets")
+    parser.add_argument("--steps", type=int, default=400)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for kind in ("mimi", "temporal"):
+        rec = measure(kind, args.real, args.steps)
+        print(kind, {k: round(v, 3) if k.startswith("overhead") else round(v) for k, v in rec.items()}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
