@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import sys
 
@@ -35,6 +34,7 @@ import triton.language as tl
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+from twin_tune_gpu import RESULTS, graph_ms, jax_ms, record, same
 
 from kernels_pallas import twin_linear as pli
 from kernels_triton import twin_linear as tli
@@ -44,14 +44,6 @@ from torch_bridge.dlpack import to_jax
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 BMX = 16  # x rows per program: the MMA's n dimension (rows padded to it)
-RESULTS: dict = {}
-
-
-def record(key, value, out):
-    RESULTS[key] = value
-    print(key, json.dumps(value)[:1500], flush=True)
-    with open(out, "w") as f:
-        json.dump(RESULTS, f, indent=1)
 
 
 def _pallas_kernel(layer_ref, x_ref, w_ref, o_ref, *, K, BN, BK):
@@ -121,27 +113,6 @@ def instruction(kern) -> str | None:
     return ",".join(name for name in ("wgmma", "mma.sync", "fma.rn.f32") if name in ptx)
 
 
-def bits_equal(a, b) -> bool:
-    a = a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
-    b = b.detach().cpu().numpy() if isinstance(b, torch.Tensor) else np.asarray(b)
-    return bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
-
-
-def graph_ms(launch, calls):
-    if not GPU:
-        return None
-    from cuda_timing import graph_per_call_ms
-    return 1e3 * graph_per_call_ms(launch, calls)
-
-
-def jax_us(fn, args, calls, reps=10):
-    if not GPU:
-        return None
-    from host_timing import host_ms
-    jax.block_until_ready(fn(*args))
-    return 1e3 * host_ms(lambda: jax.block_until_ready(fn(*args)), reps) / calls
-
-
 def probe(name, M, N, K, tiles, out, L):
     g = torch.Generator(device=DEVICE).manual_seed(0)
     w = (torch.randn(L, N, K, generator=g, device=DEVICE) * 0.02).to(torch.bfloat16)
@@ -167,15 +138,15 @@ def probe(name, M, N, K, tiles, out, L):
             yta, yto = (tm(t, w, L - 1, acc_in_dot=False)[0] for t in (alone, others))
             ytp = torch.tensor(np.asarray(yp), device=DEVICE)
             err = float(((ytp[:M].double() - exact).abs().max() / exact.abs().max()).item())
-            row = {**cfg, "pallas_eq_triton": bits_equal(yp, yt), "pallas_eq_triton_acc_in_dot": bits_equal(yp, yt2),
-                   "triton_eq_triton_acc_in_dot": bits_equal(yt, yt2),
-                   "pallas_row0_invariant": bits_equal(np.asarray(ypa)[0], np.asarray(ypo)[0]),
-                   "triton_row0_invariant": bits_equal(yta[0], yto[0]),
+            row = {**cfg, "pallas_eq_triton": same(yp, yt), "pallas_eq_triton_acc_in_dot": same(yp, yt2),
+                   "triton_eq_triton_acc_in_dot": same(yt, yt2),
+                   "pallas_row0_invariant": same(np.asarray(ypa)[0], np.asarray(ypo)[0]),
+                   "triton_row0_invariant": same(yta[0], yto[0]),
                    "max_rel_err_vs_f64": err, "triton_ptx": instruction(kern), "triton_ptx_acc_in_dot": instruction(kern2)}
             fn = jax.jit(lambda x, w, pm=pm: [pm(x, w, i % L) for i in range(2 * L)])
-            row["pallas_us"] = jax_us(fn, (jx, jw), 2 * L)
+            row["pallas_us"] = 1e3 * jax_ms(fn, (jx, jw), 2 * L)
             for key, acc_in_dot in (("triton_us", False), ("triton_acc_in_dot_us", True)):
-                row[key] = graph_ms(lambda i, tm=tm, a=acc_in_dot: tm(x16, w, i % L, acc_in_dot=a), 2 * L)
+                row[key] = 1e3 * graph_ms(lambda i, tm=tm, a=acc_in_dot: tm(x16, w, i % L, acc_in_dot=a), 2 * L)
         except Exception as e:  # noqa: BLE001 (recorded: a tile a compiler refuses; the sweep goes on)
             row = {**cfg, "error": f"{type(e).__name__}: {str(e)[:400]}"}
         rows.append(row)
@@ -184,8 +155,8 @@ def probe(name, M, N, K, tiles, out, L):
     base = {}
     xm, jxm = x16[:M].contiguous(), to_jax(x16[:M].contiguous())
     fb = jax.jit(lambda x, w: [pli.linear(x, w, i % L) for i in range(2 * L)])
-    base["pallas_cuda_core_us"] = jax_us(fb, (jxm, jw), 2 * L)
-    base["triton_cuda_core_us"] = graph_ms(lambda i: tli.linear(xm, w, i % L), 2 * L)
+    base["pallas_cuda_core_us"] = 1e3 * jax_ms(fb, (jxm, jw), 2 * L)
+    base["triton_cuda_core_us"] = 1e3 * graph_ms(lambda i: tli.linear(xm, w, i % L), 2 * L)
     record(name, {"M": M, "N": N, "K": K, "layers": L, "weight_bytes": N * K * 2, "tiles": rows, **base}, out)
 
 

@@ -252,8 +252,11 @@ def twin_linear_form(N_out: int, K: int, dtype, compiled: bool, form: str | None
     return "mma" if compiled and fits else "lanes"
 
 
-def twin_mma_blocks(N_out: int, K: int, block_n: int | None = None) -> tuple[int, int]:
-    """(BN, BK) of the MMA form: BK = `twin_lanes(K)` (the norm's blocks too), BN for speed."""
+def twin_mma_blocks(N_out: int, K: int, block_n: int | None = None, block_m: int | None = None) -> tuple[int, int]:
+    """(BN, BK) of the MMA form: BK = `twin_lanes(K)` (the norm's blocks too), BN for speed; a
+    block_m other than TWIN_MMA_ROWS (the form's fixed rows a program) is refused."""
+    if block_m is not None and block_m != TWIN_MMA_ROWS:
+        raise ValueError(f"linear(block_m): the MMA form has {TWIN_MMA_ROWS} rows a program, got {block_m}")
     BN = largest_pow2_divisor(N_out, TWIN_MMA_MAX_BN) if block_n is None else block_n
     if BN < 16 or BN & (BN - 1) or N_out % BN:
         raise ValueError(f"linear(block_n): the MMA form needs a power of two >= 16 dividing N_out={N_out}, got {BN}")
@@ -393,6 +396,28 @@ def check_twin_norm(x, weight, bias, kind):
     M, D = x.shape
     _check_norm_params(kind, weight, bias, D, "norm({})")
     return M, D
+
+
+class _Shaped(NamedTuple):
+    """The shape and dtype of an array a check needs but the call never makes."""
+
+    shape: tuple
+    dtype: Any
+
+
+def check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask):
+    """(B, T, H, D, M, K, N) of a `linear_rope_write` call, after checking every shape: the
+    linear's, rope_write's, and that x is [B*T, K] and w [L, 3*H*D, K]."""
+    if len(ring_k.shape) != 5 or len(write_index.shape) != 2:
+        raise ValueError(f"linear_rope_write: ring_k must be [L, B, H, C, D] and write_index [B, T], got "
+                         f"{tuple(ring_k.shape)} and {tuple(write_index.shape)}")
+    (B, T), H, D = write_index.shape, ring_k.shape[2], ring_k.shape[4]
+    M, K, N, _ = check_twin_linear(x, w, None, None, None, norm)
+    check_twin_rope(_Shaped((B, T, 3, H, D), x.dtype), cos, sin, ring_k, ring_v, write_index, write_mask)
+    if (M, N) != (B * T, 3 * H * D):
+        raise ValueError(f"linear_rope_write: x must be [B*T={B * T}, K] and w [L, 3*H*D={3 * H * D}, K], got x "
+                         f"{tuple(x.shape)} and w {tuple(w.shape)}")
+    return B, T, H, D, M, K, N
 
 
 def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask):

@@ -57,7 +57,7 @@ from kernels_pallas.common import (
     TWIN_PALLAS_PREFETCH,
     TwinNorm,
     check_twin_linear,
-    check_twin_rope,
+    check_twin_qkv,
     stack_one_layer,
     twin_blocks,
     twin_fuse_norm,
@@ -224,9 +224,7 @@ def _linear_mma(x, w, layer, act, scale, residual, norm, block_m, block_n, num_w
     normalization stalled its pipeline: 43 against 26 us for the qkv projection at M=4 on an H200)."""
     M, K = x.shape
     N_out = w.shape[1] // 2 if act == "silu_gate" else w.shape[1]
-    if block_m is not None and block_m != TWIN_MMA_ROWS:
-        raise ValueError(f"linear(block_m): the MMA form has {TWIN_MMA_ROWS} rows a program, got {block_m}")
-    BN, BK = twin_mma_blocks(N_out, K, block_n)
+    BN, BK = twin_mma_blocks(N_out, K, block_n, block_m)
     if norm is not None:
         x = twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w]
@@ -304,20 +302,14 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: ja
     Returns (q [B, H, T, D], ring_k, ring_v). The MMA form runs it as one kernel after the norm's
     (`common.twin_qkv_plan`); the lane form as `linear` then `rope_write`, the same bits as ever.
     """
-    B, T = write_index.shape
-    H, D = ring_k.shape[2], ring_k.shape[4]
+    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    chosen, BN = twin_qkv_plan(w.shape[1], x.shape[1], D, x.dtype, not interpret, form, block_n)
+    chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpret, form, block_n)
     if chosen == "lanes":
         qkv = linear(x, w, layer, norm=norm, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      form="lanes", interpret=interpret).reshape(B, T, 3, H, D)
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, interpret=interpret)
-    M, K, N, _ = check_twin_linear(x, w, None, None, None, norm)
-    check_twin_rope(jax.ShapeDtypeStruct((B, T, 3, H, D), x.dtype), cos, sin, ring_k, ring_v, write_index, write_mask)
-    if (M, N) != (B * T, 3 * H * D):
-        raise ValueError(f"linear_rope_write: x must be [B*T={B * T}, K] and w [L, 3*H*D={3 * H * D}, K], got x "
-                         f"{tuple(x.shape)} and w {tuple(w.shape)}")
     if norm is not None:
         x = twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
     L, C = ring_k.shape[0], ring_k.shape[3]

@@ -18,7 +18,7 @@ from kernels_pallas.common import (
     TWIN_TRITON_LINEAR_STAGES,
     TwinNorm,
     check_twin_linear,
-    check_twin_rope,
+    check_twin_qkv,
     stack_one_layer,
     twin_blocks,
     twin_fuse_norm,
@@ -225,9 +225,7 @@ def _linear_mma(x, w, layer_t, act, scale, residual, norm, block_m, block_n, num
     M, K = x.shape
     N = w.shape[1]
     N_out = N // 2 if act == "silu_gate" else N
-    if block_m is not None and block_m != TWIN_MMA_ROWS:
-        raise ValueError(f"linear(block_m): the MMA form has {TWIN_MMA_ROWS} rows a program, got {block_m}")
-    BN, BK = twin_mma_blocks(N_out, K, block_n)
+    BN, BK = twin_mma_blocks(N_out, K, block_n, block_m)
     if norm is not None:
         x = twin_norm.norm(x, norm.weight, norm.bias, layer_t, kind=norm.kind, eps=norm.eps)
     out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)
@@ -293,20 +291,13 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
     """The qkv projection with the RoPE rotation and the ring write in its epilogue (the Pallas
     twin's signature and bits): `linear` then `twin_rope.rope_write`, one kernel in the MMA form.
     Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place."""
-    B, T = write_index.shape
-    H, D = ring_k.shape[2], ring_k.shape[4]
+    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     interpreted = interpreting(_qkv_kernel)
-    chosen, BN = twin_qkv_plan(w.shape[1], x.shape[1], D, x.dtype, not interpreted, form, block_n)
+    chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpreted, form, block_n)
     if chosen == "lanes":
         qkv = linear(x, w, layer, norm=norm, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      form="lanes").view(B, T, 3, H, D)
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
-    M, K, N, _ = check_twin_linear(x, w, None, None, None, norm)
-    check_twin_rope(torch.empty((B, T, 3, H, D), dtype=x.dtype, device="meta"), cos, sin, ring_k, ring_v,
-                    write_index, write_mask)
-    if (M, N) != (B * T, 3 * H * D):
-        raise ValueError(f"linear_rope_write: x must be [B*T={B * T}, K] and w [L, 3*H*D={3 * H * D}, K], got x "
-                         f"{tuple(x.shape)} and w {tuple(w.shape)}")
     for name, t in (("x", x), ("w", w), ("cos", cos), ("sin", sin), ("ring_k", ring_k), ("ring_v", ring_v)):
         if not t.is_contiguous():
             raise ValueError(f"linear_rope_write({name}): must be contiguous, got strides {t.stride()}")
