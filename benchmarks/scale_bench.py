@@ -18,7 +18,8 @@ and with one `lax.scan` over the layers (scan: true) (`--loops`):
 - kernels: CUDA kernels per step (torch.profiler); compile_s: the first call;
 - attention_TBps: the Pallas ring attention alone over every layer (one jit), k and v bytes per
   second (None where the ring is past its int32 offsets); with --kernels twin, the twin attention;
-- dropin_ms: the torch-facing drop-in (`from_torch`) on the same weights, synchronized;
+- dropin_ms: the torch-facing drop-in (`from_torch`) on the same weights, kernels and layer loop
+  (`dropin_loop`: scan when timed), synchronized;
 - torch_graph_ms: the torch path under a CUDA graph, where its own ring fits beside JAX's
   (null otherwise, with the reason in `torch_graph_note`).
 Then `sessions_in_80ms`: the largest B whose temporal step plus two Mimi T=2 steps (encoder and
@@ -38,6 +39,12 @@ import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
+# B=64 holds 100 GB of ring beside torch's 13 GB of weights. JAX's default (BFC) allocator grows
+# by regions it tries at 64, 57.6 and 51.84 GiB for a 46.9 GiB ring, never less: beside torch the
+# second ring found no region (measured). cudaMallocAsync asks for what is needed.
+os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
+if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:  # the deprecated name; both set is an error
+    os.environ.setdefault("XLA_CLIENT_MEM_FRACTION", "0.95")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax
@@ -65,17 +72,16 @@ RANDOM_RING_MAX_BYTES = 16 * 2**30  # larger rings are filled with a constant: r
 
 def full_state(config, B: int, key: int = 1):
     """A JAX state with every slot visible (offsets at capacity), random up to RANDOM_RING_MAX_BYTES
-    (the values do not change the kernels' work)."""
-    s = jax_impl.init_state(config, B, jnp.bfloat16)
-    k1, k2 = jax.random.split(jax.random.key(key))
-    if 2 * s.k.nbytes <= RANDOM_RING_MAX_BYTES:
-        k, v = jax.random.normal(k1, s.k.shape, jnp.bfloat16), jax.random.normal(k2, s.v.shape, jnp.bfloat16)
-    else:  # filled in place (the zero rings donated): no second ring, ever (at B=64 one is 50 GB).
-        # keep_unused: full_like does not read `a`, and jit drops an unused argument, donated or
-        # not: the output was then a new 50 GB buffer beside the zero ring (out of memory at B=64)
-        fill = jax.jit(lambda a, value: jnp.full_like(a, value), donate_argnums=0, keep_unused=True)
-        k, v = fill(s.k, 0.5), fill(s.v, -0.25)
-    return s._replace(k=k, v=v, offset=jnp.full_like(s.offset, config.capacity))
+    (the values do not change the kernels' work), else constant. Each ring is made once where it
+    lives: no zero ring first and no second ring, ever (at B=64 one is 50 GB)."""
+    shape = jax_impl.state.state_shapes(config, B)
+    offset = jnp.full((B,), config.capacity, jax_impl.state.index_dtype())
+    if 2 * 2 * np.prod(shape) <= RANDOM_RING_MAX_BYTES:
+        k1, k2 = jax.random.split(jax.random.key(key))
+        k, v = jax.random.normal(k1, shape, jnp.bfloat16), jax.random.normal(k2, shape, jnp.bfloat16)
+    else:
+        k, v = jnp.full(shape, 0.5, jnp.bfloat16), jnp.full(shape, -0.25, jnp.bfloat16)
+    return jax_impl.StreamState(k=k, v=v, offset=offset, start_offset=jnp.zeros_like(offset))
 
 
 def attention_tbps(config, state, kernels: str) -> float | None:
@@ -141,7 +147,8 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
     del state, holder
     gc.collect()
 
-    dropin_ms = time_dropin(module, B, x, steps) if with_torch else None
+    dropin_loop = "scan" if "scan" in loops else "python"  # the drop-in runs the same step as the records
+    dropin_ms = time_dropin(module, B, x, steps, kernels, dropin_loop) if with_torch else None
     gc.collect()
 
     # the torch path under a CUDA graph, where its ring fits
@@ -161,14 +168,15 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
         module.streaming_end()
         torch.cuda.empty_cache()
     for r in records:
-        r.update(dropin_ms=dropin_ms, torch_graph_ms=graph_ms, torch_graph_note=note)
+        r.update(dropin_ms=dropin_ms, dropin_loop=dropin_loop, torch_graph_ms=graph_ms, torch_graph_note=note)
     return records
 
 
-def time_dropin(module, B: int, x, steps: int) -> float:
+def time_dropin(module, B: int, x, steps: int, kernels: str, layer_loop: str) -> float:
     """ms of the torch-facing drop-in's synchronized step on `module`'s weight buffers, its own full ring."""
-    dropin = from_torch(module, layer_loop="python")
+    dropin = from_torch(module, layer_loop=layer_loop, kernels=kernels)
     dropin.streaming_init(B)
+    dropin._streamer.state = None  # its zero rings go before the full ones come (50 GB each at B=64)
     dropin._streamer.state = full_state(module.config, B)
 
     def one():
@@ -254,6 +262,8 @@ def main() -> None:
             modules = {kind: cls.from_config(PRESETS[kind + size], dtype=torch.bfloat16, device=DEVICE)}
             modules[kind].init_weights(generator=torch.Generator(device=DEVICE).manual_seed(0))
             gc.collect()
+            if GPU:
+                torch.cuda.empty_cache()  # the previous stack's weights and the init's temporaries
         try:
             records += bench(kind, T, B, modules[kind], args.steps, bandwidth, args.kernels, args.loops.split(","),
                              not args.no_torch)

@@ -1,7 +1,7 @@
 """Where a jitted step keeps a second ring: XLA's memory analysis of the compiled step, no run.
 
     python benchmarks/step_memory_gpu.py --batches 4,64 --out $OUT/step_memory.json
-    python benchmarks/step_memory_gpu.py --batches 64 --run 64 --out $OUT/step_memory.json  # and run it once
+    python benchmarks/step_memory_gpu.py --batches 64 --run 64 --out $OUT/step_memory.json  # and run it (three steps)
     python benchmarks/step_memory_gpu.py --small --batches 2 --run 2 --weights-from jax --out /tmp/step_memory.json  # CPU
 
 For each batch size and mode, the step (`jax_impl.make_step`, state donated) is lowered and
@@ -9,7 +9,7 @@ compiled from abstract shapes (nothing is allocated, so B=64's 100 GB of ring ne
 the record holds XLA's `memory_analysis()` (argument, output, alias and temp bytes) next to one
 ring's bytes, and every instruction of the optimized HLO whose result has the ring's shape, by
 opcode (a `copy` there is a second ring). The optimized HLO of each case is written beside the
-JSON (gzip). With --run, the step then runs once on real buffers (the rings filled in place): is
+JSON (gzip). With --run, the step then runs three times on real buffers (the rings filled in place): is
 the donated ring updated in place, and what does the device hold? Never part of the tests.
 """
 
@@ -62,10 +62,11 @@ def analyse(config, B, kernels, layer_loop, out_dir):
             **fields, "ring_shaped_ops": dict(ops), "ring_shaped_copies_or_fusions": copies, "hlo": name}
 
 
-def run_once(config, B, kernels, layer_loop, weights_from):
-    """Run the step once on real buffers: does the donated ring come back in place (same address),
+def run_steps(config, B, kernels, layer_loop, weights_from):
+    """Run the step three times on real buffers: does the donated ring come back in place (same address),
     and what does the device hold before and after (or when it fails)? weights_from: "jax" (init
-    here) or "torch" (a torch module's buffers through DLPack, as scale_bench.py does)."""
+    here) or "torch" (a torch module's buffers, input, mask and RoPE frequencies through DLPack, as
+    scale_bench.py runs it)."""
     from scale_bench import full_state
 
     def in_use():
@@ -84,19 +85,24 @@ def run_once(config, B, kernels, layer_loop, weights_from):
         params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
         rec["torch_allocated"] = torch.cuda.memory_allocated()
         rec["torch_reserved"] = torch.cuda.memory_reserved()
+        x = to_jax(torch.randn(B, 1, config.dim, device="cuda", dtype=torch.bfloat16))
+        active = to_jax(torch.ones(B, dtype=torch.bool, device="cuda"))
+        rope_freqs = module.rope_freqs()
     else:
         params = jax_impl.init_params(config, jax.random.key(0), dt)
+        x, active, rope_freqs = jnp.zeros((B, 1, config.dim), dt), jnp.ones((B,), bool), None
     state = full_state(config, B)
     jax.block_until_ready(state)
     rec["before"] = in_use()
     k_ptr, v_ptr = state.k.unsafe_buffer_pointer(), state.v.unsafe_buffer_pointer()
-    step = jax_impl.make_step(config, kernels=kernels, layer_loop=layer_loop)
-    x = jnp.zeros((B, 1, config.dim), dt)
-    try:
-        out, new = step(params, state, x, jnp.ones((B,), bool))
-        jax.block_until_ready((out, new))
-        rec.update(k_in_place=new.k.unsafe_buffer_pointer() == k_ptr, v_in_place=new.v.unsafe_buffer_pointer() == v_ptr,
-                   after=in_use())
+    step = jax_impl.make_step(config, kernels=kernels, layer_loop=layer_loop, rope_freqs=rope_freqs)
+    rec["steps"] = []
+    try:  # three steps, as a timing loop runs them: each takes the last one's (donated) state
+        for _ in range(3):
+            state = step(params, state, x, active)[1]
+            jax.block_until_ready(state)
+            rec["steps"].append({"k_in_place": state.k.unsafe_buffer_pointer() == k_ptr,
+                                 "v_in_place": state.v.unsafe_buffer_pointer() == v_ptr, **in_use()})
     except Exception as e:  # noqa: BLE001 (recorded: the failure and the memory then are the result)
         rec.update(error=f"{type(e).__name__}: {str(e)[:400]}", at_error=in_use())
     return rec
@@ -108,7 +114,7 @@ def main():
     parser.add_argument("--batches", default="4,64")
     parser.add_argument("--modes", default="twin:scan,auto:python")
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--run", default="", help="also run the step once at these B (real buffers), e.g. 16,64")
+    parser.add_argument("--run", default="", help="also run the step (three steps) at these B (real buffers), e.g. 16,64")
     parser.add_argument("--weights-from", default="jax,torch", help="where --run's weights come from")
     args = parser.parse_args()
     config = PRESETS["temporal-small" if args.small else "temporal"]
@@ -129,7 +135,7 @@ def main():
     for B in (int(b) for b in args.run.split(",") if b):
         for source in args.weights_from.split(","):
             for mode in args.modes.split(","):
-                rec = run_once(config, B, *mode.split(":"), source)
+                rec = run_steps(config, B, *mode.split(":"), source)
                 results.setdefault("runs", []).append(rec)
                 print(json.dumps(rec)[:1500], flush=True)
                 with open(args.out, "w") as f:

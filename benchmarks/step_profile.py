@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax
 import jax.numpy as jnp
 import torch
+from scale_bench import full_state
 from torch.profiler import ProfilerActivity, profile
 
 import jax_impl
@@ -33,17 +34,9 @@ B = 4
 CASES = {"temporal": ("temporal", 1), "mimi2": ("mimi", 2), "mimi10": ("mimi", 10)}
 
 
-def full_state(config):
-    s = jax_impl.init_state(config, B, jnp.bfloat16)
-    k1, k2 = jax.random.split(jax.random.key(1))
-    return s._replace(k=jax.random.normal(k1, s.k.shape, jnp.bfloat16),
-                      v=jax.random.normal(k2, s.v.shape, jnp.bfloat16),
-                      offset=jnp.full_like(s.offset, config.capacity))
-
-
 def profile_step(config, T, kernels):
     params = jax_impl.init_params(config, jax.random.key(0), jnp.bfloat16)
-    state = full_state(config)
+    state = full_state(config, B)
     x = jax.random.normal(jax.random.key(2), (B, T, config.dim), jnp.bfloat16)
     active = jnp.ones((B,), bool)
     step = jax_impl.make_step(config, layer_loop="python", kernels=kernels)
@@ -73,7 +66,7 @@ def profile_step(config, T, kernels):
 
 
 def sweep_attention(config, T):
-    st = full_state(config)
+    st = full_state(config, B)
     q = jax.random.normal(jax.random.key(5), (B, config.num_heads, T, config.head_dim), jnp.bfloat16)
     positions = jnp.broadcast_to(jnp.arange(config.capacity, dtype=jnp.int32), (B, config.capacity))
     q_pos = jnp.full((B, T), config.capacity, jnp.int32) + jnp.arange(T, dtype=jnp.int32)
