@@ -144,8 +144,8 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
         tbps, note = None, f"{type(err).__name__}: {err}"[:300]
     for r in records:
         r.update(attention_TBps=tbps, attention_note=note)
-    del state, holder
-    gc.collect()
+    del state, holder, one  # `one` holds the ring too (its default argument): at B=64 the drop-in's
+    gc.collect()            # ring then found no room (out of memory, and the allocator crashed)
 
     dropin_loop = "scan" if "scan" in loops else "python"  # the drop-in runs the same step as the records
     dropin_ms = time_dropin(module, B, x, steps, kernels, dropin_loop) if with_torch else None
