@@ -52,7 +52,7 @@ def _jnp_f32(a) -> np.ndarray:
 
 CASES = [
     # stack, convention, dtype, steps, T
-    ("temporal", "personaplex", "float32", 2000, 1),
+    ("temporal", "personaplex", "float32", 1000, 1),
     ("temporal", "moshi", "float32", 400, 1),
     ("mimi-encoder", "personaplex", "float32", 400, 2),
     ("mimi-decoder", "moshi", "float32", 300, 5),

@@ -543,7 +543,7 @@ def test_twin_step_bit_identical_torch_vs_jax(stack, dtype, convention):
     recycling (recycle_rate 10: reset_slot, the sacrifice tick, bump_slot_start and reset_rows all
     occur in a few steps)."""
     report = crosscheck(stack, steps=6, batch=2, dtype=dtype, convention=convention, config=SMALL[stack],
-                        kernels="twin", recycle_rate=10, seed=2)
+                        kernels="twin", recycle_rate=10, seed=2, layer_loop="scan")
     assert max(report.tensors["end_offset"].per_step_ulp) == 0
     assert report.holds("identical"), report.summary()
     assert max(report.tensors["offset"].per_step_ulp) == 0
