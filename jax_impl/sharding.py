@@ -327,7 +327,7 @@ class ShardedStreamer(Streamer):
         mesh = session_mesh(axis=axis) if mesh is None else mesh
         _check_sessions("ShardedStreamer(batch_size)", batch_size, mesh, axis)
         super().__init__(config, params, batch_size, dtype, layer_loop=layer_loop, exact_rope=exact_rope,
-                         rope_freqs=rope_freqs)
+                         rope_freqs=rope_freqs, device=session_shardings(mesh, axis))  # made split by row
         self._adopt(mesh, axis, output_device)
 
     @classmethod

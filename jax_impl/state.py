@@ -73,8 +73,14 @@ def state_shapes(config: StackConfig, batch_size: int) -> tuple[int, ...]:
     return (c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim)
 
 
-def init_state(config: StackConfig, batch_size: int, dtype=jnp.float32) -> StreamState:
-    """A fresh state: zero rings, offsets at 0."""
+def init_state(config: StackConfig, batch_size: int, dtype=jnp.float32, *, device=None) -> StreamState:
+    """A fresh state: zero rings, offsets at 0.
+
+    device: where it lives (default: JAX's default device): a `jax.Device`, a `jax.sharding.Sharding`,
+    or a StreamState of Shardings (e.g. `sharding.session_shardings(mesh)`, split by row). Each array
+    is made in place there, never made on the default device and copied: at B=64 a ring is 50 GB,
+    which the default device may not have room for next to its own.
+    """
     if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"init_state(batch_size): must be a positive int, got {batch_size!r}")
     dtype = jnp.dtype(dtype)
@@ -82,8 +88,19 @@ def init_state(config: StackConfig, batch_size: int, dtype=jnp.float32) -> Strea
         raise TypeError(f"init_state(dtype): must be a floating dtype, got {dtype}")
     ring = state_shapes(config, int(batch_size))
     idx = index_dtype()
-    return StreamState(k=jnp.zeros(ring, dtype), v=jnp.zeros(ring, dtype),
-                       offset=jnp.zeros((batch_size,), idx), start_offset=jnp.zeros((batch_size,), idx))
+
+    def make():
+        return StreamState(k=jnp.zeros(ring, dtype), v=jnp.zeros(ring, dtype),
+                           offset=jnp.zeros((batch_size,), idx), start_offset=jnp.zeros((batch_size,), idx))
+
+    if device is None:
+        return make()
+    if isinstance(device, jax.Device):
+        device = jax.sharding.SingleDeviceSharding(device)
+    elif not isinstance(device, (jax.sharding.Sharding, StreamState)):
+        raise TypeError(f"init_state(device): expected a jax.Device, a Sharding or a StreamState of Shardings, "
+                        f"got {type(device).__name__}")
+    return jax.jit(make, out_shardings=device)()
 
 
 def _is_concrete(x) -> bool:

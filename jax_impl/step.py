@@ -175,6 +175,9 @@ class Streamer:
     (+T per step whatever `active` says, back to 0 when every row is reset). A step that could
     take it past the index dtype's maximum raises OverflowError before launching anything:
     no device sync, no extra work or recompilation in the jitted step.
+
+    device: where the state is made (`init_state`'s: a Device, a Sharding or a StreamState of them;
+    default: JAX's default device), in place, never copied there from the default device.
     """
 
     def __init__(self, config: StackConfig, params, batch_size: int, dtype=jnp.float32, *,
@@ -183,8 +186,7 @@ class Streamer:
         self.config = config
         check_params(config, params, dtype=jnp.dtype(dtype))
         self.params = params
-        state = st.init_state(config, batch_size, dtype)
-        self.state = state if device is None else jax.device_put(state, device)
+        self.state = st.init_state(config, batch_size, dtype, device=device)  # made where it lives
         self.offset_bound = 0
         if kernels == "auto" and next(iter(self.state.k.devices())).platform != "gpu":
             kernels = "xla"  # the state is on the CPU (even on a GPU host): no compiled Pallas there

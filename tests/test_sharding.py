@@ -308,3 +308,30 @@ def test_tensor_parallel_refusals_name_the_argument():
         step(params, state, x)  # Flax variables: not the tensor-parallel layout
     with pytest.raises(CheckpointError, match=r"step\(params\): expected a Flax variables dict"):
         jx.make_step(config)(tp, jx.init_state(config, B), x)  # and the plain step refuses the split layout
+
+
+@two_devices
+def test_states_are_made_where_they_live():
+    """`init_state(device=...)` makes the state on a device or split by row (each array made there
+    by one jitted computation with those output shardings: never made on the default device and
+    moved, which at B=64 would need a 50 GB ring's room there); `Streamer(device=...)` and
+    `ShardedStreamer` make theirs that way. The values are a fresh state's."""
+    cfg = jx.PRESETS["mimi-small"]
+    d1 = jax.devices()[1]
+    mesh = sh.session_mesh()
+    rows = sh.session_shardings(mesh)
+    params = init_params(cfg, 0)
+    alone = jx.init_state(cfg, B, device=d1)
+    split = jx.init_state(cfg, B, device=rows)
+    streamer = jx.Streamer(cfg, jax.device_put(params, d1), B, device=d1)
+    sharded = sh.ShardedStreamer(cfg, params, B, mesh=mesh)
+    for state in (alone, streamer.state):
+        assert all(a.devices() == {d1} for a in state)
+    for state in (split, sharded.state):
+        for a, want in zip(state, rows):
+            assert a.sharding.is_equivalent_to(want, a.ndim) and len(a.devices()) == 2
+    fresh = jax.device_get(jx.init_state(cfg, B))
+    for state in (alone, split):
+        chex.assert_trees_all_equal(jax.device_get(state), fresh)
+    with pytest.raises(TypeError, match=r"init_state\(device\): expected a jax.Device"):
+        jx.init_state(cfg, B, device="cpu:1")

@@ -480,8 +480,8 @@ def _run(stack, config, prefix, *, steps, batch, T, dtype, checkpoint, device, s
     module.streaming_init(batch)
 
     params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
-    state = jax.device_put(jax_impl.init_state(config, batch, params["params"]["layers"]["in_proj"].dtype),
-                           params["params"]["layers"]["in_proj"].devices().pop())
+    in_proj = params["params"]["layers"]["in_proj"]
+    state = jax_impl.init_state(config, batch, in_proj.dtype, device=in_proj.devices().pop())
     jax_step = jax_impl.make_step(config, layer_loop=layer_loop, capture=("intermediates",),
                                   rope_freqs=module.rope_freqs(), kernels="twin" if kernels == "twin" else "auto")
 
