@@ -323,11 +323,12 @@ class ShardedStreamer(Streamer):
 
     def __init__(self, config: StackConfig, params, batch_size: int, dtype=jnp.float32, *, mesh: Mesh | None = None,
                  axis: str = SESSIONS, output_device=None, layer_loop: str = "scan", exact_rope: bool = True,
-                 rope_freqs: tuple[float, ...] | None = None):
+                 rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto"):
         mesh = session_mesh(axis=axis) if mesh is None else mesh
         _check_sessions("ShardedStreamer(batch_size)", batch_size, mesh, axis)
         super().__init__(config, params, batch_size, dtype, layer_loop=layer_loop, exact_rope=exact_rope,
-                         rope_freqs=rope_freqs, device=session_shardings(mesh, axis))  # made split by row
+                         rope_freqs=rope_freqs, device=session_shardings(mesh, axis),  # made split by row
+                         kernels=kernels)
         self._adopt(mesh, axis, output_device)
 
     @classmethod

@@ -214,15 +214,22 @@ def test_dropin_on_sharded_state_bit_identical():
     assert shard_dropin(got) is got
     mesh = got._streamer.mesh
     assert_sessions_layout(got.jax_state, mesh)
+    split = shard_dropin(from_torch(torch_stack), mesh, batch_size=B)  # a fresh stream made split: no streaming_init
+    assert_sessions_layout(split.jax_state, mesh)
+    before = split.jax_state
+    for bad, match in ((3, r"shard_dropin\(batch_size\): batch_size B = 3"), (0, "positive int")):
+        with pytest.raises(ValueError, match=match):
+            shard_dropin(split, mesh, batch_size=bad)
+        assert split.jax_state is before  # refused: the stream it had is untouched
     for t in range(6):
         x = torch.from_numpy(frames("temporal", config, t))
         active = torch.arange(B) != t % B
-        out_ref, out = ref.step(x, active), got.step(x, active)
-        for a, b in zip(out, out_ref, strict=True):
-            assert a.device == b.device == torch.device("cpu")  # the module's device
-            assert same_bits(a, b)
+        out_ref, out, out_split = ref.step(x, active), got.step(x, active), split.step(x, active)
+        for a, b, c in zip(out, out_ref, out_split, strict=True):
+            assert a.device == b.device == c.device == torch.device("cpu")  # the module's device
+            assert same_bits(a, b) and same_bits(c, b)
         if t == 2:
-            for m in (ref, got):
+            for m in (ref, got, split):
                 m.reset_slot(1)
                 m.bump_slot_start(1)
                 m.reset_rows(torch.tensor([False, False, True, False]))
