@@ -65,6 +65,7 @@ from . import state as st
 from .config import StackConfig, TemporalConfig, check_fit, describe
 from .model import run_layers
 from .ops import _acc_dtype, attend, linear, pick_kernels, rms_norm_f32
+from .snapshot import check_snapshot_layout
 from .state import StreamState
 from .step import _KEEP, Streamer, check_step_inputs, step_fn
 from .stream_io import state_from_snapshot, state_snapshot
@@ -364,10 +365,11 @@ class ShardedStreamer(Streamer):
     def restore(self, snapshot) -> None:
         """As `Streamer.restore`, the restored state placed by row on this mesh; a snapshot whose
         batch size does not split over the mesh is refused (ValueError), nothing changed."""
-        state = state_from_snapshot(self.config, snapshot, self.state.k.dtype)
-        _check_sessions("restore(snapshot)", state.batch_size, self.mesh, self.axis)
-        self.state = jax.device_put(state, session_shardings(self.mesh, self.axis))
-        self.offset_bound = int(np.max(np.asarray(state.offset)))
+        layout = check_snapshot_layout(self.config, snapshot, "restore(snapshot)")
+        _check_sessions("restore(snapshot)", layout.batch_size, self.mesh, self.axis)
+        state = state_from_snapshot(self.config, snapshot, self.state.k.dtype,  # made split by row
+                                    session_shardings(self.mesh, self.axis))
+        self.state, self.offset_bound = state, int(np.max(np.asarray(state.offset)))
 
     def convert(self, params, *, device=None, rope_freqs=_KEEP) -> None:
         """As `Streamer.convert` (dtype widening, new params / rope table); the stream stays on this

@@ -53,9 +53,9 @@ def _host_ints(where: str, key: str, x) -> np.ndarray:
                         f"pass a jax or numpy array") from None
 
 
-def _ring_array(where: str, key: str, x) -> jax.Array:
+def _ring_array(where: str, key: str, x) -> jax.Array | np.ndarray:
     if isinstance(x, (jax.Array, np.ndarray)):
-        return jnp.asarray(x)
+        return x
     try:
         return jnp.from_dlpack(x)  # e.g. a torch tensor, read in place (copied below)
     except (TypeError, ValueError, RuntimeError, BufferError, AttributeError) as err:
@@ -71,7 +71,9 @@ def state_from_snapshot(config: StackConfig, snapshot, dtype=None, device=None,
     only when that is exact (bf16/f16 -> f32, ...), else TypeError. Offsets are read on the host
     (B integers), checked (0 <= start_offset <= offset <= the index dtype's maximum: int32
     unless jax x64 is on) and converted to `index_dtype()`, exactly. device: where the arrays
-    go (None: JAX's default). Raises (naming the key) before building anything.
+    go (None: JAX's default), as `init_state`'s: a Device, a Sharding or a StreamState of them;
+    each array is copied straight there (from the host, or from the device it is on), never
+    through the default device. Raises (naming the key) before building anything.
     """
     layout = check_snapshot_layout(config, snapshot, where)
     dtype = jnp.dtype(layout.dtype if dtype is None else dtype)
@@ -80,9 +82,19 @@ def state_from_snapshot(config: StackConfig, snapshot, dtype=None, device=None,
     check_snapshot_values([int(o) for o in offsets["offset"]], [int(o) for o in offsets["start_offset"]],
                           index_max(), where)
     ring = {key: _ring_array(where, key, snapshot[key]) for key in ("k", "v")}
-    state = StreamState(**{key: jnp.array(a, dtype=dtype, copy=True) for key, a in ring.items()},
-                        **{key: jnp.asarray(a.astype(index_dtype())) for key, a in offsets.items()})
-    return state if device is None else jax.device_put(state, device)
+
+    def place(key):
+        return getattr(device, key) if isinstance(device, StreamState) else device
+
+    return StreamState(**{key: _fresh(a, dtype, place(key)) for key, a in ring.items()},
+                       **{key: jax.device_put(a.astype(index_dtype()), place(key)) for key, a in offsets.items()})
+
+
+def _fresh(a, dtype, device) -> jax.Array:
+    """A new jax array with `a`'s values in `dtype` on `device` (None: where `a` is, or JAX's
+    default for a host array): moved straight there, then copied and cast there (`device_put`
+    may hand back `a`'s own buffer, which a donated step would later delete)."""
+    return jnp.array(jax.device_put(a, device), dtype=dtype, copy=True)
 
 
 def write_stream(config: StackConfig, state: StreamState, path: str | os.PathLike) -> None:

@@ -340,5 +340,15 @@ def test_states_are_made_where_they_live():
     fresh = jax.device_get(jx.init_state(cfg, B))
     for state in (alone, split):
         chex.assert_trees_all_equal(jax.device_get(state), fresh)
+    # a snapshot restores straight onto a device or split by row, as fresh buffers (a later donated
+    # step deletes the state's, never the snapshot's)
+    snap = jx.state_snapshot(cfg, alone)                                    # jax arrays on d1
+    host = {k: v if k == "metadata" else np.asarray(v) for k, v in snap.items()}
+    back, back_split = jx.state_from_snapshot(cfg, snap, device=d1), jx.state_from_snapshot(cfg, host, device=rows)
+    assert all(a.devices() == {d1} for a in back)
+    assert back.k.unsafe_buffer_pointer() != snap["k"].unsafe_buffer_pointer()
+    for a, want in zip(back_split, rows):
+        assert a.sharding.is_equivalent_to(want, a.ndim)
+    chex.assert_trees_all_equal(jax.device_get(back_split), fresh)
     with pytest.raises(TypeError, match=r"init_state\(device\): expected a jax.Device"):
         jx.init_state(cfg, B, device="cpu:1")
