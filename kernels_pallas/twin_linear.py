@@ -184,10 +184,11 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if twin_linear_form(N_out, K, x.dtype, compiled=not interpret, form=form) == "mma":
-        return _linear_mma(x, w, layer, act, scale, residual, norm, block_m, block_n, num_warps, num_stages, interpret)
+        return _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, block_m, block_n, num_warps,
+                           num_stages, interpret)
     BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret)
     if norm is not None and not twin_fuse_norm(BM, interpret):  # the norm kernel first: the same bits
-        x = twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
+        x = _norm_first(x, norm, layer, interpret)
         norm = None
     Mp = -(-M // BM) * BM
     pad = ((0, Mp - M), (0, 0))
@@ -219,14 +220,19 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     return out[:M]
 
 
-def _linear_mma(x, w, layer, act, scale, residual, norm, block_m, block_n, num_warps, num_stages, interpret):
+def _norm_first(x, norm: TwinNorm | None, layer, interpret: bool):
+    """x normalized by the norm kernel (the bits of the fused norm), or x itself where norm is None."""
+    if norm is None:
+        return x
+    return twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
+
+
+def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, block_m, block_n, num_warps, num_stages,
+                interpret):
     """The MMA form (`_mma_kernel`), the norm kernel first (fused into this form's loop, the
     normalization stalled its pipeline: 43 against 26 us for the qkv projection at M=4 on an H200)."""
-    M, K = x.shape
-    N_out = w.shape[1] // 2 if act == "silu_gate" else w.shape[1]
     BN, BK = twin_mma_blocks(N_out, K, block_n, block_m)
-    if norm is not None:
-        x = twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
+    x = _norm_first(x, norm, layer, interpret)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w]
     operands += [t for t in (scale, residual) if t is not None]
     # the columns first in the grid: the row blocks of one column block run together (its weights in L2)
@@ -310,8 +316,7 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: ja
         qkv = linear(x, w, layer, norm=norm, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      form="lanes", interpret=interpret).reshape(B, T, 3, H, D)
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, interpret=interpret)
-    if norm is not None:
-        x = twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
+    x = _norm_first(x, norm, layer, interpret)
     L, C = ring_k.shape[0], ring_k.shape[3]
     rows = (L * B * H, C, D)  # the rings as [L*B*H, C, D], indexed per dimension (64-bit addresses when large)
     BK = twin_lanes(K)

@@ -134,6 +134,23 @@ def _dot(w, xb, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _mma_accumulate(x_ptr, w_ptr, m, m_ok, n, N_OUT, K: tl.constexpr, R: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, GATE: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The MMA form's loop of one program (the Pallas twin's `_mma_accumulate`): acc [BN, R] +=
+    w[n, block] @ x[m, block]^T over the K blocks in order (w_ptr: the layer's [N, K]); with GATE,
+    acc_b the same for columns n + N_OUT (else zeros). Rows past M (not m_ok) read as 0."""
+    k = tl.arange(0, BK)
+    acc = tl.zeros([BN, R], tl.float32)
+    acc_b = tl.zeros([BN, R], tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        xb = tl.load(x_ptr + m[:, None] * K + k0 + k[None, :], mask=m_ok[:, None], other=0.0)
+        acc += _dot(tl.load(w_ptr + n[:, None] * K + k0 + k[None, :]), xb, INTERPRETED)
+        if GATE:
+            acc_b += _dot(tl.load(w_ptr + (n[:, None] + N_OUT) * K + k0 + k[None, :]), xb, INTERPRETED)
+    return acc, acc_b
+
+
+@triton.jit
 def _mma_kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M, N: tl.constexpr, K: tl.constexpr,
                 N_OUT: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr,
                 HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -145,15 +162,8 @@ def _mma_kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M, N: tl.con
     m = tl.program_id(1) * R + tl.arange(0, R)
     m_ok = m < M
     n_ok = n < N_OUT
-    k = tl.arange(0, BK)
-    w_ptr += layer * N * K
-    acc = tl.zeros([BN, R], tl.float32)
-    acc_b = tl.zeros([BN, R], tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        xb = tl.load(x_ptr + m[:, None] * K + k0 + k[None, :], mask=m_ok[:, None], other=0.0)
-        acc += _dot(tl.load(w_ptr + n[:, None] * K + k0 + k[None, :]), xb, INTERPRETED)
-        if ACT == "silu_gate":
-            acc_b += _dot(tl.load(w_ptr + (n[:, None] + N_OUT) * K + k0 + k[None, :]), xb, INTERPRETED)
+    acc, acc_b = _mma_accumulate(x_ptr, w_ptr + layer * N * K, m, m_ok, n, N_OUT, K, R, BN, BK, ACT == "silu_gate",
+                                 STAGES, INTERPRETED)
     dtype = o_ptr.dtype.element_ty
     y = tm.to_dtype(tl.trans(acc), dtype, INTERPRETED)                                     # [R, BN]
     if ACT == "silu_gate":
@@ -187,13 +197,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
     gated = act == "silu_gate"
     layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear")
     if twin_linear_form(N_out, K, x.dtype, compiled=not interpreted, form=form) == "mma":
-        return _linear_mma(x, w, layer_t, act, scale, residual, norm, block_m, block_n, num_warps, num_stages,
-                           interpreted)
+        return _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, block_m, block_n, num_warps,
+                           num_stages, interpreted)
     if interpreted and block_n is None:  # one program per row block: the interpreter's cost is per program
         block_n = min(triton.next_power_of_2(N), TWIN_INTERPRET_MAX_BN)
     BM, BN, BK = twin_blocks(M, N, K, block_m, block_n, interpreted=interpreted, masked_n=interpreted)
     if norm is not None and not twin_fuse_norm(BM, interpreted):  # the norm kernel first: the same bits
-        x = twin_norm.norm(x, nw, nb, layer_t, kind=norm.kind, eps=norm.eps)
+        x = _norm_first(x, norm, layer_t)
         norm = nw = nb = None
     out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)
     # silu_gate: the whole projection [M, N] first (each half rounded, as the contract rounds a and
@@ -220,14 +230,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
     return out
 
 
-def _linear_mma(x, w, layer_t, act, scale, residual, norm, block_m, block_n, num_warps, num_stages, interpreted):
+def _norm_first(x, norm: TwinNorm | None, layer_t):
+    """x normalized by the norm kernel (the bits of the fused norm), or x itself where norm is None."""
+    return x if norm is None else twin_norm.norm(x, norm.weight, norm.bias, layer_t, kind=norm.kind, eps=norm.eps)
+
+
+def _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, block_m, block_n, num_warps, num_stages,
+                interpreted):
     """The MMA form (`_mma_kernel`): one launch with the gate, the norm kernel first (as the Pallas twin)."""
-    M, K = x.shape
-    N = w.shape[1]
-    N_out = N // 2 if act == "silu_gate" else N
     BN, BK = twin_mma_blocks(N_out, K, block_n, block_m)
-    if norm is not None:
-        x = twin_norm.norm(x, norm.weight, norm.bias, layer_t, kind=norm.kind, eps=norm.eps)
+    x = _norm_first(x, norm, layer_t)
     out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)
     _mma_kernel[(N_out // BN, triton.cdiv(M, TWIN_MMA_ROWS))](
         layer_t, x, w, out if scale is None else scale, out if residual is None else residual, out, M,  # out: unread
@@ -248,12 +260,8 @@ def _qkv_kernel(layer_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, 
     n = n0 + tl.arange(0, BN)
     m = tl.program_id(1) * R + tl.arange(0, R)
     m_ok = m < M
-    k = tl.arange(0, BK)
-    w_ptr += layer * (3 * H * D) * K
-    acc = tl.zeros([BN, R], tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        xb = tl.load(x_ptr + m[:, None] * K + k0 + k[None, :], mask=m_ok[:, None], other=0.0)
-        acc += _dot(tl.load(w_ptr + n[:, None] * K + k0 + k[None, :]), xb, INTERPRETED)
+    acc, _ = _mma_accumulate(x_ptr, w_ptr + layer * (3 * H * D) * K, m, m_ok, n, 0, K, R, BN, BK, False, STAGES,
+                             INTERPRETED)
     dtype = q_ptr.dtype.element_ty
     y = tm.to_dtype(tl.trans(acc), dtype, INTERPRETED)                                     # [R, BN]
     part = n0 // (H * D)
@@ -302,8 +310,7 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
         if not t.is_contiguous():
             raise ValueError(f"linear_rope_write({name}): must be contiguous, got strides {t.stride()}")
     layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear_rope_write")
-    if norm is not None:
-        x = twin_norm.norm(x, norm.weight, norm.bias, layer_t, kind=norm.kind, eps=norm.eps)
+    x = _norm_first(x, norm, layer_t)
     q = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)
     BK = twin_lanes(K)
     _qkv_kernel[(N // BN, triton.cdiv(M, TWIN_MMA_ROWS))](

@@ -72,12 +72,14 @@ class _JaxBacked:
         self._streamer = None
         self._streamer = self._new_streamer(batch_size)
 
-    def _new_streamer(self, batch_size: int) -> jax_impl.Streamer:
+    def _new_streamer(self, batch_size: int, cls=jax_impl.Streamer, **placement) -> jax_impl.Streamer:
+        """A fresh `cls` stream of this module's weights and options, its state made on the weights'
+        device, or where `placement` says (`ShardedStreamer`'s mesh, axis, output_device)."""
         params = self.jax_params()
         in_proj = params["params"]["layers"]["in_proj"]
-        return jax_impl.Streamer(self.config, params, batch_size, in_proj.dtype, layer_loop=self._layer_loop,
-                                 rope_freqs=self.rope_freqs(), device=in_proj.devices().pop(),
-                                 kernels=self._jax_kernels)
+        return cls(self.config, params, batch_size, in_proj.dtype, layer_loop=self._layer_loop,
+                   rope_freqs=self.rope_freqs(), kernels=self._jax_kernels,
+                   **(placement or {"device": in_proj.devices().pop()}))
 
     def streaming_end(self) -> None:
         """Drop the JAX state (back to before `streaming_init`)."""

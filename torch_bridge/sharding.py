@@ -46,12 +46,9 @@ def shard_dropin(module: _JaxBacked, mesh=None, axis: str = SESSIONS, *, batch_s
     if batch_size is not None:
         module._check_batch_size(batch_size)
         _check_sessions("shard_dropin(batch_size)", batch_size, mesh, axis)
-        params = module.jax_params()
         module._streamer = None  # the old stream goes before the new one is made
-        module._streamer = ShardedStreamer(
-            module.config, params, batch_size, params["params"]["layers"]["in_proj"].dtype, mesh=mesh, axis=axis,
-            output_device=device, layer_loop=module._layer_loop, rope_freqs=module.rope_freqs(),
-            kernels=module._jax_kernels)
+        module._streamer = module._new_streamer(batch_size, ShardedStreamer, mesh=mesh, axis=axis,
+                                                output_device=device)
         return module
     streamer = module._streamer
     if streamer is None:

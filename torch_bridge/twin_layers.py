@@ -73,13 +73,9 @@ def temporal_head(x, out_norm_alpha, text_linear, eps: float):
 
 
 def twin_tables(tables: StepTables, offset: torch.Tensor, T: int, freqs: torch.Tensor) -> StepTables:
-    """`tables` as the twin kernels read them, built once a step: the twin cos, sin [B, 1, T, D/2]
-    for positions offset[b] + t, and the index tables the kernels take (write_index, positions,
-    q_pos, write_mask) in int32, their index type (converted in each layer, they had cost four
-    small copy kernels a layer on the GPU); the conversion each kernel made before, now made once
-    (the JAX state holds its offsets in int32 too)."""
+    """`tables` as the twin kernels read them, made once a step: the twin cos, sin [B, 1, T, D/2]
+    for positions offset[b] + t, and the index tables the kernels take in int32, their index type
+    (converted by each layer's kernels, they had cost four small copy kernels a layer on the GPU)."""
     cos, sin = twin_rope.tables(offset.to(torch.int32), T, freqs)
-    i32 = (lambda t: t.to(torch.int32))
-    return tables._replace(cos=cos[:, None], sin=sin[:, None], write_index=i32(tables.write_index),
-                           positions=i32(tables.positions), q_pos=i32(tables.q_pos),
-                           write_mask=i32(tables.write_mask))
+    index = {name: getattr(tables, name).to(torch.int32) for name in ("write_index", "positions", "q_pos", "write_mask")}
+    return tables._replace(cos=cos[:, None], sin=sin[:, None], **index)
