@@ -399,8 +399,12 @@ def test_qkv_rope_write_mma_form_has_the_bits_of_linear_then_rope_write():
         pli.linear_rope_write(x, w, 0, cos, sin, ring_k, ring_v, wi, wm, form="mma", block_n=32)  # > D
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or jax.default_backend() != "gpu",
-                    reason="GPU only: the MMA form's bits are the tensor cores' (CPU: the interpreted test above)")
+mma_on_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or jax.default_backend() != "gpu",
+    reason="GPU only: the MMA form's bits are the tensor cores' (CPU: the interpreted tests above)")
+
+
+@mma_on_gpu
 @pytest.mark.parametrize("M,N,K,L,act,scale,res,kind", MMA + [(16, 256, 512, 2, "silu_gate", False, True, "rms")])
 def test_linear_mma_form_gpu_twins_same_bits_and_batch_invariant(M, N, K, L, act, scale, res, kind):
     """Compiled on the GPU: the Pallas and Triton MMA forms give the same bits, at other tiles too,
@@ -418,8 +422,7 @@ def test_linear_mma_form_gpu_twins_same_bits_and_batch_invariant(M, N, K, L, act
         assert_same(alone[0].cpu(), y_t[row].cpu(), what=f"row {row} alone, GPU")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or jax.default_backend() != "gpu",
-                    reason="GPU only: the MMA form's bits are the tensor cores' (CPU: the interpreted test above)")
+@mma_on_gpu
 @pytest.mark.parametrize("B,T,H,D", [(3, 1, 4, 128), (5, 2, 8, 64)])
 def test_qkv_rope_write_gpu_twins_same_bits(B, T, H, D):
     """Compiled on the GPU: the fused qkv + RoPE + ring write kernel has the bits of linear then
