@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import twin_attention, twin_linear, twin_norm, twin_rope
-from kernels_pallas.common import TwinNorm
+from kernels_pallas.common import TwinNorm, twin_sems_size
 
 from .config import MimiConfig, StackConfig, TemporalConfig, weight_specs
 from .ops import layer_norm, linear, ring_attention, rms_norm_f32
@@ -64,14 +64,17 @@ def mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
 # ------------------------------------------------------------------------------- twin layers
 # kernels="twin": every float operation in a twin kernel (kernels_pallas.twin_*), in the order of
 # torch_bridge/twin_layers.py on the Triton twins. The kernels read the stacked weights `w`
-# [L, ...] and the rings in place at `layer` (an int, or traced under lax.scan).
-def _twin_attention(c: StackConfig, x2, norm: TwinNorm, w: dict, layer, ring_k, ring_v, tables: StepTables, B: int,
-                    T: int):
-    """norm, qkv + rotate + ring write, attention: x2 [B*T, dim] -> ([B*T, dim], ring_k, ring_v)."""
+# [L, ...] and the rings in place at `layer` (an int, or traced under lax.scan). The carry is
+# (x, ring_k, ring_v, sems): sems, the int32 counters of the kernels that finish in their last
+# program (`twin_attention.attention(sems=)`), made once a step and handed on all 0.
+def _twin_attention(c: StackConfig, x2, norm: TwinNorm, w: dict, layer, ring_k, ring_v, sems, tables: StepTables,
+                    B: int, T: int):
+    """norm, qkv + rotate + ring write, attention: x2 [B*T, dim] -> ([B*T, dim], ring_k, ring_v, sems)."""
     q, ring_k, ring_v = twin_linear.linear_rope_write(x2, w["in_proj"], layer, tables.cos[:, 0], tables.sin[:, 0],
                                                       ring_k, ring_v, tables.write_index, tables.write_mask, norm=norm)
-    a = twin_attention.attention(q, ring_k, ring_v, layer, tables.positions, tables.q_pos, context=c.context)
-    return a.reshape(B * T, c.dim), ring_k, ring_v
+    a, sems = twin_attention.attention(q, ring_k, ring_v, layer, tables.positions, tables.q_pos, context=c.context,
+                                       sems=sems)
+    return a.reshape(B * T, c.dim), ring_k, ring_v, sems
 
 
 def twin_temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables, active,
@@ -79,16 +82,16 @@ def twin_temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTa
     """Helium layer on the Pallas twins; w: the stacked weights (read at `layer` in place). Each
     RMSNorm is passed to the projection after it (`TwinNorm`: fused, or its kernel first)."""
     del active, exact_rope, kernels  # the writes follow tables.write_mask; the twins are always exact
-    x, ring_k, ring_v = carry
+    x, ring_k, ring_v, sems = carry
     B, T, dim = x.shape
     x2 = x.reshape(B * T, dim)
-    a, ring_k, ring_v = _twin_attention(c, x2, TwinNorm("rms", w["norm1_alpha"], None, c.norm_eps), w, layer,
-                                        ring_k, ring_v, tables, B, T)
+    a, ring_k, ring_v, sems = _twin_attention(c, x2, TwinNorm("rms", w["norm1_alpha"], None, c.norm_eps), w, layer,
+                                              ring_k, ring_v, sems, tables, B, T)
     x2 = twin_linear.linear(a, w["out_proj"], layer, residual=x2)
     u = twin_linear.linear(x2, w["linear_in"], layer, act="silu_gate",
                            norm=TwinNorm("rms", w["norm2_alpha"], None, c.norm_eps))
     x2 = twin_linear.linear(u, w["linear_out"], layer, residual=x2)
-    return x2.reshape(B, T, dim), ring_k, ring_v
+    return x2.reshape(B, T, dim), ring_k, ring_v, sems
 
 
 def twin_mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
@@ -96,16 +99,16 @@ def twin_mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, ac
     """Mimi layer on the Pallas twins; w: the stacked weights (read at `layer` in place). Each
     LayerNorm is passed to the projection after it (`TwinNorm`: fused, or its kernel first)."""
     del active, exact_rope, kernels
-    x, ring_k, ring_v = carry
+    x, ring_k, ring_v, sems = carry
     B, T, dim = x.shape
     x2 = x.reshape(B * T, dim)
     norm1 = TwinNorm("layer", w["norm1_weight"], w["norm1_bias"], c.norm_eps)
-    a, ring_k, ring_v = _twin_attention(c, x2, norm1, w, layer, ring_k, ring_v, tables, B, T)
+    a, ring_k, ring_v, sems = _twin_attention(c, x2, norm1, w, layer, ring_k, ring_v, sems, tables, B, T)
     x2 = twin_linear.linear(a, w["out_proj"], layer, scale=w["scale1"], residual=x2)
     f = twin_linear.linear(x2, w["linear1"], layer, act="gelu",
                            norm=TwinNorm("layer", w["norm2_weight"], w["norm2_bias"], c.norm_eps))
     x2 = twin_linear.linear(f, w["linear2"], layer, scale=w["scale2"], residual=x2)
-    return x2.reshape(B, T, dim), ring_k, ring_v
+    return x2.reshape(B, T, dim), ring_k, ring_v, sems
 
 
 TWIN_LAYERS = {temporal_layer: twin_temporal_layer, mimi_layer: twin_mimi_layer}
@@ -131,14 +134,16 @@ def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables:
         twin_fn = TWIN_LAYERS[layer_fn]
         # the write mask as the int32 the ring-write kernel reads, once a step (else a convert a layer)
         tables = tables._replace(write_mask=tables.write_mask.astype(jnp.int32))
+        B, T = carry[0].shape[:2]
+        carry = (*carry, jnp.zeros((twin_sems_size(B, c.num_heads, T),), jnp.int32))
         if layer_loop == "python":
             for layer in range(c.num_layers):
                 carry = twin_fn(c, stacked, carry, layer, tables, active)
-            return carry
+            return carry[:3]
         # the loop's own counter is the layer index (scanning over an arange copies each index
         # out of it: a 4-byte copy a layer on the GPU)
         return lax.fori_loop(0, c.num_layers, lambda layer, cr: twin_fn(c, stacked, cr, layer, tables, active),
-                             carry, unroll=scan_unroll)
+                             carry, unroll=scan_unroll)[:3]
     if layer_loop == "python":
         for layer in range(c.num_layers):
             w = {name: a[layer] for name, a in stacked.items()}

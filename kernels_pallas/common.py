@@ -449,6 +449,21 @@ def twin_attention_plan(C: int) -> tuple[int, int, int]:
     return BC, chunk, -(-C // chunk)
 
 
+def twin_sems_size(B: int, H: int, T: int) -> int:
+    """Counters a step's twin kernels count on (`twin_attention.attention(sems=)`): one a query."""
+    return B * H * T
+
+
+def check_twin_sems(sems, n: int, where: str, make):
+    """sems as given, checked (1-D int32, at least n counters), or make(n) (zeros) where None."""
+    if sems is None:
+        return make(n)
+    if len(sems.shape) != 1 or sems.shape[0] < n or str(sems.dtype) not in ("int32", "torch.int32"):
+        raise ValueError(f"{where}(sems): expected int32 [n >= {n}] counters, all 0, got "
+                         f"{sems.dtype}{list(sems.shape)}")
+    return sems
+
+
 def check_twin_attention(q, ring_k, ring_v, positions, q_pos):
     """(B, H, T, D, C) of a twin attention call, after checking every shape."""
     if len(q.shape) != 4:

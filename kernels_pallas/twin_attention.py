@@ -14,8 +14,11 @@ C slots are cut into S splits of `chunk` slots and each split into blocks of BC 
 starting from m = -inf, l = 0, acc = 0. The combine then takes the S partials in order:
 M = max_s m_s, w_s = exp(m_s - M0), L = sum_s l_s * w_s, O = sum_s acc_s * w_s (sequential sums),
 and out = to_dtype(O / L), or 0 when L == 0 (a query that sees no slot: what torch's SDPA gives,
-never NaN). With one split (S == 1: Mimi's rings) the split kernel combines its own partial, the
-same formula, in the same launch. Masked slots never enter the arithmetic (k, v of a recycled or never-written slot may
+never NaN). The combine runs in the same launch: with one split (S == 1: Mimi's rings) in the
+split's program; with several, in the query's last split program to finish (`sems`: an int32
+counter per query, counted up by each split program after its partials are stored, with
+acquire-release order, and set back to 0 by the last one), which loads the S partials in order:
+the same bits whichever program is last. Masked slots never enter the arithmetic (k, v of a recycled or never-written slot may
 hold anything, NaN included). The ring is read in place at a layer index that may be traced.
 """
 
@@ -31,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.common import check_twin_attention, twin_attention_plan
+from kernels_pallas.common import check_twin_attention, check_twin_sems, twin_attention_plan
 
 NEG_INF = float("-inf")
 
@@ -58,10 +61,11 @@ def _block(q, k, v, visible, carry, scale, gpu):
     return m_new, l, acc
 
 
-def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *out_refs,
+def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
                   B, H, T, C, D, context, chunk, BC, S, scale, gpu):
-    """Program (b*H*T + h*T + t, split): one split of query (b, h, t). out_refs: the partials
-    (acc, m, l), or with one split (S == 1) the output, combined here (`_store_out`): one launch."""
+    """Program (b*H*T + h*T + t, split): one split of query (b, h, t). refs: the output (one split,
+    S == 1: combined here), or the counters in, then the partials (acc, m, l), the output and the
+    counters out (aliased to the counters in): the last split program to finish combines."""
     bht, split = pl.program_id(0), pl.program_id(1)
     b, t = bht // (H * T), bht % T
     d = jnp.arange(D, dtype=jnp.int32)
@@ -87,15 +91,29 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *out_refs,
     init = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32), jnp.zeros((D,), tm.F32))
     m, l, acc = lax.fori_loop(0, chunk // BC, body, init)
     if S == 1:
-        (o_ref,) = out_refs
+        (o_ref,) = refs
         _store_out(o_ref, _combine(lambda s: (m, l, acc), 1, o_ref.dtype, gpu), bht, H, T, D)
         return
-    acc_ref, m_ref, l_ref = out_refs
-    part = bht * S + split
+    _, acc_ref, m_ref, l_ref, o_ref, sem_ref = refs
     one = jnp.arange(1, dtype=jnp.int32)
-    pltriton.store(acc_ref.at[part * D + d], acc)
-    pltriton.store(m_ref.at[part + one], m)
-    pltriton.store(l_ref.at[part + one], l)
+
+    def at(s):
+        return bht * S + s
+
+    pltriton.store(acc_ref.at[at(split) * D + d], acc)
+    pltriton.store(m_ref.at[at(split) + one], m)
+    pltriton.store(l_ref.at[at(split) + one], l)
+    if gpu:  # every thread's stores before the counter's release (one thread counts)
+        pltriton.debug_barrier()
+
+    @pl.when(pltriton.atomic_add(sem_ref, bht, jnp.int32(1)) == S - 1)  # acquire-release: the others' partials are visible
+    def _last():
+        def load(s):
+            return (pltriton.load(m_ref.at[at(s) + one]), pltriton.load(l_ref.at[at(s) + one]),
+                    pltriton.load(acc_ref.at[at(s) * D + d]))
+
+        _store_out(o_ref, _combine(load, S, o_ref.dtype, gpu), bht, H, T, D)
+        pltriton.store(sem_ref.at[bht + one], jnp.zeros((1,), jnp.int32))
 
 
 def _combine(load, S: int, dtype, gpu):
@@ -123,28 +141,21 @@ def _store_out(o_ref, out, bht, H, T, D):
     pltriton.store(o_ref.at[((b * T + t) * H + h) * D + jnp.arange(D, dtype=jnp.int32)], out)
 
 
-def _combine_kernel(acc_ref, m_ref, l_ref, o_ref, *, H, T, D, S, gpu):
-    bht = pl.program_id(0)
-    one = jnp.arange(1, dtype=jnp.int32)
-    d = jnp.arange(D, dtype=jnp.int32)
-
-    def load(s):
-        part = bht * S + s
-        return (pltriton.load(m_ref.at[part + one]), pltriton.load(l_ref.at[part + one]),
-                pltriton.load(acc_ref.at[part * D + d]))
-
-    _store_out(o_ref, _combine(load, S, o_ref.dtype, gpu), bht, H, T, D)
-
-
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
-              q_pos: jax.Array, *, context: int, num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
+              q_pos: jax.Array, *, context: int, sems: jax.Array | None = None, num_warps: int = 4,
+              interpret: bool | None = None):
     """softmax(q k^T / sqrt(D) | visible) v over layer `layer` of the stacked ring (the contract).
 
     q: [B, H, T, D]; ring_k, ring_v: [L, B, H, C, D] in q's dtype; layer: int or int32 scalar
     (may be traced); positions: int [B, C] (-1: invisible); q_pos: int [B, T].
-    Returns [B, T, H, D] in q's dtype (the layout the out-projection reads).
+    sems: int32 [n >= B*H*T], all 0 (`common.twin_sems_size`): the counters the combine counts on,
+    returned all 0 again, so one buffer serves every call of a step (carry it through the layer
+    loop: a buffer made inside each call costs a kernel a call). None: made here.
+    Returns [B, T, H, D] in q's dtype (the layout the out-projection reads), and sems if given.
     """
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
+    given = sems is not None
+    sems = check_twin_sems(sems, B * H * T, "attention", lambda n: jnp.zeros((n,), jnp.int32))
     BC, chunk, S = twin_attention_plan(C)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -152,24 +163,23 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     kernel = functools.partial(_split_kernel, B=B, H=H, T=T, C=C, D=D, context=context, chunk=chunk, BC=BC,
                                S=S, scale=1.0 / math.sqrt(D), gpu=gpu)
     parts = B * H * T * S
-    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
     out_flat = jax.ShapeDtypeStruct((B * T * H * D,), q.dtype)
-    partials = (jax.ShapeDtypeStruct((parts * D,), tm.F32), jax.ShapeDtypeStruct((parts,), tm.F32),
-                jax.ShapeDtypeStruct((parts,), tm.F32))
-    split = pl.pallas_call(
-        kernel, out_shape=(out_flat,) if S == 1 else partials,
-        grid=(B * H * T, S), interpret=interpret, compiler_params=params, name="twin_attention",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1, C, D), ring_v.reshape(-1, C, D),
-      positions.astype(jnp.int32).reshape(-1), q_pos.astype(jnp.int32).reshape(-1))
-    if S == 1:  # combined in the split kernel
-        return split[0].reshape(B, T, H, D)
-    acc, m, l = split
-    out = pl.pallas_call(
-        functools.partial(_combine_kernel, H=H, T=T, D=D, S=S, gpu=gpu),
-        out_shape=out_flat,
-        grid=(B * H * T,), interpret=interpret, compiler_params=params, name="twin_attention_combine",
-    )(acc, m, l)
-    return out.reshape(B, T, H, D)
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1, C, D),
+                ring_v.reshape(-1, C, D), positions.astype(jnp.int32).reshape(-1), q_pos.astype(jnp.int32).reshape(-1)]
+    if S == 1:  # combined in the split's program: no partials, no counters
+        out_shape, aliases = (out_flat,), {}
+    else:
+        operands.append(sems)
+        out_shape = (jax.ShapeDtypeStruct((parts * D,), tm.F32), jax.ShapeDtypeStruct((parts,), tm.F32),
+                     jax.ShapeDtypeStruct((parts,), tm.F32), out_flat, jax.ShapeDtypeStruct(sems.shape, sems.dtype))
+        aliases = {len(operands) - 1: 4}
+    outs = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(B * H * T, S), input_output_aliases=aliases, interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2), name="twin_attention",
+    )(*operands)
+    out = outs[0 if S == 1 else 3].reshape(B, T, H, D)
+    sems = sems if S == 1 else outs[4]
+    return (out, sems) if given else out
 
 
 def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, **_):

@@ -13,6 +13,7 @@ from kernels_pallas.common import (
     TWIN_TRITON_ATTENTION_STAGES,
     TWIN_TRITON_ATTENTION_WARPS,
     check_twin_attention,
+    check_twin_sems,
     twin_attention_plan,
 )
 from kernels_triton import twin_math as tm
@@ -20,12 +21,13 @@ from kernels_triton.twin_math import interpreting
 
 
 @triton.jit
-def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_ptr, l_ptr, o_ptr, scale,
+def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_ptr, l_ptr, o_ptr, sem_ptr, scale,
                   B: tl.constexpr, H: tl.constexpr, T: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
-                  CONTEXT: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr, S: tl.constexpr,
+                  CONTEXT: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
                   HB: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Program (b*(H/HB)*T + hb*T + t, split): heads hb*HB .. of query (b, t), one split; its
-    partials into acc, m, l, or with one split (S == 1) the output into o.
+    """Program (b*(H/HB)*T + hb*T + t, split): heads hb*HB .. of query (b, t), one split; the
+    output into o, combined by this program (one split, S == 1) or by the last of the S programs to
+    finish (the partials through acc, m, l; sem: the counter of program 0's index, the Pallas twin's).
 
     The loop over the split's blocks is software-pipelined (STAGES, as in `twin_linear`).
 
@@ -76,6 +78,10 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
         tl.store(m_ptr + part, m)
         tl.store(l_ptr + part, l)
+        tl.debug_barrier()  # every thread's stores before the counter's release (one thread counts)
+        if tl.atomic_add(sem_ptr + pid, 1, sem="acq_rel", scope="gpu") == S - 1:  # the others' partials visible
+            _combine(acc_ptr, m_ptr, l_ptr, o_ptr, b, t, h, bht, d, H, T, S, SP, INTERPRETED)
+            tl.store(sem_ptr + pid, 0)
 
 
 @triton.jit
@@ -87,14 +93,11 @@ def _store_out(o_ptr, L, O, b, t, h, d, H: tl.constexpr, T: tl.constexpr, INTERP
 
 
 @triton.jit
-def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, H: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-                    S: tl.constexpr, SP: tl.constexpr, HB: tl.constexpr, INTERPRETED: tl.constexpr):
-    pid = tl.program_id(0)
-    b = pid // ((H // HB) * T)
-    t = pid % T
-    h = ((pid // T) % (H // HB)) * HB + tl.arange(0, HB)
-    bht = (b * H + h) * T + t                                                 # [HB]
-    d = tl.arange(0, D)
+def _combine(acc_ptr, m_ptr, l_ptr, o_ptr, b, t, h, bht, d, H: tl.constexpr, T: tl.constexpr, S: tl.constexpr,
+             SP: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The contract's combine of the S partials of heads h [HB] (bht [HB]) of query (b, t), in order."""
+    HB: tl.constexpr = h.shape[0]
+    D: tl.constexpr = d.shape[0]
     sp = tl.arange(0, SP)
     ms = tl.load(m_ptr + bht[:, None] * S + sp[None, :], mask=(sp < S)[None, :], other=float("-inf"))
     m0 = tl.max(ms, axis=1)
@@ -109,10 +112,13 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, H: tl.constexpr, T: tl.constex
 
 
 def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer, positions: torch.Tensor,
-              q_pos: torch.Tensor, *, context: int, num_warps: int = TWIN_TRITON_ATTENTION_WARPS,
-              num_stages: int = TWIN_TRITON_ATTENTION_STAGES) -> torch.Tensor:
-    """The Pallas twin's signature and bits; returns [B, T, H, D] in q's dtype."""
+              q_pos: torch.Tensor, *, context: int, sems: torch.Tensor | None = None,
+              num_warps: int = TWIN_TRITON_ATTENTION_WARPS, num_stages: int = TWIN_TRITON_ATTENTION_STAGES):
+    """The Pallas twin's signature and bits; returns [B, T, H, D] in q's dtype, and sems if given
+    (its counters counted on in place and left all 0)."""
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
+    given = sems is not None
+    sems = check_twin_sems(sems, B * H * T, "attention", lambda n: torch.zeros(n, dtype=torch.int32, device=q.device))
     for name, t in (("q", q), ("ring_k", ring_k), ("ring_v", ring_v)):
         if not t.is_contiguous():
             raise ValueError(f"attention({name}): must be contiguous, got strides {t.stride()}")
@@ -128,12 +134,8 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
     HB = H if interpreted and not H & (H - 1) else 1  # interpreted: all heads of a query per program
     _split_kernel[(B * (H // HB) * T, S)](
         tm.layer_tensor(layer, ring_k.shape[0], dev, "attention"), q, ring_k, ring_v,
-        positions.to(torch.int32).contiguous(), q_pos.to(torch.int32).contiguous(), acc, m, l, out,
+        positions.to(torch.int32).contiguous(), q_pos.to(torch.int32).contiguous(), acc, m, l, out, sems,
         float(torch.tensor(1.0 / math.sqrt(D), dtype=torch.float32)), B=B, H=H, T=T, C=C, D=D, CONTEXT=context,
-        CHUNK=chunk, BC=BC, S=S, HB=HB, STAGES=num_stages, INTERPRETED=interpreted, num_warps=num_warps,
-        enable_fp_fusion=False)
-    if not one:
-        _combine_kernel[(B * (H // HB) * T,)](acc, m, l, out, H=H, T=T, D=D, S=S, SP=triton.next_power_of_2(S),
-                                              HB=HB, INTERPRETED=interpreted, num_warps=num_warps,
-                                              enable_fp_fusion=False)
-    return out
+        CHUNK=chunk, BC=BC, S=S, SP=triton.next_power_of_2(S), HB=HB, STAGES=num_stages, INTERPRETED=interpreted,
+        num_warps=num_warps, enable_fp_fusion=False)
+    return (out, sems) if given else out

@@ -519,6 +519,17 @@ def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T,
     o_t2 = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
                         torch.from_numpy(q_pos), context=C, num_warps=4, num_stages=2)
     assert_same(o_t, o_t2, what="attention, other launch")
+    # one counter buffer for many calls (the step's): the same bits, the counters left all 0
+    sems_p, sems_t = jnp.zeros((B * H * T + 3,), jnp.int32), torch.zeros(B * H * T + 3, dtype=torch.int32)
+    for _ in range(2):
+        o_ps, sems_p = jax.jit(lambda *a: pa.attention(*a[:-1], context=C, sems=a[-1]))(*args, sems_p)
+        o_ts, sems_t = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
+                                    torch.from_numpy(q_pos), context=C, sems=sems_t)
+        assert_same(o_p, o_ps, o_ts, what="attention with the step's counters")
+        assert not np.asarray(sems_p).any() and not sems_t.any()
+    for bad in (jnp.zeros((B * H * T - 1,), jnp.int32), jnp.zeros((B * H * T,), jnp.float32)):
+        with pytest.raises(ValueError, match=r"attention\(sems\): expected int32"):
+            pa.attention(*args, context=C, sems=bad)
     out = np.asarray(o_p, np.float32)
     assert np.isfinite(out).all() and not out[0].any() and not np.signbit(out[0]).any()
     visible = (positions[:, None, :] >= 0) & (q_pos[:, :, None] - positions[:, None, :] >= 0) & (

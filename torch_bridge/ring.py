@@ -43,6 +43,9 @@ class StepTables(NamedTuple):
                                          reset_slot + bump_slot_start) is not written, so a slot a
                                          row cannot see never holds a recycled session's values
                                          (see `streaming.py`, session isolation).
+    sems:        int32 [B*H*T] or None   kernels="twin" only: the counters of the twin kernels that
+                                         finish in their last program, all 0 between kernels
+                                         (`kernels_triton.twin_attention.attention(sems=)`).
     """
 
     cos: torch.Tensor
@@ -53,6 +56,7 @@ class StepTables(NamedTuple):
     end_offset: torch.Tensor
     q_pos: torch.Tensor
     write_mask: torch.Tensor
+    sems: torch.Tensor | None = None
 
 
 def ring_positions(offset, start_offset, active, T: int, capacity: int, convention: str) -> torch.Tensor:

@@ -423,7 +423,8 @@ class _StreamingStack(nn.Module):
         if self.kernels == "twin":
             from . import twin_layers
 
-            tables = twin_layers.twin_tables(tables, offset, T, rope_freqs(c.head_dim, c.max_period, offset.device))
+            tables = twin_layers.twin_tables(tables, offset, T, rope_freqs(c.head_dim, c.max_period, offset.device),
+                                             c.num_heads)
         return tables
 
     @torch.no_grad()

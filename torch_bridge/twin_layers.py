@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels_pallas.common import TwinNorm, stack_one_layer
+from kernels_pallas.common import TwinNorm, stack_one_layer, twin_sems_size
 from kernels_triton import twin_attention, twin_linear, twin_norm, twin_rope
 
 from .ring import StepTables
@@ -34,8 +34,9 @@ def _attention(x2, norm: TwinNorm, w, ring_k, ring_v, tables: StepTables, B: int
     q, _, _ = twin_linear.linear_rope_write(x2, w_in, layer, tables.cos[:, 0].contiguous(),
                                             tables.sin[:, 0].contiguous(), ring_k[None], ring_v[None],
                                             tables.write_index, tables.write_mask, norm=norm)
-    return twin_attention.attention(q, ring_k[None], ring_v[None], 0, tables.positions, tables.q_pos,
-                                    context=context).view(B * T, dim)
+    a, _ = twin_attention.attention(q, ring_k[None], ring_v[None], 0, tables.positions, tables.q_pos,
+                                    context=context, sems=tables.sems)
+    return a.view(B * T, dim)
 
 
 def temporal_layer(x, w: dict, num_heads: int, eps: float, ring_k, ring_v, tables, active, *, context: int):
@@ -72,10 +73,12 @@ def temporal_head(x, out_norm_alpha, text_linear, eps: float):
     return out.view(B, T, dim), twin_linear.linear(out, text_linear).view(B, 1, T, -1)
 
 
-def twin_tables(tables: StepTables, offset: torch.Tensor, T: int, freqs: torch.Tensor) -> StepTables:
+def twin_tables(tables: StepTables, offset: torch.Tensor, T: int, freqs: torch.Tensor, num_heads: int) -> StepTables:
     """`tables` as the twin kernels read them, made once a step: the twin cos, sin [B, 1, T, D/2]
-    for positions offset[b] + t, and the index tables the kernels take in int32, their index type
-    (converted by each layer's kernels, they had cost four small copy kernels a layer on the GPU)."""
+    for positions offset[b] + t, the index tables the kernels take in int32, their index type
+    (converted by each layer's kernels, they had cost four small copy kernels a layer on the GPU),
+    and the kernels' counters (`sems`, all 0)."""
     cos, sin = twin_rope.tables(offset.to(torch.int32), T, freqs)
     index = {name: getattr(tables, name).to(torch.int32) for name in ("write_index", "positions", "q_pos", "write_mask")}
-    return tables._replace(cos=cos[:, None], sin=sin[:, None], **index)
+    sems = torch.zeros(twin_sems_size(offset.shape[0], num_heads, T), dtype=torch.int32, device=offset.device)
+    return tables._replace(cos=cos[:, None], sin=sin[:, None], sems=sems, **index)
