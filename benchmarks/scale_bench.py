@@ -15,6 +15,8 @@ and with one `lax.scan` over the layers (scan: true) (`--loops`):
 - sync_ms: median of synchronized steps (outputs and state ready before the next step);
   pipelined_ms: the same steps launched back to back (`host_timing.time_step`);
 - floor_ms: (weight bytes + ring bytes) / the copy bandwidth measured in the same run;
+- call_floor_sync_ms / call_floor_pipelined_ms: a jitted call with the step's arguments (state
+  donated) that only bumps the offsets, timed the same way: the synchronized cost before any kernel work;
 - kernels: CUDA kernels per step (torch.profiler); compile_s: the first call;
 - attention_TBps: the Pallas ring attention alone over every layer (one jit), k and v bytes per
   second (None where the ring is past its int32 offsets); with --kernels twin, the twin attention;
@@ -118,6 +120,11 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
               "date": datetime.date.today().isoformat(),
               "floor_ms": None if bandwidth is None else 1e3 * (weight_bytes + ring_bytes) / bandwidth,
               "kernels_mode": kernels}
+    # a jitted call with the step's arguments (state donated) that does next to nothing: what a
+    # synchronized step costs before any kernel work (JAX's dispatch and the wait for the result)
+    noop = jax.jit(lambda params, state, x, active: (x, state._replace(offset=state.offset + 1)), donate_argnums=(1,))
+    common["call_floor_sync_ms"], common["call_floor_pipelined_ms"], state = time_step(noop, params, state, xj, aj,
+                                                                                      steps)
     records = []
     for scan in (loop == "scan" for loop in loops):
         step = jax_impl.make_step(config, layer_loop="scan" if scan else "python", kernels=kernels,

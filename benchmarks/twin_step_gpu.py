@@ -42,6 +42,7 @@ from torch_bridge.dlpack import to_jax, to_torch
 
 RESULTS: dict = {}
 DEVICE, SIZE = "cuda", ""  # --small: the small presets on the CPU (a smoke run of this script)
+SCAN_UNROLL = 1  # --scan-unroll: the twin scan's unroll factor
 
 
 def record(key, value, out):
@@ -66,7 +67,8 @@ def jax_side(module, kernels="twin", layer_loop="scan"):
     B = module.state.batch_size
     state = jax_impl.init_state(config, B, jnp.bfloat16 if module.dtype == torch.bfloat16 else jnp.float32)
     state = jax.device_put(state, jax.devices()[0])
-    step = jax_impl.make_step(config, kernels=kernels, layer_loop=layer_loop, rope_freqs=module.rope_freqs())
+    step = jax_impl.make_step(config, kernels=kernels, layer_loop=layer_loop, rope_freqs=module.rope_freqs(),
+                              scan_unroll=SCAN_UNROLL if layer_loop == "scan" else 1)
     return params, state, step
 
 
@@ -289,8 +291,10 @@ def main():
     parser.add_argument("--stacks", default="mimi,temporal", help="which stacks (comma-separated)")
     parser.add_argument("--batches", default="4", help="batch sizes of the speed part (comma-separated)")
     parser.add_argument("--bits-batch", type=int, default=4, help="the batch size of the bit run")
+    parser.add_argument("--scan-unroll", type=int, default=1, help="the twin scan's unroll factor (make_step's)")
     args = parser.parse_args()
-    global DEVICE, SIZE
+    global DEVICE, SIZE, SCAN_UNROLL
+    SCAN_UNROLL = args.scan_unroll
     jax.config.update("jax_compilation_cache_dir", "/tmp/jax_cache")  # the same step twice compiles once
     if args.small:
         DEVICE, SIZE = "cpu", "-small"
