@@ -82,19 +82,20 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
     row = layer_ref[0] * B * H + bht // T                                        # (layer, b, h) of the ring
     blocks = chunk // BC
 
-    def load(i):  # block i of the split (past its last: the last again): (visible [BC], k, v [BC, D], ring dtype)
-        c = split * chunk + jnp.minimum(i, blocks - 1) * BC + jnp.arange(BC, dtype=jnp.int32)
-        ok = c < C
-        cc = jnp.where(ok, c, 0)  # lanes past C read slot 0, inside the ref, and are never visible
+    def load(i):  # block i of the split (none past its last): (visible [BC], k, v [BC, D] in the ring's dtype)
+        c = split * chunk + i * BC + jnp.arange(BC, dtype=jnp.int32)
+        ok = (c < C) & (i < blocks)
+        cc = jnp.where(ok, c, 0)  # masked lanes still index inside the ref (interpreted)
         pos = jnp.where(ok, pltriton.load(pos_ref.at[b * C + cc]), -1)
         delta = q_pos - pos
         visible = ok & (pos >= 0) & (delta >= 0) & (delta < context)
         # the rings as [L*B*H, C, D], indexed per dimension, not by a flat offset: past 2**32 bytes
         # the lowering computes the addresses in 64 bits (a flat int32 offset overflows once
-        # L*B*H*C*D > 2**31: the temporal ring at B >= 6). Unmasked: a mask per element kept the
-        # loads from vectorizing (80 against 67 us a layer at B=4 on an H200)
+        # L*B*H*C*D > 2**31: the temporal ring at B >= 6); masked lanes load 0 (never visible)
         at = (row, cc[:, None], d[None, :])                      # every index an array: a gather, also interpreted
-        return visible, pltriton.load(k_ref.at[at]), pltriton.load(v_ref.at[at])
+        mask, zero = jnp.broadcast_to(ok[:, None], (BC, D)), jnp.zeros((), k_ref.dtype)
+        return (visible, pltriton.load(k_ref.at[at], mask=mask, other=zero),
+                pltriton.load(v_ref.at[at], mask=mask, other=zero))
 
     def block(loaded, carry):
         visible, k, v = loaded
