@@ -1,16 +1,13 @@
 """Would the twin MMA linears reach XLA's gemm speed at the step's shapes with more programs?
-And the twin attention with its next block prefetched (`--attention`)?
 
-    python benchmarks/twin_split_gpu.py --out $OUT/twin_split.json [--batches 4,16] [--attention]
+    python benchmarks/twin_split_gpu.py --out $OUT/twin_split.json [--batches 4,16]
 
 For each temporal projection (qkv, gate, out, down) at M rows: the GPU time of one call (torch.profiler,
 device time, median over L stacked layers read from HBM) of
   - XLA's own gemm (`x @ w[layer].T`, the `kernels="auto"` path's fusion), with the tile XLA chose;
   - the twin MMA kernel, Pallas and Triton, at block_n 32 / 64 and "split" P = 1 / 2 / 4: the kernel on
     weights [L, P*N, K/P] (the bytes and programs of a split-K over P parts, without the combine).
-A timing question only: the split shapes' outputs are not the projection's. With --attention, the
-twin attention over one layer of a full temporal ring instead: Pallas with and without `prefetch`,
-Triton, and whether all three give the same bits. Never part of the tests.
+A timing question only: the split shapes' outputs are not the projection's. Never part of the tests.
 """
 
 from __future__ import annotations
@@ -25,9 +22,7 @@ import jax
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_linear as pli
-from kernels_triton import twin_attention as ta
 from kernels_triton import twin_linear as tli
 from torch_bridge.dlpack import to_jax
 
@@ -84,31 +79,6 @@ def case(M, name, bns, splits):
     return rec
 
 
-def attention_case(B, H=32, D=128, C=3000, layers=2):
-    q = torch.randn(B, H, 1, D, device="cuda").to(torch.bfloat16)
-    ring_k, ring_v = (torch.randn(layers, B, H, C, D, device="cuda").to(torch.bfloat16) for _ in range(2))
-    pos = torch.arange(C, device="cuda", dtype=torch.int32)[None].expand(B, C).contiguous()
-    qpos = torch.full((B, 1), C - 1, device="cuda", dtype=torch.int32)
-    args = [to_jax(t) for t in (q, ring_k, ring_v)]
-    jpos, jqpos = to_jax(pos), to_jax(qpos)
-    rec = {"B": B, "ring_bytes_a_layer": 2 * B * H * C * D * 2}
-    outs = {}
-    for prefetch in (False, True):
-        f = jax.jit(lambda q, k, v, p, qp, pf=prefetch: [pa.attention(q, k, v, i, p, qp, context=C, prefetch=pf)
-                                                         for i in range(layers)])
-        outs[prefetch] = f(*args, jpos, jqpos)[-1]
-        rec[f"pallas_prefetch_{int(prefetch)}_us"] = device_us(
-            lambda f=f: jax.block_until_ready(f(*args, jpos, jqpos)), layers)
-    outs["triton"] = ta.attention(q, ring_k, ring_v, layers - 1, pos, qpos, context=C)
-    rec["triton_us"] = device_us(lambda: [ta.attention(q, ring_k, ring_v, i, pos, qpos, context=C)
-                                          for i in range(layers)], layers)
-    ref = torch.from_dlpack(outs[False])
-    rec["same_bits"] = all(torch.equal(ref, torch.from_dlpack(o) if not isinstance(o, torch.Tensor) else o)
-                           for o in outs.values())
-    rec["TBps"] = {k: rec["ring_bytes_a_layer"] / (v * 1e-6) / 1e12 for k, v in rec.items() if k.endswith("_us")}
-    return rec
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="twin_split.json")
@@ -116,18 +86,11 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--bn", default="32,64")
     parser.add_argument("--splits", default="1,2,4")
-    parser.add_argument("--attention", action="store_true", help="the twin attention instead of the linears")
     args = parser.parse_args()
     bns, splits = ([int(v) for v in a.split(",")] for a in (args.bn, args.splits))
     results = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                         "jax": jax.__version__, "torch": torch.__version__, "layers": L}}
     for M in (int(b) for b in args.batches.split(",")):
-        if args.attention:
-            results[f"attention_B{M}"] = rec = attention_case(M)
-            print(f"attention_B{M}", json.dumps(rec), flush=True)
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
-            continue
         for name in args.shapes.split(","):
             results[f"{name}_m{M}"] = rec = case(M, name, bns, splits)
             print(f"{name}_m{M}", json.dumps({k: round(v, 1) for k, v in rec.items() if k.endswith("_us")}),

@@ -182,7 +182,6 @@ TWIN_TRITON_ATTENTION_STAGES = 1  # ... of the attention's loop over a split's b
 TWIN_TRITON_ATTENTION_WARPS = 2
 TWIN_NORM_WARPS = 2  # warps of a norm program (compiled: one row each, see twin_norm_rows)
 TWIN_PALLAS_PREFETCH = 1  # weight blocks the Pallas linear loads ahead of their use (speed only)
-TWIN_PALLAS_ATTENTION_PREFETCH = True  # the Pallas attention loads the next block before computing one (speed only)
 TWIN_NORM_ROWS_IN_FLIGHT = 32  # block-rows a norm's statistics loop loads at once (twin_norm_unroll)
 TWIN_FUSED_NORM_MAX_BM = 4  # a linear's norm runs fused only up to this many rows a program (twin_fuse_norm)
 TWIN_INTERPRET_FUSED_NORM_MAX_BM = 64  # ... interpreted (every interpreted tile, TWIN_INTERPRET_MAX_BM)

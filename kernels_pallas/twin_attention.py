@@ -34,12 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.common import (
-    TWIN_PALLAS_ATTENTION_PREFETCH,
-    check_twin_attention,
-    check_twin_sems,
-    twin_attention_plan,
-)
+from kernels_pallas.common import check_twin_attention, check_twin_sems, twin_attention_plan
 
 NEG_INF = float("-inf")
 
@@ -67,45 +62,34 @@ def _block(q, k, v, visible, carry, scale, gpu):
 
 
 def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
-                  B, H, T, C, D, context, chunk, BC, S, scale, prefetch, gpu):
+                  B, H, T, C, D, context, chunk, BC, S, scale, gpu):
     """Program (b*H*T + h*T + t, split): one split of query (b, h, t). refs: the output (one split,
     S == 1: combined here), or the counters in, then the partials (acc, m, l), the output and the
-    counters out (aliased to the counters in): the last split program to finish combines.
-
-    prefetch: the loop carries the next block's k and v, loaded before this block is computed (the
-    loads stay in flight during the arithmetic; the lowering pipelines no loop without a dot)."""
+    counters out (aliased to the counters in): the last split program to finish combines."""
     bht, split = pl.program_id(0), pl.program_id(1)
     b, t = bht // (H * T), bht % T
     d = jnp.arange(D, dtype=jnp.int32)
     q = pltriton.load(q_ref.at[bht * D + d]).astype(tm.F32)                     # q [B, H, T, D]
     q_pos = qpos_ref[b * T + t]
     row = layer_ref[0] * B * H + bht // T                                        # (layer, b, h) of the ring
-    blocks = chunk // BC
 
-    def load(i):  # block i of the split (none past its last): (visible [BC], k, v [BC, D] in the ring's dtype)
+    def body(i, carry):
         c = split * chunk + i * BC + jnp.arange(BC, dtype=jnp.int32)
-        ok = (c < C) & (i < blocks)
+        ok = c < C
         cc = jnp.where(ok, c, 0)  # masked lanes still index inside the ref (interpreted)
         pos = jnp.where(ok, pltriton.load(pos_ref.at[b * C + cc]), -1)
         delta = q_pos - pos
         visible = ok & (pos >= 0) & (delta >= 0) & (delta < context)
         # the rings as [L*B*H, C, D], indexed per dimension, not by a flat offset: past 2**32 bytes
         # the lowering computes the addresses in 64 bits (a flat int32 offset overflows once
-        # L*B*H*C*D > 2**31: the temporal ring at B >= 6); masked lanes load 0 (never visible)
+        # L*B*H*C*D > 2**31: the temporal ring at B >= 6)
         at = (row, cc[:, None], d[None, :])                      # every index an array: a gather, also interpreted
-        mask, zero = jnp.broadcast_to(ok[:, None], (BC, D)), jnp.zeros((), k_ref.dtype)
-        return (visible, pltriton.load(k_ref.at[at], mask=mask, other=zero),
-                pltriton.load(v_ref.at[at], mask=mask, other=zero))
-
-    def block(loaded, carry):
-        visible, k, v = loaded
-        return _block(q, k.astype(tm.F32), v.astype(tm.F32), visible, carry, scale, gpu)
+        k = pltriton.load(k_ref.at[at]).astype(tm.F32)                                # [BC, D]
+        v = pltriton.load(v_ref.at[at]).astype(tm.F32)
+        return _block(q, k, v, visible, carry, scale, gpu)
 
     init = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32), jnp.zeros((D,), tm.F32))
-    if prefetch:
-        m, l, acc = lax.fori_loop(0, blocks, lambda i, cr: (block(cr[1], cr[0]), load(i + 1)), (init, load(0)))[0]
-    else:
-        m, l, acc = lax.fori_loop(0, blocks, lambda i, cr: block(load(i), cr), init)
+    m, l, acc = lax.fori_loop(0, chunk // BC, body, init)
     if S == 1:
         (o_ref,) = refs
         _store_out(o_ref, _combine(lambda s: (m, l, acc), 1, o_ref.dtype, gpu), bht, H, T, D)
@@ -159,7 +143,7 @@ def _store_out(o_ref, out, bht, H, T, D):
 
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
               q_pos: jax.Array, *, context: int, sems: jax.Array | None = None, num_warps: int = 4,
-              prefetch: bool = TWIN_PALLAS_ATTENTION_PREFETCH, interpret: bool | None = None):
+              interpret: bool | None = None):
     """softmax(q k^T / sqrt(D) | visible) v over layer `layer` of the stacked ring (the contract).
 
     q: [B, H, T, D]; ring_k, ring_v: [L, B, H, C, D] in q's dtype; layer: int or int32 scalar
@@ -167,7 +151,6 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     sems: int32 [n >= B*H*T], all 0 (`common.twin_sems_size`): the counters the combine counts on,
     returned all 0 again, so one buffer serves every call of a step (carry it through the layer
     loop: a buffer made inside each call costs a kernel a call). None: made here.
-    num_warps, prefetch (see `_split_kernel`): speed only, never the bits.
     Returns [B, T, H, D] in q's dtype (the layout the out-projection reads), and sems if given.
     """
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
@@ -178,7 +161,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
         interpret = jax.default_backend() != "gpu"
     gpu = not interpret
     kernel = functools.partial(_split_kernel, B=B, H=H, T=T, C=C, D=D, context=context, chunk=chunk, BC=BC,
-                               S=S, scale=1.0 / math.sqrt(D), prefetch=bool(prefetch), gpu=gpu)
+                               S=S, scale=1.0 / math.sqrt(D), gpu=gpu)
     parts = B * H * T * S
     out_flat = jax.ShapeDtypeStruct((B * T * H * D,), q.dtype)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1, C, D),

@@ -513,13 +513,12 @@ def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T,
     args = (q, ring_k, ring_v, jnp.int32(1), positions, q_pos)
     o_p = jax.jit(lambda *a: pa.attention(*a, context=C))(*args)
     o_n = jax.jit(lambda *a: pa.attention_native(*a, context=C))(*args)
-    o_p2 = jax.jit(lambda *a: pa.attention(*a, context=C, prefetch=not common.TWIN_PALLAS_ATTENTION_PREFETCH))(*args)
     o_t = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
                        torch.from_numpy(q_pos), context=C)
     assert_same(o_p, o_n, o_t, what="attention")
     o_t2 = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
                         torch.from_numpy(q_pos), context=C, num_warps=4, num_stages=2)
-    assert_same(o_t, o_t2, o_p2, what="attention, other launch")
+    assert_same(o_t, o_t2, what="attention, other launch")
     # one counter buffer for many calls (the step's): the same bits, the counters left all 0
     sems_p, sems_t = jnp.zeros((B * H * T + 3,), jnp.int32), torch.zeros(B * H * T + 3, dtype=torch.int32)
     for _ in range(2):
