@@ -106,7 +106,8 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
     if gpu:  # every thread's stores before the counter's release (one thread counts)
         pltriton.debug_barrier()
 
-    @pl.when(pltriton.atomic_add(sem_ref, bht, jnp.int32(1)) == S - 1)  # acquire-release: the others' partials are visible
+    # acquire-release: to the last program to count, the others' partials are visible
+    @pl.when(pltriton.atomic_add(sem_ref, bht, jnp.int32(1)) == S - 1)
     def _last():
         def load(s):
             return (pltriton.load(m_ref.at[at(s) + one]), pltriton.load(l_ref.at[at(s) + one]),

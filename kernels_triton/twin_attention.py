@@ -27,7 +27,7 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
                   HB: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (b*(H/HB)*T + hb*T + t, split): heads hb*HB .. of query (b, t), one split; the
     output into o, combined by this program (one split, S == 1) or by the last of the S programs to
-    finish (the partials through acc, m, l; sem: the counter of program 0's index, the Pallas twin's).
+    finish (the partials through acc, m, l; sem_ptr + pid: its counter, as in the Pallas twin).
 
     The loop over the split's blocks is software-pipelined (STAGES, as in `twin_linear`).
 
@@ -119,6 +119,8 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     given = sems is not None
     sems = check_twin_sems(sems, B * H * T, "attention", lambda n: torch.zeros(n, dtype=torch.int32, device=q.device))
+    if sems.device != q.device or not sems.is_contiguous():
+        raise ValueError(f"attention(sems): expected a contiguous tensor on {q.device}, got {sems.device}")
     for name, t in (("q", q), ("ring_k", ring_k), ("ring_v", ring_v)):
         if not t.is_contiguous():
             raise ValueError(f"attention({name}): must be contiguous, got strides {t.stride()}")
