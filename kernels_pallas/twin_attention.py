@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.common import check_twin_attention, check_twin_sems, twin_attention_plan
+from kernels_pallas.common import check_twin_attention, check_twin_sems, twin_attention_plan, twin_sems_size
 
 NEG_INF = float("-inf")
 
@@ -156,7 +156,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     """
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     given = sems is not None
-    sems = check_twin_sems(sems, B * H * T, "attention", lambda n: jnp.zeros((n,), jnp.int32))
+    sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: jnp.zeros((n,), jnp.int32))
     BC, chunk, S = twin_attention_plan(C)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"

@@ -15,6 +15,7 @@ from kernels_pallas.common import (
     check_twin_attention,
     check_twin_sems,
     twin_attention_plan,
+    twin_sems_size,
 )
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
@@ -118,7 +119,7 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
     (its counters counted on in place and left all 0)."""
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     given = sems is not None
-    sems = check_twin_sems(sems, B * H * T, "attention", lambda n: torch.zeros(n, dtype=torch.int32, device=q.device))
+    sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: torch.zeros(n, dtype=torch.int32, device=q.device))
     if sems.device != q.device or not sems.is_contiguous():
         raise ValueError(f"attention(sems): expected a contiguous tensor on {q.device}, got {sems.device}")
     for name, t in (("q", q), ("ring_k", ring_k), ("ring_v", ring_v)):
