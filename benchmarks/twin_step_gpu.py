@@ -37,12 +37,13 @@ from torch.profiler import ProfilerActivity, profile
 
 import jax_impl
 from jax_impl.config import PRESETS
+from kernels_pallas import common
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.dlpack import to_jax, to_torch
 
 RESULTS: dict = {}
 DEVICE, SIZE = "cuda", ""  # --small: the small presets on the CPU (a smoke run of this script)
-SCAN_UNROLL = 1  # --scan-unroll: the twin scan's unroll factor
+SCAN_UNROLL = None  # --scan-unroll: the twin scan's unroll factor (None: make_step's default)
 
 
 def record(key, value, out):
@@ -68,7 +69,7 @@ def jax_side(module, kernels="twin", layer_loop="scan"):
     state = jax_impl.init_state(config, B, jnp.bfloat16 if module.dtype == torch.bfloat16 else jnp.float32)
     state = jax.device_put(state, jax.devices()[0])
     step = jax_impl.make_step(config, kernels=kernels, layer_loop=layer_loop, rope_freqs=module.rope_freqs(),
-                              scan_unroll=SCAN_UNROLL if layer_loop == "scan" else 1)
+                              scan_unroll=SCAN_UNROLL if layer_loop == "scan" else None)
     return params, state, step
 
 
@@ -291,15 +292,21 @@ def main():
     parser.add_argument("--stacks", default="mimi,temporal", help="which stacks (comma-separated)")
     parser.add_argument("--batches", default="4", help="batch sizes of the speed part (comma-separated)")
     parser.add_argument("--bits-batch", type=int, default=4, help="the batch size of the bit run")
-    parser.add_argument("--scan-unroll", type=int, default=1, help="the twin scan's unroll factor (make_step's)")
+    parser.add_argument("--scan-unroll", type=int, default=None,
+                        help="the twin scan's unroll factor (default: make_step's, model.default_scan_unroll)")
+    parser.add_argument("--mma-fused-norm-blocks", type=int, default=None,
+                        help="common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS for this run (0: the MMA form never fuses its norm)")
     args = parser.parse_args()
     global DEVICE, SIZE, SCAN_UNROLL
     SCAN_UNROLL = args.scan_unroll
+    if args.mma_fused_norm_blocks is not None:  # read by common.twin_mma_fuse_norm at each call, both sides
+        common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS = args.mma_fused_norm_blocks
     jax.config.update("jax_compilation_cache_dir", "/tmp/jax_cache")  # the same step twice compiles once
     if args.small:
         DEVICE, SIZE = "cpu", "-small"
     RESULTS["meta"] = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": datetime.date.today().isoformat(),
-                       "jax": jax.__version__, "torch": torch.__version__, "dtype": "bfloat16"}
+                       "jax": jax.__version__, "torch": torch.__version__, "dtype": "bfloat16",
+                       "scan_unroll": SCAN_UNROLL, "mma_fused_norm_max_blocks": common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS}
     jobs = []
     only = args.only.split(",")
     stacks = args.stacks.split(",")

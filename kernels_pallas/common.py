@@ -185,6 +185,7 @@ TWIN_PALLAS_PREFETCH = 1  # weight blocks the Pallas linear loads ahead of their
 TWIN_NORM_ROWS_IN_FLIGHT = 32  # block-rows a norm's statistics loop loads at once (twin_norm_unroll)
 TWIN_FUSED_NORM_MAX_BM = 4  # a linear's norm runs fused only up to this many rows a program (twin_fuse_norm)
 TWIN_INTERPRET_FUSED_NORM_MAX_BM = 64  # ... interpreted (every interpreted tile, TWIN_INTERPRET_MAX_BM)
+TWIN_MMA_FUSED_NORM_MAX_BLOCKS = 4  # the MMA form fuses its norm only up to this many K blocks (twin_mma_fuse_norm)
 
 
 def largest_pow2_divisor(n: int, cap: int) -> int:
@@ -298,6 +299,16 @@ def twin_fuse_norm(BM: int, interpreted: bool = False) -> bool:
     projection at 8 (the fourth session's A/B, RESULTS.md). Interpreted (CPU), the cost is per
     program: fused up to TWIN_INTERPRET_FUSED_NORM_MAX_BM rows (a test lowers it to run the other path)."""
     return BM <= (TWIN_INTERPRET_FUSED_NORM_MAX_BM if interpreted else TWIN_FUSED_NORM_MAX_BM)
+
+
+def twin_mma_fuse_norm(K: int) -> bool:
+    """Whether the MMA form of a linear given `norm=` runs it fused (each program computes its rows'
+    statistics, then normalizes each x block before its product; else the norm kernel first: the
+    same bits). A function of K alone. Over K = 4096 (Helium) the normalization in the loop stalled
+    the pipelined loads: 42 against 26 us for the qkv projection at B=16 on an H200 (RESULTS.md,
+    fifth session); over a few blocks (Mimi's K = 512: 4) there is no pipeline to stall, and the
+    fused kernel saves the norm's launch."""
+    return K // twin_lanes(K) <= TWIN_MMA_FUSED_NORM_MAX_BLOCKS
 
 
 def twin_blocks(M: int, N: int, K: int, block_m: int | None = None, block_n: int | None = None,

@@ -18,11 +18,12 @@ never of M; both twins pick the same):
   wgmma alike (`benchmarks/twin_mma_gpu.py`, RESULTS.md), and the GPU tests hold them to each
   other. They differ from the lane form's bits (another order), within float32 rounding.
 
-With `norm=TwinNorm(...)` the lane form's kernel multiplies the normalized rows instead of x:
-each program computes its rows' statistics (`twin_norm.row_stats`, a pass over x) and normalizes
-each x block as it loads it, rounded to x's dtype: the bits of `twin_norm.norm` then `linear`,
-one launch instead of two. Where that does not pay (programs of many rows, `common.twin_fuse_norm`;
-the MMA form always), `linear` runs the norm kernel first: the same bits. Then, in order (each step
+With `norm=TwinNorm(...)` the kernel multiplies the normalized rows instead of x: each program
+computes its rows' statistics (`twin_norm.row_stats`, a pass over x) and normalizes each x block
+as it loads it, rounded to x's dtype: the bits of `twin_norm.norm` then `linear`, one launch
+instead of two. Where that does not pay (the lane form's programs of many rows,
+`common.twin_fuse_norm`; the MMA form over many K blocks, `common.twin_mma_fuse_norm`), `linear`
+runs the norm kernel first: the same bits. Then, in order (each step
 rounded to x's dtype, as the reference rounds):
 
     y = to_dtype(acc)
@@ -64,6 +65,7 @@ from kernels_pallas.common import (
     twin_lanes,
     twin_linear_form,
     twin_mma_blocks,
+    twin_mma_fuse_norm,
     twin_mma_stages,
     twin_norm_unroll,
     twin_qkv_plan,
@@ -136,14 +138,15 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, norm, eps, ha
     o_ref[...] = _epilogue(sums if act == "silu_gate" else sums[0], o_ref.dtype, act, scale, residual, gpu)
 
 
-def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, has_scale, has_res, gpu):
+def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, eps, has_scale, has_res, gpu):
     """Program (j, i): columns j*BN.. of rows i*R.. (R = TWIN_MMA_ROWS), the MMA form: acc [BN, R]
-    += w_block [BN, BK] @ x_block^T over the K blocks in order (module docstring).
+    += w_block [BN, BK] @ x_block^T over the K blocks in order (module docstring); norm: the fused
+    norm's kind (`_mma_accumulate`), its weight and bias refs first in refs.
 
     x_ref [M, K], the residual and o_ref [M, N_out] are whole and unpadded: the rows past M are
-    read as row M - 1 (inside the ref, also interpreted), zeroed, and masked out of the store (no
-    pad or slice kernels around the call)."""
+    read as 0 (a masked load) and masked out of the store (no pad or slice kernels around the call)."""
     refs = list(refs)
+    fused = (norm, eps, refs.pop(0), refs.pop(0)) if norm else None
     scale_ref = refs.pop(0) if has_scale else None
     res_ref = refs.pop(0) if has_res else None
     (o_ref,) = refs
@@ -151,7 +154,7 @@ def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, has_sc
     n0 = pl.program_id(0) * BN
     m = pl.program_id(1) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
     starts = (n0, n0 + N_out) if act == "silu_gate" else (n0,)
-    accs, ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts)
+    accs, ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, fused, gpu)
     sums = tuple(a.T for a in accs)                                               # [R, BN]
     cols = n0 + jnp.arange(BN, dtype=jnp.int32)[None, :]
     scale = scale_ref[layer, pl.ds(n0, BN)][None, :] if has_scale else None
@@ -229,16 +232,17 @@ def _norm_first(x, norm: TwinNorm | None, layer, interpret: bool):
 
 def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, block_m, block_n, num_warps, num_stages,
                 interpret):
-    """The MMA form (`_mma_kernel`), the norm kernel first (fused into this form's loop, the
-    normalization stalled its pipeline: 43 against 26 us for the qkv projection at M=4 on an H200)."""
+    """The MMA form (`_mma_kernel`): the norm fused over a few K blocks, else its kernel first
+    (`common.twin_mma_fuse_norm`: the same bits)."""
     BN, BK = twin_mma_blocks(N_out, K, block_n, block_m)
-    x = _norm_first(x, norm, layer, interpret)
-    operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w]
+    norm, (x, *norm_refs) = _mma_norm(x, norm, layer, K, interpret)
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w, *norm_refs]
     operands += [t for t in (scale, residual) if t is not None]
     # the columns first in the grid: the row blocks of one column block run together (its weights in L2)
     return pl.pallas_call(
-        functools.partial(_mma_kernel, M=M, K=K, BN=BN, BK=BK, N_out=N_out, act=act, has_scale=scale is not None,
-                          has_res=residual is not None, gpu=not interpret),
+        functools.partial(_mma_kernel, M=M, K=K, BN=BN, BK=BK, N_out=N_out, act=act,
+                          norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
+                          has_scale=scale is not None, has_res=residual is not None, gpu=not interpret),
         out_shape=jax.ShapeDtypeStruct((M, N_out), x.dtype),
         grid=(N_out // BN, -(-M // TWIN_MMA_ROWS)),
         in_specs=[_whole(a) for a in operands],
@@ -250,9 +254,18 @@ def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, block_m, b
     )(*operands)
 
 
-def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts):
+def _mma_norm(x, norm: TwinNorm | None, layer, K: int, interpret: bool):
+    """(the norm the MMA kernel fuses or None, [x or norm(x), then its weight and bias if fused])."""
+    if norm is None or not twin_mma_fuse_norm(K):
+        return None, [_norm_first(x, norm, layer, interpret)]
+    return norm, [x, norm.weight, norm.weight if norm.bias is None else norm.bias]  # rms: the bias is unread
+
+
+def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, norm=None, gpu=True):
     """The MMA form's loop of one program: (acc [BN, R] per start column, ok [R, 1], rows [R, 1]);
-    rows past M are read as row M - 1 (inside the ref) and zeroed."""
+    rows past M are read as 0 (masked). norm: None, or (kind, eps, weight ref, bias ref) of the
+    fused norm: the rows' statistics first (`twin_norm.row_stats`), then each x block normalized
+    and rounded to x's dtype before its product: the bits of `twin_norm.norm`, then this loop."""
     layer = layer_ref[0]
     ok = (m < M)[:, None]
     rows = jnp.minimum(m, M - 1)[:, None]
@@ -261,8 +274,19 @@ def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts):
     # asynchronous copies (M=4 on an H200: 31 against 25 us for the qkv projection, Triton's masked load)
     mask, zero = jnp.broadcast_to(ok, (TWIN_MMA_ROWS, BK)), jnp.zeros((), x_ref.dtype)
 
+    def load_x(kb):  # [R, BK]
+        return pltriton.load(x_ref.at[rows, kb * BK + lanes], mask=mask, other=zero)
+
+    if norm is not None:
+        kind, eps, nw_ref, nb_ref = norm
+        # every block's load at once (a few: `common.twin_mma_fuse_norm`), one round trip a pass over x
+        stats = twin_norm.row_stats(lambda kb: load_x(kb).astype(tm.F32), K, BK, kind, eps, gpu)
+
     def body(kb, accs):
-        xb = pltriton.load(x_ref.at[rows, kb * BK + lanes], mask=mask, other=zero)                       # [R, BK]
+        xb = load_x(kb)
+        if norm is not None:
+            w_n, b_n = (r[layer, pl.ds(kb * BK, BK)].astype(tm.F32)[None, :] for r in (nw_ref, nb_ref))
+            xb = tm.to_dtype(twin_norm.normalize(xb.astype(tm.F32), w_n, b_n, stats, kind, gpu), x_ref.dtype)
         return tuple(a + lax.dot_general(w_ref[layer, pl.ds(s, BN), pl.ds(kb * BK, BK)], xb, (((1,), (1,)), ((), ())),
                                          preferred_element_type=tm.F32) for a, s in zip(accs, starts))
 
@@ -270,17 +294,20 @@ def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts):
     return lax.fori_loop(0, K // BK, body, (zeros,) * len(starts)), ok, rows
 
 
-def _qkv_kernel(layer_ref, x_ref, w_ref, cos_ref, sin_ref, slot_ref, wmask_ref, k_in, v_in, q_ref, k_ref, v_ref, *,
-                M, K, BN, BK, B, T, H, C, D, gpu):
+def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, B, T, H, C, D, norm, eps, gpu):
     """Program (j, i): columns j*BN.. of rows i*R.. of qkv = x @ w[layer].T (the MMA form), then
     `twin_rope.rope_write`'s epilogue on them: a program's columns lie in one head of q, k or v
     (BN | D) and hold whole GPT-J pairs. q is rotated into q_ref [B*H*T, D]; k rotated and v as it
     is go into the rings [L*B*H, C, D] at the write slots where the write mask is set. Row m is
-    (b, t) = (m // T, m % T). Stores use the unclamped rows (masked rows never alias valid ones)."""
-    del k_in, v_in  # aliased to k_ref, v_ref
+    (b, t) = (m // T, m % T). Stores use the unclamped rows (masked rows never alias valid ones).
+    refs: the fused norm's weight and bias (norm: its kind, `_mma_accumulate`), then cos, sin, the
+    slots, the write mask, the rings in, q and the rings out (aliased to the rings in)."""
+    refs = list(refs)
+    fused = (norm, eps, refs.pop(0), refs.pop(0)) if norm else None
+    cos_ref, sin_ref, slot_ref, wmask_ref, _, _, q_ref, k_ref, v_ref = refs
     n0 = pl.program_id(0) * BN
     m = pl.program_id(1) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
-    (acc,), ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, (n0,))
+    (acc,), ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, (n0,), fused, gpu)
     dtype = q_ref.dtype
     y = tm.to_dtype(acc.T, dtype)                                     # [R, BN]: what `linear` returns
     part, h, d0 = n0 // (H * D), (n0 // D) % H, n0 % D
@@ -319,21 +346,24 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: ja
         qkv = linear(x, w, layer, norm=norm, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      form="lanes", interpret=interpret).reshape(B, T, 3, H, D)
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, interpret=interpret)
-    x = _norm_first(x, norm, layer, interpret)
+    norm, (x, *norm_refs) = _mma_norm(x, norm, layer, K, interpret)
     L, C = ring_k.shape[0], ring_k.shape[3]
     rows = (L * B * H, C, D)  # the rings as [L*B*H, C, D], indexed per dimension (64-bit addresses when large)
     BK = twin_lanes(K)
-    operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w, cos.reshape(M, D // 2), sin.reshape(M, D // 2),
-                write_index.astype(jnp.int32).reshape(M), write_mask.astype(jnp.int32).reshape(M),
-                ring_k.reshape(rows), ring_v.reshape(rows)]
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w, *norm_refs, cos.reshape(M, D // 2),
+                sin.reshape(M, D // 2), write_index.astype(jnp.int32).reshape(M),
+                write_mask.astype(jnp.int32).reshape(M), ring_k.reshape(rows), ring_v.reshape(rows)]
+    ring_at = len(operands) - 2
     q_flat = jax.ShapeDtypeStruct((B * H * T, D), x.dtype)
     q, k, v = pl.pallas_call(
-        functools.partial(_qkv_kernel, M=M, K=K, BN=BN, BK=BK, B=B, T=T, H=H, C=C, D=D, gpu=not interpret),
+        functools.partial(_qkv_kernel, M=M, K=K, BN=BN, BK=BK, B=B, T=T, H=H, C=C, D=D,
+                          norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
+                          gpu=not interpret),
         out_shape=(q_flat, jax.ShapeDtypeStruct(rows, ring_k.dtype), jax.ShapeDtypeStruct(rows, ring_v.dtype)),
         grid=(N // BN, -(-M // TWIN_MMA_ROWS)),
         in_specs=[_whole(a) for a in operands],
-        out_specs=(_whole(q_flat), _whole(operands[7]), _whole(operands[8])),
-        input_output_aliases={7: 1, 8: 2},
+        out_specs=(_whole(q_flat), _whole(operands[ring_at]), _whole(operands[ring_at + 1])),
+        input_output_aliases={ring_at: 1, ring_at + 1: 2},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps,
                                                 num_stages=num_stages or twin_mma_stages(N, BN, BK)),

@@ -25,6 +25,7 @@ from kernels_pallas.common import (
     twin_lanes,
     twin_linear_form,
     twin_mma_blocks,
+    twin_mma_fuse_norm,
     twin_mma_stages,
     twin_norm_unroll,
     twin_qkv_plan,
@@ -134,16 +135,24 @@ def _dot(w, xb, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _mma_accumulate(x_ptr, w_ptr, m, m_ok, n, N_OUT, K: tl.constexpr, R: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, GATE: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+def _mma_accumulate(x_ptr, w_ptr, nw_ptr, nb_ptr, eps, m, m_ok, n, N_OUT, K: tl.constexpr, R: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, INV_K: tl.constexpr,
+                    NORM_UNROLL: tl.constexpr, GATE: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     """The MMA form's loop of one program (the Pallas twin's `_mma_accumulate`): acc [BN, R] +=
     w[n, block] @ x[m, block]^T over the K blocks in order (w_ptr: the layer's [N, K]); with GATE,
-    acc_b the same for columns n + N_OUT (else zeros). Rows past M (not m_ok) read as 0."""
+    acc_b the same for columns n + N_OUT (else zeros). Rows past M (not m_ok) read as 0. NORM
+    ("rms", "layer" or ""): the fused norm (nw_ptr, nb_ptr: the layer's [K]), the rows' statistics
+    first, then each x block normalized and rounded to x's dtype before its product."""
     k = tl.arange(0, BK)
     acc = tl.zeros([BN, R], tl.float32)
     acc_b = tl.zeros([BN, R], tl.float32)
+    if NORM != "":
+        mean, r = twin_norm.row_stats(x_ptr, m, m_ok, eps, INV_K, K, R, BK, NORM == "rms", NORM_UNROLL)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         xb = tl.load(x_ptr + m[:, None] * K + k0 + k[None, :], mask=m_ok[:, None], other=0.0)
+        if NORM != "":
+            xb = tm.to_dtype(twin_norm.normalize(xb.to(tl.float32), nw_ptr, nb_ptr, k0 + k, mean, r, NORM == "rms"),
+                             x_ptr.dtype.element_ty, INTERPRETED)
         acc += _dot(tl.load(w_ptr + n[:, None] * K + k0 + k[None, :]), xb, INTERPRETED)
         if GATE:
             acc_b += _dot(tl.load(w_ptr + (n[:, None] + N_OUT) * K + k0 + k[None, :]), xb, INTERPRETED)
@@ -151,19 +160,22 @@ def _mma_accumulate(x_ptr, w_ptr, m, m_ok, n, N_OUT, K: tl.constexpr, R: tl.cons
 
 
 @triton.jit
-def _mma_kernel(layer_ptr, x_ptr, w_ptr, scale_ptr, res_ptr, o_ptr, M, N: tl.constexpr, K: tl.constexpr,
-                N_OUT: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr,
+def _mma_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, scale_ptr, res_ptr, o_ptr, M, eps, N: tl.constexpr,
+                K: tl.constexpr, N_OUT: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                NORM: tl.constexpr, INV_K: tl.constexpr, NORM_UNROLL: tl.constexpr, ACT: tl.constexpr,
                 HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (j, i): columns j*BN .. of rows i*R .. (R = TWIN_MMA_ROWS), the MMA form of the
     contract: acc [BN, R] += w_block @ x_block^T over the K blocks in order; ACT "", "gelu" or
-    "silu_gate" (columns n and n + N_OUT in two accumulators, the gate in the epilogue)."""
+    "silu_gate" (columns n and n + N_OUT in two accumulators, the gate in the epilogue); NORM: the
+    fused norm (`_mma_accumulate`)."""
     layer = tl.load(layer_ptr).to(tl.int64)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.program_id(1) * R + tl.arange(0, R)
     m_ok = m < M
     n_ok = n < N_OUT
-    acc, acc_b = _mma_accumulate(x_ptr, w_ptr + layer * N * K, m, m_ok, n, N_OUT, K, R, BN, BK, ACT == "silu_gate",
-                                 STAGES, INTERPRETED)
+    acc, acc_b = _mma_accumulate(x_ptr, w_ptr + layer * N * K, nw_ptr + layer * K, nb_ptr + layer * K, eps, m, m_ok,
+                                 n, N_OUT, K, R, BN, BK, NORM, INV_K, NORM_UNROLL, ACT == "silu_gate", STAGES,
+                                 INTERPRETED)
     dtype = o_ptr.dtype.element_ty
     y = tm.to_dtype(tl.trans(acc), dtype, INTERPRETED)                                     # [R, BN]
     if ACT == "silu_gate":
@@ -237,22 +249,36 @@ def _norm_first(x, norm: TwinNorm | None, layer_t):
 
 def _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, block_m, block_n, num_warps, num_stages,
                 interpreted):
-    """The MMA form (`_mma_kernel`): one launch with the gate, the norm kernel first (as the Pallas twin)."""
+    """The MMA form (`_mma_kernel`): one launch with the gate, the norm fused or its kernel first (as
+    the Pallas twin, `common.twin_mma_fuse_norm`)."""
     BN, BK = twin_mma_blocks(N_out, K, block_n, block_m)
-    x = _norm_first(x, norm, layer_t)
+    x, (nw, nb, eps), norm_consts = _mma_norm(x, norm, layer_t, K)
     out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)
     _mma_kernel[(N_out // BN, triton.cdiv(M, TWIN_MMA_ROWS))](
-        layer_t, x, w, out if scale is None else scale, out if residual is None else residual, out, M,  # out: unread
-        N=N, K=K, N_OUT=N_out, R=TWIN_MMA_ROWS, BN=BN, BK=BK, ACT=act or "", HAS_SCALE=scale is not None,
-        HAS_RES=residual is not None, STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate")),
+        layer_t, x, w, nw, nb, out if scale is None else scale, out if residual is None else residual, out,  # unread
+        M, eps, N=N, K=K, N_OUT=N_out, R=TWIN_MMA_ROWS, BN=BN, BK=BK, **norm_consts, ACT=act or "",
+        HAS_SCALE=scale is not None, HAS_RES=residual is not None,
+        STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate")),
         INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
     return out
 
 
+def _mma_norm(x, norm: TwinNorm | None, layer_t, K: int):
+    """(x or norm(x), (weight, bias, eps), the NORM constants) for an MMA kernel: the norm fused where
+    `common.twin_mma_fuse_norm` says, else its kernel first (and the norm arguments unread)."""
+    if norm is None or not twin_mma_fuse_norm(K):
+        x = _norm_first(x, norm, layer_t)
+        return x, (x, x, 0.0), {"NORM": "", "INV_K": 1.0, "NORM_UNROLL": 1}
+    consts = {"NORM": norm.kind, "INV_K": float(np.float32(1.0 / K)),
+              "NORM_UNROLL": K // twin_lanes(K)}  # every block's load at once (a few), as the Pallas twin
+    return x, (norm.weight, norm.weight if norm.bias is None else norm.bias, norm.eps), consts  # rms: bias unread
+
+
 @triton.jit
-def _qkv_kernel(layer_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, q_ptr, k_ptr, v_ptr, M,
-                K: tl.constexpr, B: tl.constexpr, T: tl.constexpr, H: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
-                R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, q_ptr, k_ptr, v_ptr, M,
+                eps, K: tl.constexpr, B: tl.constexpr, T: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
+                D: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
+                INV_K: tl.constexpr, NORM_UNROLL: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (j, i): the MMA form's columns j*BN .. of rows i*R .. of qkv, then rope_write's
     epilogue (the Pallas twin `_qkv_kernel`: a program's columns lie in one head, whole GPT-J pairs)."""
     layer = tl.load(layer_ptr).to(tl.int64)
@@ -260,8 +286,8 @@ def _qkv_kernel(layer_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, 
     n = n0 + tl.arange(0, BN)
     m = tl.program_id(1) * R + tl.arange(0, R)
     m_ok = m < M
-    acc, _ = _mma_accumulate(x_ptr, w_ptr + layer * (3 * H * D) * K, m, m_ok, n, 0, K, R, BN, BK, False, STAGES,
-                             INTERPRETED)
+    acc, _ = _mma_accumulate(x_ptr, w_ptr + layer * (3 * H * D) * K, nw_ptr + layer * K, nb_ptr + layer * K, eps, m,
+                             m_ok, n, 0, K, R, BN, BK, NORM, INV_K, NORM_UNROLL, False, STAGES, INTERPRETED)
     dtype = q_ptr.dtype.element_ty
     y = tm.to_dtype(tl.trans(acc), dtype, INTERPRETED)                                     # [R, BN]
     part = n0 // (H * D)
@@ -310,12 +336,13 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
         if not t.is_contiguous():
             raise ValueError(f"linear_rope_write({name}): must be contiguous, got strides {t.stride()}")
     layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear_rope_write")
-    x = _norm_first(x, norm, layer_t)
+    x, (nw, nb, eps), norm_consts = _mma_norm(x, norm, layer_t, K)
     q = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)
     BK = twin_lanes(K)
     _qkv_kernel[(N // BN, triton.cdiv(M, TWIN_MMA_ROWS))](
-        layer_t, x, w, cos, sin, write_index.to(torch.int32).contiguous(), write_mask.to(torch.int32).contiguous(),
-        q, ring_k, ring_v, M, K=K, B=B, T=T, H=H, C=ring_k.shape[3], D=D, R=TWIN_MMA_ROWS, BN=BN, BK=BK,
+        layer_t, x, w, nw, nb, cos, sin, write_index.to(torch.int32).contiguous(),
+        write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, M, eps, K=K, B=B, T=T, H=H,
+        C=ring_k.shape[3], D=D, R=TWIN_MMA_ROWS, BN=BN, BK=BK, **norm_consts,
         STAGES=num_stages or twin_mma_stages(N, BN, BK), INTERPRETED=interpreted, num_warps=num_warps,
         enable_fp_fusion=False)
     return q, ring_k, ring_v

@@ -399,6 +399,45 @@ def test_qkv_rope_write_mma_form_has_the_bits_of_linear_then_rope_write():
         pli.linear_rope_write(x, w, 0, cos, sin, ring_k, ring_v, wi, wm, form="mma", block_n=32)  # > D
 
 
+@pytest.mark.parametrize("K,kind,act", [(128, "layer", "gelu"), (64, "rms", "silu_gate"), (640, "rms", None)])
+def test_mma_form_fuses_its_norm_over_few_blocks_with_the_bits_of_the_norm_kernel_first(K, kind, act, monkeypatch):
+    """The MMA form fuses the norm where K has at most TWIN_MMA_FUSED_NORM_MAX_BLOCKS blocks
+    (Mimi's 512: one launch fewer a norm), else runs the norm kernel first (K=640: 5 blocks).
+    Either way, interpreted, `linear(norm=)` and `linear_rope_write(norm=)` have the bits of the
+    norm kernel then the unnormalized call, on each side; 17 rows (two row blocks)."""
+    fuses = common.twin_mma_fuse_norm(K)
+    assert fuses == (K // common.twin_lanes(K) <= common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS) == (K != 640)
+    M, N, L = 17, 32, 2
+    x, w, s, r, norm = _mma_case(M, N, K, L, act, act == "gelu", True, kind)
+    h = pn.norm(x, norm.weight, norm.bias, L - 1, kind=kind, eps=norm.eps)
+    call = (lambda x, n: pli.linear(x, w, L - 1, act=act, scale=s, residual=r, norm=n, form="mma"))
+    n_calls = str(jax.make_jaxpr(lambda x: call(x, norm))(x)).count("pallas_call")
+    assert n_calls == (1 if fuses else 2)
+    assert_same(jax.jit(lambda x: call(x, norm))(x), jax.jit(lambda h: call(h, None))(h), what="pallas fused norm")
+    T_ = (lambda a: None if a is None else to_torch(np.array(a)))
+    tnorm = TwinNorm(kind, T_(norm.weight), T_(norm.bias), norm.eps)
+    norms = []  # the Triton side's norm kernel calls
+    monkeypatch.setattr(tn, "norm", lambda *a, _f=tn.norm, **k: norms.append(1) or _f(*a, **k))
+    y_t = tli.linear(T_(x), T_(w), L - 1, act=act, scale=T_(s), residual=T_(r), norm=tnorm, form="mma")
+    assert len(norms) == (0 if fuses else 1)
+    assert_same(y_t, tli.linear(T_(h), T_(w), L - 1, act=act, scale=T_(s), residual=T_(r), form="mma"),
+                what="triton fused norm")
+    if kind != "rms":
+        return
+    B, T, H, D, C = 9, 2, 2, 16, 8  # the qkv kernel: its norm fused or first as the linear's
+    x, w, cos, sin, ring_k, ring_v, wi, wm, norm = _qkv_case(B, T, H, D, C, L, K)
+    h = pn.norm(x, norm.weight, None, L - 1, kind="rms", eps=norm.eps)
+    qkv = (lambda x, n: pli.linear_rope_write(x, w, L - 1, cos, sin, ring_k, ring_v, wi, wm, norm=n, form="mma"))
+    for name, a, b in zip(("q", "ring_k", "ring_v"), jax.jit(lambda x: qkv(x, norm))(x),
+                          jax.jit(lambda h: qkv(h, None))(h)):
+        assert_same(a, b, what=f"pallas qkv fused norm {name}")
+    tq = [tli.linear_rope_write(T_(xx), T_(w), L - 1, T_(cos), T_(sin), T_(ring_k).clone(), T_(ring_v).clone(),
+                                T_(wi), T_(wm), norm=nn, form="mma")
+          for xx, nn in ((x, TwinNorm("rms", T_(norm.weight), None, norm.eps)), (h, None))]
+    for name, a, b in zip(("q", "ring_k", "ring_v"), *tq):
+        assert_same(a, b, what=f"triton qkv fused norm {name}")
+
+
 mma_on_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or jax.default_backend() != "gpu",
     reason="GPU only: the MMA form's bits are the tensor cores' (CPU: the interpreted tests above)")
