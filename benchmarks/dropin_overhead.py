@@ -5,7 +5,9 @@
 
 For each stack, B=4: the drop-in (`from_torch`) stepped with active=None and with a mask, and the
 bare jitted JAX step on the same weights, interleaved call by call (the same machine state for
-all three); medians of synchronized steps, in us. Never part of the tests.
+all three); medians of synchronized steps, in us. Then the drop-in's parts on their own, also
+interleaved: its input checks, the DLPack import of x, its Streamer's step (synchronized), the
+DLPack export of the outputs (already computed). Never part of the tests.
 """
 
 from __future__ import annotations
@@ -20,23 +22,23 @@ import torch
 import jax_impl
 from jax_impl.config import PRESETS
 from torch_bridge import MimiTransformer, TemporalStreaming
-from torch_bridge.dlpack import to_jax
+from torch_bridge.dlpack import to_jax, to_torch
 from torch_bridge.jax_steppers import from_torch
 
 
-def measure(kind: str, real: bool, steps: int, B: int = 4) -> dict:
+def measure(kind: str, real: bool, steps: int, B: int = 4, kernels: str = "auto", layer_loop: str = "python") -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cls, T = (TemporalStreaming, 1) if kind == "temporal" else (MimiTransformer, 2)
     config = PRESETS[kind if real else f"{kind}-small"]
     dtype = torch.bfloat16 if real else torch.float32
     module = cls.from_config(config, dtype=dtype, device=device)
     module.init_weights(generator=torch.Generator(device=device).manual_seed(0))
-    dropin = from_torch(module, layer_loop="python")
+    dropin = from_torch(module, layer_loop=layer_loop, kernels=kernels)
     dropin.streaming_init(B)
     x = torch.randn(B, T, config.dim, device=device).to(dtype)
     active = torch.ones(B, dtype=torch.bool, device=device)
     params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
-    step = jax_impl.make_step(config, layer_loop="python", rope_freqs=module.rope_freqs())
+    step = jax_impl.make_step(config, layer_loop=layer_loop, rope_freqs=module.rope_freqs(), kernels=kernels)
     holder = {"state": jax.device_put(jax_impl.init_state(config, B, params["params"]["layers"]["in_proj"].dtype),
                                       params["params"]["layers"]["in_proj"].devices().pop())}
     xj = to_jax(x)
@@ -63,17 +65,35 @@ def measure(kind: str, real: bool, steps: int, B: int = 4) -> dict:
             times[k].append(1e6 * (time.perf_counter() - t0))
     rec = {k: statistics.median(v) for k, v in times.items()}
     rec["overhead_active_none"] = rec["dropin_active_none_us"] / rec["bare_jax_us"] - 1
-    return rec
+    ready = dropin._streamer.step(xj)
+    jax.block_until_ready(ready)
+
+    def streamer_step():
+        jax.block_until_ready(dropin._streamer.step(xj))
+
+    parts = {"part_check_inputs_us": lambda: dropin._check_step_inputs(x, None),
+             "part_to_jax_x_us": lambda: to_jax(x, copy=None),
+             "part_streamer_step_us": streamer_step,
+             "part_to_torch_outputs_us": lambda: (jax.tree_util.tree_map(to_torch, ready), sync())}
+    ptimes: dict = {k: [] for k in parts}
+    for _ in range(steps):
+        for k, f in parts.items():
+            t0 = time.perf_counter()
+            f()
+            ptimes[k].append(1e6 * (time.perf_counter() - t0))
+    return rec | {k: statistics.median(v) for k, v in ptimes.items()}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--real", action="store_true", help="the real sizes (bf16), not the small presets")
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--kernels", default="auto", help="the JAX step's kernels (both sides of the comparison)")
+    parser.add_argument("--layer-loop", default="python", help="the JAX step's layer loop: python or scan")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for kind in ("mimi", "temporal"):
-        rec = measure(kind, args.real, args.steps)
+        rec = measure(kind, args.real, args.steps, kernels=args.kernels, layer_loop=args.layer_loop)
         print(kind, {k: round(v, 3) if k.startswith("overhead") else round(v) for k, v in rec.items()}, flush=True)
 
 

@@ -399,14 +399,18 @@ def test_qkv_rope_write_mma_form_has_the_bits_of_linear_then_rope_write():
         pli.linear_rope_write(x, w, 0, cos, sin, ring_k, ring_v, wi, wm, form="mma", block_n=32)  # > D
 
 
-@pytest.mark.parametrize("K,kind,act", [(128, "layer", "gelu"), (64, "rms", "silu_gate"), (640, "rms", None)])
-def test_mma_form_fuses_its_norm_over_few_blocks_with_the_bits_of_the_norm_kernel_first(K, kind, act, monkeypatch):
+@pytest.mark.parametrize("K,kind,act,fuses", [(128, "layer", "gelu", True), (64, "rms", "silu_gate", True),
+                                              (128, "rms", None, False)])
+def test_mma_form_fuses_its_norm_over_few_blocks_with_the_bits_of_the_norm_kernel_first(K, kind, act, fuses,
+                                                                                       monkeypatch):
     """The MMA form fuses the norm where K has at most TWIN_MMA_FUSED_NORM_MAX_BLOCKS blocks
-    (Mimi's 512: one launch fewer a norm), else runs the norm kernel first (K=640: 5 blocks).
-    Either way, interpreted, `linear(norm=)` and `linear_rope_write(norm=)` have the bits of the
-    norm kernel then the unnormalized call, on each side; 17 rows (two row blocks)."""
-    fuses = common.twin_mma_fuse_norm(K)
-    assert fuses == (K // common.twin_lanes(K) <= common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS) == (K != 640)
+    (Mimi's 512: one launch fewer a norm), else runs the norm kernel first (Helium's 4096; here
+    the bound lowered to 0). Either way, interpreted, `linear(norm=)` and `linear_rope_write(norm=)`
+    have the bits of the norm kernel then the unnormalized call, on each side; 17 rows (two row blocks)."""
+    assert [common.twin_mma_fuse_norm(k) for k in (64, 512, 640, 4096)] == [True, True, False, False]
+    if not fuses:
+        monkeypatch.setattr(common, "TWIN_MMA_FUSED_NORM_MAX_BLOCKS", 0)
+    assert common.twin_mma_fuse_norm(K) == fuses
     M, N, L = 17, 32, 2
     x, w, s, r, norm = _mma_case(M, N, K, L, act, act == "gelu", True, kind)
     h = pn.norm(x, norm.weight, norm.bias, L - 1, kind=kind, eps=norm.eps)

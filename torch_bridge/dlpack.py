@@ -19,10 +19,14 @@ Stream order on the GPU: both directions go through the DLPack stream protocol. 
 stream wait for the work queued on torch's current stream; `torch.from_dlpack(array)` passes
 torch's current stream to `array.__dlpack__`, and JAX makes it wait until the array is
 written. Neither blocks the host. `tests/test_bridge_gpu.py` proves it with a long producer.
+`to_jax` sets that order up itself (`_order_for_jax`): torch's own `__dlpack__(stream=)` made
+and destroyed a CUDA event at every call, the larger part of the 250-350 us a step input took
+to cross on an H200 (benchmarks/RESULTS.md, eighth session).
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import jax
@@ -60,6 +64,45 @@ def _jax_device_for(tensor: torch.Tensor):
     return devices[index]
 
 
+_HANDOFF = threading.local()  # per thread: JAX device -> (its external-ready stream, as a torch stream, an event)
+
+
+class _Ordered:
+    """A CUDA tensor whose DLPack export skips torch's own stream handshake (`_order_for_jax` did it)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        del stream  # the stream JAX reads on already waits for torch's current one
+        return self.tensor.__dlpack__(stream=-1, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+def _order_for_jax(tensor: torch.Tensor, device) -> _Ordered | torch.Tensor:
+    """tensor to hand to `jnp.from_dlpack`, with the stream JAX waits on for external writes made to
+    wait for torch's current stream (the DLPack protocol's order), through one event reused per
+    thread and device. Where JAX has no such stream, the tensor itself (torch's handshake)."""
+    cache = _HANDOFF.__dict__.setdefault("by_device", {})
+    if device not in cache:
+        try:
+            ptr = device.get_stream_for_external_ready_events()
+        except jax.errors.JaxRuntimeError:
+            ptr = None
+        with torch.cuda.device(tensor.device):
+            cache[device] = None if ptr is None else (ptr, torch.cuda.ExternalStream(ptr), torch.cuda.Event())
+    if cache[device] is None:
+        return tensor
+    ptr, jax_stream, event = cache[device]
+    current = torch.cuda.current_stream(tensor.device)
+    if current.cuda_stream != ptr:
+        event.record(current)
+        jax_stream.wait_event(event)
+    return _Ordered(tensor)
+
+
 def to_jax(tensor: torch.Tensor, *, copy: bool | None = False) -> jax.Array:
     """The JAX array sharing `tensor`'s buffer: same shape, dtype and device.
 
@@ -84,7 +127,7 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = False) -> jax.Array:
     if not tensor.is_contiguous():
         _refuse_or_copy(copy, f"it is not contiguous (strides {tensor.stride()})", "Call .contiguous()")
         tensor = tensor.contiguous()
-    array = jnp.from_dlpack(tensor)
+    array = jnp.from_dlpack(_order_for_jax(tensor, device) if tensor.is_cuda else tensor)
     if tensor.numel() and array.unsafe_buffer_pointer() != tensor.data_ptr() and copy is not None:
         # JAX copied on import (on the CPU it does so for buffers it finds misaligned).
         _refuse_or_copy(copy, f"JAX copied it on import (address {tensor.data_ptr():#x} not accepted as is)",
