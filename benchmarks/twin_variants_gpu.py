@@ -34,8 +34,6 @@ VARIANTS = {  # name -> ({common constant: value}, scan_unroll)
     "fused_rolled": ({"TWIN_MMA_FUSED_NORM_MAX_BLOCKS": common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS}, 1),
     "unfused_unrolled": ({"TWIN_MMA_FUSED_NORM_MAX_BLOCKS": 0}, None),
     "unfused_rolled": ({"TWIN_MMA_FUSED_NORM_MAX_BLOCKS": 0}, 1),
-    "norm_epilogue": ({"TWIN_MMA_NORM_EPILOGUE": True}, None),  # Helium: each norm in its projection's launch
-    "norm_kernels": ({"TWIN_MMA_NORM_EPILOGUE": False}, None),  # ... or in a norm kernel after it
 }
 
 

@@ -75,13 +75,10 @@ def mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
 # torch_bridge/twin_layers.py on the Triton twins. The kernels read the stacked weights `w`
 # [L, ...] and the rings in place at `layer` (an int, or traced under lax.scan). The carry is
 # (x, ring_k, ring_v, sems): sems, the int32 counters of the kernels that finish in their last
-# program (`twin_attention.attention(sems=)`, `twin_linear.linear_then_norm`), made once a step
-# and handed on all 0. Helium's carry also holds h, the next layer's normalized input: each
-# residual projection normalizes its output for the projection after it, in its own launch.
-def _twin_attention(c: StackConfig, x2, norm: TwinNorm | None, w: dict, layer, ring_k, ring_v, sems,
-                    tables: StepTables, B: int, T: int):
-    """norm (None: x2 is normalized already), qkv + rotate + ring write, attention: x2 [B*T, dim] ->
-    ([B*T, dim], ring_k, ring_v, sems)."""
+# program (`twin_attention.attention(sems=)`), made once a step and handed on all 0.
+def _twin_attention(c: StackConfig, x2, norm: TwinNorm, w: dict, layer, ring_k, ring_v, sems, tables: StepTables,
+                    B: int, T: int):
+    """norm, qkv + rotate + ring write, attention: x2 [B*T, dim] -> ([B*T, dim], ring_k, ring_v, sems)."""
     q, ring_k, ring_v = twin_linear.linear_rope_write(x2, w["in_proj"], layer, tables.cos[:, 0], tables.sin[:, 0],
                                                       ring_k, ring_v, tables.write_index, tables.write_mask, norm=norm)
     a, sems = twin_attention.attention(q, ring_k, ring_v, layer, tables.positions, tables.q_pos, context=c.context,
@@ -89,47 +86,21 @@ def _twin_attention(c: StackConfig, x2, norm: TwinNorm | None, w: dict, layer, r
     return a.reshape(B * T, c.dim), ring_k, ring_v, sems
 
 
-def twin_temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables, next_norm: TwinNorm,
-                        next_layer):
-    """Helium layer on the Pallas twins; w: the stacked weights (read at `layer` in place); carry
-    (x2 [B*T, dim], h = norm1(x2), ring_k, ring_v, sems). The out-projection also returns its
-    output's norm2, the gated projection's input; the down-projection its output's `next_norm`
-    at `next_layer` (the next layer's norm1, or the output norm after the last layer)."""
-    x2, h, ring_k, ring_v, sems = carry
-    B, T = tables.write_index.shape
-    a, ring_k, ring_v, sems = _twin_attention(c, h, None, w, layer, ring_k, ring_v, sems, tables, B, T)
-    x2, h2, sems = twin_linear.linear_then_norm(a, w["out_proj"], layer,
-                                                TwinNorm("rms", w["norm2_alpha"], None, c.norm_eps), layer,
-                                                residual=x2, sems=sems)
-    u = twin_linear.linear(h2, w["linear_in"], layer, act="silu_gate")
-    x2, h, sems = twin_linear.linear_then_norm(u, w["linear_out"], layer, next_norm, next_layer, residual=x2,
-                                               sems=sems)
-    return x2, h, ring_k, ring_v, sems
-
-
-def _run_twin_temporal(c: TemporalConfig, stacked: dict, carry, tables: StepTables, out_norm_alpha, layer_loop: str,
-                       scan_unroll: int):
-    """The Helium twin layers: (x, ring_k, ring_v, sems) -> (x, ring_k, ring_v, out = the output norm
-    of x, [B*T, dim]). The first layer's norm1 is the one norm kernel; layers 0 .. L-2 run in the loop,
-    each ending on the next one's norm1; the last runs after it and ends on the output norm."""
+def twin_temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables, active,
+                        exact_rope: bool = True, kernels: str = "twin"):
+    """Helium layer on the Pallas twins; w: the stacked weights (read at `layer` in place). Each
+    RMSNorm is passed to the projection after it (`TwinNorm`: fused, or its kernel first)."""
+    del active, exact_rope, kernels  # the writes follow tables.write_mask; the twins are always exact
     x, ring_k, ring_v, sems = carry
     B, T, dim = x.shape
     x2 = x.reshape(B * T, dim)
-    norm1 = TwinNorm("rms", stacked["norm1_alpha"], None, c.norm_eps)
-    carry = (x2, twin_norm.norm(x2, norm1.weight, None, 0, kind="rms", eps=c.norm_eps), ring_k, ring_v, sems)
-    L = c.num_layers
-
-    def layer_fn(layer, cr):
-        return twin_temporal_layer(c, stacked, cr, layer, tables, norm1, layer + 1)
-
-    if layer_loop == "python":
-        for layer in range(L - 1):
-            carry = layer_fn(layer, carry)
-    else:
-        carry = lax.fori_loop(0, L - 1, layer_fn, carry, unroll=scan_unroll)
-    out_norm = TwinNorm("rms", out_norm_alpha[None], None, c.norm_eps)
-    x2, out, ring_k, ring_v, _ = twin_temporal_layer(c, stacked, carry, L - 1, tables, out_norm, 0)
-    return x2.reshape(B, T, dim), ring_k, ring_v, out
+    a, ring_k, ring_v, sems = _twin_attention(c, x2, TwinNorm("rms", w["norm1_alpha"], None, c.norm_eps), w, layer,
+                                              ring_k, ring_v, sems, tables, B, T)
+    x2 = twin_linear.linear(a, w["out_proj"], layer, residual=x2)
+    u = twin_linear.linear(x2, w["linear_in"], layer, act="silu_gate",
+                           norm=TwinNorm("rms", w["norm2_alpha"], None, c.norm_eps))
+    x2 = twin_linear.linear(u, w["linear_out"], layer, residual=x2)
+    return x2.reshape(B, T, dim), ring_k, ring_v, sems
 
 
 def twin_mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
@@ -149,6 +120,7 @@ def twin_mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, ac
     return x2.reshape(B, T, dim), ring_k, ring_v, sems
 
 
+TWIN_LAYERS = {temporal_layer: twin_temporal_layer, mimi_layer: twin_mimi_layer}
 
 
 def twin_tables(tables: StepTables, offset, T: int, freqs) -> StepTables:
@@ -158,31 +130,28 @@ def twin_tables(tables: StepTables, offset, T: int, freqs) -> StepTables:
 
 
 def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables: StepTables, active, *,
-               layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True, kernels: str = "xla",
-               out_norm_alpha=None):
+               layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True, kernels: str = "xla"):
     """Apply the L layers to carry; stacked: name -> [L, ...] weights.
 
     "scan": one `lax.scan` over (layer index, weight slices), compiled once whatever L;
     "python": a loop with constant layer indexes, so XLA slices weights and rings statically.
-    kernels="twin": the twin layers, which read the stacked weights in place at the (traced)
+    kernels="twin": the twin layer, which reads the stacked weights in place at the (traced)
     layer index, so the scan carries no weight slices (as `lax.fori_loop`, itself a scan, whose
-    counter is that index). Helium's (out_norm_alpha: its output norm) return a fourth item, the
-    output norm of x [B*T, dim] (`_run_twin_temporal`).
+    counter is that index).
     """
     if kernels == "twin":
+        twin_fn = TWIN_LAYERS[layer_fn]
         # the write mask as the int32 the ring-write kernel reads, once a step (else a convert a layer)
         tables = tables._replace(write_mask=tables.write_mask.astype(jnp.int32))
         B, T = carry[0].shape[:2]
         carry = (*carry, jnp.zeros((twin_sems_size(B, c.num_heads, T),), jnp.int32))
-        if layer_fn is temporal_layer:
-            return _run_twin_temporal(c, stacked, carry, tables, out_norm_alpha, layer_loop, scan_unroll)
         if layer_loop == "python":
             for layer in range(c.num_layers):
-                carry = twin_mimi_layer(c, stacked, carry, layer, tables, active)
+                carry = twin_fn(c, stacked, carry, layer, tables, active)
             return carry[:3]
         # the loop's own counter is the layer index (scanning over an arange copies each index
         # out of it: a 4-byte copy a layer on the GPU)
-        return lax.fori_loop(0, c.num_layers, lambda layer, cr: twin_mimi_layer(c, stacked, cr, layer, tables, active),
+        return lax.fori_loop(0, c.num_layers, lambda layer, cr: twin_fn(c, stacked, cr, layer, tables, active),
                              carry, unroll=scan_unroll)[:3]
     if layer_loop == "python":
         for layer in range(c.num_layers):
@@ -239,8 +208,7 @@ class _StackBase(nn.Module):
     rope_freqs: tuple | None = None  # RoPE frequency table override (default: tables.rope_freqs)
     kernels: str = "xla"             # "xla", "pallas" (see ops.ring_attention) or "twin" (twin layers)
 
-    def _layers(self, layer_fn, state: StreamState, x, active, out_norm_alpha=None):
-        """(x, new state, the twin Helium layers' output norm of x or None: `run_layers`)."""
+    def _layers(self, layer_fn, state: StreamState, x, active):
         c = self.config
         tables = step_tables(c, state.offset, state.start_offset, active, x.shape[1], self.rope_freqs)
         if self.kernels == "twin":
@@ -248,10 +216,10 @@ class _StackBase(nn.Module):
             tables = twin_tables(tables, state.offset, x.shape[1], freqs)
         self.sow("intermediates", "tables", tables)  # what every layer used (step_fn(capture=...))
         stacked = _LayerWeights(c, self.param_dtype, name="layers")()
-        x, k, v, *out = run_layers(layer_fn, c, stacked, (x, state.k, state.v), tables, active,
-                                   layer_loop=self.layer_loop, scan_unroll=self.scan_unroll,
-                                   exact_rope=self.exact_rope, kernels=self.kernels, out_norm_alpha=out_norm_alpha)
-        return x, state._replace(k=k, v=v, offset=tables.end_offset), (out or [None])[0]
+        x, k, v = run_layers(layer_fn, c, stacked, (x, state.k, state.v), tables, active,
+                             layer_loop=self.layer_loop, scan_unroll=self.scan_unroll,
+                             exact_rope=self.exact_rope, kernels=self.kernels)
+        return x, state._replace(k=k, v=v, offset=tables.end_offset)
 
     def _top(self, name: str) -> jax.Array:
         spec = next(s for s in weight_specs(self.config) if s.name == name)
@@ -264,10 +232,11 @@ class TemporalStack(_StackBase):
 
     @nn.compact
     def __call__(self, state: StreamState, x, active):
+        x, state = self._layers(temporal_layer, state, x, active)
         alpha, text_linear = self._top("out_norm_alpha"), self._top("text_linear")
-        x, state, out = self._layers(temporal_layer, state, x, active, out_norm_alpha=alpha)
-        if self.kernels == "twin":  # the last layer's down-projection normalized x (out [B*T, dim])
+        if self.kernels == "twin":
             B, T, dim = x.shape
+            out = twin_norm.norm(x.reshape(B * T, dim), alpha, kind="rms", eps=self.config.norm_eps)
             return (out.reshape(B, T, dim), twin_linear.linear(out, text_linear).reshape(B, 1, T, -1)), state
         out = rms_norm_f32(x, alpha, self.config.norm_eps)
         return (out, linear(out, text_linear)[:, None]), state
@@ -278,7 +247,7 @@ class MimiStack(_StackBase):
 
     @nn.compact
     def __call__(self, state: StreamState, x, active):
-        return self._layers(mimi_layer, state, x, active)[:2]
+        return self._layers(mimi_layer, state, x, active)
 
 
 def stack_module(config: StackConfig, param_dtype=jnp.float32, *, layer_loop: str = "scan",

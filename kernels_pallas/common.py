@@ -186,7 +186,6 @@ TWIN_NORM_ROWS_IN_FLIGHT = 32  # block-rows a norm's statistics loop loads at on
 TWIN_FUSED_NORM_MAX_BM = 4  # a linear's norm runs fused only up to this many rows a program (twin_fuse_norm)
 TWIN_INTERPRET_FUSED_NORM_MAX_BM = 64  # ... interpreted (every interpreted tile, TWIN_INTERPRET_MAX_BM)
 TWIN_MMA_FUSED_NORM_MAX_BLOCKS = 4  # the MMA form fuses its norm only up to this many K blocks (twin_mma_fuse_norm)
-TWIN_MMA_NORM_EPILOGUE = True  # linear_then_norm's MMA form: the norm in the projection's launch (else the norm kernel)
 
 
 def largest_pow2_divisor(n: int, cap: int) -> int:
@@ -401,12 +400,12 @@ def _check_norm_params(kind, weight, bias, D, where, layers=None):
         raise ValueError(f"{where.format('bias')}: kind='layer' needs a bias")
 
 
-def check_twin_norm(x, weight, bias, kind, where: str = "norm({})"):
-    """(M, D) of a twin norm call, after checking shapes and dtypes (where: the names in errors)."""
+def check_twin_norm(x, weight, bias, kind):
+    """(M, D) of a twin norm call, after checking shapes and dtypes."""
     if len(x.shape) != 2:
-        raise ValueError(f"{where.format('x')}: expected [M, D], got shape {tuple(x.shape)}")
+        raise ValueError(f"norm(x): expected [M, D], got shape {tuple(x.shape)}")
     M, D = x.shape
-    _check_norm_params(kind, weight, bias, D, where)
+    _check_norm_params(kind, weight, bias, D, "norm({})")
     return M, D
 
 

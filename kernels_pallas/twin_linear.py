@@ -51,16 +51,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas import common, twin_norm, twin_rope
 from kernels_pallas import twin_math as tm
+from kernels_pallas import twin_norm, twin_rope
 from kernels_pallas.common import (
     TWIN_MMA_ROWS,
     TWIN_PALLAS_PREFETCH,
     TwinNorm,
     check_twin_linear,
-    check_twin_norm,
     check_twin_qkv,
-    check_twin_sems,
     stack_one_layer,
     twin_blocks,
     twin_fuse_norm,
@@ -140,25 +138,18 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, norm, eps, ha
     o_ref[...] = _epilogue(sums if act == "silu_gate" else sums[0], o_ref.dtype, act, scale, residual, gpu)
 
 
-def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, eps, has_scale, has_res, then,
-                gpu):
+def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, eps, has_scale, has_res, gpu):
     """Program (j, i): columns j*BN.. of rows i*R.. (R = TWIN_MMA_ROWS), the MMA form: acc [BN, R]
     += w_block [BN, BK] @ x_block^T over the K blocks in order (module docstring); norm: the fused
     norm's kind (`_mma_accumulate`), its weight and bias refs first in refs.
 
     x_ref [M, K], the residual and o_ref [M, N_out] are whole and unpadded: the rows past M are
-    read as 0 (a masked load) and masked out of the store (no pad or slice kernels around the call).
-
-    then: None, or the (kind, eps) of the norm epilogue (`linear_then_norm`): its weight, bias, layer
-    and counters in refs after the residual, its output and the counters out after o_ref."""
+    read as 0 (a masked load) and masked out of the store (no pad or slice kernels around the call)."""
     refs = list(refs)
     fused = (norm, eps, refs.pop(0), refs.pop(0)) if norm else None
     scale_ref = refs.pop(0) if has_scale else None
     res_ref = refs.pop(0) if has_res else None
-    if then:
-        tw_ref, tb_ref, tlayer_ref, _, o_ref, h_ref, sem_ref = refs  # the counters out (aliased to in)
-    else:
-        (o_ref,) = refs
+    (o_ref,) = refs
     layer = layer_ref[0]
     n0 = pl.program_id(0) * BN
     m = pl.program_id(1) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
@@ -172,39 +163,6 @@ def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, 
     # stored at m itself: masked rows must not alias row M - 1 (interpreted, a masked store writes back
     # what it read, and duplicate indices would race)
     pltriton.store(o_ref.at[m[:, None], cols], y, mask=jnp.broadcast_to(ok, y.shape))
-    if then:
-        _norm_epilogue(o_ref, h_ref, tw_ref, tb_ref, tlayer_ref, sem_ref, M, N_out // BN, N_out, *then, gpu)
-
-
-def _norm_epilogue(o_ref, h_ref, w_ref, b_ref, layer_ref, sem_ref, M, programs, D, kind, eps, gpu):
-    """The last of a row block's `programs` column programs to finish normalizes the block's rows
-    of o_ref [M, D] into h_ref, one row at a time (`twin_norm.norm_rows`: the norm kernel's bits);
-    the block's int32 counter is counted up with acquire-release order after the program's stores
-    (the others' are then visible to it, as in `twin_attention`) and set back to 0 by the last."""
-    if gpu:  # every thread's stores before the counter's release (one thread counts)
-        pltriton.debug_barrier()
-    i = pl.program_id(1)
-    one = jnp.arange(1, dtype=jnp.int32)
-    BK = twin_lanes(D)
-    lanes = jnp.arange(BK, dtype=jnp.int32)[None, :]
-
-    @pl.when(pltriton.atomic_add(sem_ref, i, jnp.int32(1)) == programs - 1)
-    def _last():
-        def row(r, carry):
-            at = jnp.full((1, 1), r, jnp.int32)
-
-            def load_x(kb):  # [1, BK]
-                return pltriton.load(o_ref.at[at, kb * BK + lanes]).astype(tm.F32)
-
-            def store(kb, y):
-                pltriton.store(h_ref.at[at, kb * BK + lanes], y)
-
-            twin_norm.norm_rows(load_x, store, w_ref, b_ref, layer_ref[0], D, BK, kind, eps, gpu, h_ref.dtype)
-            return carry
-
-        first = i * TWIN_MMA_ROWS
-        lax.fori_loop(first, jnp.minimum(M, first + TWIN_MMA_ROWS), row, 0)
-        pltriton.store(sem_ref.at[i + one], jnp.zeros((1,), jnp.int32))
 
 
 def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
@@ -265,44 +223,6 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     return out[:M]
 
 
-def linear_then_norm(x: jax.Array, w: jax.Array, layer, norm: TwinNorm, norm_layer, *,
-                     scale: jax.Array | None = None, residual: jax.Array | None = None,
-                     sems: jax.Array | None = None, block_n: int | None = None, num_warps: int = 4,
-                     num_stages: int | None = None, form: str | None = None, interpret: bool | None = None):
-    """(y, h): y = linear(x, w, layer, scale=, residual=), the residual stream, and h = its norm
-    (`twin_norm.norm(y, norm.weight, norm.bias, norm_layer)`), the next projection's input: the
-    bits of the two calls. The MMA form computes both in one launch (the last column program of
-    each row block normalizes the block's rows: `_norm_epilogue`; `common.TWIN_MMA_NORM_EPILOGUE`);
-    the lane form makes the two calls.
-
-    norm: a `TwinNorm` over y's N_out columns, weights [L', N_out] read at norm_layer (int or traced
-    int32), e.g. the next layer's norm. sems: int32 [n >= ceil(M / TWIN_MMA_ROWS)] counters, all 0,
-    returned all 0 (`twin_attention.attention`'s; None: made here). Returns (y, h), and sems if given.
-    """
-    given = sems is not None
-    w, scale, _, layer = stack_one_layer(w, scale, None, layer)
-    M, K, _, N_out = check_twin_linear(x, w, None, scale, residual)
-    if not isinstance(norm, TwinNorm):
-        raise TypeError(f"linear_then_norm(norm): expected a TwinNorm, got {type(norm).__name__}")
-    if norm_layer is None:  # [N_out] weights: a one-layer stack
-        norm = norm._replace(weight=norm.weight[None], bias=None if norm.bias is None else norm.bias[None])
-        norm_layer = 0
-    check_twin_norm(jax.ShapeDtypeStruct((M, N_out), x.dtype), norm.weight, norm.bias, norm.kind,
-                    where="linear_then_norm(norm.{})")
-    sems = check_twin_sems(sems, -(-M // TWIN_MMA_ROWS), "linear_then_norm", lambda n: jnp.zeros((n,), jnp.int32))
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    chosen = twin_linear_form(N_out, K, x.dtype, compiled=not interpret, form=form)
-    if chosen == "mma" and common.TWIN_MMA_NORM_EPILOGUE:  # read at each call (a benchmark's A/B)
-        y, h, sems = _linear_mma(x, w, layer, M, K, N_out, None, scale, residual, None, None, block_n, num_warps,
-                                 num_stages, interpret, then=(norm, norm_layer, sems))
-    else:
-        y = linear(x, w, layer, scale=scale, residual=residual, block_n=block_n, num_warps=num_warps,
-                   num_stages=num_stages, form=chosen, interpret=interpret)
-        h = twin_norm.norm(y, norm.weight, norm.bias, norm_layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
-    return (y, h, sems) if given else (y, h)
-
-
 def _norm_first(x, norm: TwinNorm | None, layer, interpret: bool):
     """x normalized by the norm kernel (the bits of the fused norm), or x itself where norm is None."""
     if norm is None:
@@ -311,32 +231,22 @@ def _norm_first(x, norm: TwinNorm | None, layer, interpret: bool):
 
 
 def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, block_m, block_n, num_warps, num_stages,
-                interpret, then=None):
+                interpret):
     """The MMA form (`_mma_kernel`): the norm fused over a few K blocks, else its kernel first
-    (`common.twin_mma_fuse_norm`: the same bits). then: None, or (TwinNorm, its layer, sems) of
-    `linear_then_norm`'s epilogue; returns y, or (y, h, sems) with `then`."""
+    (`common.twin_mma_fuse_norm`: the same bits)."""
     BN, BK = twin_mma_blocks(N_out, K, block_n, block_m)
     norm, (x, *norm_refs) = _mma_norm(x, norm, layer, K, interpret)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w, *norm_refs]
     operands += [t for t in (scale, residual) if t is not None]
-    y = jax.ShapeDtypeStruct((M, N_out), x.dtype)
-    out_shape, aliases = y, {}
-    if then is not None:
-        t_norm, t_layer, sems = then
-        operands += [t_norm.weight, t_norm.weight if t_norm.bias is None else t_norm.bias,  # rms: bias unread
-                     jnp.asarray(t_layer, jnp.int32).reshape(1), sems]
-        out_shape, aliases = (y, y, jax.ShapeDtypeStruct(sems.shape, sems.dtype)), {len(operands) - 1: 2}
     # the columns first in the grid: the row blocks of one column block run together (its weights in L2)
     return pl.pallas_call(
         functools.partial(_mma_kernel, M=M, K=K, BN=BN, BK=BK, N_out=N_out, act=act,
                           norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
-                          has_scale=scale is not None, has_res=residual is not None,
-                          then=None if then is None else (then[0].kind, then[0].eps), gpu=not interpret),
-        out_shape=out_shape,
+                          has_scale=scale is not None, has_res=residual is not None, gpu=not interpret),
+        out_shape=jax.ShapeDtypeStruct((M, N_out), x.dtype),
         grid=(N_out // BN, -(-M // TWIN_MMA_ROWS)),
         in_specs=[_whole(a) for a in operands],
-        out_specs=jax.tree.map(_whole, out_shape),
-        input_output_aliases=aliases,
+        out_specs=_whole(jax.ShapeDtypeStruct((M, N_out), x.dtype)),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(
             num_warps=num_warps, num_stages=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"))),

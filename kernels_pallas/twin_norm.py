@@ -86,30 +86,22 @@ def row_stats(load_x, D, BK, kind, eps, gpu, unroll=None):
     return mean, tm.div(f32(1.0), tm.sqrt(var + f32(eps), gpu), gpu)
 
 
-def norm_rows(load_x, store, w_ref, b_ref, layer, D, BK, kind, eps, gpu, dtype, unroll=None):
-    """The contract's norm of a block of rows, in a kernel: load_x(kb) -> float32 [BM, BK] (block kb
-    of the rows), store(kb, y) takes block kb of the result in dtype; w_ref, b_ref: [L, D] read at
-    `layer`. The norm kernel calls it, and so does `twin_linear`'s norm epilogue (the same bits)."""
-    stats = row_stats(load_x, D, BK, kind, eps, gpu, unroll)
+def _kernel(layer_ref, x_ref, w_ref, b_ref, o_ref, *, D, BK, kind, eps, gpu):
+    layer = layer_ref[0]
+
+    def load_x(kb):
+        return x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)  # [BM, BK]
+
+    stats = row_stats(load_x, D, BK, kind, eps, gpu, twin_norm_unroll(D // BK, x_ref.shape[0]))
+
     ys = []  # written out; every block computed before the first store: a load after a store waits
     for kb in range(D // BK):  # for it (the refs may alias), and the blocks then went one at a time
         cols = pl.ds(kb * BK, BK)
         w = w_ref[layer, cols].astype(tm.F32)[None, :]
         b = b_ref[layer, cols].astype(tm.F32)[None, :]
-        ys.append(tm.to_dtype(normalize(load_x(kb), w, b, stats, kind, gpu), dtype))
+        ys.append(tm.to_dtype(normalize(load_x(kb), w, b, stats, kind, gpu), o_ref.dtype))
     for kb, y in enumerate(ys):
-        store(kb, y)
-
-
-def _kernel(layer_ref, x_ref, w_ref, b_ref, o_ref, *, D, BK, kind, eps, gpu):
-    def load_x(kb):
-        return x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)  # [BM, BK]
-
-    def store(kb, y):
         o_ref[:, pl.ds(kb * BK, BK)] = y
-
-    norm_rows(load_x, store, w_ref, b_ref, layer_ref[0], D, BK, kind, eps, gpu, o_ref.dtype,
-              twin_norm_unroll(D // BK, x_ref.shape[0]))
 
 
 def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=None, *, kind: str = "rms",

@@ -442,27 +442,6 @@ def test_mma_form_fuses_its_norm_over_few_blocks_with_the_bits_of_the_norm_kerne
         assert_same(a, b, what=f"triton qkv fused norm {name}")
 
 
-@pytest.mark.parametrize("form,kind,M", [("mma", "rms", 17), ("mma", "layer", 3), ("lanes", "rms", 5)])
-def test_linear_then_norm_has_the_bits_of_linear_then_the_norm_kernel(form, kind, M):
-    """linear_then_norm (the residual stream and its norm, for the next projection): in the MMA form
-    one kernel whose last column program of each row block normalizes the block's rows (17 rows:
-    two blocks), in the lane form two calls; either way, interpreted, the bits of linear(residual=)
-    then twin_norm.norm at another layer of the norm's weights, and the step's counters come back 0."""
-    L, N = 3, 32
-    x, w, _, r, norm = _mma_case(M, N, N, L, None, False, True, kind)  # K = N: the norm's weights fit y
-    call = jax.jit(lambda x, w, r, sems: pli.linear_then_norm(x, w, 1, norm, 2, residual=r, sems=sems, form=form))
-    y, h, sems = call(x, w, r, jnp.zeros((4,), jnp.int32))
-    want_y = jax.jit(lambda x, w, r: pli.linear(x, w, 1, residual=r, form=form))(x, w, r)
-    want_h = pn.norm(want_y, norm.weight, norm.bias, 2, kind=kind, eps=norm.eps)
-    assert_same(y, want_y, what="y")
-    assert_same(h, want_h, what="h")
-    assert not np.asarray(sems).any()
-    with pytest.raises(ValueError, match=r"linear_then_norm\(norm.weight\)"):
-        pli.linear_then_norm(x, w, 1, norm._replace(weight=norm.weight[:, :8]), 2, residual=r)
-    with pytest.raises(ValueError, match=r"linear_then_norm\(sems\)"):
-        pli.linear_then_norm(x, w, 1, norm, 2, residual=r, sems=jnp.zeros((4,), jnp.float32))
-
-
 mma_on_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or jax.default_backend() != "gpu",
     reason="GPU only: the MMA form's bits are the tensor cores' (CPU: the interpreted tests above)")
@@ -484,22 +463,6 @@ def test_linear_mma_form_gpu_twins_same_bits_and_batch_invariant(M, N, K, L, act
         alone = tli.linear(C(x[row:row + 1]), C(w), L - 1, act=act, scale=C(s),
                            residual=None if r is None else C(r[row:row + 1]), norm=tnorm)
         assert_same(alone[0].cpu(), y_t[row].cpu(), what=f"row {row} alone, GPU")
-
-
-@mma_on_gpu
-@pytest.mark.parametrize("M", [4, 17])
-def test_linear_then_norm_gpu_has_the_bits_of_linear_then_the_norm_kernel(M):
-    """Compiled on the GPU: the MMA form's norm epilogue (the last column program of a row block
-    normalizes it) has the bits of linear then the norm kernel, and leaves the counters 0."""
-    L, N = 2, 512
-    x, w, _, r, norm = _mma_case(M, N, N, L, None, False, True, "rms")
-    J = (lambda a: jnp.asarray(a))
-    y, h, sems = pli.linear_then_norm(J(x), J(w), 1, norm, 0, residual=J(r), sems=jnp.zeros((8,), jnp.int32))
-    want_y = pli.linear(J(x), J(w), 1, residual=J(r))
-    assert_same(np.asarray(y), np.asarray(want_y), what="y, GPU")
-    assert_same(np.asarray(h), np.asarray(pn.norm(want_y, norm.weight, None, 0, kind="rms", eps=norm.eps)),
-                what="h, GPU")
-    assert not np.asarray(sems).any()
 
 
 @mma_on_gpu
