@@ -14,24 +14,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import torch
+from host_timing import host_ms
 from jax._src.lib import _jax  # the capsule import jax.dlpack.from_dlpack calls (private: diagnosis only)
 
 
 def median_us(fn, n):
-    for _ in range(10):
+    for _ in range(10):  # warm-up
         fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e6 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return 1e3 * host_ms(fn, n)
 
 
 def main():
