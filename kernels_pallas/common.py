@@ -451,12 +451,19 @@ def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask):
 
 TWIN_ATTENTION_BC = 64       # slots per block of the twin attention (at most)
 TWIN_ATTENTION_CHUNK = 256   # slots per split (at most)
+TWIN_ATTENTION_MIN_SPLITS = 4  # a ring of a few blocks is still cut into up to this many splits
 
 
 def twin_attention_plan(C: int) -> tuple[int, int, int]:
-    """(BC, chunk, S) of the twin attention over C ring slots: a function of C alone (bits)."""
+    """(BC, chunk, S) of the twin attention over C ring slots: a function of C alone (bits).
+
+    Splits of at most TWIN_ATTENTION_CHUNK slots, and at least TWIN_ATTENTION_MIN_SPLITS of them
+    where the ring has that many blocks: Mimi's 250 slots had run as one split of 4 blocks one
+    after the other, a program's latency (8.9 us a layer on an H200); Helium's 3000 are 12 splits
+    of 256 either way."""
     BC = min(TWIN_ATTENTION_BC, next_pow2(C))
-    chunk = min(TWIN_ATTENTION_CHUNK, -(-C // BC) * BC)
+    blocks = -(-C // BC)
+    chunk = min(TWIN_ATTENTION_CHUNK, -(-blocks // TWIN_ATTENTION_MIN_SPLITS) * BC)
     return BC, chunk, -(-C // chunk)
 
 

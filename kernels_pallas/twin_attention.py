@@ -14,7 +14,7 @@ C slots are cut into S splits of `chunk` slots and each split into blocks of BC 
 starting from m = -inf, l = 0, acc = 0. The combine then takes the S partials in order:
 M = max_s m_s, w_s = exp(m_s - M0), L = sum_s l_s * w_s, O = sum_s acc_s * w_s (sequential sums),
 and out = to_dtype(O / L), or 0 when L == 0 (a query that sees no slot: what torch's SDPA gives,
-never NaN). The combine runs in the same launch: with one split (S == 1: Mimi's rings) in the
+never NaN). The combine runs in the same launch: with one split (S == 1: rings of one block) in the
 split's program; with several, in the query's last split program to finish (`sems`: an int32
 counter per query, counted up by each split program after its partials are stored, with
 acquire-release order, and set back to 0 by the last one), which loads the S partials in order:
