@@ -306,8 +306,8 @@ def twin_mma_fuse_norm(K: int) -> bool:
     statistics, then normalizes each x block before its product; else the norm kernel first: the
     same bits). A function of K alone. Over K = 4096 (Helium) the normalization in the loop stalled
     the pipelined loads: 42 against 26 us for the qkv projection at B=16 on an H200 (RESULTS.md,
-    fifth session); over a few blocks (Mimi's K = 512: 4) there is no pipeline to stall, and the
-    fused kernel saves the norm's launch."""
+    fifth session). Over a few blocks (Mimi's K = 512: 4) it saves the norm's launch (16 a Mimi
+    step) for ~1.8 us more a projection than the two kernels take (RESULTS.md, eighth session)."""
     return K // twin_lanes(K) <= TWIN_MMA_FUSED_NORM_MAX_BLOCKS
 
 
