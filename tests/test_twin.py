@@ -644,6 +644,12 @@ def test_twin_step_is_batch_invariant_on_both_sides(stack):
 
 
 def test_twin_scan_and_python_layer_loops_give_the_same_bits():
+    """The layer loop changes no bit; by default the twin kernels scan Mimi's 8 layers unrolled (no
+    loop counter launch) and Helium's 32 rolled, the other kernels every stack rolled."""
+    from jax_impl.model import default_scan_unroll
+
+    assert [default_scan_unroll(jx.PRESETS[name], kernels) for name, kernels in
+            (("mimi", "twin"), ("temporal", "twin"), ("mimi", "xla"), ("mimi-small", "twin"))] == [8, 1, 1, 2]
     cfg = jx.PRESETS["temporal-small"]
     params = jx.init_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (2, 1, cfg.dim))
