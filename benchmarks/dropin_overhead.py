@@ -26,6 +26,21 @@ from torch_bridge.dlpack import to_jax, to_torch
 from torch_bridge.jax_steppers import from_torch
 
 
+def interleaved_medians_us(calls: dict, steps: int, warmup: int = 0) -> dict:
+    """name -> median us of calls[name](), the calls interleaved one by one for `steps` rounds
+    (after `warmup` untimed rounds), so the machine's drift hits each alike."""
+    for _ in range(warmup):
+        for f in calls.values():
+            f()
+    times: dict = {k: [] for k in calls}
+    for _ in range(steps):
+        for k, f in calls.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(1e6 * (time.perf_counter() - t0))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def measure(kind: str, real: bool, steps: int, B: int = 4, kernels: str = "auto", layer_loop: str = "python") -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cls, T = (TemporalStreaming, 1) if kind == "temporal" else (MimiTransformer, 2)
@@ -54,16 +69,7 @@ def measure(kind: str, real: bool, steps: int, B: int = 4, kernels: str = "auto"
     calls = {"dropin_active_none_us": lambda: (dropin.step(x), sync()),
              "dropin_active_mask_us": lambda: (dropin.step(x, active), sync()),
              "bare_jax_us": bare}
-    times: dict = {k: [] for k in calls}
-    for _ in range(20):
-        for f in calls.values():
-            f()
-    for _ in range(steps):
-        for k, f in calls.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append(1e6 * (time.perf_counter() - t0))
-    rec = {k: statistics.median(v) for k, v in times.items()}
+    rec = interleaved_medians_us(calls, steps, warmup=20)
     rec["overhead_active_none"] = rec["dropin_active_none_us"] / rec["bare_jax_us"] - 1
     ready = dropin._streamer.step(xj)
     jax.block_until_ready(ready)
@@ -75,13 +81,7 @@ def measure(kind: str, real: bool, steps: int, B: int = 4, kernels: str = "auto"
              "part_to_jax_x_us": lambda: to_jax(x, copy=None),
              "part_streamer_step_us": streamer_step,
              "part_to_torch_outputs_us": lambda: (jax.tree_util.tree_map(to_torch, ready), sync())}
-    ptimes: dict = {k: [] for k in parts}
-    for _ in range(steps):
-        for k, f in parts.items():
-            t0 = time.perf_counter()
-            f()
-            ptimes[k].append(1e6 * (time.perf_counter() - t0))
-    return rec | {k: statistics.median(v) for k, v in ptimes.items()}
+    return rec | interleaved_medians_us(parts, steps)
 
 
 def main():
