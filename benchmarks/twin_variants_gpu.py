@@ -6,9 +6,11 @@ A variant is a set of `kernels_pallas.common` constants (speed-only choices: whi
 fused) and the scan's unroll. Each variant's step is traced and compiled with its constants set
 (the kernels read them at trace time), then the constants go back; the steps then run round-robin,
 `--rounds` times `--steps` synchronized and pipelined steps each (`host_timing.time_step`), so
-the card's drift between rounds hits every variant alike. Recorded: the median over rounds of
-each time, every round's times, the kernels a step and the top kernels (torch.profiler), and
-whether every variant's outputs have the same bits as the first's (they should: speed only).
+the card's drift between rounds hits every variant alike. Each starts on `scale_bench.full_state`'s
+full ring (random values up to its size bound, the same for every variant). Recorded: the median
+over rounds of each time, every round's times, the kernels a step and the top kernels
+(torch.profiler), and whether every variant's outputs have the same bits as the first's (they
+should: speed only).
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ import json
 import statistics
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 from host_timing import time_step
+from scale_bench import full_state
 from twin_step_gpu import build, kernel_profile
 
 import jax_impl
@@ -60,15 +62,11 @@ def run(kind: str, B: int, names: list[str], rounds: int, steps: int) -> dict:
     T = 1 if kind == "temporal" else 2
     x = to_jax(torch.randn(B, T, config.dim, device="cuda").to(torch.bfloat16))
 
-    def full_state():
-        s = jax_impl.init_state(config, B, jnp.bfloat16)
-        return s._replace(offset=jnp.full((B,), config.capacity, s.offset.dtype))  # a full ring
-
     steps_, states, first = {}, {}, None
     rec = {"stack": kind, "B": B, "T": T, "variants": {}}
     for name in names:
         constants, unroll = VARIANTS[name]
-        step, out, states[name] = compiled(module, constants, unroll, params, full_state(), x)
+        step, out, states[name] = compiled(module, constants, unroll, params, full_state(config, B), x)
         steps_[name] = step
         flat = [np.asarray(a) for a in jax.tree.leaves(out)]
         if first is None:
@@ -77,7 +75,7 @@ def run(kind: str, B: int, names: list[str], rounds: int, steps: int) -> dict:
         n, top = kernel_profile(lambda s=step, st=states[name]: jax.block_until_ready(s(params, st, x, None)[0]))
         rec["variants"][name] = {"constants": constants, "scan_unroll": unroll, "kernels": n, "top_kernels": top,
                                  "same_bits_as_first_on_a_full_ring": bool(same), "sync_ms": [], "pipelined_ms": []}
-        states[name] = full_state()  # the profiled call donated the state: start again
+        states[name] = full_state(config, B)  # the profiled call donated the state: start again
     for _ in range(rounds):
         for name in names:
             sync, piped, states[name] = time_step(steps_[name], params, states[name], x, None, steps)
