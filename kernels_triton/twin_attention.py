@@ -121,7 +121,8 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: torch.zeros(n, dtype=torch.int32, device=q.device))
     if sems.device != q.device or not sems.is_contiguous():
-        raise ValueError(f"attention(sems): expected a contiguous tensor on {q.device}, got {sems.device}")
+        raise ValueError(f"attention(sems): expected a contiguous tensor on {q.device}, got one on {sems.device} "
+                         f"(contiguous: {sems.is_contiguous()})")
     for name, t in (("q", q), ("ring_k", ring_k), ("ring_v", ring_v)):
         if not t.is_contiguous():
             raise ValueError(f"attention({name}): must be contiguous, got strides {t.stride()}")
