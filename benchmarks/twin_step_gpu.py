@@ -69,7 +69,7 @@ def jax_side(module, kernels="twin", layer_loop="scan"):
     state = jax_impl.init_state(config, B, jnp.bfloat16 if module.dtype == torch.bfloat16 else jnp.float32)
     state = jax.device_put(state, jax.devices()[0])
     step = jax_impl.make_step(config, kernels=kernels, layer_loop=layer_loop, rope_freqs=module.rope_freqs(),
-                              scan_unroll=SCAN_UNROLL if layer_loop == "scan" else None)
+                              scan_unroll=SCAN_UNROLL)
     return params, state, step
 
 
@@ -292,8 +292,7 @@ def main():
     parser.add_argument("--stacks", default="mimi,temporal", help="which stacks (comma-separated)")
     parser.add_argument("--batches", default="4", help="batch sizes of the speed part (comma-separated)")
     parser.add_argument("--bits-batch", type=int, default=4, help="the batch size of the bit run")
-    parser.add_argument("--scan-unroll", type=int, default=None,
-                        help="the twin scan's unroll factor (default: make_step's, model.default_scan_unroll)")
+    parser.add_argument("--scan-unroll", type=int, default=1, help="the scan's unroll factor (make_step's default: 1)")
     parser.add_argument("--mma-fused-norm-blocks", type=int, default=None,
                         help="common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS for this run (0: the MMA form never fuses its norm)")
     args = parser.parse_args()

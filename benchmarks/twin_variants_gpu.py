@@ -31,7 +31,7 @@ import jax_impl
 from kernels_pallas import common
 from torch_bridge.dlpack import to_jax
 
-VARIANTS = {  # name -> ({common constant: value}, scan_unroll)
+VARIANTS = {  # name -> ({common constant: value}, scan_unroll; None: all the layers)
     "fused_unrolled": ({"TWIN_MMA_FUSED_NORM_MAX_BLOCKS": common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS}, None),
     "fused_rolled": ({"TWIN_MMA_FUSED_NORM_MAX_BLOCKS": common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS}, 1),
     "unfused_unrolled": ({"TWIN_MMA_FUSED_NORM_MAX_BLOCKS": 0}, None),
@@ -46,7 +46,8 @@ def compiled(module, constants: dict, scan_unroll, params, state, x):
     for k, v in constants.items():
         setattr(common, k, v)
     try:
-        fn = jax_impl.step_fn(module.config, kernels="twin", scan_unroll=scan_unroll, rope_freqs=module.rope_freqs())
+        fn = jax_impl.step_fn(module.config, kernels="twin", scan_unroll=scan_unroll or module.config.num_layers,
+                              rope_freqs=module.rope_freqs())
         step = jax.jit(fn, donate_argnums=(1,))
         out, state = jax.block_until_ready(step(params, state, x, None))
     finally:

@@ -72,7 +72,7 @@ def check_step_inputs(config: StackConfig, params, state: StreamState, x, active
     return active
 
 
-def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int | None = None, exact_rope: bool = True,
+def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True,
             rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto",
             capture: tuple[str, ...] = ()) -> Callable:
     """The pure step `(params, state, x, active=None) -> (outputs, new_state)` (not jitted).
@@ -80,8 +80,7 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int |
     outputs: (out, text_logits) for the temporal stack, out for Mimi.
     layer_loop: "scan" (one `lax.scan` over the stacked layers) or "python" (a Python loop,
     static layer indexes: longer to compile, what the GPU runs fastest today).
-    scan_unroll: `lax.scan`'s unroll factor when layer_loop="scan" (None: `model.default_scan_unroll`,
-    all of Mimi's layers for the twin kernels, else 1).
+    scan_unroll: `lax.scan`'s unroll factor when layer_loop="scan" (`model.stack_module` says why 1).
     rope_freqs: a [D/2] RoPE frequency table (tuple of floats) instead of `tables.rope_freqs`;
     the torch bridge passes the torch path's own table so both share its exact bits.
     kernels: "xla", "pallas" (Pallas RoPE + ring attention) or "auto" (Pallas on a GPU).
@@ -104,7 +103,7 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int |
 
 
 @functools.cache
-def make_step(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int | None = None, exact_rope: bool = True,
+def make_step(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True,
               donate: bool = True, rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto",
               capture: tuple[str, ...] = ()) -> Callable:
     """`jax.jit(step_fn(config, ...))` with the state donated (rings updated in place).

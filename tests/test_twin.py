@@ -644,22 +644,21 @@ def test_twin_step_is_batch_invariant_on_both_sides(stack):
 
 
 def test_twin_scan_and_python_layer_loops_give_the_same_bits():
-    """The layer loop changes no bit; by default the twin kernels scan Mimi's 8 layers unrolled (no
-    loop counter launch) and Helium's 32 rolled, the other kernels every stack rolled."""
-    from jax_impl.model import default_scan_unroll
-
-    assert [default_scan_unroll(jx.PRESETS[name], kernels) for name, kernels in
-            (("mimi", "twin"), ("temporal", "twin"), ("mimi", "xla"), ("mimi-small", "twin"))] == [8, 1, 1, 2]
+    """The layer loop changes no bit: the scan rolled (the default, unroll 1), unrolled over both
+    layers, and the Python loop; an unroll factor that is not a positive int is refused."""
     cfg = jx.PRESETS["temporal-small"]
     params = jx.init_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (2, 1, cfg.dim))
     outs = []
-    for loop in ("scan", "python"):
-        (out, logits), state = jax.jit(jx.step_fn(cfg, kernels="twin", layer_loop=loop))(
+    for loop, unroll in (("scan", 1), ("scan", cfg.num_layers), ("python", 1)):
+        (out, logits), state = jax.jit(jx.step_fn(cfg, kernels="twin", layer_loop=loop, scan_unroll=unroll))(
             params, jx.init_state(cfg, 2), x, None)
         outs.append((out, logits, state.k))
-    for a, b in zip(*outs):
-        assert_same(a, b)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert_same(a, b)
+    with pytest.raises(ValueError, match=r"scan_unroll must be a positive int, got None"):
+        jx.step_fn(cfg, kernels="twin", scan_unroll=None)(params, jx.init_state(cfg, 2), x, None)
 
 
 def test_dropin_with_twin_kernels_gives_the_torch_twin_bits():
