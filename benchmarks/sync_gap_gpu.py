@@ -13,7 +13,9 @@ or Mimi's default unrolled loop), one process measures:
   - gpu_span_ms: first kernel's start to last kernel's end, and gpu_idle_ms the idle time inside it;
   - wake_ms: the last kernel's end to the host's wait returning;
   - between_ms: the wait's return to the next call's start (the loop's own Python);
-- the same steps launched back to back: the GPU's span and idle time per step.
+- the same steps launched back to back: the GPU's span and idle time per step;
+- synchronized again with each step's outputs dropped, deleted or held over the next call, and with
+  the wait a poll of `jax.Array.is_ready` instead of `jax.block_until_ready` (sync_spin_wait_ms).
 With the XLA log of the command below (VLOG 3 of the command-buffer thunk), the lines "Updated command
 buffer in N us" say whether and how long each execution brought its CUDA graphs up to date.
 Never part of the tests.
@@ -76,15 +78,24 @@ def _free(out, delete: bool) -> None:
             a.delete()
 
 
-def sync_ms(step, params, state, x, active, steps: int, outputs: str):
+def _spin_until_ready(tree) -> None:
+    """Wait for every array of tree by polling `jax.Array.is_ready` (the thread never sleeps)."""
+    leaves = jax.tree.leaves(tree)
+    while not all(a.is_ready() for a in leaves):
+        pass
+
+
+def sync_ms(step, params, state, x, active, steps: int, outputs: str, spin: bool = False):
     """(median ms of synchronized steps, state); outputs: what becomes of each step's outputs,
     "dropped" (at the step's end, as `host_timing.time_step`), "deleted" (`jax.Array.delete`) or
-    "held" until the next step has been called (a caller that uses them meanwhile)."""
+    "held" until the next step has been called (a caller that uses them meanwhile); spin: wait by
+    polling instead of `jax.block_until_ready`."""
     holder = {"state": state, "out": None}
+    wait = _spin_until_ready if spin else jax.block_until_ready
 
     def one():
         out, holder["state"] = step(params, holder["state"], x, active)
-        jax.block_until_ready((out, holder["state"]))
+        wait((out, holder["state"]))
         _free(out, outputs == "deleted")
         holder["out"] = out if outputs == "held" else None
 
@@ -166,6 +177,9 @@ def main() -> None:
             print(f"=== {outputs} {name}", file=sys.stderr, flush=True)
             result["cases"][name][f"sync_outputs_{outputs}_ms"], state = sync_ms(step, params, state, x, active,
                                                                                 args.steps, outputs)
+        print(f"=== spin {name}", file=sys.stderr, flush=True)
+        result["cases"][name]["sync_spin_wait_ms"], state = sync_ms(step, params, state, x, active, args.steps,
+                                                                    "dropped", spin=True)
         print(name, json.dumps(result["cases"][name]), flush=True)
         del state
         with open(args.out, "w") as f:
