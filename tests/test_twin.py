@@ -590,23 +590,56 @@ def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T,
 
 # ---------------------------------------------------------------------------------- the step
 SMALL = {"temporal": with_options(jx.PRESETS["temporal-small"], context=4, num_heads=2),  # wraps within the run
-         "mimi-encoder": with_options(jx.PRESETS["mimi-small"], num_heads=2),
-         "mimi-decoder": with_options(jx.PRESETS["mimi-small"], num_heads=2)}
+         "mimi": with_options(jx.PRESETS["mimi-small"], context=5, num_heads=2)}  # T=2: a write straddles the end
+# (steps, seed) of each stack's run: the shortest schedules (recycle_rate 10) in which a plain reset_slot, the
+# sacrifice tick (reset_slot then bump_slot_start), a plain bump_slot_start and reset_rows all occur and a row
+# wraps its ring; the test checks that they do.
+SCHEDULE = {"temporal": (5, 3), "mimi": (4, 114)}
+# "mimi-encoder" and "mimi-decoder" differ only in the checkpoint prefix (none here): one computation, so
+# each runs half of Mimi's dtype x convention matrix and the two together run all of it.
+TWIN_STEP_CASES = [("temporal", d, c) for d in ("float32", "bfloat16") for c in ("personaplex", "moshi")] + [
+    ("mimi-encoder", "float32", "personaplex"), ("mimi-encoder", "bfloat16", "moshi"),
+    ("mimi-decoder", "float32", "moshi"), ("mimi-decoder", "bfloat16", "personaplex")]
 
 
-@pytest.mark.parametrize("convention", ["personaplex", "moshi"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("stack", ["temporal", "mimi-encoder", "mimi-decoder"])
-def test_twin_step_bit_identical_torch_vs_jax(stack, dtype, convention):
+@pytest.mark.parametrize("stack,dtype,convention", TWIN_STEP_CASES)
+def test_twin_step_bit_identical_torch_vs_jax(stack, dtype, convention, monkeypatch):
     """The cross-check with kernels="twin": every tensor identical at every step, across wraps and
     recycling (recycle_rate 10: reset_slot, the sacrifice tick, bump_slot_start and reset_rows all
-    occur in a few steps)."""
-    report = crosscheck(stack, steps=6, batch=2, dtype=dtype, convention=convention, config=SMALL[stack],
-                        kernels="twin", recycle_rate=10, seed=2, layer_loop="scan")
+    occur in a few steps, and a row writes past its ring's end: checked)."""
+    kind = "temporal" if stack == "temporal" else "mimi"
+    cfg, (steps, seed) = SMALL[kind], SCHEDULE[kind]
+    ops, wrapped = [[]], []
+
+    def counted(name):
+        op = getattr(jx, f"jit_{name}")
+
+        def call(state, arg):
+            ops[-1].append(name)
+            return op(state, arg)
+
+        return call
+
+    for name in ("reset_slot", "bump_slot_start", "reset_rows"):
+        monkeypatch.setattr(jx, f"jit_{name}", counted(name))
+    cls = TemporalStreaming if kind == "temporal" else MimiTransformer
+    tables = cls.step_tables
+
+    def recording(self, offset, start_offset, active, T):  # once a torch step, after its recycle op
+        wrapped.append(bool(((offset + T > cfg.context) & active).any()))
+        ops.append([])
+        return tables(self, offset, start_offset, active, T)
+
+    monkeypatch.setattr(cls, "step_tables", recording)
+    report = crosscheck(stack, steps=steps, batch=2, dtype=dtype, convention=convention, config=cfg,
+                        kernels="twin", recycle_rate=10, seed=seed, layer_loop="scan")
     assert max(report.tensors["end_offset"].per_step_ulp) == 0
     assert report.holds("identical"), report.summary()
     assert max(report.tensors["offset"].per_step_ulp) == 0
     assert report.kernels == "twin" and "verdict" in report.summary()
+    assert len(wrapped) == steps and any(wrapped), "a row must wrap its ring"
+    seen = {tuple(step_ops) for step_ops in ops[:-1]}
+    assert {("reset_slot",), ("reset_slot", "bump_slot_start"), ("bump_slot_start",), ("reset_rows",)} <= seen, ops
 
 
 @pytest.mark.parametrize("stack", ["temporal", "mimi"])
