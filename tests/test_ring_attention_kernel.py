@@ -1,5 +1,7 @@
 """The Pallas ring attention (interpret mode on the CPU) against its jax.numpy reference."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,15 +16,15 @@ from kernels_pallas.ring_attention import MIN_QUERIES, ring_attention, ring_atte
 @pytest.mark.parametrize("T,splits", [(1, 1), (2, 3), (10, 2)])
 def test_kernel_matches_reference(dtype, bound, T, splits):
     L, B, H, C, D = 2, 2, 3, 37, 16
-    keys = jax.random.split(jax.random.key(T), 3)
-    q = jax.random.normal(keys[0], (B, H, T, D)).astype(dtype)
-    rk = jax.random.normal(keys[1], (L, B, H, C, D)).astype(dtype)
-    rv = jax.random.normal(keys[2], (L, B, H, C, D)).astype(dtype)
+    rng = np.random.default_rng(T)  # numpy inputs, each side one jitted call: no per-op compiles
+    q, rk, rv = (jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
+                 for shape in ((B, H, T, D), (L, B, H, C, D), (L, B, H, C, D)))
     slots = np.arange(C)
     positions = jnp.array([slots + 5, np.where(slots % 4 == 0, -1, slots)], jnp.int32)
     q_pos = jnp.array([np.arange(T) + 40, np.arange(T) + C - T], jnp.int32)
-    got = ring_attention(q, rk, rv, jnp.int32(1), positions, q_pos, context=24, block_c=16, splits=splits)
-    want = ring_attention_native(q, rk, rv, 1, positions, q_pos, context=24)
+    got = jax.jit(partial(ring_attention, context=24, block_c=16, splits=splits))(
+        q, rk, rv, jnp.int32(1), positions, q_pos)
+    want = jax.jit(partial(ring_attention_native, context=24))(q, rk, rv, jnp.int32(1), positions, q_pos)
     assert got.shape == want.shape == (B, H, T, D) and got.dtype == dtype
     err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
     assert err <= bound, err
@@ -52,13 +54,13 @@ def test_stack_with_pallas_kernels_matches_xla_kernels():
     """The whole Mimi step with kernels="pallas" (interpreted) against kernels="xla"."""
     cfg = PRESETS["mimi-small"]
     params = jx.init_params(cfg, jax.random.key(0))
+    xs = np.random.default_rng(0).standard_normal((14, 3, 2, cfg.dim), np.float32)
     results = {}
     for kernels in ("xla", "pallas"):
         state = jx.init_state(cfg, 3)
         step = jx.make_step(cfg, kernels=kernels, layer_loop="python")
-        for t in range(14):  # crosses a ring wrap (capacity 10, T=2)
-            x = jax.random.normal(jax.random.key(t), (3, 2, cfg.dim))
-            out, state = step(params, state, x, jnp.arange(3) != t % 3)
+        for t, x in enumerate(xs):  # crosses a ring wrap (capacity 10, T=2)
+            out, state = step(params, state, x, np.arange(3) != t % 3)
         results[kernels] = (out, state)
     for a, b in zip(jax.tree.leaves(results["xla"]), jax.tree.leaves(results["pallas"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
