@@ -35,16 +35,16 @@ def model_label(ref: int, c: int, capacity: int) -> int:
 class PlainRing:
     """One row per session: slot contents (the key vector and its true position), offsets."""
 
-    def __init__(self, batch_size, capacity):
+    def __init__(self, batch_size, capacity, num_heads, head_dim):
         self.C = capacity
         self.offset = [0] * batch_size
         self.start = [0] * batch_size
-        self.key = [[None] * capacity for _ in range(batch_size)]
+        self.key = torch.zeros(batch_size, num_heads, capacity, head_dim)  # [B, H, C, D]: 0 where never written
         self.true_pos = [[None] * capacity for _ in range(batch_size)]
 
     def clear(self, b):
         """reset_slot / reset_rows zero the row's ring (session isolation)."""
-        self.key[b] = [None] * self.C
+        self.key[b] = 0
         self.true_pos[b] = [None] * self.C
 
     def step(self, keys, active, T, convention):
@@ -56,7 +56,7 @@ class PlainRing:
                     p = self.offset[b] + t
                     if p < self.start[b]:  # recycled away before it was written: not written
                         continue
-                    self.key[b][p % self.C] = keys[b][t]
+                    self.key[b, :, p % self.C] = keys[b][t]
                     self.true_pos[b][p % self.C] = p
             end = self.offset[b] + T * row_active
             ref = end if convention == "personaplex" else self.offset[b] + T - 1
@@ -90,7 +90,7 @@ def test_ring_against_plain_model(T, capacity, convention):
     stack = MimiTransformer(num_layers=1, dim=8, num_heads=2, context=capacity, ffn=8,
                             ring_convention=convention)
     stack.streaming_init(B)
-    model = PlainRing(B, capacity)
+    model = PlainRing(B, capacity, 2, 4)
     straddled = wrapped = recycled = 0
     for _ in range(STEPS):
         op = rng.random()
@@ -126,15 +126,10 @@ def test_ring_against_plain_model(T, capacity, convention):
         assert tables.positions.tolist() == labels
         assert stack.state.offset.tolist() == model.offset
         assert stack.state.start_offset.tolist() == model.start
-        ring = stack.state.k[0]  # [B, H, C, D]
-        for r in range(B):
-            for slot in range(capacity):
-                if model.key[r][slot] is None:
-                    assert not ring[r, :, slot].any()
-                else:
-                    assert torch.equal(ring[r, :, slot], model.key[r][slot])
-            if active[r]:  # every slot a query may see holds the position its label claims
-                for slot in tables.mask[r, 0].any(0).nonzero().flatten().tolist():
-                    assert model.true_pos[r][slot] == labels[r][slot]
+        # the ring (layer 0, [B, H, C, D]) holds the keys written, slot by slot, and 0 where none was
+        assert torch.equal(stack.state.k[0], model.key)
+        for r, slot in tables.mask[:, 0].any(1).nonzero().tolist():  # every slot a query may see
+            if active[r]:  # ... holds the position its label claims
+                assert model.true_pos[r][slot] == labels[r][slot]
     assert straddled > 0 or T == 1, "some write chunk must straddle the ring end"
     assert wrapped > 0 and recycled > 0
