@@ -95,14 +95,15 @@ def test_cli_require_identical_fails_with_status_3(capsys):
 
 
 def test_cli_default_runs_the_twins_bit_identical(tmp_path, capsys):
-    """The main job's default (--kernels twin): every tensor identical, --require identical holds."""
+    """The main job's default (--kernels twin): every tensor identical, --require identical holds (the
+    command line's part; the twin step's bits over wraps and recycling: tests/test_twin.py)."""
     out_json = tmp_path / "r.json"
-    assert main(["crosscheck", "--stack", "mimi-decoder", "--steps", "6", "--batch", "2", "-q",
+    assert main(["crosscheck", "--stack", "mimi-decoder", "--steps", "3", "--batch", "2", "-q",
                  "--require", "identical", "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
     assert "kernels twin" in text and "\nverdict: every tensor bit-identical at every step" in text
     report = json.loads(out_json.read_text())
-    assert report["kernels"] == "twin" and report["holds"]["identical"] is True
+    assert report["kernels"] == "twin" and report["holds"]["identical"] is True and report["steps"] == 3
     assert all(r["identical"] for r in report["tensors"].values())
 
 
