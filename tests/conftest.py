@@ -3,10 +3,41 @@
 torch runs single-threaded: the suite's stacks are tiny (a step is far below a millisecond of
 work), and on a small machine (2 cores) torch's OpenMP threads fight XLA's thread pool and
 each other for the cores: up to ~5x slower, and timings that say nothing.
+
+JAX's persistent compilation cache is on, in a fresh directory that the first pytest process
+(the xdist controller, or the only process) makes and removes when it exits, and its workers
+share through the environment (JAX_COMPILATION_CACHE_DIR, which JAX reads when imported): no
+entry from another run or checkout. Many tests jit a function object of their own
+(`jax.jit(jx.step_fn(cfg))`, `make_step` of a config another test steps too) whose program was
+compiled already, in this process or the other worker; XLA then loads the executable instead of
+compiling it again (~20 s of the suite's compile time). The executable is the same, so is every
+bit. Programs compiled in under 0.3 s are not written (the one-op programs of eager jax.numpy
+calls, cached in memory anyway). An entry that cannot be read (the other worker still writing
+it) is a warning and a normal compile.
 """
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
 
 import pytest
 import torch
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # set: a worker of the run that made it (or the caller's)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="personaplex-jax-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+if "jax" in sys.modules:  # imported before this file (a plugin): JAX read its environment already
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                      int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 
 
 @pytest.fixture(autouse=True, scope="session")
