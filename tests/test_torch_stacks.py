@@ -11,6 +11,7 @@ from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.crosscheck import layer_tables
 
 B = 3
+STEPS = 300  # random steps of the hoisted-tables check: each recycle op and a ring wrap (checked)
 
 
 def make_stack(name, convention="personaplex", seed=0, dtype=torch.float32):
@@ -36,17 +37,17 @@ def tables_in_every_layer(stack) -> list:
 
 
 def random_op(stack, gen):
-    """One random recycle op (or none), applied to `stack`; returns a replayable closure."""
+    """One random recycle op (or none) for `stack`: (its name or None, a replayable closure)."""
     u = torch.rand((), generator=gen).item()
     b = int(torch.randint(B, (), generator=gen))
     mask = torch.rand(B, generator=gen) < 0.5
     if u < 0.03:
-        return lambda s: s.reset_slot(b)
+        return "reset_slot", lambda s: s.reset_slot(b)
     if u < 0.06 and stack.state.start_offset[b] < stack.state.offset[b]:
-        return lambda s: s.bump_slot_start(b)
+        return "bump_slot_start", lambda s: s.bump_slot_start(b)
     if u < 0.08:
-        return lambda s: s.reset_rows(mask)
-    return lambda s: None
+        return "reset_rows", lambda s: s.reset_rows(mask)
+    return None, lambda s: None
 
 
 @pytest.mark.parametrize("name,T", [("temporal", 1), ("mimi", 2)])
@@ -58,8 +59,10 @@ def test_hoisted_tables_equal_per_layer_tables(name, T, convention):
     for s in (hoisted, per_layer):
         s.streaming_init(B)
     built = tables_in_every_layer(per_layer)
-    for _ in range(600):
-        op = random_op(hoisted, gen)
+    ops = set()
+    for _ in range(STEPS):
+        name, op = random_op(hoisted, gen)
+        ops.add(name)
         op(hoisted)
         op(per_layer)
         x = torch.randn(B, T, hoisted.config.dim, generator=gen)
@@ -76,6 +79,7 @@ def test_hoisted_tables_equal_per_layer_tables(name, T, convention):
             assert torch.equal(getattr(sa, field), getattr(sb, field)), field
         assert all(torch.equal(seen[0].positions, t.positions) for t in built)
     assert int(hoisted.state.offset.max()) > hoisted.config.context  # the ring wrapped
+    assert ops >= {"reset_slot", "bump_slot_start", "reset_rows"}, ops
 
 
 def snapshot(stack):
