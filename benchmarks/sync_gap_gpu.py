@@ -4,7 +4,7 @@
         python benchmarks/sync_gap_gpu.py --out $OUT/sync_gap.json 2> $OUT/xla.log
 
 For each case (the twin JAX step, bf16, random weights, full ring; one `lax.scan` over the layers,
-or Mimi's default unrolled loop), one process measures:
+rolled or, for the "_unrolled" cases, unrolled over Mimi's 8 layers), one process measures:
 - sync_ms / pipelined_ms (`host_timing.time_step`, no profiler);
 - a timeline of --steps synchronized steps under torch.profiler (CUPTI sees JAX's kernels too, on the
   clock of the host's ranges): per step, medians of
@@ -71,13 +71,6 @@ def _busy(spans) -> float:
     return total
 
 
-def _free(out, delete: bool) -> None:
-    """With delete, free the step's outputs now (`jax.Array.delete`), before the next call allocates."""
-    if delete:
-        for a in jax.tree.leaves(out):
-            a.delete()
-
-
 def _spin_until_ready(tree) -> None:
     """Wait for every array of tree by polling `jax.Array.is_ready` (the thread never sleeps)."""
     leaves = jax.tree.leaves(tree)
@@ -96,7 +89,9 @@ def sync_ms(step, params, state, x, active, steps: int, outputs: str, spin: bool
     def one():
         out, holder["state"] = step(params, holder["state"], x, active)
         wait((out, holder["state"]))
-        _free(out, outputs == "deleted")
+        if outputs == "deleted":  # freed now, before the next call allocates
+            for a in jax.tree.leaves(out):
+                a.delete()
         holder["out"] = out if outputs == "held" else None
 
     for _ in range(3):
