@@ -61,8 +61,8 @@ def test_hoisted_tables_equal_per_layer_tables(name, T, convention):
     built = tables_in_every_layer(per_layer)
     ops = set()
     for _ in range(STEPS):
-        name, op = random_op(hoisted, gen)
-        ops.add(name)
+        op_name, op = random_op(hoisted, gen)
+        ops.add(op_name)
         op(hoisted)
         op(per_layer)
         x = torch.randn(B, T, hoisted.config.dim, generator=gen)
