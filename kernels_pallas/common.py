@@ -346,6 +346,80 @@ class TwinNorm(NamedTuple):
 
 NORM_KINDS = ("rms", "layer")
 
+TWIN_SPLIT_GROUP = 64  # columns a partial sum of squares of the split RMSNorm covers (contract, TwinSplit)
+
+
+class TwinSplit(NamedTuple):
+    """The split RMSNorm, made in the epilogue of the linear before it (`linear(..., split=)`).
+
+    RMSNorm(x) @ w.T = r * (u @ w.T) up to roundings, with u = to_dtype(x * alpha) and r = 1 / sqrt(eps
+    + S / D), S the row's sum of squares. The producing linear also returns, for its output rows y:
+
+        u  [M, N_out]      = to_dtype(y * alpha)                        (twin_math.mul, rounded)
+        ss [M, N_out / G]  = tree_sum over each G = TWIN_SPLIT_GROUP columns of y * y, in float32
+
+    and the consuming linear, given `rms=TwinRms(ss, eps)` and x = u, scales its float32
+    accumulator by r = 1 / sqrt(eps + tree_sum(ss) * inv_K) before its epilogue. No row statistics
+    pass and no normalized copy of x: no norm kernel between the two projections, and nothing done to
+    the consumer's x tiles inside its pipelined loop (the fifth session's stall, RESULTS.md).
+
+    weight: alpha [L', N_out] read at `layer` (an int or traced; its own index: the down-projection
+    makes the next layer's norm), or [N_out] with layer=None.
+    """
+
+    weight: Any
+    layer: Any
+
+
+class TwinRms(NamedTuple):
+    """The consumer's half of a split RMSNorm (`TwinSplit`): ss [M, K / TWIN_SPLIT_GROUP] float32 of
+    the rows whose u is the linear's x, and the norm's eps."""
+
+    ss: Any
+    eps: float
+
+
+def twin_split_norm(K: int, dtype, compiled: bool) -> bool:
+    """Whether a twin stack runs its RMSNorms split (`TwinSplit`) rather than as a norm kernel
+    first: where the projections run in the MMA form and would not fuse the norm themselves
+    (`twin_mma_fuse_norm`), K a multiple of TWIN_SPLIT_GROUP with a power-of-two count of groups.
+    A function of the shapes, dtype and backend: both stacks take the same path."""
+    groups = K // TWIN_SPLIT_GROUP
+    return (twin_linear_form(K, K, dtype, compiled) == "mma" and not twin_mma_fuse_norm(K)
+            and K % TWIN_SPLIT_GROUP == 0 and groups & (groups - 1) == 0)
+
+
+def check_twin_split(split, rms, norm, M, K, N_out, form, where="linear"):
+    """split (a TwinSplit) and rms (a TwinRms): their types, shapes, and the MMA form they need."""
+    if split is None and rms is None:
+        return
+    if form != "mma":
+        raise ValueError(f"{where}(split, rms): the split RMSNorm runs in the MMA form only, got form {form!r}")
+    if rms is not None:
+        if not isinstance(rms, TwinRms):
+            raise TypeError(f"{where}(rms): expected a TwinRms or None, got {type(rms).__name__}")
+        if norm is not None:
+            raise ValueError(f"{where}(rms): x is already the split norm's u; pass norm=None with rms")
+        G = K // TWIN_SPLIT_GROUP
+        if K % TWIN_SPLIT_GROUP or G & (G - 1) or tuple(rms.ss.shape) != (M, G) or "float32" not in str(rms.ss.dtype):
+            raise ValueError(f"{where}(rms.ss): expected float32 [M={M}, K/{TWIN_SPLIT_GROUP}] with a power-of-two "
+                             f"count of groups, got {rms.ss.dtype} {tuple(rms.ss.shape)} (K={K})")
+    if split is not None:
+        if not isinstance(split, TwinSplit):
+            raise TypeError(f"{where}(split): expected a TwinSplit or None, got {type(split).__name__}")
+        if N_out % TWIN_SPLIT_GROUP:
+            raise ValueError(f"{where}(split): N_out={N_out} must be a multiple of {TWIN_SPLIT_GROUP}")
+        shape = tuple(split.weight.shape)
+        if len(shape) != 2 or shape[1] != N_out:
+            raise ValueError(f"{where}(split.weight): expected [L, N_out={N_out}], got shape {shape}")
+
+
+def split_one_layer(split):
+    """A TwinSplit with layer=None ([N_out] weight) as a one-layer stack at 0."""
+    if split is None or split.layer is not None:
+        return split
+    return TwinSplit(split.weight[None], 0)
+
 
 def stack_one_layer(w, scale, norm, layer):
     """A twin linear's operands as stacks: a plain [N, K] weight (layer=None) becomes a one-layer

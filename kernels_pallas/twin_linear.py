@@ -56,9 +56,14 @@ from kernels_pallas import twin_norm, twin_rope
 from kernels_pallas.common import (
     TWIN_MMA_ROWS,
     TWIN_PALLAS_PREFETCH,
+    TWIN_SPLIT_GROUP,
     TwinNorm,
+    TwinRms,
+    TwinSplit,
     check_twin_linear,
     check_twin_qkv,
+    check_twin_split,
+    split_one_layer,
     stack_one_layer,
     twin_blocks,
     twin_fuse_norm,
@@ -138,24 +143,32 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, norm, eps, ha
     o_ref[...] = _epilogue(sums if act == "silu_gate" else sums[0], o_ref.dtype, act, scale, residual, gpu)
 
 
-def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, eps, has_scale, has_res, gpu):
+def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, eps, has_scale, has_res, rms,
+                split, gpu):
     """Program (j, i): columns j*BN.. of rows i*R.. (R = TWIN_MMA_ROWS), the MMA form: acc [BN, R]
     += w_block [BN, BK] @ x_block^T over the K blocks in order (module docstring); norm: the fused
-    norm's kind (`_mma_accumulate`), its weight and bias refs first in refs.
+    norm's kind (`_mma_accumulate`), its weight and bias refs first in refs; rms (the split norm's
+    eps, or None): the rows' ss ref next, the sums scaled by `_split_r`; split: its alpha and layer
+    refs after the residual's, and the outputs u and ss after o (`_split_store`).
 
     x_ref [M, K], the residual and o_ref [M, N_out] are whole and unpadded: the rows past M are
     read as 0 (a masked load) and masked out of the store (no pad or slice kernels around the call)."""
     refs = list(refs)
     fused = (norm, eps, refs.pop(0), refs.pop(0)) if norm else None
+    ss_ref = refs.pop(0) if rms is not None else None
     scale_ref = refs.pop(0) if has_scale else None
     res_ref = refs.pop(0) if has_res else None
-    (o_ref,) = refs
+    alpha_ref, split_layer_ref = (refs.pop(0), refs.pop(0)) if split else (None, None)
+    o_ref, *split_out = refs
     layer = layer_ref[0]
     n0 = pl.program_id(0) * BN
     m = pl.program_id(1) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
     starts = (n0, n0 + N_out) if act == "silu_gate" else (n0,)
     accs, ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, fused, gpu)
     sums = tuple(a.T for a in accs)                                               # [R, BN]
+    if rms is not None:
+        r = twin_norm.split_r(ss_ref, rows, ok, K, rms, gpu)
+        sums = tuple(tm.mul(a, r, gpu) for a in sums)
     cols = n0 + jnp.arange(BN, dtype=jnp.int32)[None, :]
     scale = scale_ref[layer, pl.ds(n0, BN)][None, :] if has_scale else None
     residual = pltriton.load(res_ref.at[rows, cols]) if has_res else None
@@ -163,12 +176,15 @@ def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, 
     # stored at m itself: masked rows must not alias row M - 1 (interpreted, a masked store writes back
     # what it read, and duplicate indices would race)
     pltriton.store(o_ref.at[m[:, None], cols], y, mask=jnp.broadcast_to(ok, y.shape))
+    if split:
+        twin_norm.split_store(y, alpha_ref, split_layer_ref[0], n0, m, ok, *split_out, gpu)
 
 
 def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
-           residual: jax.Array | None = None, norm: TwinNorm | None = None, block_m: int | None = None,
-           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-           prefetch: int = TWIN_PALLAS_PREFETCH, form: str | None = None, interpret: bool | None = None) -> jax.Array:
+           residual: jax.Array | None = None, norm: TwinNorm | None = None, split: TwinSplit | None = None,
+           rms: TwinRms | None = None, block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
+           num_stages: int | None = None, prefetch: int = TWIN_PALLAS_PREFETCH, form: str | None = None,
+           interpret: bool | None = None):
     """y = epilogue(norm(x) @ w[layer].T), batch-invariant (module docstring).
 
     x: [M, K] float32/bfloat16/float16; w: [L, N, K] (layer: int or int32 scalar, may be
@@ -179,16 +195,21 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     block_m (lane form only), block_n: output tile; num_stages: the pipeline depth (None: the MMA
     form's `common.twin_mma_stages`, the lane form's 2); prefetch: weight blocks the lane form loads
     ahead itself. These change the speed, never the bits.
+    split, rms (MMA form only): the split RMSNorm (`common.TwinSplit`); with split the call returns
+    (y, u [M, N_out], ss float32 [M, N_out/G]); with rms, x is the split norm's u.
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
+    split = split_one_layer(split)
     M, K, _, N_out = check_twin_linear(x, w, act, scale, residual, norm)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"linear(prefetch): expected an int >= 1, got {prefetch!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if twin_linear_form(N_out, K, x.dtype, compiled=not interpret, form=form) == "mma":
-        return _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, block_m, block_n, num_warps,
-                           num_stages, interpret)
+    chosen = twin_linear_form(N_out, K, x.dtype, compiled=not interpret, form=form)
+    check_twin_split(split, rms, norm, M, K, N_out, chosen)
+    if chosen == "mma":
+        return _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms, block_m, block_n,
+                           num_warps, num_stages, interpret)
     BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret)
     if norm is not None and not twin_fuse_norm(BM, interpret):  # the norm kernel first: the same bits
         x = _norm_first(x, norm, layer, interpret)
@@ -230,28 +251,39 @@ def _norm_first(x, norm: TwinNorm | None, layer, interpret: bool):
     return twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
 
 
-def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, block_m, block_n, num_warps, num_stages,
-                interpret):
+def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms, block_m, block_n, num_warps,
+                num_stages, interpret):
     """The MMA form (`_mma_kernel`): the norm fused over a few K blocks, else its kernel first
-    (`common.twin_mma_fuse_norm`: the same bits)."""
-    BN, BK = twin_mma_blocks(N_out, K, block_n, block_m)
+    (`common.twin_mma_fuse_norm`: the same bits); split, rms: the split norm's halves."""
+    BN, BK = twin_mma_blocks(N_out, K, TWIN_SPLIT_GROUP if split is not None and block_n is None else block_n,
+                             block_m)
+    if split is not None and BN != TWIN_SPLIT_GROUP:
+        raise ValueError(f"linear(block_n): with split the MMA form runs {TWIN_SPLIT_GROUP} columns a program, "
+                         f"got {BN}")
     norm, (x, *norm_refs) = _mma_norm(x, norm, layer, K, interpret)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w, *norm_refs]
-    operands += [t for t in (scale, residual) if t is not None]
+    operands += [t for t in (None if rms is None else rms.ss, scale, residual) if t is not None]
+    outs = [jax.ShapeDtypeStruct((M, N_out), x.dtype)]
+    if split is not None:
+        operands += [split.weight, jnp.asarray(split.layer, jnp.int32).reshape(1)]
+        outs += [jax.ShapeDtypeStruct((M, N_out), x.dtype),
+                 jax.ShapeDtypeStruct((M, N_out // TWIN_SPLIT_GROUP), jnp.float32)]
     # the columns first in the grid: the row blocks of one column block run together (its weights in L2)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         functools.partial(_mma_kernel, M=M, K=K, BN=BN, BK=BK, N_out=N_out, act=act,
                           norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
-                          has_scale=scale is not None, has_res=residual is not None, gpu=not interpret),
-        out_shape=jax.ShapeDtypeStruct((M, N_out), x.dtype),
+                          has_scale=scale is not None, has_res=residual is not None,
+                          rms=None if rms is None else rms.eps, split=split is not None, gpu=not interpret),
+        out_shape=tuple(outs),
         grid=(N_out // BN, -(-M // TWIN_MMA_ROWS)),
         in_specs=[_whole(a) for a in operands],
-        out_specs=_whole(jax.ShapeDtypeStruct((M, N_out), x.dtype)),
+        out_specs=tuple(_whole(o) for o in outs),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(
             num_warps=num_warps, num_stages=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"))),
         name="twin_linear_mma",
     )(*operands)
+    return out if split is not None else out[0]
 
 
 def _mma_norm(x, norm: TwinNorm | None, layer, K: int, interpret: bool):
@@ -294,22 +326,25 @@ def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, norm=None,
     return lax.fori_loop(0, K // BK, body, (zeros,) * len(starts)), ok, rows
 
 
-def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, B, T, H, C, D, norm, eps, gpu):
+def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, B, T, H, C, D, norm, eps, rms, gpu):
     """Program (j, i): columns j*BN.. of rows i*R.. of qkv = x @ w[layer].T (the MMA form), then
     `twin_rope.rope_write`'s epilogue on them: a program's columns lie in one head of q, k or v
     (BN | D) and hold whole GPT-J pairs. q is rotated into q_ref [B*H*T, D]; k rotated and v as it
     is go into the rings [L*B*H, C, D] at the write slots where the write mask is set. Row m is
     (b, t) = (m // T, m % T). Stores use the unclamped rows (masked rows never alias valid ones).
     refs: the fused norm's weight and bias (norm: its kind, `_mma_accumulate`), then cos, sin, the
-    slots, the write mask, the rings in, q and the rings out (aliased to the rings in)."""
+    slots, the write mask, the rings in, q and the rings out (aliased to the rings in); rms: the
+    split norm's eps (its ss ref before cos), or None."""
     refs = list(refs)
     fused = (norm, eps, refs.pop(0), refs.pop(0)) if norm else None
+    ss_ref = refs.pop(0) if rms is not None else None
     cos_ref, sin_ref, slot_ref, wmask_ref, _, _, q_ref, k_ref, v_ref = refs
     n0 = pl.program_id(0) * BN
     m = pl.program_id(1) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
     (acc,), ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, (n0,), fused, gpu)
     dtype = q_ref.dtype
-    y = tm.to_dtype(acc.T, dtype)                                     # [R, BN]: what `linear` returns
+    acc = acc.T if rms is None else tm.mul(acc.T, twin_norm.split_r(ss_ref, rows, ok, K, rms, gpu), gpu)
+    y = tm.to_dtype(acc, dtype)                                       # [R, BN]: what `linear` returns
     part, h, d0 = n0 // (H * D), (n0 // D) % H, n0 % D
     freq = d0 // 2 + jnp.arange(BN // 2, dtype=jnp.int32)[None, :]
     cos, sin = (pltriton.load(ref.at[rows, freq]) for ref in (cos_ref, sin_ref))     # [R, BN/2]
@@ -328,13 +363,14 @@ def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, B, T, H, C, D, nor
 
 def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: jax.Array, ring_k: jax.Array,
                       ring_v: jax.Array, write_index: jax.Array, write_mask: jax.Array, *, norm: TwinNorm | None = None,
-                      block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                      rms: TwinRms | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                       form: str | None = None, interpret: bool | None = None):
     """The qkv projection with the RoPE rotation and the ring write in its epilogue: the bits of
     `linear(x, w, layer, norm=norm)` reshaped to [B, T, 3, H, D], then `twin_rope.rope_write`.
 
     x: [B*T, K]; w: [L, 3*H*D, K] (layer may be traced); cos, sin: float32 [B, T, D/2]; ring_k,
     ring_v: [L, B, H, C, D] in x's dtype (aliased to the outputs); write_index, write_mask: [B, T].
+    rms: the split RMSNorm's (`common.TwinSplit`; x is its u; the MMA form only).
     Returns (q [B, H, T, D], ring_k, ring_v). The MMA form runs it as one kernel after the norm's
     (`common.twin_qkv_plan`); the lane form as `linear` then `rope_write`, the same bits as ever.
     """
@@ -342,11 +378,13 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: ja
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpret, form, block_n)
+    check_twin_split(None, rms, norm, M, K, N, chosen, "linear_rope_write")
     if chosen == "lanes":
         qkv = linear(x, w, layer, norm=norm, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      form="lanes", interpret=interpret).reshape(B, T, 3, H, D)
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, interpret=interpret)
     norm, (x, *norm_refs) = _mma_norm(x, norm, layer, K, interpret)
+    norm_refs += [] if rms is None else [rms.ss]
     L, C = ring_k.shape[0], ring_k.shape[3]
     rows = (L * B * H, C, D)  # the rings as [L*B*H, C, D], indexed per dimension (64-bit addresses when large)
     BK = twin_lanes(K)
@@ -358,7 +396,7 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: ja
     q, k, v = pl.pallas_call(
         functools.partial(_qkv_kernel, M=M, K=K, BN=BN, BK=BK, B=B, T=T, H=H, C=C, D=D,
                           norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
-                          gpu=not interpret),
+                          rms=None if rms is None else rms.eps, gpu=not interpret),
         out_shape=(q_flat, jax.ShapeDtypeStruct(rows, ring_k.dtype), jax.ShapeDtypeStruct(rows, ring_v.dtype)),
         grid=(N // BN, -(-M // TWIN_MMA_ROWS)),
         in_specs=[_whole(a) for a in operands],

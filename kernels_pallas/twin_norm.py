@@ -28,7 +28,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
 from kernels_pallas.common import (
+    TWIN_MMA_ROWS,
     TWIN_NORM_WARPS,
+    TWIN_SPLIT_GROUP,
     check_twin_norm,
     twin_lanes,
     twin_norm_rows,
@@ -128,6 +130,82 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
         name=f"twin_{kind}_norm",
     )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, ((0, Mp - M), (0, 0))), weight, bias)
     return out[:M]
+
+
+# ------------------------------------------------------------------------------- the split RMSNorm
+# (`common.TwinSplit`): the producer's and the consumer's halves, which the MMA linears run in their
+# epilogue and before it, and `split`, the producer's half on its own (a step's first norm).
+def split_r(ss_ref, rows, ok, K, eps, gpu):
+    """r [R, 1] of the split norm (`common.TwinSplit`) from the rows' partial sums ss [M, K/G]."""
+    G = K // TWIN_SPLIT_GROUP
+    ss = pltriton.load(ss_ref.at[rows, jnp.arange(G, dtype=jnp.int32)[None, :]],
+                       mask=jnp.broadcast_to(ok, (TWIN_MMA_ROWS, G)), other=jnp.zeros((), tm.F32))
+    var = tm.F32(eps) + tm.mul(tm.tree_sum(ss), tm.F32(1.0 / K), gpu)
+    return tm.div(tm.F32(1.0), tm.sqrt(var, gpu), gpu)
+
+
+def split_store(y, alpha_ref, split_layer, n0, m, ok, u_ref, ss_ref, gpu):
+    """The producer's half of the split norm (`common.TwinSplit`) for its output tile y [R, BN] at
+    columns n0.. (BN = TWIN_SPLIT_GROUP: one partial sum a program and row)."""
+    yf = y.astype(tm.F32)
+    BN = y.shape[1]
+    alpha = alpha_ref[split_layer, pl.ds(n0, BN)].astype(tm.F32)[None, :]
+    cols = n0 + jnp.arange(BN, dtype=jnp.int32)[None, :]
+    pltriton.store(u_ref.at[m[:, None], cols], tm.to_dtype(tm.mul(yf, alpha, gpu), u_ref.dtype),
+                   mask=jnp.broadcast_to(ok, y.shape))
+    group = jnp.full((1, 1), n0 // TWIN_SPLIT_GROUP, jnp.int32)
+    pltriton.store(ss_ref.at[m[:, None], group], tm.tree_sum(tm.mul(yf, yf, gpu)), mask=ok)
+
+
+def _split_kernel(layer_ref, x_ref, w_ref, u_ref, ss_ref, *, M, gpu):
+    n0 = pl.program_id(1) * TWIN_SPLIT_GROUP
+    m = pl.program_id(0) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
+    ok = (m < M)[:, None]
+    cols = n0 + jnp.arange(TWIN_SPLIT_GROUP, dtype=jnp.int32)[None, :]
+    x = pltriton.load(x_ref.at[jnp.minimum(m, M - 1)[:, None], cols],
+                      mask=jnp.broadcast_to(ok, (TWIN_MMA_ROWS, TWIN_SPLIT_GROUP)), other=jnp.zeros((), x_ref.dtype))
+    split_store(x, w_ref, layer_ref[0], n0, m, ok, u_ref, ss_ref, gpu)
+
+
+def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None = None):
+    """The producer's half of the split RMSNorm (`common.TwinSplit`) of x [M, D] itself: (u [M, D] in
+    x's dtype, ss float32 [M, D / TWIN_SPLIT_GROUP]); weight: alpha [L, D] at `layer` (int or
+    traced), or [D] with layer=None. The bits of a linear's `split=` epilogue on output rows x."""
+    weight, _, layer = _stacked(weight, None, layer, "rms")
+    M, D = check_twin_norm(x, weight, None, "rms")
+    if D % TWIN_SPLIT_GROUP:
+        raise ValueError(f"split(x): D={D} must be a multiple of {TWIN_SPLIT_GROUP}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    outs = (jax.ShapeDtypeStruct((M, D), x.dtype), jax.ShapeDtypeStruct((M, D // TWIN_SPLIT_GROUP), jnp.float32))
+    whole = [pl.BlockSpec(a.shape, lambda *_, n=len(a.shape): (0,) * n) for a in (layer, x, weight, *outs)]
+    return pl.pallas_call(
+        functools.partial(_split_kernel, M=M, gpu=not interpret),
+        out_shape=outs,
+        grid=(-(-M // TWIN_MMA_ROWS), D // TWIN_SPLIT_GROUP),
+        in_specs=whole[:3],
+        out_specs=tuple(whole[3:]),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=TWIN_NORM_WARPS, num_stages=1),
+        name="twin_rms_split",
+    )(layer, x, weight)
+
+
+def split_native(x, weight, layer=None, **_):
+    """The plain jax.numpy reference of `split`: the same signature and bits, without Pallas."""
+    weight, _, layer = _stacked(weight, None, layer, "rms")
+    M, D = check_twin_norm(x, weight, None, "rms")
+    xf = x.astype(tm.F32)
+    alpha = lax.dynamic_index_in_dim(weight, layer, keepdims=False).astype(tm.F32)[None, :]
+    ss = tm.tree_sum(tm.mul(xf, xf, False).reshape(M, D // TWIN_SPLIT_GROUP, TWIN_SPLIT_GROUP))[..., 0]
+    return tm.to_dtype(tm.mul(xf, alpha, False), x.dtype), ss
+
+
+def split_r_native(ss, K: int, eps: float):
+    """r [M, 1] of the consumer's half from ss [M, K / G] (plain jax.numpy, the bits of `split_r`)."""
+    var = tm.F32(eps) + tm.mul(tm.tree_sum(ss), tm.F32(1.0 / K), False)
+    return tm.div(tm.F32(1.0), tm.sqrt(var, False), False)
 
 
 def _stacked(weight, bias, layer, kind):

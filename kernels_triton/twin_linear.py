@@ -15,10 +15,15 @@ import triton.language as tl
 from kernels_pallas.common import (
     TWIN_INTERPRET_MAX_BN,
     TWIN_MMA_ROWS,
+    TWIN_SPLIT_GROUP,
     TWIN_TRITON_LINEAR_STAGES,
     TwinNorm,
+    TwinRms,
+    TwinSplit,
     check_twin_linear,
     check_twin_qkv,
+    check_twin_split,
+    split_one_layer,
     stack_one_layer,
     twin_blocks,
     twin_fuse_norm,
@@ -71,7 +76,7 @@ def _acc(x_ptr, w_ptr, nw_ptr, nb_ptr, eps, m, m_ok, n, n_ok, K: tl.constexpr, B
 @triton.jit
 def _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT: tl.constexpr, HAS_SCALE: tl.constexpr,
             HAS_RES: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The epilogue's layer scale and residual add, then the store of y [BM, BN] (in o's dtype)."""
+    """The epilogue's layer scale and residual add, then the store of y [BM, BN] (in o's dtype); returns y."""
     dtype = o_ptr.dtype.element_ty
     if HAS_SCALE:
         s = tl.load(scale_ptr + layer * N_OUT + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -82,6 +87,7 @@ def _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT: tl.con
         r = tl.load(res_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         y = tm.to_dtype(r + y.to(tl.float32), dtype, INTERPRETED)
     tl.store(o_ptr + offs, y, mask=ok)
+    return y
 
 
 @triton.jit
@@ -160,14 +166,16 @@ def _mma_accumulate(x_ptr, w_ptr, nw_ptr, nb_ptr, eps, m, m_ok, n, N_OUT, K: tl.
 
 
 @triton.jit
-def _mma_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, scale_ptr, res_ptr, o_ptr, M, eps, N: tl.constexpr,
-                K: tl.constexpr, N_OUT: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                NORM: tl.constexpr, INV_K: tl.constexpr, NORM_UNROLL: tl.constexpr, ACT: tl.constexpr,
-                HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+def _mma_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, scale_ptr, res_ptr, alpha_ptr, split_layer_ptr, o_ptr,
+                u_ptr, ss_out_ptr, M, eps, rms_eps, N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr,
+                R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, INV_K: tl.constexpr,
+                NORM_UNROLL: tl.constexpr, ACT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr,
+                RMS: tl.constexpr, RMS_INV_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+                INTERPRETED: tl.constexpr):
     """Program (j, i): columns j*BN .. of rows i*R .. (R = TWIN_MMA_ROWS), the MMA form of the
     contract: acc [BN, R] += w_block @ x_block^T over the K blocks in order; ACT "", "gelu" or
     "silu_gate" (columns n and n + N_OUT in two accumulators, the gate in the epilogue); NORM: the
-    fused norm (`_mma_accumulate`)."""
+    fused norm (`_mma_accumulate`); RMS, SPLIT: the split norm's halves (`common.TwinSplit`)."""
     layer = tl.load(layer_ptr).to(tl.int64)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.program_id(1) * R + tl.arange(0, R)
@@ -177,40 +185,54 @@ def _mma_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, scale_ptr, res_ptr, o_p
                                  n, N_OUT, K, R, BN, BK, NORM, INV_K, NORM_UNROLL, ACT == "silu_gate", STAGES,
                                  INTERPRETED)
     dtype = o_ptr.dtype.element_ty
-    y = tm.to_dtype(tl.trans(acc), dtype, INTERPRETED)                                     # [R, BN]
+    acc = tl.trans(acc)                                                                    # [R, BN]
+    acc_b = tl.trans(acc_b)
+    if RMS:
+        r = twin_norm.split_r(ss_ptr, m, m_ok, rms_eps, RMS_INV_K, K, R)
+        acc = acc * r[:, None]
+        acc_b = acc_b * r[:, None]
+    y = tm.to_dtype(acc, dtype, INTERPRETED)
     if ACT == "silu_gate":
-        b = tm.to_dtype(tl.trans(acc_b), dtype, INTERPRETED).to(tl.float32)
+        b = tm.to_dtype(acc_b, dtype, INTERPRETED).to(tl.float32)
         y = tm.to_dtype(tm.to_dtype(tm.silu(y.to(tl.float32)), dtype, INTERPRETED).to(tl.float32) * b, dtype,
                         INTERPRETED)
     if ACT == "gelu":
         y = tm.to_dtype(tm.gelu(y.to(tl.float32)), dtype, INTERPRETED)
-    _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT, HAS_SCALE, HAS_RES, INTERPRETED)
+    y = _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT, HAS_SCALE, HAS_RES, INTERPRETED)
+    if SPLIT:
+        split_layer = tl.load(split_layer_ptr).to(tl.int64)
+        twin_norm.split_store(y, alpha_ptr + split_layer * N_OUT, tl.program_id(0) * BN, m, m_ok, u_ptr, ss_out_ptr,
+                              N_OUT, R, BN, INTERPRETED)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = None,
            scale: torch.Tensor | None = None, residual: torch.Tensor | None = None, norm: TwinNorm | None = None,
-           block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
-           num_stages: int | None = None, form: str | None = None) -> torch.Tensor:
+           split: TwinSplit | None = None, rms: TwinRms | None = None, block_m: int | None = None,
+           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None, form: str | None = None):
     """y = epilogue(norm(x) @ w[layer].T), batch-invariant; the signature and bits of the Pallas twin.
 
     x: [M, K]; w: [L, N, K] with layer an int or int tensor, or [N, K] with layer=None; norm: a
     `TwinNorm` to fuse, or None; form: "lanes", "mma" or None (`common.twin_linear_form`).
     block_m (lane form only), block_n, num_warps, num_stages (of the pipelined loop over K; None:
-    the form's default): speed only, never the bits.
+    the form's default): speed only, never the bits. split, rms: the split RMSNorm (the Pallas twin's).
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
+    split = split_one_layer(split)
     M, K, N, N_out = check_twin_linear(x, w, act, scale, residual, norm)
     nw, nb = (None, None) if norm is None else (norm.weight, norm.bias)
     for name, t in (("x", x), ("w", w), ("scale", scale), ("residual", residual), ("norm.weight", nw),
-                    ("norm.bias", nb)):
+                    ("norm.bias", nb), ("rms.ss", None if rms is None else rms.ss),
+                    ("split.weight", None if split is None else split.weight)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"linear({name}): must be contiguous, got strides {t.stride()}")
     interpreted = interpreting(_kernel)
     gated = act == "silu_gate"
     layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear")
-    if twin_linear_form(N_out, K, x.dtype, compiled=not interpreted, form=form) == "mma":
-        return _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, block_m, block_n, num_warps,
-                           num_stages, interpreted)
+    chosen = twin_linear_form(N_out, K, x.dtype, compiled=not interpreted, form=form)
+    check_twin_split(split, rms, norm, M, K, N_out, chosen)
+    if chosen == "mma":
+        return _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, split, rms, block_m, block_n,
+                           num_warps, num_stages, interpreted)
     if interpreted and block_n is None:  # one program per row block: the interpreter's cost is per program
         block_n = min(triton.next_power_of_2(N), TWIN_INTERPRET_MAX_BN)
     BM, BN, BK = twin_blocks(M, N, K, block_m, block_n, interpreted=interpreted, masked_n=interpreted)
@@ -247,20 +269,31 @@ def _norm_first(x, norm: TwinNorm | None, layer_t):
     return x if norm is None else twin_norm.norm(x, norm.weight, norm.bias, layer_t, kind=norm.kind, eps=norm.eps)
 
 
-def _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, block_m, block_n, num_warps, num_stages,
-                interpreted):
+def _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, split, rms, block_m, block_n, num_warps,
+                num_stages, interpreted):
     """The MMA form (`_mma_kernel`): one launch with the gate, the norm fused or its kernel first (as
-    the Pallas twin, `common.twin_mma_fuse_norm`)."""
-    BN, BK = twin_mma_blocks(N_out, K, block_n, block_m)
+    the Pallas twin, `common.twin_mma_fuse_norm`); split, rms: the split norm's halves."""
+    BN, BK = twin_mma_blocks(N_out, K, TWIN_SPLIT_GROUP if split is not None and block_n is None else block_n,
+                             block_m)
+    if split is not None and BN != TWIN_SPLIT_GROUP:
+        raise ValueError(f"linear(block_n): with split the MMA form runs {TWIN_SPLIT_GROUP} columns a program, "
+                         f"got {BN}")
     x, (nw, nb, eps), norm_consts = _mma_norm(x, norm, layer_t, K)
     out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)
+    u, ss_out = out, out  # unread where split is None (as the other absent operands)
+    if split is not None:
+        u = torch.empty_like(out)
+        ss_out = torch.empty((M, N_out // TWIN_SPLIT_GROUP), dtype=torch.float32, device=x.device)
+    split_layer = out if split is None else tm.layer_tensor(split.layer, split.weight.shape[0], x.device, "linear(split)")
     _mma_kernel[(N_out // BN, triton.cdiv(M, TWIN_MMA_ROWS))](
-        layer_t, x, w, nw, nb, out if scale is None else scale, out if residual is None else residual, out,  # unread
-        M, eps, N=N, K=K, N_OUT=N_out, R=TWIN_MMA_ROWS, BN=BN, BK=BK, **norm_consts, ACT=act or "",
-        HAS_SCALE=scale is not None, HAS_RES=residual is not None,
+        layer_t, x, w, nw, nb, out if rms is None else rms.ss, out if scale is None else scale,
+        out if residual is None else residual, out if split is None else split.weight, split_layer, out, u, ss_out,
+        M, eps, 0.0 if rms is None else rms.eps, N=N, K=K, N_OUT=N_out, R=TWIN_MMA_ROWS, BN=BN, BK=BK,
+        **norm_consts, ACT=act or "", HAS_SCALE=scale is not None, HAS_RES=residual is not None,
+        RMS=rms is not None, RMS_INV_K=float(np.float32(1.0 / K)), SPLIT=split is not None,
         STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate")),
         INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
-    return out
+    return out if split is None else (out, u, ss_out)
 
 
 def _mma_norm(x, norm: TwinNorm | None, layer_t, K: int):
@@ -275,8 +308,8 @@ def _mma_norm(x, norm: TwinNorm | None, layer_t, K: int):
 
 
 @triton.jit
-def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, q_ptr, k_ptr, v_ptr, M,
-                eps, K: tl.constexpr, B: tl.constexpr, T: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
+def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, q_ptr, k_ptr,
+                v_ptr, M, eps, rms_eps, RMS: tl.constexpr, RMS_INV_K: tl.constexpr, K: tl.constexpr, B: tl.constexpr, T: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                 D: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
                 INV_K: tl.constexpr, NORM_UNROLL: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (j, i): the MMA form's columns j*BN .. of rows i*R .. of qkv, then rope_write's
@@ -289,7 +322,10 @@ def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, cos_ptr, sin_ptr, slot_
     acc, _ = _mma_accumulate(x_ptr, w_ptr + layer * (3 * H * D) * K, nw_ptr + layer * K, nb_ptr + layer * K, eps, m,
                              m_ok, n, 0, K, R, BN, BK, NORM, INV_K, NORM_UNROLL, False, STAGES, INTERPRETED)
     dtype = q_ptr.dtype.element_ty
-    y = tm.to_dtype(tl.trans(acc), dtype, INTERPRETED)                                     # [R, BN]
+    acc = tl.trans(acc)                                                                    # [R, BN]
+    if RMS:
+        acc = acc * twin_norm.split_r(ss_ptr, m, m_ok, rms_eps, RMS_INV_K, K, R)[:, None]
+    y = tm.to_dtype(acc, dtype, INTERPRETED)
     part = n0 // (H * D)
     h = (n0 // D) % H
     d0 = n0 % D
@@ -320,19 +356,21 @@ def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, cos_ptr, sin_ptr, slot_
 
 def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor,
                       ring_k: torch.Tensor, ring_v: torch.Tensor, write_index: torch.Tensor, write_mask: torch.Tensor, *,
-                      norm: TwinNorm | None = None, block_n: int | None = None, num_warps: int = 4,
-                      num_stages: int | None = None, form: str | None = None):
+                      norm: TwinNorm | None = None, rms: TwinRms | None = None, block_n: int | None = None,
+                      num_warps: int = 4, num_stages: int | None = None, form: str | None = None):
     """The qkv projection with the RoPE rotation and the ring write in its epilogue (the Pallas
     twin's signature and bits): `linear` then `twin_rope.rope_write`, one kernel in the MMA form.
     Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place."""
     B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     interpreted = interpreting(_qkv_kernel)
     chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpreted, form, block_n)
+    check_twin_split(None, rms, norm, M, K, N, chosen, "linear_rope_write")
     if chosen == "lanes":
         qkv = linear(x, w, layer, norm=norm, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      form="lanes").view(B, T, 3, H, D)
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
-    for name, t in (("x", x), ("w", w), ("cos", cos), ("sin", sin), ("ring_k", ring_k), ("ring_v", ring_v)):
+    for name, t in (("x", x), ("w", w), ("cos", cos), ("sin", sin), ("ring_k", ring_k), ("ring_v", ring_v),
+                    ("rms.ss", x if rms is None else rms.ss)):
         if not t.is_contiguous():
             raise ValueError(f"linear_rope_write({name}): must be contiguous, got strides {t.stride()}")
     layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear_rope_write")
@@ -340,8 +378,9 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
     q = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)
     BK = twin_lanes(K)
     _qkv_kernel[(N // BN, triton.cdiv(M, TWIN_MMA_ROWS))](
-        layer_t, x, w, nw, nb, cos, sin, write_index.to(torch.int32).contiguous(),
-        write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, M, eps, K=K, B=B, T=T, H=H,
+        layer_t, x, w, nw, nb, x if rms is None else rms.ss, cos, sin, write_index.to(torch.int32).contiguous(),
+        write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, M, eps, 0.0 if rms is None else rms.eps,
+        RMS=rms is not None, RMS_INV_K=float(np.float32(1.0 / K)), K=K, B=B, T=T, H=H,
         C=ring_k.shape[3], D=D, R=TWIN_MMA_ROWS, BN=BN, BK=BK, **norm_consts,
         STAGES=num_stages or twin_mma_stages(N, BN, BK), INTERPRETED=interpreted, num_warps=num_warps,
         enable_fp_fusion=False)

@@ -9,7 +9,9 @@ import triton
 import triton.language as tl
 
 from kernels_pallas.common import (
+    TWIN_MMA_ROWS,
     TWIN_NORM_WARPS,
+    TWIN_SPLIT_GROUP,
     check_twin_norm,
     twin_lanes,
     twin_norm_rows,
@@ -105,3 +107,60 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         UNROLL=twin_norm_unroll(D // BK, BM), INTERPRETED=interpreting(_kernel), num_warps=num_warps,
         enable_fp_fusion=False)
     return out
+
+
+# ------------------------------------------------------------------------------- the split RMSNorm
+# (`common.TwinSplit`; the Pallas twin's `split_r`, `split_store` and `split`, the same bits)
+_SPLIT_GROUP = tl.constexpr(TWIN_SPLIT_GROUP)
+
+
+@triton.jit
+def split_r(ss_ptr, m, m_ok, eps, INV_K: tl.constexpr, K: tl.constexpr, R: tl.constexpr):
+    """r [R] of the split norm from the partial sums ss [M, K/G] of rows m."""
+    G: tl.constexpr = K // _SPLIT_GROUP
+    ss = tl.load(ss_ptr + m[:, None] * G + tl.arange(0, G)[None, :], mask=m_ok[:, None], other=0.0)
+    var = eps + tm.tree_sum(ss, R, G) * INV_K
+    return tl.math.div_rn(tl.full([R], 1.0, tl.float32), tl.math.sqrt_rn(var))
+
+
+@triton.jit
+def split_store(y, alpha_ptr, n0, m, m_ok, u_ptr, ss_ptr, N: tl.constexpr, R: tl.constexpr, BN: tl.constexpr,
+                INTERPRETED: tl.constexpr):
+    """The producer's half for the output tile y [R, BN] at columns n0.. of rows m (BN = G); alpha_ptr:
+    the layer's alpha [N]; u [M, N], ss [M, N/G]."""
+    yf = y.to(tl.float32)
+    n = n0 + tl.arange(0, BN)
+    alpha = tl.load(alpha_ptr + n).to(tl.float32)
+    ok = m_ok[:, None] & (n < N)[None, :]
+    tl.store(u_ptr + m[:, None] * N + n[None, :], tm.to_dtype(yf * alpha[None, :], u_ptr.dtype.element_ty, INTERPRETED),
+             mask=ok)
+    tl.store(ss_ptr + m * (N // BN) + n0 // BN, tm.tree_sum(yf * yf, R, BN), mask=m_ok)
+
+
+@triton.jit
+def _split_kernel(layer_ptr, x_ptr, w_ptr, u_ptr, ss_ptr, M, D: tl.constexpr, R: tl.constexpr, G: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
+    layer = tl.load(layer_ptr).to(tl.int64)
+    m = tl.program_id(0) * R + tl.arange(0, R)
+    n0 = tl.program_id(1) * G
+    m_ok = m < M
+    x = tl.load(x_ptr + m[:, None] * D + n0 + tl.arange(0, G)[None, :], mask=m_ok[:, None], other=0.0)
+    split_store(x, w_ptr + layer * D, n0, m, m_ok, u_ptr, ss_ptr, D, R, G, INTERPRETED)
+
+
+def split(x: torch.Tensor, weight: torch.Tensor, layer=None):
+    """The producer's half of the split RMSNorm of x [M, D] itself: (u, ss), the Pallas twin's signature and bits."""
+    if layer is None:
+        weight, layer = weight[None], 0
+    M, D = check_twin_norm(x, weight, None, "rms")
+    if D % TWIN_SPLIT_GROUP:
+        raise ValueError(f"split(x): D={D} must be a multiple of {TWIN_SPLIT_GROUP}")
+    for name, t in (("x", x), ("weight", weight)):
+        if not t.is_contiguous():
+            raise ValueError(f"split({name}): must be contiguous, got strides {t.stride()}")
+    u = torch.empty_like(x)
+    ss = torch.empty((M, D // TWIN_SPLIT_GROUP), dtype=torch.float32, device=x.device)
+    _split_kernel[(triton.cdiv(M, TWIN_MMA_ROWS), D // TWIN_SPLIT_GROUP)](
+        tm.layer_tensor(layer, weight.shape[0], x.device, "split"), x, weight, u, ss, M, D=D, R=TWIN_MMA_ROWS,
+        G=TWIN_SPLIT_GROUP, INTERPRETED=interpreting(_split_kernel), num_warps=TWIN_NORM_WARPS, enable_fp_fusion=False)
+    return u, ss
