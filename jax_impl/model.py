@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import twin_attention, twin_linear, twin_norm, twin_rope
-from kernels_pallas.common import TwinNorm, twin_sems_size
+from kernels_pallas.common import TwinNorm, TwinRms, TwinSplit, twin_sems_size, twin_split_norm
 
 from .config import MimiConfig, StackConfig, TemporalConfig, weight_specs
 from .ops import layer_norm, linear, ring_attention, rms_norm_f32
@@ -65,13 +65,17 @@ def mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
 # kernels="twin": every float operation in a twin kernel (kernels_pallas.twin_*), in the order of
 # torch_bridge/twin_layers.py on the Triton twins. The kernels read the stacked weights `w`
 # [L, ...] and the rings in place at `layer` (an int, or traced under lax.scan). The carry is
-# (x, ring_k, ring_v, sems): sems, the int32 counters of the kernels that finish in their last
-# program (`twin_attention.attention(sems=)`), made once a step and handed on all 0.
-def _twin_attention(c: StackConfig, x2, norm: TwinNorm, w: dict, layer, ring_k, ring_v, sems, tables: StepTables,
-                    B: int, T: int):
-    """norm, qkv + rotate + ring write, attention: x2 [B*T, dim] -> ([B*T, dim], ring_k, ring_v, sems)."""
+# (x, ring_k, ring_v, sems[, u, ss]): sems, the int32 counters of the kernels that finish in their
+# last program (`twin_attention.attention(sems=)`), made once a step and handed on all 0; u, ss: the
+# Helium layer's first norm, split (`common.TwinSplit`, where `common.twin_split_norm` says), made
+# by the layer before (the first layer's by `twin_norm.split`, before the loop).
+def _twin_attention(c: StackConfig, x2, norm: TwinNorm | None, w: dict, layer, ring_k, ring_v, sems,
+                    tables: StepTables, B: int, T: int, rms: TwinRms | None = None):
+    """norm (or rms: x2 is the split norm's u), qkv + rotate + ring write, attention:
+    x2 [B*T, dim] -> ([B*T, dim], ring_k, ring_v, sems)."""
     q, ring_k, ring_v = twin_linear.linear_rope_write(x2, w["in_proj"], layer, tables.cos[:, 0], tables.sin[:, 0],
-                                                      ring_k, ring_v, tables.write_index, tables.write_mask, norm=norm)
+                                                      ring_k, ring_v, tables.write_index, tables.write_mask, norm=norm,
+                                                      rms=rms)
     a, sems = twin_attention.attention(q, ring_k, ring_v, layer, tables.positions, tables.q_pos, context=c.context,
                                        sems=sems)
     return a.reshape(B * T, c.dim), ring_k, ring_v, sems
@@ -80,11 +84,22 @@ def _twin_attention(c: StackConfig, x2, norm: TwinNorm, w: dict, layer, ring_k, 
 def twin_temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables, active,
                         exact_rope: bool = True, kernels: str = "twin"):
     """Helium layer on the Pallas twins; w: the stacked weights (read at `layer` in place). Each
-    RMSNorm is passed to the projection after it (`TwinNorm`: fused, or its kernel first)."""
+    RMSNorm is passed to the projection after it (`TwinNorm`: fused, or its kernel first), or, with
+    u and ss in the carry, split: made in the epilogues of the out- and down-projections (this
+    layer's second norm, the next layer's first) and finished by the projections after them."""
     del active, exact_rope, kernels  # the writes follow tables.write_mask; the twins are always exact
-    x, ring_k, ring_v, sems = carry
+    x, ring_k, ring_v, sems, *split = carry
     B, T, dim = x.shape
     x2 = x.reshape(B * T, dim)
+    if split:
+        u, ss = split
+        a, ring_k, ring_v, sems = _twin_attention(c, u, None, w, layer, ring_k, ring_v, sems, tables, B, T,
+                                                  rms=TwinRms(ss, c.norm_eps))
+        x2, u, ss = twin_linear.linear(a, w["out_proj"], layer, residual=x2, split=TwinSplit(w["norm2_alpha"]))
+        g = twin_linear.linear(u, w["linear_in"], layer, act="silu_gate", rms=TwinRms(ss, c.norm_eps))
+        x2, u, ss = twin_linear.linear(g, w["linear_out"], layer, residual=x2,
+                                       split=TwinSplit(w["norm1_alpha"], offset=1))  # the next layer's
+        return x2.reshape(B, T, dim), ring_k, ring_v, sems, u, ss
     a, ring_k, ring_v, sems = _twin_attention(c, x2, TwinNorm("rms", w["norm1_alpha"], None, c.norm_eps), w, layer,
                                               ring_k, ring_v, sems, tables, B, T)
     x2 = twin_linear.linear(a, w["out_proj"], layer, residual=x2)
@@ -136,6 +151,8 @@ def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables:
         tables = tables._replace(write_mask=tables.write_mask.astype(jnp.int32))
         B, T = carry[0].shape[:2]
         carry = (*carry, jnp.zeros((twin_sems_size(B, c.num_heads, T),), jnp.int32))
+        if layer_fn is temporal_layer and twin_split_norm(c.dim, carry[0].dtype, jax.default_backend() == "gpu"):
+            carry = (*carry, *twin_norm.split(carry[0].reshape(B * T, c.dim), stacked["norm1_alpha"], 0))
         if layer_loop == "python":
             for layer in range(c.num_layers):
                 carry = twin_fn(c, stacked, carry, layer, tables, active)

@@ -363,12 +363,14 @@ class TwinSplit(NamedTuple):
     pass and no normalized copy of x: no norm kernel between the two projections, and nothing done to
     the consumer's x tiles inside its pipelined loop (the fifth session's stall, RESULTS.md).
 
-    weight: alpha [L', N_out] read at `layer` (an int or traced; its own index: the down-projection
-    makes the next layer's norm), or [N_out] with layer=None.
+    weight: alpha [L', N_out], read at row min(layer + offset, L' - 1) where layer is the linear's
+    own (offset 1: the down-projection makes the next layer's norm; the last layer then makes its
+    own, unread), computed in the kernel (an index computed in the layer loop cost a copy of the
+    loop's counter a layer on an H200); or [N_out], read as is.
     """
 
     weight: Any
-    layer: Any
+    offset: int = 0
 
 
 class TwinRms(NamedTuple):
@@ -405,18 +407,20 @@ def check_twin_split(split, rms, norm, M, K, N_out, form, where="linear"):
             raise ValueError(f"{where}(rms.ss): expected float32 [M={M}, K/{TWIN_SPLIT_GROUP}] with a power-of-two "
                              f"count of groups, got {rms.ss.dtype} {tuple(rms.ss.shape)} (K={K})")
     if split is not None:
-        if not isinstance(split, TwinSplit):
-            raise TypeError(f"{where}(split): expected a TwinSplit or None, got {type(split).__name__}")
         if N_out % TWIN_SPLIT_GROUP:
             raise ValueError(f"{where}(split): N_out={N_out} must be a multiple of {TWIN_SPLIT_GROUP}")
         shape = tuple(split.weight.shape)
         if len(shape) != 2 or shape[1] != N_out:
-            raise ValueError(f"{where}(split.weight): expected [L, N_out={N_out}], got shape {shape}")
+            raise ValueError(f"{where}(split.weight): expected [L, N_out={N_out}] or [N_out], got shape {shape}")
+        if isinstance(split.offset, bool) or not isinstance(split.offset, int) or split.offset < 0:
+            raise ValueError(f"{where}(split.offset): expected an int >= 0, got {split.offset!r}")
 
 
 def split_one_layer(split):
-    """A TwinSplit with layer=None ([N_out] weight) as a one-layer stack at 0."""
-    if split is None or split.layer is not None:
+    """A TwinSplit with an [N_out] weight as a one-layer stack (then always its row 0)."""
+    if split is not None and not isinstance(split, TwinSplit):
+        raise TypeError(f"linear(split): expected a TwinSplit or None, got {type(split).__name__}")
+    if split is None or len(split.weight.shape) != 1:
         return split
     return TwinSplit(split.weight[None], 0)
 

@@ -148,8 +148,9 @@ def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, 
     """Program (j, i): columns j*BN.. of rows i*R.. (R = TWIN_MMA_ROWS), the MMA form: acc [BN, R]
     += w_block [BN, BK] @ x_block^T over the K blocks in order (module docstring); norm: the fused
     norm's kind (`_mma_accumulate`), its weight and bias refs first in refs; rms (the split norm's
-    eps, or None): the rows' ss ref next, the sums scaled by `_split_r`; split: its alpha and layer
-    refs after the residual's, and the outputs u and ss after o (`_split_store`).
+    eps, or None): the rows' ss ref next, the sums scaled by `twin_norm.split_r`; split (the split
+    norm's offset, or None): its alpha ref after the residual's, and the outputs u and ss after o
+    (`twin_norm.split_store`).
 
     x_ref [M, K], the residual and o_ref [M, N_out] are whole and unpadded: the rows past M are
     read as 0 (a masked load) and masked out of the store (no pad or slice kernels around the call)."""
@@ -158,7 +159,7 @@ def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, 
     ss_ref = refs.pop(0) if rms is not None else None
     scale_ref = refs.pop(0) if has_scale else None
     res_ref = refs.pop(0) if has_res else None
-    alpha_ref, split_layer_ref = (refs.pop(0), refs.pop(0)) if split else (None, None)
+    alpha_ref = refs.pop(0) if split is not None else None
     o_ref, *split_out = refs
     layer = layer_ref[0]
     n0 = pl.program_id(0) * BN
@@ -176,8 +177,9 @@ def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, 
     # stored at m itself: masked rows must not alias row M - 1 (interpreted, a masked store writes back
     # what it read, and duplicate indices would race)
     pltriton.store(o_ref.at[m[:, None], cols], y, mask=jnp.broadcast_to(ok, y.shape))
-    if split:
-        twin_norm.split_store(y, alpha_ref, split_layer_ref[0], n0, m, ok, *split_out, gpu)
+    if split is not None:
+        split_layer = jnp.minimum(layer + split, alpha_ref.shape[0] - 1)
+        twin_norm.split_store(y, alpha_ref, split_layer, n0, m, ok, *split_out, gpu)
 
 
 def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
@@ -265,7 +267,7 @@ def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms
     operands += [t for t in (None if rms is None else rms.ss, scale, residual) if t is not None]
     outs = [jax.ShapeDtypeStruct((M, N_out), x.dtype)]
     if split is not None:
-        operands += [split.weight, jnp.asarray(split.layer, jnp.int32).reshape(1)]
+        operands.append(split.weight)
         outs += [jax.ShapeDtypeStruct((M, N_out), x.dtype),
                  jax.ShapeDtypeStruct((M, N_out // TWIN_SPLIT_GROUP), jnp.float32)]
     # the columns first in the grid: the row blocks of one column block run together (its weights in L2)
@@ -273,7 +275,8 @@ def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms
         functools.partial(_mma_kernel, M=M, K=K, BN=BN, BK=BK, N_out=N_out, act=act,
                           norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
                           has_scale=scale is not None, has_res=residual is not None,
-                          rms=None if rms is None else rms.eps, split=split is not None, gpu=not interpret),
+                          rms=None if rms is None else rms.eps, split=None if split is None else split.offset,
+                          gpu=not interpret),
         out_shape=tuple(outs),
         grid=(N_out // BN, -(-M // TWIN_MMA_ROWS)),
         in_specs=[_whole(a) for a in operands],

@@ -166,11 +166,12 @@ def _mma_accumulate(x_ptr, w_ptr, nw_ptr, nb_ptr, eps, m, m_ok, n, N_OUT, K: tl.
 
 
 @triton.jit
-def _mma_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, scale_ptr, res_ptr, alpha_ptr, split_layer_ptr, o_ptr,
+def _mma_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, scale_ptr, res_ptr, alpha_ptr, o_ptr,
                 u_ptr, ss_out_ptr, M, eps, rms_eps, N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr,
                 R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, INV_K: tl.constexpr,
                 NORM_UNROLL: tl.constexpr, ACT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr,
-                RMS: tl.constexpr, RMS_INV_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+                RMS: tl.constexpr, RMS_INV_K: tl.constexpr, SPLIT: tl.constexpr, SPLIT_OFFSET: tl.constexpr,
+                SPLIT_L: tl.constexpr, STAGES: tl.constexpr,
                 INTERPRETED: tl.constexpr):
     """Program (j, i): columns j*BN .. of rows i*R .. (R = TWIN_MMA_ROWS), the MMA form of the
     contract: acc [BN, R] += w_block @ x_block^T over the K blocks in order; ACT "", "gelu" or
@@ -200,7 +201,7 @@ def _mma_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, scale_ptr, res_
         y = tm.to_dtype(tm.gelu(y.to(tl.float32)), dtype, INTERPRETED)
     y = _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT, HAS_SCALE, HAS_RES, INTERPRETED)
     if SPLIT:
-        split_layer = tl.load(split_layer_ptr).to(tl.int64)
+        split_layer = tl.minimum(layer + SPLIT_OFFSET, SPLIT_L - 1)
         twin_norm.split_store(y, alpha_ptr + split_layer * N_OUT, tl.program_id(0) * BN, m, m_ok, u_ptr, ss_out_ptr,
                               N_OUT, R, BN, INTERPRETED)
 
@@ -284,13 +285,13 @@ def _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, split
     if split is not None:
         u = torch.empty_like(out)
         ss_out = torch.empty((M, N_out // TWIN_SPLIT_GROUP), dtype=torch.float32, device=x.device)
-    split_layer = out if split is None else tm.layer_tensor(split.layer, split.weight.shape[0], x.device, "linear(split)")
     _mma_kernel[(N_out // BN, triton.cdiv(M, TWIN_MMA_ROWS))](
         layer_t, x, w, nw, nb, out if rms is None else rms.ss, out if scale is None else scale,
-        out if residual is None else residual, out if split is None else split.weight, split_layer, out, u, ss_out,
+        out if residual is None else residual, out if split is None else split.weight, out, u, ss_out,
         M, eps, 0.0 if rms is None else rms.eps, N=N, K=K, N_OUT=N_out, R=TWIN_MMA_ROWS, BN=BN, BK=BK,
         **norm_consts, ACT=act or "", HAS_SCALE=scale is not None, HAS_RES=residual is not None,
         RMS=rms is not None, RMS_INV_K=float(np.float32(1.0 / K)), SPLIT=split is not None,
+        SPLIT_OFFSET=0 if split is None else split.offset, SPLIT_L=1 if split is None else split.weight.shape[0],
         STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate")),
         INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
     return out if split is None else (out, u, ss_out)

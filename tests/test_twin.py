@@ -31,7 +31,7 @@ from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_math as pm
 from kernels_pallas import twin_norm as pn
 from kernels_pallas import twin_rope as pr
-from kernels_pallas.common import TwinNorm
+from kernels_pallas.common import TwinNorm, TwinRms, TwinSplit
 from kernels_triton import twin_attention as ta
 from kernels_triton import twin_linear as tli
 from kernels_triton import twin_math as ttm
@@ -442,6 +442,114 @@ def test_mma_form_fuses_its_norm_over_few_blocks_with_the_bits_of_the_norm_kerne
         assert_same(a, b, what=f"triton qkv fused norm {name}")
 
 
+# ------------------------------------------------------------------------------ the split RMSNorm
+def _split_case(M, N, K, L, seed=0):
+    """bf16 a [M, K], w [L, N, K], residual [M, N], alpha [L, N] (not 1: a wrong row would show)."""
+    rng = np.random.default_rng(seed)
+    bf = ml_dtypes.bfloat16
+    return (rng.standard_normal((M, K)).astype(bf), (0.1 * rng.standard_normal((L, N, K))).astype(bf),
+            rng.standard_normal((M, N)).astype(bf), (1 + 0.25 * rng.standard_normal((L, N))).astype(bf))
+
+
+@pytest.mark.parametrize("layer,offset", [(0, 0), (0, 1), (1, 1)])  # (1, 1): the last layer reads its own row
+def test_split_norm_producer_has_the_bits_of_linear_then_split(layer, offset):
+    """linear(split=TwinSplit(alpha, offset)) returns the plain linear's y, and the u and ss of
+    `split` on y at alpha's row min(layer + offset, L - 1), on both sides, as `split_native`."""
+    M, N, K, L = 5, 128, 64, 2
+    a, w, r, alpha = _split_case(M, N, K, L)
+    row = min(layer + offset, L - 1)
+    J, T_ = jnp.asarray, to_torch
+    y, u, ss = pli.linear(J(a), J(w), layer, residual=J(r), split=TwinSplit(J(alpha), offset), form="mma")
+    ty, tu, tss = tli.linear(T_(a), T_(w), layer, residual=T_(r), split=TwinSplit(T_(alpha), offset), form="mma")
+    assert_same(y, pli.linear(J(a), J(w), layer, residual=J(r), form="mma"), what="pallas y")
+    assert_same(ty, tli.linear(T_(a), T_(w), layer, residual=T_(r), form="mma"), what="triton y")
+    u_ref, ss_ref = pn.split_native(y, J(alpha), row)
+    for name, got in (("u", (u, tn.split(ty, T_(alpha), row)[0], pn.split(y, J(alpha), row)[0], tu)),
+                      ("ss", (ss, tn.split(ty, T_(alpha), row)[1], pn.split(y, J(alpha), row)[1], tss))):
+        assert_same(u_ref if name == "u" else ss_ref, *got, what=f"split {name}")
+    assert ss.dtype == jnp.float32 and ss.shape == (M, N // common.TWIN_SPLIT_GROUP)
+
+
+@pytest.mark.parametrize("act", [None, "silu_gate"])
+def test_split_norm_consumer_scales_its_sums_by_r(act):
+    """With rms=TwinRms(ss, eps), x = u: the float32 sums scaled by r = 1 / sqrt(eps + S / K) before
+    the epilogue. With power-of-two r (exact scalings) the rows are r times the plain linear's
+    (act=None) or the plain one's where r = 1; with the split of real rows, the result is the
+    float64 RMSNorm-then-linear's within bf16 rounding; both sides give the same bits."""
+    M, N, K, L = 5, 128, 128, 2
+    a, w, _, alpha = _split_case(M, N, K, L, seed=1)
+    G = K // common.TWIN_SPLIT_GROUP
+    r = np.array([1, 2, 4, 1, 2], np.float32)
+    ss = np.repeat((K / G / r ** 2)[:, None], G, axis=1).astype(np.float32)  # var = 1 / r^2 with eps = 0
+    J, T_ = jnp.asarray, to_torch
+    out = pli.linear(J(a), J(w), 1, act=act, rms=TwinRms(J(ss), 0.0), form="mma")
+    tout = tli.linear(T_(a), T_(w), 1, act=act, rms=TwinRms(T_(ss), 0.0), form="mma")
+    plain = np.asarray(pli.linear(J(a), J(w), 1, act=act, form="mma")).astype(np.float32)
+    want = plain * r[:, None] if act is None else plain[r == 1]
+    got = np.asarray(out).astype(np.float32)
+    np.testing.assert_array_equal(got if act is None else got[r == 1], want)
+    assert act is None or not np.array_equal(got[r != 1], plain[r != 1])
+    assert_same(out, tout, what="consumer, pallas vs triton")
+    # the split of real rows: close to RMSNorm(x) @ w.T in float64
+    eps = 1e-5
+    x = a[:, :K].astype(np.float64)
+    aw = alpha[0, :K].astype(np.float32).astype(ml_dtypes.bfloat16)
+    u, ss2 = pn.split(J(a[:, :K]), J(aw))
+    y = np.asarray(pli.linear(u, J(w), 1, rms=TwinRms(ss2, eps), form="mma")).astype(np.float64)
+    normed = x / np.sqrt(eps + (x * x).mean(1, keepdims=True)) * aw.astype(np.float64)
+    ref = normed @ w[1].astype(np.float64).T
+    assert np.abs(y - ref).max() / np.abs(ref).max() < 2e-2
+    assert_same(y, tli.linear(to_torch(np.asarray(u)), T_(w), 1, rms=TwinRms(to_torch(np.asarray(ss2)), eps),
+                              form="mma").double(), what="consumer of a real split")
+
+
+def test_split_norm_qkv_consumer_with_r_one_is_the_plain_projection():
+    """linear_rope_write(rms=) with r = 1 exactly gives the plain kernel's q and ring writes."""
+    B, T, H, D, C, L, K = 2, 1, 2, 16, 6, 2, 128
+    x, w, cos, sin, ring_k, ring_v, wi, wm, _ = _qkv_case(B, T, H, D, C, L, K)
+    G = K // common.TWIN_SPLIT_GROUP
+    ss = np.full((B * T, G), K / G, np.float32)
+    J = jnp.asarray
+    args = (J(cos), J(sin), J(ring_k), J(ring_v), J(wi), J(wm))
+    plain = pli.linear_rope_write(J(x), J(w), 1, *args, form="mma")
+    split = pli.linear_rope_write(J(x), J(w), 1, *args, rms=TwinRms(J(ss), 0.0), form="mma")
+    targs = [to_torch(np.asarray(t)) for t in (cos, sin, ring_k, ring_v, wi, wm)]
+    tsplit = tli.linear_rope_write(to_torch(x), to_torch(w), 1, *targs, rms=TwinRms(to_torch(ss), 0.0), form="mma")
+    for name, a, b, t in zip(("q", "ring_k", "ring_v"), plain, split, tsplit):
+        assert_same(a, b, what=f"qkv rms {name}")
+        assert_same(a, t, what=f"qkv rms {name}, triton") if name != "q" else None
+
+
+def test_split_norm_refusals_name_the_argument():
+    M, N, K, L = 3, 128, 128, 2
+    a, w, r, alpha = _split_case(M, N, K, L)
+    J = jnp.asarray
+    ss = J(np.zeros((M, K // common.TWIN_SPLIT_GROUP), np.float32))
+    with pytest.raises(ValueError, match=r"linear\(split, rms\): the split RMSNorm runs in the MMA form only"):
+        pli.linear(J(a), J(w), 0, rms=TwinRms(ss, 1e-5), form="lanes")
+    with pytest.raises(ValueError, match=r"linear\(rms.ss\)"):
+        tli.linear(to_torch(a), to_torch(w), 0, rms=TwinRms(torch.zeros(M, 3), 1e-5), form="mma")
+    with pytest.raises(ValueError, match=r"linear\(rms\): x is already"):
+        pli.linear(J(a), J(w), 0, rms=TwinRms(ss, 1e-5), norm=TwinNorm("rms", J(alpha), None, 1e-5), form="mma")
+    with pytest.raises(ValueError, match=r"linear\(split.offset\)"):
+        pli.linear(J(a), J(w), 0, split=TwinSplit(J(alpha), -1), form="mma")
+    with pytest.raises(ValueError, match=r"linear\(split.weight\)"):
+        tli.linear(to_torch(a), to_torch(w), 0, split=TwinSplit(torch.ones(L, 64)), form="mma")
+    with pytest.raises(ValueError, match=r"linear\(block_n\): with split"):
+        pli.linear(J(a), J(w), 0, split=TwinSplit(J(alpha)), block_n=32, form="mma")
+    with pytest.raises(TypeError, match=r"linear\(split\): expected a TwinSplit"):
+        pli.linear(J(a), J(w), 0, split=(J(alpha), 0), form="mma")
+
+
+def test_split_norm_is_chosen_for_helium_on_the_gpu_only():
+    """Both stacks split where the projections run in the MMA form without fusing their norm."""
+    assert common.twin_split_norm(4096, "bfloat16", compiled=True)
+    assert not common.twin_split_norm(4096, "bfloat16", compiled=False)  # the lane form, interpreted
+    assert not common.twin_split_norm(4096, "float32", compiled=True)
+    assert not common.twin_split_norm(512, "bfloat16", compiled=True)   # Mimi's: fused into the MMA form
+    assert not common.twin_split_norm(64 * 3 * 16, "bfloat16", compiled=True)  # a group count not a power of two
+
+
 mma_on_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or jax.default_backend() != "gpu",
     reason="GPU only: the MMA form's bits are the tensor cores' (CPU: the interpreted tests above)")
@@ -483,6 +591,24 @@ def test_qkv_rope_write_gpu_twins_same_bits(B, T, H, D):
                                      norm=TwinNorm("rms", C_(norm.weight), None, norm.eps))
     for name, a, b, t in (("q", q, q2, tq), ("ring_k", k, k2, tk), ("ring_v", v, v2, tv)):
         assert_same(np.asarray(a), np.asarray(b), t.cpu(), what=f"fused {name}, GPU")
+
+
+@mma_on_gpu
+def test_split_norm_gpu_twins_same_bits_and_batch_invariant():
+    """Compiled on the GPU: producer and consumer of the split norm, the same bits on both sides and
+    for a row alone."""
+    M, N, K, L = 6, 256, 256, 2
+    a, w, r, alpha = _split_case(M, N, K, L, seed=3)
+    J, C = jnp.asarray, (lambda t: to_torch(t).cuda())
+    y, u, ss = pli.linear(J(a[:, :K]), J(w), 0, residual=J(r), split=TwinSplit(J(alpha), 1))
+    ty, tu, tss = tli.linear(C(a[:, :K]), C(w), 0, residual=C(r), split=TwinSplit(C(alpha), 1))
+    for name, p, t in (("y", y, ty), ("u", u, tu), ("ss", ss, tss)):
+        assert_same(np.asarray(p), t.cpu(), what=f"producer {name}, GPU")
+    g = pli.linear(u, J(w), 1, act="silu_gate", rms=TwinRms(ss, 1e-5))
+    tg = tli.linear(tu, C(w), 1, act="silu_gate", rms=TwinRms(tss, 1e-5))
+    alone = tli.linear(tu[2:3].contiguous(), C(w), 1, act="silu_gate", rms=TwinRms(tss[2:3].contiguous(), 1e-5))
+    assert_same(np.asarray(g), tg.cpu(), what="consumer, GPU")
+    assert_same(alone[0].cpu(), tg[2].cpu(), what="consumer row alone, GPU")
 
 
 @pytest.mark.parametrize("kind,M,D,dtype", [("rms", 3, 64, "float32"), ("rms", 3, 176, "bfloat16"),

@@ -156,7 +156,10 @@ class _StreamingStack(nn.Module):
                 w.fill_(1.0)
 
     def _layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
-        return {s.name: getattr(self, s.name)[layer] for s in weight_specs(self.config) if s.per_layer}
+        w = {s.name: getattr(self, s.name)[layer] for s in weight_specs(self.config) if s.per_layer}
+        if self.kernels == "twin" and "norm1_alpha" in w:  # the split norms' next alpha (twin_layers)
+            w["following_norm1_alpha"] = self.norm1_alpha[min(layer + 1, self.config.num_layers - 1)]
+        return w
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, torch.Tensor | np.ndarray], prefix: str | None = None, *,

@@ -15,36 +15,61 @@ stacked ring, written in place); tables: `ring.StepTables` with the twin RoPE ta
 projection after it, which fuses it (the lane form, up to 4 rows a program) or runs the norm kernel
 first (the MMA form: the GPU's for 16-bit weights); the qkv projection, rotation and ring write are
 one kernel in the MMA form, a linear then `rope_write` in the lane form; the same bits either way.)
+
+Where `common.twin_split_norm` says (Helium on the GPU), the temporal layer's RMSNorms run split
+(`common.TwinSplit`), as the JAX layer runs them: the out-projection makes the second norm's u and
+ss, the down-projection the next layer's first (from w["following_norm1_alpha"], which the stack
+adds), and the layer hands (x, u, ss) to the next; the first layer splits its x itself.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels_pallas.common import TwinNorm, stack_one_layer, twin_sems_size
+from kernels_pallas.common import TwinNorm, TwinRms, TwinSplit, stack_one_layer, twin_sems_size, twin_split_norm
 from kernels_triton import twin_attention, twin_linear, twin_norm, twin_rope
+from kernels_triton.twin_math import interpreting
 
 from .ring import StepTables
 
 
-def _attention(x2, norm: TwinNorm, w, ring_k, ring_v, tables: StepTables, B: int, T: int, context: int):
-    """norm, qkv + rotate + write, attention: x2 [B*T, dim] -> attention output [B*T, dim]."""
+def _attention(x2, norm: TwinNorm | None, w, ring_k, ring_v, tables: StepTables, B: int, T: int, context: int,
+               rms: TwinRms | None = None):
+    """norm (or rms: x2 is the split norm's u), qkv + rotate + write, attention: x2 [B*T, dim] ->
+    attention output [B*T, dim]."""
     dim = x2.shape[1]
     w_in, _, norm, layer = stack_one_layer(w["in_proj"], None, norm, None)  # one-layer stacks, as the rings
     q, _, _ = twin_linear.linear_rope_write(x2, w_in, layer, tables.cos[:, 0].contiguous(),
                                             tables.sin[:, 0].contiguous(), ring_k[None], ring_v[None],
-                                            tables.write_index, tables.write_mask, norm=norm)
+                                            tables.write_index, tables.write_mask, norm=norm, rms=rms)
     a, _ = twin_attention.attention(q, ring_k[None], ring_v[None], 0, tables.positions, tables.q_pos,
                                     context=context, sems=tables.sems)
     return a.view(B * T, dim)
 
 
+def split_norms(dim: int, dtype) -> bool:
+    """Whether the twin temporal layers run their norms split here (`common.twin_split_norm`)."""
+    return twin_split_norm(dim, dtype, compiled=not interpreting(twin_linear._mma_kernel))
+
+
 def temporal_layer(x, w: dict, num_heads: int, eps: float, ring_k, ring_v, tables, active, *, context: int):
     """Helium layer on the twins (module docstring); `active` is carried by `tables.write_mask`, the
-    head count by the rings' shape."""
+    head count by the rings' shape. x: [B, T, dim], or (x, u, ss) from the layer before where the
+    norms run split (then so is the result)."""
     del num_heads, active
+    x, *split = x if isinstance(x, tuple) else (x,)
     B, T, dim = x.shape
     x2 = x.reshape(B * T, dim)
+    if not split and split_norms(dim, x.dtype):  # the first layer
+        split = twin_norm.split(x2, w["norm1_alpha"])
+    if split:
+        u, ss = split
+        a = _attention(u, None, w, ring_k, ring_v, tables, B, T, context, rms=TwinRms(ss, eps))
+        x2, u, ss = twin_linear.linear(a, w["out_proj"], residual=x2, split=TwinSplit(w["norm2_alpha"]))
+        g = twin_linear.linear(u, w["linear_in"], act="silu_gate", rms=TwinRms(ss, eps))
+        x2, u, ss = twin_linear.linear(g, w["linear_out"], residual=x2,
+                                       split=TwinSplit(w["following_norm1_alpha"]))
+        return x2.view(B, T, dim), u, ss
     a = _attention(x2, TwinNorm("rms", w["norm1_alpha"], None, eps), w, ring_k, ring_v, tables, B, T, context)
     x2 = twin_linear.linear(a, w["out_proj"], residual=x2)
     u = twin_linear.linear(x2, w["linear_in"], act="silu_gate", norm=TwinNorm("rms", w["norm2_alpha"], None, eps))
@@ -67,7 +92,8 @@ TWIN_LAYERS = {"temporal_layer": temporal_layer, "mimi_layer": mimi_layer}  # re
 
 
 def temporal_head(x, out_norm_alpha, text_linear, eps: float):
-    """(out [B, T, dim], text_logits [B, 1, T, text_card]) on the twins."""
+    """(out [B, T, dim], text_logits [B, 1, T, text_card]) on the twins; x: the last layer's result."""
+    x = x[0] if isinstance(x, tuple) else x  # the split norms' (x, u, ss)
     B, T, dim = x.shape
     out = twin_norm.norm(x.reshape(B * T, dim), out_norm_alpha, kind="rms", eps=eps)
     return out.view(B, T, dim), twin_linear.linear(out, text_linear).view(B, 1, T, -1)
