@@ -179,13 +179,13 @@ def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None
         interpret = jax.default_backend() != "gpu"
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     outs = (jax.ShapeDtypeStruct((M, D), x.dtype), jax.ShapeDtypeStruct((M, D // TWIN_SPLIT_GROUP), jnp.float32))
-    whole = [pl.BlockSpec(a.shape, lambda *_, n=len(a.shape): (0,) * n) for a in (layer, x, weight, *outs)]
+    whole = [pl.BlockSpec(a.shape, lambda i, j: (0,) * 2) for a in (x, weight, *outs)]  # 2-D, read in place
     return pl.pallas_call(
         functools.partial(_split_kernel, M=M, gpu=not interpret),
         out_shape=outs,
         grid=(-(-M // TWIN_MMA_ROWS), D // TWIN_SPLIT_GROUP),
-        in_specs=whole[:3],
-        out_specs=tuple(whole[3:]),
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)), *whole[:2]],
+        out_specs=tuple(whole[2:]),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=TWIN_NORM_WARPS, num_stages=1),
         name="twin_rms_split",

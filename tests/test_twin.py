@@ -522,7 +522,7 @@ def test_split_norm_qkv_consumer_with_r_one_is_the_plain_projection():
 
 def test_split_norm_refusals_name_the_argument():
     M, N, K, L = 3, 128, 128, 2
-    a, w, r, alpha = _split_case(M, N, K, L)
+    a, w, _, alpha = _split_case(M, N, K, L)
     J = jnp.asarray
     ss = J(np.zeros((M, K // common.TWIN_SPLIT_GROUP), np.float32))
     with pytest.raises(ValueError, match=r"linear\(split, rms\): the split RMSNorm runs in the MMA form only"):

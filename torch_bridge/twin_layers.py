@@ -26,7 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels_pallas.common import TwinNorm, TwinRms, TwinSplit, stack_one_layer, twin_sems_size, twin_split_norm
+from kernels_pallas.common import (
+    TwinNorm,
+    TwinRms,
+    TwinSplit,
+    stack_one_layer,
+    twin_sems_size,
+    twin_split_norm,
+)
 from kernels_triton import twin_attention, twin_linear, twin_norm, twin_rope
 from kernels_triton.twin_math import interpreting
 
