@@ -58,6 +58,12 @@ def _row_sum(load, D, BK, unroll):
     return tm.tree_sum(acc)
 
 
+def _rms_r(ss, D, eps, gpu):
+    """The RMSNorm's r = 1 / sqrt(eps + ss * inv_D) from a row's sum of squares ss (the contract's)."""
+    var = tm.F32(eps) + tm.mul(ss, tm.F32(1.0 / D), gpu)
+    return tm.div(tm.F32(1.0), tm.sqrt(var, gpu), gpu)
+
+
 def normalize(xf, w, b, stats, kind, gpu):
     """The contract's normalized rows: xf [BM, n] float32, w, b [1, n], stats of `row_stats` ([BM, 1] each)."""
     if kind == "rms":
@@ -75,9 +81,7 @@ def row_stats(load_x, D, BK, kind, eps, gpu, unroll=None):
     f32 = tm.F32
     inv_d = f32(1.0 / D)
     if kind == "rms":
-        ss = _row_sum(lambda kb: tm.mul(load_x(kb), load_x(kb), gpu), D, BK, unroll)
-        var = f32(eps) + tm.mul(ss, inv_d, gpu)
-        return (tm.div(f32(1.0), tm.sqrt(var, gpu), gpu),)
+        return (_rms_r(_row_sum(lambda kb: tm.mul(load_x(kb), load_x(kb), gpu), D, BK, unroll), D, eps, gpu),)
     mean = tm.mul(_row_sum(load_x, D, BK, unroll), inv_d, gpu)
 
     def centered_sq(kb):
@@ -140,8 +144,7 @@ def split_r(ss_ref, rows, ok, K, eps, gpu):
     G = K // TWIN_SPLIT_GROUP
     ss = pltriton.load(ss_ref.at[rows, jnp.arange(G, dtype=jnp.int32)[None, :]],
                        mask=jnp.broadcast_to(ok, (TWIN_MMA_ROWS, G)), other=jnp.zeros((), tm.F32))
-    var = tm.F32(eps) + tm.mul(tm.tree_sum(ss), tm.F32(1.0 / K), gpu)
-    return tm.div(tm.F32(1.0), tm.sqrt(var, gpu), gpu)
+    return _rms_r(tm.tree_sum(ss), K, eps, gpu)
 
 
 def split_store(y, alpha_ref, split_layer, n0, m, ok, u_ref, ss_ref, gpu):
@@ -200,12 +203,6 @@ def split_native(x, weight, layer=None, **_):
     alpha = lax.dynamic_index_in_dim(weight, layer, keepdims=False).astype(tm.F32)[None, :]
     ss = tm.tree_sum(tm.mul(xf, xf, False).reshape(M, D // TWIN_SPLIT_GROUP, TWIN_SPLIT_GROUP))[..., 0]
     return tm.to_dtype(tm.mul(xf, alpha, False), x.dtype), ss
-
-
-def split_r_native(ss, K: int, eps: float):
-    """r [M, 1] of the consumer's half from ss [M, K / G] (plain jax.numpy, the bits of `split_r`)."""
-    var = tm.F32(eps) + tm.mul(tm.tree_sum(ss), tm.F32(1.0 / K), False)
-    return tm.div(tm.F32(1.0), tm.sqrt(var, False), False)
 
 
 def _stacked(weight, bias, layer, kind):

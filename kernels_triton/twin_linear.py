@@ -310,7 +310,8 @@ def _mma_norm(x, norm: TwinNorm | None, layer_t, K: int):
 
 @triton.jit
 def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, q_ptr, k_ptr,
-                v_ptr, M, eps, rms_eps, RMS: tl.constexpr, RMS_INV_K: tl.constexpr, K: tl.constexpr, B: tl.constexpr, T: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
+                v_ptr, M, eps, rms_eps, RMS: tl.constexpr, RMS_INV_K: tl.constexpr, K: tl.constexpr, B: tl.constexpr,
+                T: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                 D: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
                 INV_K: tl.constexpr, NORM_UNROLL: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (j, i): the MMA form's columns j*BN .. of rows i*R .. of qkv, then rope_write's

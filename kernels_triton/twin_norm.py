@@ -52,12 +52,17 @@ def row_stats(x_ptr, m, m_ok, eps, INV_D: tl.constexpr, D: tl.constexpr, BM: tl.
     norm calls this too."""
     zero = tl.zeros([BM], tl.float32)
     if RMS:
-        var = eps + _row_sum(x_ptr, m, m_ok, zero, D, BM, BK, True, False, UNROLL) * INV_D
-        mean = zero
-    else:
-        mean = _row_sum(x_ptr, m, m_ok, zero, D, BM, BK, False, False, UNROLL) * INV_D
-        var = _row_sum(x_ptr, m, m_ok, mean, D, BM, BK, True, True, UNROLL) * INV_D + eps
-    return mean, tl.math.div_rn(tl.full([BM], 1.0, tl.float32), tl.math.sqrt_rn(var))
+        return zero, _rms_r(_row_sum(x_ptr, m, m_ok, zero, D, BM, BK, True, False, UNROLL), eps, INV_D)
+    mean = _row_sum(x_ptr, m, m_ok, zero, D, BM, BK, False, False, UNROLL) * INV_D
+    var = _row_sum(x_ptr, m, m_ok, mean, D, BM, BK, True, True, UNROLL) * INV_D + eps
+    return mean, tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.math.sqrt_rn(var))
+
+
+@triton.jit
+def _rms_r(ss, eps, INV_D: tl.constexpr):
+    """The RMSNorm's r = 1 / sqrt(eps + ss * inv_D) from the rows' sums of squares ss [BM]."""
+    var = eps + ss * INV_D
+    return tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.math.sqrt_rn(var))
 
 
 @triton.jit
@@ -119,8 +124,7 @@ def split_r(ss_ptr, m, m_ok, eps, INV_K: tl.constexpr, K: tl.constexpr, R: tl.co
     """r [R] of the split norm from the partial sums ss [M, K/G] of rows m."""
     G: tl.constexpr = K // _SPLIT_GROUP
     ss = tl.load(ss_ptr + m[:, None] * G + tl.arange(0, G)[None, :], mask=m_ok[:, None], other=0.0)
-    var = eps + tm.tree_sum(ss, R, G) * INV_K
-    return tl.math.div_rn(tl.full([R], 1.0, tl.float32), tl.math.sqrt_rn(var))
+    return _rms_r(tm.tree_sum(ss, R, G), eps, INV_K)
 
 
 @triton.jit
