@@ -21,13 +21,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas import twin_attention, twin_linear, twin_norm, twin_rope
-from kernels_pallas.common import TwinNorm, TwinRms, TwinSplit, twin_sems_size, twin_split_norm
+from kernels_pallas import twin_attention, twin_entry, twin_linear, twin_norm
+from kernels_pallas.common import TwinNorm, TwinRms, TwinSplit, twin_split_norm
 
 from .config import MimiConfig, StackConfig, TemporalConfig, weight_specs
 from .ops import layer_norm, linear, ring_attention, rms_norm_f32
 from .state import StreamState
-from .tables import StepTables, rope_freqs, step_tables
+from .tables import StepTables, rope_freqs, step_tables, visible_mask
 
 LAYER_LOOPS = ("scan", "python")
 
@@ -129,10 +129,17 @@ def twin_mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, ac
 TWIN_LAYERS = {temporal_layer: twin_temporal_layer, mimi_layer: twin_mimi_layer}
 
 
-def twin_tables(tables: StepTables, offset, T: int, freqs) -> StepTables:
-    """`tables` with the twin RoPE tables (kernels_pallas.twin_rope.tables), [B, 1, T, D/2]."""
-    cos, sin = twin_rope.tables(offset, T, jnp.asarray(freqs, jnp.float32))
-    return tables._replace(cos=cos[:, None], sin=sin[:, None])
+def twin_entry_tables(c: StackConfig, state: StreamState, x, active, freqs):
+    """The twin step's entry (`kernels_pallas.twin_entry`, one launch): (tables, write_mask, x, sems).
+
+    tables: the step's `StepTables` (write_mask bool and the mask, from the kernel's tables: both
+    computed only where read, e.g. captured); write_mask: the int32 the layers' kernels read in its
+    place; x: a copy of x (the layer loop's first carry); sems: the zeroed counters."""
+    e = twin_entry.entry(state.offset, state.start_offset, active, x, jnp.asarray(freqs, jnp.float32),
+                         capacity=c.capacity, convention=c.ring_convention, num_heads=c.num_heads)
+    tables = StepTables(e.cos[:, None], e.sin[:, None], e.write_index, e.positions,
+                        visible_mask(e.q_pos, e.positions, c.context), e.end_offset, e.q_pos, e.write_mask != 0)
+    return tables, e.write_mask, e.x, e.sems
 
 
 def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables: StepTables, active, *,
@@ -143,14 +150,12 @@ def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables:
     "python": a loop with constant layer indexes, so XLA slices weights and rings statically.
     kernels="twin": the twin layer, which reads the stacked weights in place at the (traced)
     layer index, so the scan carries no weight slices (as `lax.fori_loop`, itself a scan, whose
-    counter is that index).
+    counter is that index); carry (x, ring_k, ring_v, sems) and tables as `twin_entry_tables`
+    makes them.
     """
     if kernels == "twin":
         twin_fn = TWIN_LAYERS[layer_fn]
-        # the write mask as the int32 the ring-write kernel reads, once a step (else a convert a layer)
-        tables = tables._replace(write_mask=tables.write_mask.astype(jnp.int32))
         B, T = carry[0].shape[:2]
-        carry = (*carry, jnp.zeros((twin_sems_size(B, c.num_heads, T),), jnp.int32))
         if layer_fn is temporal_layer and twin_split_norm(c.dim, carry[0].dtype, jax.default_backend() == "gpu"):
             carry = (*carry, *twin_norm.split(carry[0].reshape(B * T, c.dim), stacked["norm1_alpha"], 0))
         if layer_loop == "python":
@@ -218,13 +223,16 @@ class _StackBase(nn.Module):
 
     def _layers(self, layer_fn, state: StreamState, x, active):
         c = self.config
-        tables = step_tables(c, state.offset, state.start_offset, active, x.shape[1], self.rope_freqs)
         if self.kernels == "twin":
             freqs = rope_freqs(c.head_dim, c.max_period) if self.rope_freqs is None else self.rope_freqs
-            tables = twin_tables(tables, state.offset, x.shape[1], freqs)
+            tables, write_mask, x, sems = twin_entry_tables(c, state, x, active, freqs)
+            carry, layer_tables = (x, state.k, state.v, sems), tables._replace(write_mask=write_mask)
+        else:
+            tables = step_tables(c, state.offset, state.start_offset, active, x.shape[1], self.rope_freqs)
+            carry, layer_tables = (x, state.k, state.v), tables
         self.sow("intermediates", "tables", tables)  # what every layer used (step_fn(capture=...))
         stacked = _LayerWeights(c, self.param_dtype, name="layers")()
-        x, k, v = run_layers(layer_fn, c, stacked, (x, state.k, state.v), tables, active,
+        x, k, v = run_layers(layer_fn, c, stacked, carry, layer_tables, active,
                              layer_loop=self.layer_loop, scan_unroll=self.scan_unroll,
                              exact_rope=self.exact_rope, kernels=self.kernels)
         return x, state._replace(k=k, v=v, offset=tables.end_offset)

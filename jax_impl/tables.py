@@ -72,19 +72,34 @@ def rope_tables(offset: jax.Array, T: int, head_dim: int, max_period: float,
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def ring_positions(offset, start_offset, active, T: int, capacity: int, convention: str) -> jax.Array:
-    """int [B, C]: the position each slot holds after this step's write, or -1."""
+def row_tables(offset, start_offset, active, t, slots, *, T: int, capacity: int, convention: str):
+    """The integer tables of rows offset, start_offset int [R], active [R] (bool, or int 0/1) at
+    query indexes t [Tq] and ring slots [S] (`build_step_tables`: arange(T), arange(C); the twin
+    entry kernel, `kernels_pallas.twin_entry`: one row's padded power-of-two tiles, so both compute
+    these with the same expressions). Returns (q_pos [R, Tq], write_index [R, Tq], write_mask bool
+    [R, Tq], end_offset [R], positions [R, S]: the position each slot holds after this step's
+    write, or -1), in offset's dtype."""
     if convention not in RING_CONVENTIONS:
         raise ValueError(f"ring_convention must be one of {RING_CONVENTIONS}, got {convention!r}")
     idx = offset.dtype
-    end_offset = offset + T * active.astype(idx)
+    on = active.astype(idx)
+    q_pos = offset[:, None] + t.astype(idx)[None, :]
+    write_mask = (on[:, None] != 0) & (q_pos >= start_offset[:, None])
+    end_offset = offset + T * on
     ref = (end_offset if convention == "personaplex" else offset + (T - 1))[:, None]
-    slots = jnp.arange(capacity, dtype=idx)
+    slots = slots.astype(idx)[None, :]
     delta = slots - ref % capacity
     # `delta <= 0`, not `< 0`: see torch_bridge/ring.py (slot `end` belongs to this lap).
     pos = jnp.where(delta <= 0, ref + delta, ref + delta - capacity)
     invisible = (slots >= end_offset[:, None]) | (pos < start_offset[:, None])
-    return jnp.where(invisible, jnp.asarray(-1, idx), pos)
+    positions = jnp.where(invisible, jnp.asarray(-1, idx), pos)
+    return q_pos, q_pos % capacity, write_mask, end_offset, positions
+
+
+def visible_mask(q_pos, positions, context: int) -> jax.Array:
+    """bool [B, 1, T, C]: slot c is visible to query t (the stacks' attention mask)."""
+    delta = q_pos[:, :, None] - positions[:, None, :]  # [B, T, C]
+    return ((positions[:, None, :] >= 0) & (delta >= 0) & (delta < context))[:, None]
 
 
 def build_step_tables(offset, start_offset, active, T: int, *, capacity: int, context: int,
@@ -93,13 +108,10 @@ def build_step_tables(offset, start_offset, active, T: int, *, capacity: int, co
     """All per-step tables; offset, start_offset int [B], active bool [B]."""
     idx = offset.dtype
     cos, sin = rope_tables(offset, T, head_dim, max_period, freqs)
-    q_pos = offset[:, None] + jnp.arange(T, dtype=idx)  # [B, T]
-    write_index = q_pos % capacity
-    positions = ring_positions(offset, start_offset, active, T, capacity, convention)
-    delta = q_pos[:, :, None] - positions[:, None, :]  # [B, T, C]
-    mask = (positions[:, None, :] >= 0) & (delta >= 0) & (delta < context)
-    write_mask = active[:, None] & (q_pos >= start_offset[:, None])
-    return StepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.astype(idx), q_pos,
+    q_pos, write_index, write_mask, end_offset, positions = row_tables(
+        offset, start_offset, active, jnp.arange(T, dtype=idx), jnp.arange(capacity, dtype=idx), T=T,
+        capacity=capacity, convention=convention)
+    return StepTables(cos, sin, write_index, positions, visible_mask(q_pos, positions, context), end_offset, q_pos,
                       write_mask)
 
 

@@ -4,6 +4,7 @@ kernels; Triton twins in `kernels_triton.twin_rope`, plain references `*_native`
 Contract (beside `twin_math`'s):
 
     tables:  angle[b, t, i] = (float32(offset[b]) + t) * freqs[i];  (sin, cos) = twin_math.sincos(angle)
+             (made by the step's entry kernel, `twin_entry`, with the rest of the step's tables)
     rotate:  GPT-J pairs (r, i) = (x[2j], x[2j+1]) of q and k, in float32:
              r' = to_dtype(r*cos - i*sin),  i' = to_dtype(r*sin + i*cos)   (each product rounded)
     write:   ring_k[layer, b, h, write_index[b, t]] = k'[b, h, t], ring_v[...] = v[b, h, t] where
@@ -24,47 +25,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.common import check_twin_rope, next_pow2
+from kernels_pallas.common import check_twin_rope
 
 
-def _tables_kernel(offset_ref, freqs_ref, cos_ref, sin_ref, *, Tp, half, gpu):
-    b = pl.program_id(0)
-    t = jnp.arange(Tp, dtype=jnp.int32)
-    pos = offset_ref[b].astype(tm.F32) + t.astype(tm.F32)                     # [Tp]
-    angle = tm.mul(pos[:, None], freqs_ref[...][None, :], gpu)              # [Tp, half]
-    sin, cos = tm.sincos(angle, gpu)
-    cos_ref[...], sin_ref[...] = cos[None], sin[None]
-
-
-def tables(offset: jax.Array, T: int, freqs: jax.Array, *, interpret: bool | None = None):
-    """(cos, sin) float32 [B, T, D/2] for positions offset[b] + t; offset int [B], freqs float32 [D/2].
-
-    One program per row computes next_pow2(T) positions (power-of-two tiles); the extra ones are
-    sliced off.
-    """
-    B, half = offset.shape[0], freqs.shape[0]
-    if half & (half - 1):
-        raise ValueError(f"tables(freqs): D/2 must be a power of two, got {half}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    Tp = next_pow2(T)
-    out = jax.ShapeDtypeStruct((B, Tp, half), tm.F32)
-    row = pl.BlockSpec((1, Tp, half), lambda b: (b, 0, 0))
-    cos, sin = pl.pallas_call(
-        functools.partial(_tables_kernel, Tp=Tp, half=half, gpu=not interpret),
-        out_shape=(out, out), grid=(B,), in_specs=[pl.BlockSpec((B,), lambda b: (0,)),
-                                                   pl.BlockSpec((half,), lambda b: (0,))],
-        out_specs=(row, row), interpret=interpret, name="twin_rope_tables",
-        compiler_params=pltriton.CompilerParams(),  # Triton, not whatever the default backend is
-    )(offset.astype(jnp.int32), freqs.astype(tm.F32))
-    return cos[:, :T], sin[:, :T]
+def angle_sincos(pos, freqs, gpu: bool):
+    """(cos, sin) float32 [..., D/2] of the contract's angles pos[..., None] * freqs (one rounded
+    product each); pos: float32 positions [...], freqs: float32 [D/2]. The step's entry kernel
+    (`twin_entry`) computes its rows' tables with it, `tables_native` all rows'."""
+    sin, cos = tm.sincos(tm.mul(pos[..., None], freqs, gpu), gpu)
+    return cos, sin
 
 
 def tables_native(offset, T: int, freqs):
-    """The plain jax.numpy reference of `tables`."""
-    pos = offset.astype(tm.F32)[:, None] + jnp.arange(T, dtype=tm.F32)
-    sin, cos = tm.sincos(tm.mul(pos[:, :, None], freqs.astype(tm.F32), False), False)
-    return cos, sin
+    """(cos, sin) float32 [B, T, D/2] for positions offset[b] + t: the plain jax.numpy reference of
+    the tables `twin_entry.entry` makes (and of `kernels_triton.twin_rope.tables`)."""
+    return angle_sincos(offset.astype(tm.F32)[:, None] + jnp.arange(T, dtype=tm.F32), freqs.astype(tm.F32), False)
 
 
 def rotate(r, i, cos, sin, dtype, gpu):

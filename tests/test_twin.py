@@ -27,6 +27,7 @@ from jax_impl.parity import bits
 from jax_impl.tables import rope_freqs
 from kernels_pallas import common
 from kernels_pallas import twin_attention as pa
+from kernels_pallas import twin_entry as pe
 from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_math as pm
 from kernels_pallas import twin_norm as pn
@@ -40,6 +41,7 @@ from kernels_triton import twin_rope as tr
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.crosscheck import crosscheck
 from torch_bridge.dlpack import to_jax
+from torch_bridge.ring import build_step_tables as build_torch_tables
 
 NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -637,19 +639,39 @@ def test_norm_twins_same_bits(kind, M, D, dtype):
     assert np.abs(np.asarray(y_p, np.float64) - want).max() <= tol * np.abs(want).max()
 
 
-@pytest.mark.parametrize("B,T,H,D,C,dtype", [(3, 1, 4, 16, 24, "float32"), (2, 10, 3, 8, 12, "bfloat16")])
-def test_rope_tables_and_write_twins_same_bits(B, T, H, D, C, dtype):
+@pytest.mark.parametrize("B,T,H,D,C,dtype,convention", [(3, 1, 4, 16, 24, "float32", "personaplex"),
+                                                        (2, 10, 3, 8, 12, "bfloat16", "moshi"),
+                                                        (3, 2, 2, 8, 1100, "bfloat16", "personaplex")])
+def test_entry_tables_and_rope_write_twins_same_bits(B, T, H, D, C, dtype, convention):
+    """The step's entry kernel: its RoPE tables have the Triton tables' bits (and the reference's),
+    its integer tables the torch path's and jax.numpy's values; counters 0, x copied. Rows: one
+    fresh, one past a ring wrap with a recycled start, one inactive. C = 1100: several tiles."""
     rng = np.random.default_rng(T)
-    offset = rng.integers(0, 5000, B).astype(np.int32)
+    offset = np.array([0, 5 * C + 7, 3 * C + 1][:B], np.int32)
+    start = np.array([0, 5 * C + 3, C][:B], np.int32)
+    active = np.array([True, True, False][:B])
+    x = rng.standard_normal((B, T, 6)).astype(NP[dtype])
     freqs = rope_freqs(D, 10000.0)
-    c_p, s_p = jax.jit(lambda o: pr.tables(o, T, freqs))(offset)
-    c_n, s_n = pr.tables_native(jnp.asarray(offset), T, jnp.asarray(freqs))
+    kw = dict(capacity=C, convention=convention, num_heads=H)
+    e = jax.jit(lambda *a: pe.entry(*a, **kw))(offset, start, active, x, freqs)
+    e_n = pe.entry_native(*map(jnp.asarray, (offset, start, active, x, freqs)), **kw)
+    for name, a, n in zip(pe.Entry._fields, e, e_n):
+        assert_same(a, n, what=name)
     c_t, s_t = tr.tables(torch.from_numpy(offset), T, torch.from_numpy(freqs))
-    assert_same(c_p, c_n, c_t, what="cos")
-    assert_same(s_p, s_n, s_t, what="sin")
+    assert_same(e.cos, c_t, what="cos")
+    assert_same(e.sin, s_t, what="sin")
+    want = build_torch_tables(*map(torch.from_numpy, (offset, start, active)), T, capacity=C, context=C,
+                              head_dim=D, max_period=10000.0, convention=convention)
+    for name in ("q_pos", "write_index", "positions", "end_offset", "write_mask"):  # torch's: int64, bool
+        assert_same(getattr(e, name), getattr(want, name).to(torch.int32), what=name)
+    pos = np.asarray(e.positions)  # row 1: a recycled start past a wrap; row 2: a full wrapped ring
+    assert (pos[1] == -1).any() and (pos[1] > C).any() and (pos[B - 1] >= 0).all() == (B == 3)
+    assert not np.asarray(e.sems).any() and e.sems.shape == (common.twin_sems_size(B, H, T),)
+    assert_same(e.x, x, what="x")
     # the contract's float32 angle (one rounded product), then cos in float64: a few ulp of 1
     angle = (offset[:, None, None].astype(np.float32) + np.arange(T, dtype=np.float32)[None, :, None]) * freqs
-    assert np.abs(np.asarray(c_p) - np.cos(angle.astype(np.float64))).max() < 5e-7
+    assert np.abs(np.asarray(e.cos) - np.cos(angle.astype(np.float64))).max() < 5e-7
+    c_p, s_p = e.cos, e.sin
     qkv = rng.standard_normal((B, T, 3, H, D)).astype(NP[dtype])
     ring_k, ring_v = (rng.standard_normal((2, B, H, C, D)).astype(NP[dtype]) for _ in range(2))
     slots = ((offset[:, None] + np.arange(T)) % C).astype(np.int32)

@@ -1,0 +1,150 @@
+"""The twin step's entry as one Pallas kernel: every per-step table, the kernels' zeroed counters and
+the layer loop's first carry in one launch; plain reference `entry_native` beside it.
+
+Each of these was a launch of its own on an H200 (an XLA fusion or two for the integer tables, the
+RoPE tables kernel, a memset of the counters, a copy of x into the loop's carry, a copy of the
+offsets before the fusion that overwrote them): 5 to 8 of a step's launches, issue 10's bounds are
+200 (Helium) and 50 (Mimi). The torch twin step builds the same tables with torch operations and
+`kernels_triton.twin_rope.tables` (its launches cost nothing under a CUDA graph).
+
+Program b (one per row) writes, for that row:
+
+    cos, sin [T, D/2]    twin_rope's contract: angle = (float32(offset) + t) * freqs, `twin_math.sincos`
+    q_pos, write_index, write_mask, end_offset [T] / [1], positions [C]
+                         `jax_impl.tables.row_tables` on the row's tiles: the expressions of the
+                         jax.numpy tables, integers, exact
+    sems [H*T] = 0       the counters of the step's attention kernels (`twin_attention.attention(sems=)`)
+    x [T, dim]           a copy of the step's input: the layer loop's carry starts in a buffer a kernel
+                         wrote (XLA copies a caller's x into the loop otherwise)
+
+end_offset is written over offset (aliased: in place when the state is donated). Nothing here is
+summed or rounded across rows: batch-invariant by construction.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jax_impl.tables import row_tables
+from kernels_pallas import twin_rope
+from kernels_pallas.common import next_pow2
+
+TILE = 1024  # elements of positions and of x a program handles at a time (a loop over tiles)
+
+
+class Entry(NamedTuple):
+    """What `entry` returns. Integer tables in offset's dtype, write_mask int32 (the kernels read it so)."""
+
+    end_offset: jax.Array   # [B]        offset + T * active
+    cos: jax.Array          # f32 [B, T, D/2]
+    sin: jax.Array          # f32 [B, T, D/2]
+    q_pos: jax.Array        # [B, T]     offset + t
+    write_index: jax.Array  # [B, T]     q_pos % C
+    write_mask: jax.Array   # int32 [B, T]  1: query t writes its k, v (active, q_pos >= start_offset)
+    positions: jax.Array    # [B, C]     the position each slot holds after the write, or -1
+    sems: jax.Array         # int32 [B * H * T] zeros
+    x: jax.Array            # [B, T, dim] a copy of x
+
+
+def _entry_kernel(offset_ref, start_ref, active_ref, freqs_ref, x_ref, end_ref, cos_ref, sin_ref, qpos_ref,
+                  slot_ref, wmask_ref, pos_ref, sems_ref, xout_ref, *, T, C, HT, X, convention, gpu):
+    b = pl.program_id(0)
+    one = jnp.arange(1, dtype=jnp.int32)
+    offset, start = pltriton.load(offset_ref.at[b + one]), pltriton.load(start_ref.at[b + one])   # [1]
+    active = pltriton.load(active_ref.at[b + one])
+    # Every tile is a power of two; the lanes past the end repeat the last element (its index, so its
+    # value), so no store is masked: a duplicate writes the same value to the same place, on the GPU
+    # as interpreted (where a masked store would write the old value back through a duplicate index).
+    t = jnp.minimum(jnp.arange(next_pow2(T), dtype=jnp.int32), T - 1)
+    rows = functools.partial(row_tables, offset, start, active, T=T, capacity=C, convention=convention)
+    q_pos, write_index, write_mask, end_offset, _ = rows(t, t)
+    at_t = b * T + t
+    pltriton.store(qpos_ref.at[at_t], q_pos[0])
+    pltriton.store(slot_ref.at[at_t], write_index[0])
+    pltriton.store(wmask_ref.at[at_t], write_mask[0].astype(jnp.int32))
+    pltriton.store(end_ref.at[b + one], end_offset)
+
+    cos, sin = twin_rope.angle_sincos(offset.astype(jnp.float32) + t.astype(jnp.float32), freqs_ref[...], gpu)
+    half = cos.shape[1]
+    at_ti = at_t[:, None] * half + jnp.arange(half, dtype=jnp.int32)[None, :]        # [Tp, half]
+    pltriton.store(cos_ref.at[at_ti], cos)
+    pltriton.store(sin_ref.at[at_ti], sin)
+
+    def tiles(n: int, body):  # body(i) over 0..n-1 in tiles of at most TILE (the last one's end repeated)
+        size = min(TILE, next_pow2(n))
+
+        def step(j, carry):
+            body(jnp.minimum(j * size + jnp.arange(size, dtype=jnp.int32), n - 1))
+            return carry
+
+        lax.fori_loop(0, -(-n // size), step, 0)
+
+    tiles(C, lambda c: pltriton.store(pos_ref.at[b * C + c], rows(t, c)[4][0]))
+    tiles(HT, lambda i: pltriton.store(sems_ref.at[b * HT + i], jnp.zeros(i.shape, jnp.int32)))
+    tiles(X, lambda i: pltriton.store(xout_ref.at[b * X + i], pltriton.load(x_ref.at[b * X + i])))
+
+
+def _check(offset, start_offset, active, x, freqs):
+    B = offset.shape[0] if len(offset.shape) == 1 else -1
+    for name, a in (("offset", offset), ("start_offset", start_offset)):
+        if tuple(a.shape) != (B,) or not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"entry({name}): expected an integer [B] array, got {a.dtype}{list(a.shape)}")
+    if start_offset.dtype != offset.dtype:
+        raise ValueError(f"entry(start_offset): expected offset's dtype {offset.dtype}, got {start_offset.dtype}")
+    if tuple(active.shape) != (B,) or active.dtype != jnp.bool_:
+        raise ValueError(f"entry(active): expected bool [{B}], got {active.dtype}{list(active.shape)}")
+    if len(x.shape) != 3 or x.shape[0] != B:
+        raise ValueError(f"entry(x): expected [{B}, T, dim], got {list(x.shape)}")
+    half = freqs.shape[0]
+    if len(freqs.shape) != 1 or half & (half - 1):
+        raise ValueError(f"entry(freqs): expected [D/2] with D/2 a power of two, got {list(freqs.shape)}")
+    return B, x.shape[1], half
+
+
+def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array, x: jax.Array, freqs: jax.Array, *,
+          capacity: int, convention: str, num_heads: int, interpret: bool | None = None) -> Entry:
+    """The step's tables, counters and carry (`Entry`) in one launch.
+
+    offset, start_offset: int [B] (one dtype); active: bool [B]; x: [B, T, dim]; freqs: float32 [D/2];
+    capacity: the ring's slots C; convention: the ring convention (`jax_impl.config.RING_CONVENTIONS`);
+    num_heads: H (the counters are `common.twin_sems_size(B, H, T)`).
+    """
+    B, T, half = _check(offset, start_offset, active, x, freqs)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    idx = offset.dtype
+    HT, X = num_heads * T, T * x.shape[2]
+    kernel = functools.partial(_entry_kernel, T=T, C=capacity, HT=HT, X=X, convention=convention,
+                               gpu=not interpret)
+    shape = jax.ShapeDtypeStruct
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=(shape((B,), idx), shape((B * T * half,), jnp.float32), shape((B * T * half,), jnp.float32),
+                   shape((B * T,), idx), shape((B * T,), idx), shape((B * T,), jnp.int32),
+                   shape((B * capacity,), idx), shape((B * HT,), jnp.int32), shape((B * X,), x.dtype)),
+        grid=(B,), input_output_aliases={0: 0}, interpret=interpret, name="twin_entry",
+        compiler_params=pltriton.CompilerParams(),  # Triton, not whatever the default backend is
+    )(offset, start_offset, active, freqs.astype(jnp.float32), x.reshape(-1))
+    end, cos, sin, q_pos, slot, wmask, pos, sems, x_out = outs
+    return Entry(end, cos.reshape(B, T, half), sin.reshape(B, T, half), q_pos.reshape(B, T), slot.reshape(B, T),
+                 wmask.reshape(B, T), pos.reshape(B, capacity), sems, x_out.reshape(x.shape))
+
+
+def entry_native(offset, start_offset, active, x, freqs, *, capacity: int, convention: str, num_heads: int,
+                 **_) -> Entry:
+    """The plain jax.numpy reference of `entry` (same signature and bits)."""
+    B, T, _half = _check(offset, start_offset, active, x, freqs)
+    idx = offset.dtype
+    q_pos, write_index, write_mask, end_offset, positions = row_tables(
+        offset, start_offset, active, jnp.arange(T, dtype=idx), jnp.arange(capacity, dtype=idx), T=T,
+        capacity=capacity, convention=convention)
+    cos, sin = twin_rope.tables_native(offset, T, freqs)
+    return Entry(end_offset, cos, sin, q_pos, write_index, write_mask.astype(jnp.int32), positions,
+                 jnp.zeros((B * num_heads * T,), jnp.int32), x)
