@@ -28,6 +28,7 @@ from cuda_timing import cuda_time
 from jax_impl.parity import bits
 from jax_impl.tables import rope_freqs
 from kernels_pallas import twin_attention as pa
+from kernels_pallas import twin_entry as pe
 from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_norm as pn
 from kernels_pallas import twin_rope as pr
@@ -103,7 +104,11 @@ def case_norm(rec, M, D, kind):
 def case_rope(rec, B, T, H, D, C, L):
     offset = torch.randint(0, 10**5, (B,), device="cuda", dtype=torch.int32)
     freqs = torch.from_numpy(rope_freqs(D, 10000.0)).cuda()
-    cj, sj = jax.jit(lambda o, f: pr.tables(o, T, f))(to_jax(offset), to_jax(freqs))
+    x = randn(B, T, 8)
+    entry = jax.jit(lambda o, f, x: pe.entry(o, jnp.zeros_like(o), jnp.ones(o.shape, bool), x, f, capacity=C,
+                                             convention="personaplex", num_heads=H))
+    e = entry(to_jax(offset), to_jax(freqs), to_jax(x))
+    cj, sj = e.cos, e.sin
     ct, st = tr.tables(offset, T, freqs)
     qkv = randn(B, T, 3, H, D)
     rk, rv = randn(L, B, H, C, D, seed=4), randn(L, B, H, C, D, seed=5)

@@ -652,7 +652,7 @@ def test_entry_tables_and_rope_write_twins_same_bits(B, T, H, D, C, dtype, conve
     active = np.array([True, True, False][:B])
     x = rng.standard_normal((B, T, 6)).astype(NP[dtype])
     freqs = rope_freqs(D, 10000.0)
-    kw = dict(capacity=C, convention=convention, num_heads=H)
+    kw = {"capacity": C, "convention": convention, "num_heads": H}
     e = jax.jit(lambda *a: pe.entry(*a, **kw))(offset, start, active, x, freqs)
     e_n = pe.entry_native(*map(jnp.asarray, (offset, start, active, x, freqs)), **kw)
     for name, a, n in zip(pe.Entry._fields, e, e_n):
@@ -664,8 +664,10 @@ def test_entry_tables_and_rope_write_twins_same_bits(B, T, H, D, C, dtype, conve
                               head_dim=D, max_period=10000.0, convention=convention)
     for name in ("q_pos", "write_index", "positions", "end_offset", "write_mask"):  # torch's: int64, bool
         assert_same(getattr(e, name), getattr(want, name).to(torch.int32), what=name)
-    pos = np.asarray(e.positions)  # row 1: a recycled start past a wrap; row 2: a full wrapped ring
-    assert (pos[1] == -1).any() and (pos[1] > C).any() and (pos[B - 1] >= 0).all() == (B == 3)
+    pos = np.asarray(e.positions)  # row 1: past a wrap, recycled below its start; row 2: a full wrapped ring
+    assert pos[1].max() >= 5 * C and ((pos[1] == -1) | (pos[1] >= start[1])).all()
+    if B == 3:
+        assert (pos[1] == -1).any() and (pos[2] >= 0).all()
     assert not np.asarray(e.sems).any() and e.sems.shape == (common.twin_sems_size(B, H, T),)
     assert_same(e.x, x, what="x")
     # the contract's float32 angle (one rounded product), then cos in float64: a few ulp of 1
