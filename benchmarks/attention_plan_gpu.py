@@ -1,0 +1,86 @@
+"""The twin attention's plan (slots per block BC, slots per split `chunk`) against the ring's copy rate,
+at the temporal sizes (32 heads, head 128, 3000 slots, bf16), B = 1, 4, 16: which plan reads the
+ring fastest in the JAX step's kernel (Pallas), and whether the Triton twin still gives its bits.
+
+    python benchmarks/attention_plan_gpu.py --out $OUT/attention_plan.json
+
+The plan is part of the numerics contract (`common.twin_attention_plan`, read by both packages at
+call time): another plan gives other bits, the same on both sides. Per plan, warps and B: ms per
+layer of the Pallas kernel (one jit of 2 x L calls over L stacked layers, larger than the L2, host
+timed, median of 10), the ring bytes per second and their share of the copy rate measured in the
+same run, and for each plan at B=4 whether Pallas == Triton bit for bit. Never part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+
+import jax
+import jax.numpy as jnp
+import torch
+from cuda_timing import copy_bandwidth
+from twin_tune_gpu import jax_ms, randn, same, with_contract
+
+from kernels_pallas import common
+from kernels_pallas import twin_attention as pa
+from kernels_triton import twin_attention as ta
+from torch_bridge.dlpack import to_jax
+
+PLANS = ((64, 256), (64, 128), (32, 128), (64, 64), (32, 64), (128, 256))
+H, D, C, T, L = 32, 128, 3000, 1, 8
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="attention_plan.json")
+    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--warps", default="2,4")
+    args = parser.parse_args()
+    ceiling = copy_bandwidth()
+    default = (common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK)
+    res = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+                    "jax": jax.__version__, "torch": torch.__version__, "copy_TBps": ceiling / 1e12,
+                    "default_plan": default, "H": H, "D": D, "C": C, "layers": L}, "rows": []}
+    for B in (int(b) for b in args.batches.split(",")):
+        q = randn(B, H, T, D)
+        ring_k, ring_v = randn(L, B, H, C, D, seed=1), randn(L, B, H, C, D, seed=2)
+        positions = torch.arange(C, device="cuda", dtype=torch.int32)[None].expand(B, C).contiguous()
+        q_pos = torch.full((B, T), C - 1, device="cuda", dtype=torch.int32)
+        jargs = tuple(to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
+        layer_bytes = 2 * B * H * C * D * 2
+        for bc, chunk in PLANS:
+            with_contract(TWIN_ATTENTION_BC=bc, TWIN_ATTENTION_CHUNK=chunk)
+            for wp in (int(w) for w in args.warps.split(",")):
+                row = {"B": B, "bc": bc, "chunk": chunk, "splits": common.twin_attention_plan(C)[2], "warps": wp}
+                try:
+                    def layers(q, k, v, p, qp, wp=wp, B=B):  # as in the step: one set of counters, carried
+                        sems, outs = jnp.zeros((common.twin_sems_size(B, H, T),), jnp.int32), []
+                        for i in range(2 * L):
+                            o, sems = pa.attention(q, k, v, i % L, p, qp, context=C, sems=sems, num_warps=wp)
+                            outs.append(o)
+                        return outs
+
+                    fn = jax.jit(layers)
+                    ms = jax_ms(fn, jargs, 2 * L)
+                    row.update(us_per_layer=1e3 * ms, TBps=layer_bytes / (ms * 1e-3) / 1e12,
+                               of_copy=layer_bytes / (ms * 1e-3) / ceiling)
+                    if B == 4 and wp == 2:
+                        yj = jax.jit(lambda q, k, v, p, qp: pa.attention(q, k, v, L - 1, p, qp, context=C,
+                                                                        num_warps=2))(*jargs)
+                        row["pallas_equals_triton"] = same(yj, ta.attention(q, ring_k, ring_v, L - 1, positions,
+                                                                            q_pos, context=C))
+                except Exception as e:  # noqa: BLE001 (recorded: a plan that fails, the sweep goes on)
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                res["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                with open(args.out, "w") as f:
+                    json.dump(res, f, indent=1)
+        del q, ring_k, ring_v, jargs
+        torch.cuda.empty_cache()
+    with_contract(TWIN_ATTENTION_BC=default[0], TWIN_ATTENTION_CHUNK=default[1])
+
+
+if __name__ == "__main__":
+    main()
