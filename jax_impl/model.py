@@ -228,6 +228,7 @@ class _StackBase(nn.Module):
             tables, write_mask, x, sems = twin_entry_tables(c, state, x, active, freqs)
             carry, layer_tables = (x, state.k, state.v, sems), tables._replace(write_mask=write_mask)
         else:
+            active = jnp.ones((x.shape[0],), bool) if active is None else active
             tables = step_tables(c, state.offset, state.start_offset, active, x.shape[1], self.rope_freqs)
             carry, layer_tables = (x, state.k, state.v), tables
         self.sow("intermediates", "tables", tables)  # what every layer used (step_fn(capture=...))
@@ -243,7 +244,7 @@ class _StackBase(nn.Module):
 
 
 class TemporalStack(_StackBase):
-    """Helium temporal stack: (state, x [B, T, dim], active [B]) ->
+    """Helium temporal stack: (state, x [B, T, dim], active [B] or None: every row) ->
     ((out [B, T, dim], text_logits [B, 1, T, text_card]), new_state)."""
 
     @nn.compact
@@ -259,7 +260,7 @@ class TemporalStack(_StackBase):
 
 
 class MimiStack(_StackBase):
-    """Mimi codec transformer: (state, x [B, T, dim], active [B]) -> (out [B, T, dim], new_state)."""
+    """Mimi codec transformer: (state, x [B, T, dim], active [B] or None: every row) -> (out [B, T, dim], new_state)."""
 
     @nn.compact
     def __call__(self, state: StreamState, x, active):

@@ -30,8 +30,9 @@ from .stream_io import read_stream, state_from_snapshot, state_snapshot, write_s
 from .weights import check_params
 
 
-def check_step_inputs(config: StackConfig, params, state: StreamState, x, active) -> jax.Array:
-    """Validate (params, state, x, active) of a step; returns active (all True when None).
+def check_step_inputs(config: StackConfig, params, state: StreamState, x, active) -> jax.Array | None:
+    """Validate (params, state, x, active) of a step; returns active (None: every row, which the stack
+    knows when it is traced: the twin step then reads no active operand at all).
 
     x may have another dtype than the state when the cast is exact (bf16/f16 x into a float32
     stack: the step casts it); a cast that would round x is refused, as on the torch side.
@@ -63,7 +64,7 @@ def check_step_inputs(config: StackConfig, params, state: StreamState, x, active
                         f"{x_dtype} -> {dtype} would round x, so it is refused: pass "
                         f"x.astype(jnp.{jnp.dtype(dtype).name}) if that rounding is what you want")
     if active is None:
-        return jnp.ones((B,), bool)
+        return None
     a_dtype = getattr(active, "dtype", None)
     if a_dtype is None or jnp.dtype(a_dtype) != jnp.bool_:
         raise TypeError(f"step(active): active must be a bool array, got {a_dtype or type(active).__name__}")

@@ -53,12 +53,17 @@ class Entry(NamedTuple):
     x: jax.Array            # [B, T, dim] a copy of x
 
 
-def _entry_kernel(offset_ref, start_ref, active_ref, freqs_ref, x_ref, end_ref, cos_ref, sin_ref, qpos_ref,
-                  slot_ref, wmask_ref, pos_ref, sems_ref, xout_ref, *, T, C, HT, X, convention, gpu):
+def _entry_kernel(*refs, T, C, HT, X, convention, all_active, gpu):
+    """refs: offset, start_offset, active (unless all_active), freqs, x, then the outputs (`Entry`'s order)."""
+    if all_active:
+        offset_ref, start_ref, freqs_ref, x_ref, *outs = refs
+    else:
+        offset_ref, start_ref, active_ref, freqs_ref, x_ref, *outs = refs
+    end_ref, cos_ref, sin_ref, qpos_ref, slot_ref, wmask_ref, pos_ref, sems_ref, xout_ref = outs
     b = pl.program_id(0)
     one = jnp.arange(1, dtype=jnp.int32)
     offset, start = pltriton.load(offset_ref.at[b + one]), pltriton.load(start_ref.at[b + one])   # [1]
-    active = pltriton.load(active_ref.at[b + one])
+    active = jnp.ones((1,), jnp.bool_) if all_active else pltriton.load(active_ref.at[b + one])
     # Every tile is a power of two; the lanes past the end repeat the last element (its index, so its
     # value), so no store is masked: a duplicate writes the same value to the same place, on the GPU
     # as interpreted (where a masked store would write the old value back through a duplicate index).
@@ -98,7 +103,7 @@ def _check(offset, start_offset, active, x, freqs):
             raise ValueError(f"entry({name}): expected an integer [B] array, got {a.dtype}{list(a.shape)}")
     if start_offset.dtype != offset.dtype:
         raise ValueError(f"entry(start_offset): expected offset's dtype {offset.dtype}, got {start_offset.dtype}")
-    if tuple(active.shape) != (B,) or active.dtype != jnp.bool_:
+    if active is not None and (tuple(active.shape) != (B,) or active.dtype != jnp.bool_):
         raise ValueError(f"entry(active): expected bool [{B}], got {active.dtype}{list(active.shape)}")
     if len(x.shape) != 3 or x.shape[0] != B:
         raise ValueError(f"entry(x): expected [{B}, T, dim], got {list(x.shape)}")
@@ -108,11 +113,13 @@ def _check(offset, start_offset, active, x, freqs):
     return B, x.shape[1], half
 
 
-def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array, x: jax.Array, freqs: jax.Array, *,
+def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array | None, x: jax.Array, freqs: jax.Array, *,
           capacity: int, convention: str, num_heads: int, interpret: bool | None = None) -> Entry:
     """The step's tables, counters and carry (`Entry`) in one launch.
 
-    offset, start_offset: int [B] (one dtype); active: bool [B]; x: [B, T, dim]; freqs: float32 [D/2];
+    offset, start_offset: int [B] (one dtype); active: bool [B], or None: every row (known when the
+    step is traced, so not an operand: a [B] array of ones made in the step is a launch on a GPU);
+    x: [B, T, dim]; freqs: float32 [D/2];
     capacity: the ring's slots C; convention: the ring convention (`jax_impl.config.RING_CONVENTIONS`);
     num_heads: H (the counters are `common.twin_sems_size(B, H, T)`).
     """
@@ -122,7 +129,8 @@ def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array, x: jax.
     idx = offset.dtype
     HT, X = num_heads * T, T * x.shape[2]
     kernel = functools.partial(_entry_kernel, T=T, C=capacity, HT=HT, X=X, convention=convention,
-                               gpu=not interpret)
+                               all_active=active is None, gpu=not interpret)
+    operands = (offset, start_offset) + (() if active is None else (active,))
     shape = jax.ShapeDtypeStruct
     outs = pl.pallas_call(
         kernel,
@@ -131,7 +139,7 @@ def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array, x: jax.
                    shape((B * capacity,), idx), shape((B * HT,), jnp.int32), shape((B * X,), x.dtype)),
         grid=(B,), input_output_aliases={0: 0}, interpret=interpret, name="twin_entry",
         compiler_params=pltriton.CompilerParams(),  # Triton, not whatever the default backend is
-    )(offset, start_offset, active, freqs.astype(jnp.float32), x.reshape(-1))
+    )(*operands, freqs.astype(jnp.float32), x.reshape(-1))
     end, cos, sin, q_pos, slot, wmask, pos, sems, x_out = outs
     return Entry(end, cos.reshape(B, T, half), sin.reshape(B, T, half), q_pos.reshape(B, T), slot.reshape(B, T),
                  wmask.reshape(B, T), pos.reshape(B, capacity), sems, x_out.reshape(x.shape))
@@ -142,6 +150,7 @@ def entry_native(offset, start_offset, active, x, freqs, *, capacity: int, conve
     """The plain jax.numpy reference of `entry` (same signature and bits)."""
     B, T, _half = _check(offset, start_offset, active, x, freqs)
     idx = offset.dtype
+    active = jnp.ones((B,), bool) if active is None else active
     q_pos, write_index, write_mask, end_offset, positions = row_tables(
         offset, start_offset, active, jnp.arange(T, dtype=idx), jnp.arange(capacity, dtype=idx), T=T,
         capacity=capacity, convention=convention)

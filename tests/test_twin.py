@@ -657,6 +657,9 @@ def test_entry_tables_and_rope_write_twins_same_bits(B, T, H, D, C, dtype, conve
     e_n = pe.entry_native(*map(jnp.asarray, (offset, start, active, x, freqs)), **kw)
     for name, a, n in zip(pe.Entry._fields, e, e_n):
         assert_same(a, n, what=name)
+    every_row = jax.jit(lambda *a: pe.entry(a[0], a[1], None, *a[2:], **kw))(offset, start, x, freqs)
+    for name, a, n in zip(pe.Entry._fields, every_row, pe.entry(offset, start, np.ones(B, bool), x, freqs, **kw)):
+        assert_same(a, n, what=f"{name}, active None")  # None: every row, as all True
     c_t, s_t = tr.tables(torch.from_numpy(offset), T, torch.from_numpy(freqs))
     assert_same(e.cos, c_t, what="cos")
     assert_same(e.sin, s_t, what="sin")
