@@ -639,13 +639,15 @@ def test_norm_twins_same_bits(kind, M, D, dtype):
     assert np.abs(np.asarray(y_p, np.float64) - want).max() <= tol * np.abs(want).max()
 
 
-@pytest.mark.parametrize("B,T,H,D,C,dtype,convention", [(3, 1, 4, 16, 24, "float32", "personaplex"),
-                                                        (2, 10, 3, 8, 12, "bfloat16", "moshi"),
-                                                        (3, 2, 2, 8, 1100, "bfloat16", "personaplex")])
-def test_entry_tables_and_rope_write_twins_same_bits(B, T, H, D, C, dtype, convention):
+ENTRY_CASES = [(3, 1, 4, 16, 24, "float32", "personaplex"), (2, 10, 3, 8, 12, "bfloat16", "moshi"),
+               (3, 2, 2, 8, 1100, "bfloat16", "personaplex")]
+
+
+def _check_entry(B, T, H, D, C, dtype, convention, device):
     """The step's entry kernel: its RoPE tables have the Triton tables' bits (and the reference's),
     its integer tables the torch path's and jax.numpy's values; counters 0, x copied. Rows: one
-    fresh, one past a ring wrap with a recycled start, one inactive. C = 1100: several tiles."""
+    fresh, one past a ring wrap with a recycled start, one inactive. C = 1100: several tiles.
+    Returns (inputs, Pallas (cos, sin), Triton (cos, sin)); the Triton twin runs on `device`."""
     rng = np.random.default_rng(T)
     offset = np.array([0, 5 * C + 7, 3 * C + 1][:B], np.int32)
     start = np.array([0, 5 * C + 3, C][:B], np.int32)
@@ -660,13 +662,14 @@ def test_entry_tables_and_rope_write_twins_same_bits(B, T, H, D, C, dtype, conve
     every_row = jax.jit(lambda *a: pe.entry(a[0], a[1], None, *a[2:], **kw))(offset, start, x, freqs)
     for name, a, n in zip(pe.Entry._fields, every_row, pe.entry(offset, start, np.ones(B, bool), x, freqs, **kw)):
         assert_same(a, n, what=f"{name}, active None")  # None: every row, as all True
-    c_t, s_t = tr.tables(torch.from_numpy(offset), T, torch.from_numpy(freqs))
-    assert_same(e.cos, c_t, what="cos")
-    assert_same(e.sin, s_t, what="sin")
-    want = build_torch_tables(*map(torch.from_numpy, (offset, start, active)), T, capacity=C, context=C,
+    t = (lambda a: torch.from_numpy(a).to(device))
+    c_t, s_t = tr.tables(t(offset), T, t(freqs))
+    assert_same(e.cos, c_t.cpu(), what="cos")
+    assert_same(e.sin, s_t.cpu(), what="sin")
+    want = build_torch_tables(*map(t, (offset, start, active)), T, capacity=C, context=C,
                               head_dim=D, max_period=10000.0, convention=convention)
     for name in ("q_pos", "write_index", "positions", "end_offset", "write_mask"):  # torch's: int64, bool
-        assert_same(getattr(e, name), getattr(want, name).to(torch.int32), what=name)
+        assert_same(getattr(e, name), getattr(want, name).to(torch.int32).cpu(), what=name)
     pos = np.asarray(e.positions)  # row 1: past a wrap, recycled below its start; row 2: a full wrapped ring
     assert pos[1].max() >= 5 * C and ((pos[1] == -1) | (pos[1] >= start[1])).all()
     if B == 3:
@@ -676,7 +679,12 @@ def test_entry_tables_and_rope_write_twins_same_bits(B, T, H, D, C, dtype, conve
     # the contract's float32 angle (one rounded product), then cos in float64: a few ulp of 1
     angle = (offset[:, None, None].astype(np.float32) + np.arange(T, dtype=np.float32)[None, :, None]) * freqs
     assert np.abs(np.asarray(e.cos) - np.cos(angle.astype(np.float64))).max() < 5e-7
-    c_p, s_p = e.cos, e.sin
+    return (offset, rng), (e.cos, e.sin), (c_t, s_t)
+
+
+@pytest.mark.parametrize("B,T,H,D,C,dtype,convention", ENTRY_CASES)
+def test_entry_tables_and_rope_write_twins_same_bits(B, T, H, D, C, dtype, convention):
+    (offset, rng), (c_p, s_p), (c_t, s_t) = _check_entry(B, T, H, D, C, dtype, convention, "cpu")
     qkv = rng.standard_normal((B, T, 3, H, D)).astype(NP[dtype])
     ring_k, ring_v = (rng.standard_normal((2, B, H, C, D)).astype(NP[dtype]) for _ in range(2))
     slots = ((offset[:, None] + np.arange(T)) % C).astype(np.int32)
@@ -692,6 +700,13 @@ def test_entry_tables_and_rope_write_twins_same_bits(B, T, H, D, C, dtype, conve
         for t in range(T):
             if not written[b, t]:
                 assert_same(np.asarray(out_p[2])[1, b, :, slots[b, t]], ring_v[1, b, :, slots[b, t]], what="kept")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or jax.default_backend() != "gpu",
+                    reason="GPU only: the compiled entry kernel (CPU: the interpreted test above)")
+@pytest.mark.parametrize("B,T,H,D,C,dtype,convention", ENTRY_CASES)
+def test_entry_gpu_tables_same_bits(B, T, H, D, C, dtype, convention):
+    _check_entry(B, T, H, D, C, dtype, convention, "cuda")
 
 
 @pytest.mark.parametrize("B,H,T,D,C,dtype", [(3, 4, 1, 16, 24, "float32"), (2, 4, 2, 8, 10, "bfloat16"),
