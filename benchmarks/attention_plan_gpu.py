@@ -29,7 +29,8 @@ from kernels_triton import twin_attention as ta
 from torch_bridge.dlpack import to_jax
 
 PLANS = ((64, 256), (64, 128), (32, 128), (64, 64), (32, 64), (128, 256))
-H, D, C, T, L = 32, 128, 3000, 1, 8
+H, D, C, T = 32, 128, 3000, 1
+L = 8
 
 
 def main():
@@ -37,7 +38,11 @@ def main():
     parser.add_argument("--out", default="attention_plan.json")
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--warps", default="2,4")
+    parser.add_argument("--plans", default=",".join(f"{bc}x{ch}" for bc, ch in PLANS), help="BCxchunk, ...")
+    parser.add_argument("--chunks", default="none", help="the kernel's load chunks AxR, ... (none: whole blocks)")
+    parser.add_argument("--layers", type=int, default=L, help="stacked layers (more than fit in the L2)")
     args = parser.parse_args()
+    globals()["L"] = args.layers
     ceiling = copy_bandwidth()
     default = (common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK)
     res = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
@@ -50,15 +55,19 @@ def main():
         q_pos = torch.full((B, T), C - 1, device="cuda", dtype=torch.int32)
         jargs = tuple(to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
         layer_bytes = 2 * B * H * C * D * 2
-        for bc, chunk in PLANS:
+        plans = [tuple(int(v) for v in p_.split("x")) for p_ in args.plans.split(",")]
+        chunk_sets = [None if c_ == "none" else tuple(int(v) for v in c_.split("x")) for c_ in args.chunks.split(",")]
+        for (bc, chunk), ch in ((p_, c_) for p_ in plans for c_ in chunk_sets):
             with_contract(TWIN_ATTENTION_BC=bc, TWIN_ATTENTION_CHUNK=chunk)
             for wp in (int(w) for w in args.warps.split(",")):
-                row = {"B": B, "bc": bc, "chunk": chunk, "splits": common.twin_attention_plan(C)[2], "warps": wp}
+                row = {"B": B, "bc": bc, "chunk": chunk, "splits": common.twin_attention_plan(C)[2], "warps": wp,
+                       "chunks": ch}
                 try:
-                    def layers(q, k, v, p, qp, wp=wp, B=B):  # as in the step: one set of counters, carried
+                    def layers(q, k, v, p, qp, wp=wp, B=B, ch=ch):  # as in the step: one set of counters, carried
                         sems, outs = jnp.zeros((common.twin_sems_size(B, H, T),), jnp.int32), []
                         for i in range(2 * L):
-                            o, sems = pa.attention(q, k, v, i % L, p, qp, context=C, sems=sems, num_warps=wp)
+                            o, sems = pa.attention(q, k, v, i % L, p, qp, context=C, sems=sems, num_warps=wp,
+                                                   chunks=ch)
                             outs.append(o)
                         return outs
 
@@ -67,8 +76,8 @@ def main():
                     row.update(us_per_layer=1e3 * ms, TBps=layer_bytes / (ms * 1e-3) / 1e12,
                                of_copy=layer_bytes / (ms * 1e-3) / ceiling)
                     if B == 4 and wp == 2:
-                        yj = jax.jit(lambda q, k, v, p, qp: pa.attention(q, k, v, L - 1, p, qp, context=C,
-                                                                        num_warps=2))(*jargs)
+                        yj = jax.jit(lambda q, k, v, p, qp, ch=ch: pa.attention(q, k, v, L - 1, p, qp, context=C,
+                                                                               num_warps=2, chunks=ch))(*jargs)
                         row["pallas_equals_triton"] = same(yj, ta.attention(q, ring_k, ring_v, L - 1, positions,
                                                                             q_pos, context=C))
                 except Exception as e:  # noqa: BLE001 (recorded: a plan that fails, the sweep goes on)

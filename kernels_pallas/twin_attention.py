@@ -61,32 +61,73 @@ def _block(q, k, v, visible, carry, scale, gpu):
     return m_new, l, acc
 
 
+def _halve(parts):
+    """parts [n] (a power of two) of one axis, in order -> their sum in the halving order of
+    `twin_math.tree_sum` over that axis's top bits: part i + part i + n/2, halved again."""
+    while len(parts) > 1:
+        h = len(parts) // 2
+        parts = [parts[i] + parts[i + h] for i in range(h)]
+    return parts[0]
+
+
+def _block_chunked(q, k, v, visible, carry, scale, gpu):
+    """`_block`'s bits, from chunks: q A x [W]; k A x [BC, W] (the D axis in A column chunks); v R x
+    [BC/R, D] (the slot axis in R row chunks); visible [BC]. The top levels of each halving tree
+    (over D in the scores, over the slots in p v) add whole chunks, elementwise: no level moves data
+    between lanes until the chunks' own trees."""
+    m, l, acc = carry
+    s = tm.mul(tm.tree_sum(_halve([tm.mul(qa[None, :], ka, gpu) for qa, ka in zip(q, k)]))[:, 0],
+               tm.F32(scale), gpu)
+    s = jnp.where(visible, s, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, keepdims=True))
+    m0 = _safe(m_new)
+    a = tm.exp(m - m0, gpu)
+    p = jnp.where(visible, tm.exp(s - m0, gpu), tm.F32(0.0))
+    l = tm.mul(l, a, gpu) + tm.tree_sum(p[None, :])[0]
+    R = len(v)
+    p_r, vis_r = jnp.split(p, R), jnp.split(visible, R)
+    pv = _halve([tm.mul(pr[:, None], jnp.where(vr[:, None], vv, tm.F32(0.0)), gpu)
+                 for pr, vr, vv in zip(p_r, vis_r, v)])                                        # [BC/R, D]
+    acc = tm.mul(acc, a, gpu) + tm.tree_sum(pv.T)[:, 0]
+    return m_new, l, acc
+
+
 def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
-                  B, H, T, C, D, context, chunk, BC, S, scale, gpu):
+                  B, H, T, C, D, context, chunk, BC, S, scale, gpu, chunks=None):
     """Program (b*H*T + h*T + t, split): one split of query (b, h, t). refs: the output (one split,
     S == 1: combined here), or the counters in, then the partials (acc, m, l), the output and the
     counters out (aliased to the counters in): the last split program to finish combines."""
     bht, split = pl.program_id(0), pl.program_id(1)
     b, t = bht // (H * T), bht % T
     d = jnp.arange(D, dtype=jnp.int32)
-    q = pltriton.load(q_ref.at[bht * D + d]).astype(tm.F32)                     # q [B, H, T, D]
     q_pos = qpos_ref[b * T + t]
     row = layer_ref[0] * B * H + bht // T                                        # (layer, b, h) of the ring
+    A, R = chunks or (1, 1)
+    W, BR = D // A, BC // R
+    w = jnp.arange(W, dtype=jnp.int32)
+    qa = [pltriton.load(q_ref.at[bht * D + a * W + w]).astype(tm.F32) for a in range(A)]   # q [B, H, T, D]
+
+    def slots(i, first, n):  # n slots of block i from `first` on: (clamped indexes, in the ring)
+        c = split * chunk + i * BC + first + jnp.arange(n, dtype=jnp.int32)
+        return jnp.where(c < C, c, 0), c < C  # masked lanes still index inside the ref (interpreted)
 
     def body(i, carry):
-        c = split * chunk + i * BC + jnp.arange(BC, dtype=jnp.int32)
-        ok = c < C
-        cc = jnp.where(ok, c, 0)  # masked lanes still index inside the ref (interpreted)
+        cc, ok = slots(i, 0, BC)
         pos = jnp.where(ok, pltriton.load(pos_ref.at[b * C + cc]), -1)
         delta = q_pos - pos
         visible = ok & (pos >= 0) & (delta >= 0) & (delta < context)
         # the rings as [L*B*H, C, D], indexed per dimension, not by a flat offset: past 2**32 bytes
         # the lowering computes the addresses in 64 bits (a flat int32 offset overflows once
-        # L*B*H*C*D > 2**31: the temporal ring at B >= 6)
-        at = (row, cc[:, None], d[None, :])                      # every index an array: a gather, also interpreted
-        k = pltriton.load(k_ref.at[at]).astype(tm.F32)                                # [BC, D]
-        v = pltriton.load(v_ref.at[at]).astype(tm.F32)
-        return _block(q, k, v, visible, carry, scale, gpu)
+        # L*B*H*C*D > 2**31: the temporal ring at B >= 6); every index an array: a gather, also interpreted
+        if not chunks:
+            at = (row, cc[:, None], d[None, :])
+            k = pltriton.load(k_ref.at[at]).astype(tm.F32)                                # [BC, D]
+            v = pltriton.load(v_ref.at[at]).astype(tm.F32)
+            return _block(qa[0], k, v, visible, carry, scale, gpu)
+        k = [pltriton.load(k_ref.at[row, cc[:, None], (a * W + w)[None, :]]).astype(tm.F32) for a in range(A)]
+        v = [pltriton.load(v_ref.at[row, slots(i, r * BR, BR)[0][:, None], d[None, :]]).astype(tm.F32)
+             for r in range(R)]
+        return _block_chunked(qa, k, v, visible, carry, scale, gpu)
 
     init = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32), jnp.zeros((D,), tm.F32))
     m, l, acc = lax.fori_loop(0, chunk // BC, body, init)
@@ -144,7 +185,7 @@ def _store_out(o_ref, out, bht, H, T, D):
 
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
               q_pos: jax.Array, *, context: int, sems: jax.Array | None = None, num_warps: int = 4,
-              interpret: bool | None = None):
+              interpret: bool | None = None, chunks: tuple[int, int] | None = None):
     """softmax(q k^T / sqrt(D) | visible) v over layer `layer` of the stacked ring (the contract).
 
     q: [B, H, T, D]; ring_k, ring_v: [L, B, H, C, D] in q's dtype; layer: int or int32 scalar
@@ -162,7 +203,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
         interpret = jax.default_backend() != "gpu"
     gpu = not interpret
     kernel = functools.partial(_split_kernel, B=B, H=H, T=T, C=C, D=D, context=context, chunk=chunk, BC=BC,
-                               S=S, scale=1.0 / math.sqrt(D), gpu=gpu)
+                               S=S, scale=1.0 / math.sqrt(D), gpu=gpu, chunks=chunks)
     parts = B * H * T * S
     out_flat = jax.ShapeDtypeStruct((B * T * H * D,), q.dtype)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1, C, D),
