@@ -4,6 +4,8 @@ ring fastest in the JAX step's kernel (Pallas), and whether the Triton twin stil
 
     python benchmarks/attention_plan_gpu.py --out $OUT/attention_plan.json
 
+`--chunks AxR,...` also times the kernel's load chunks (`twin_attention.attention(chunks=)`: k in A
+column chunks, v in R row chunks; a tile: other speed, the same bits, checked against Triton at B=4).
 The plan is part of the numerics contract (`common.twin_attention_plan`, read by both packages at
 call time): another plan gives other bits, the same on both sides. Per plan, warps and B: ms per
 layer of the Pallas kernel (one jit of 2 x L calls over L stacked layers, larger than the L2, host

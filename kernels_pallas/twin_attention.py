@@ -43,24 +43,6 @@ def _safe(m):
     return jnp.where(m == NEG_INF, tm.F32(0.0), m)
 
 
-def _block(q, k, v, visible, carry, scale, gpu):
-    """One block of BC slots: q [D], k, v [BC, D] float32, visible [BC]; carry (m, l [1], acc [D]).
-
-    m and l are 1-element arrays, not scalars: the GPU lowering takes no 0-d inline assembly.
-    """
-    m, l, acc = carry
-    s = tm.mul(tm.tree_sum(tm.mul(q[None, :], k, gpu))[:, 0], tm.F32(scale), gpu)
-    s = jnp.where(visible, s, NEG_INF)
-    m_new = jnp.maximum(m, jnp.max(s, keepdims=True))
-    m0 = _safe(m_new)
-    a = tm.exp(m - m0, gpu)
-    p = jnp.where(visible, tm.exp(s - m0, gpu), tm.F32(0.0))
-    l = tm.mul(l, a, gpu) + tm.tree_sum(p[None, :])[0]
-    pv = tm.mul(p[:, None], jnp.where(visible[:, None], v, tm.F32(0.0)), gpu)   # [BC, D]
-    acc = tm.mul(acc, a, gpu) + tm.tree_sum(pv.T)[:, 0]
-    return m_new, l, acc
-
-
 def _halve(parts):
     """parts [n] (a power of two) of one axis, in order -> their sum in the halving order of
     `twin_math.tree_sum` over that axis's top bits: part i + part i + n/2, halved again."""
@@ -70,11 +52,15 @@ def _halve(parts):
     return parts[0]
 
 
-def _block_chunked(q, k, v, visible, carry, scale, gpu):
-    """`_block`'s bits, from chunks: q A x [W]; k A x [BC, W] (the D axis in A column chunks); v R x
-    [BC/R, D] (the slot axis in R row chunks); visible [BC]. The top levels of each halving tree
-    (over D in the scores, over the slots in p v) add whole chunks, elementwise: no level moves data
-    between lanes until the chunks' own trees."""
+def _block(q, k, v, visible, carry, scale, gpu):
+    """One block of BC slots, in chunks: q A x [W] and k A x [BC, W] (D = A W, in column chunks),
+    v R x [BC/R, D] (the slots in row chunks), all float32; visible [BC]; carry (m, l [1], acc [D]).
+    The top levels of each halving tree (over D in the scores, over the slots in p v) add whole
+    chunks elementwise (`_halve`), then each chunk's own tree runs: the contract's order whatever
+    A and R (A = R = 1: one whole block), so the chunks change the speed, never the bits.
+
+    m and l are 1-element arrays, not scalars: the GPU lowering takes no 0-d inline assembly.
+    """
     m, l, acc = carry
     s = tm.mul(tm.tree_sum(_halve([tm.mul(qa[None, :], ka, gpu) for qa, ka in zip(q, k)]))[:, 0],
                tm.F32(scale), gpu)
@@ -84,8 +70,7 @@ def _block_chunked(q, k, v, visible, carry, scale, gpu):
     a = tm.exp(m - m0, gpu)
     p = jnp.where(visible, tm.exp(s - m0, gpu), tm.F32(0.0))
     l = tm.mul(l, a, gpu) + tm.tree_sum(p[None, :])[0]
-    R = len(v)
-    p_r, vis_r = jnp.split(p, R), jnp.split(visible, R)
+    p_r, vis_r = ([p], [visible]) if len(v) == 1 else (jnp.split(p, len(v)), jnp.split(visible, len(v)))
     pv = _halve([tm.mul(pr[:, None], jnp.where(vr[:, None], vv, tm.F32(0.0)), gpu)
                  for pr, vr, vv in zip(p_r, vis_r, v)])                                        # [BC/R, D]
     acc = tm.mul(acc, a, gpu) + tm.tree_sum(pv.T)[:, 0]
@@ -93,7 +78,7 @@ def _block_chunked(q, k, v, visible, carry, scale, gpu):
 
 
 def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
-                  B, H, T, C, D, context, chunk, BC, S, scale, gpu, chunks=None):
+                  B, H, T, C, D, context, chunk, BC, S, scale, gpu, chunks):
     """Program (b*H*T + h*T + t, split): one split of query (b, h, t). refs: the output (one split,
     S == 1: combined here), or the counters in, then the partials (acc, m, l), the output and the
     counters out (aliased to the counters in): the last split program to finish combines."""
@@ -102,7 +87,7 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
     d = jnp.arange(D, dtype=jnp.int32)
     q_pos = qpos_ref[b * T + t]
     row = layer_ref[0] * B * H + bht // T                                        # (layer, b, h) of the ring
-    A, R = chunks or (1, 1)
+    A, R = chunks
     W, BR = D // A, BC // R
     w = jnp.arange(W, dtype=jnp.int32)
     qa = [pltriton.load(q_ref.at[bht * D + a * W + w]).astype(tm.F32) for a in range(A)]   # q [B, H, T, D]
@@ -119,15 +104,10 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
         # the rings as [L*B*H, C, D], indexed per dimension, not by a flat offset: past 2**32 bytes
         # the lowering computes the addresses in 64 bits (a flat int32 offset overflows once
         # L*B*H*C*D > 2**31: the temporal ring at B >= 6); every index an array: a gather, also interpreted
-        if not chunks:
-            at = (row, cc[:, None], d[None, :])
-            k = pltriton.load(k_ref.at[at]).astype(tm.F32)                                # [BC, D]
-            v = pltriton.load(v_ref.at[at]).astype(tm.F32)
-            return _block(qa[0], k, v, visible, carry, scale, gpu)
         k = [pltriton.load(k_ref.at[row, cc[:, None], (a * W + w)[None, :]]).astype(tm.F32) for a in range(A)]
         v = [pltriton.load(v_ref.at[row, slots(i, r * BR, BR)[0][:, None], d[None, :]]).astype(tm.F32)
-             for r in range(R)]
-        return _block_chunked(qa, k, v, visible, carry, scale, gpu)
+             for r in range(R)]                                                  # A x [BC, W], R x [BR, D]
+        return _block(qa, k, v, visible, carry, scale, gpu)
 
     init = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32), jnp.zeros((D,), tm.F32))
     m, l, acc = lax.fori_loop(0, chunk // BC, body, init)
@@ -193,17 +173,25 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     sems: int32 [n >= B*H*T], all 0 (`common.twin_sems_size`): the counters the combine counts on,
     returned all 0 again, so one buffer serves every call of a step (carry it through the layer
     loop: a buffer made inside each call costs a kernel a call). None: made here.
+    chunks: (A, R), how a block is loaded: k in A column chunks [BC, D/A], v in R row chunks
+    [BC/R, D], so the top levels of the halving trees add whole chunks (`_block`); like a
+    tile, it changes the speed, never the bits. None: whole blocks (what the step runs).
     Returns [B, T, H, D] in q's dtype (the layout the out-projection reads), and sems if given.
     """
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: jnp.zeros((n,), jnp.int32))
     BC, chunk, S = twin_attention_plan(C)
+    if chunks is not None and not (len(chunks) == 2 and all(isinstance(n, int) and n >= 1 for n in chunks)
+                                   and D % chunks[0] == 0 and BC % chunks[1] == 0
+                                   and chunks[0] & (chunks[0] - 1) == 0 and chunks[1] & (chunks[1] - 1) == 0):
+        raise ValueError(f"attention(chunks): expected (A, R), powers of two dividing the head dim {D} and the "
+                         f"block's {BC} slots, got {chunks!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     gpu = not interpret
     kernel = functools.partial(_split_kernel, B=B, H=H, T=T, C=C, D=D, context=context, chunk=chunk, BC=BC,
-                               S=S, scale=1.0 / math.sqrt(D), gpu=gpu, chunks=chunks)
+                               S=S, scale=1.0 / math.sqrt(D), gpu=gpu, chunks=chunks or (1, 1))
     parts = B * H * T * S
     out_flat = jax.ShapeDtypeStruct((B * T * H * D,), q.dtype)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1, C, D),
@@ -244,7 +232,7 @@ def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int
             carry = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32), jnp.zeros((D,), tm.F32))
             for i in range(chunk // BC):
                 c = slice(s * chunk + i * BC, s * chunk + (i + 1) * BC)
-                carry = _block(qv, kv[c], vv[c], visible[c], carry, scale, False)
+                carry = _block([qv], [kv[c]], [vv[c]], visible[c], carry, scale, False)
             ms.append(carry[0]), ls.append(carry[1]), accs.append(carry[2])
         return _combine(lambda s: (ms[s], ls[s], accs[s]), S, q.dtype, False)
 

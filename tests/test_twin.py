@@ -730,6 +730,13 @@ def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T,
     o_t2 = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
                         torch.from_numpy(q_pos), context=C, num_warps=4, num_stages=2)
     assert_same(o_t, o_t2, what="attention, other launch")
+    # the load chunks (k by columns, v by rows) change the speed, never the bits
+    for chunks in ((2, 2), (D // 2, 4), (1, 1)):
+        o_c = jax.jit(lambda *a, ch=chunks: pa.attention(*a, context=C, chunks=ch))(*args)
+        assert_same(o_p, o_c, what=f"attention, chunks {chunks}")
+    for bad in ((3, 1), (2 * D, 1), (1, 128), (2,)):
+        with pytest.raises(ValueError, match=r"attention\(chunks\): expected \(A, R\)"):
+            pa.attention(*args, context=C, chunks=bad)
     # one counter buffer for many calls (the step's): the same bits, the counters left all 0
     sems_p, sems_t = jnp.zeros((B * H * T + 3,), jnp.int32), torch.zeros(B * H * T + 3, dtype=torch.int32)
     with_sems = jax.jit(lambda *a: pa.attention(*a[:-1], context=C, sems=a[-1]))
