@@ -32,7 +32,6 @@ from torch_bridge.dlpack import to_jax
 
 PLANS = ((64, 256), (64, 128), (32, 128), (64, 64), (32, 64), (128, 256))
 H, D, C, T = 32, 128, 3000, 1
-L = 8
 
 
 def main():
@@ -42,9 +41,11 @@ def main():
     parser.add_argument("--warps", default="2,4")
     parser.add_argument("--plans", default=",".join(f"{bc}x{ch}" for bc, ch in PLANS), help="BCxchunk, ...")
     parser.add_argument("--chunks", default="none", help="the kernel's load chunks AxR, ... (none: whole blocks)")
-    parser.add_argument("--layers", type=int, default=L, help="stacked layers (more than fit in the L2)")
+    parser.add_argument("--layers", type=int, default=8, help="stacked layers (more than fit in the L2)")
     args = parser.parse_args()
-    globals()["L"] = args.layers
+    L = args.layers
+    plans = [tuple(int(v) for v in p_.split("x")) for p_ in args.plans.split(",")]
+    chunk_sets = [None if c_ == "none" else tuple(int(v) for v in c_.split("x")) for c_ in args.chunks.split(",")]
     ceiling = copy_bandwidth()
     default = (common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK)
     res = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
@@ -57,8 +58,6 @@ def main():
         q_pos = torch.full((B, T), C - 1, device="cuda", dtype=torch.int32)
         jargs = tuple(to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
         layer_bytes = 2 * B * H * C * D * 2
-        plans = [tuple(int(v) for v in p_.split("x")) for p_ in args.plans.split(",")]
-        chunk_sets = [None if c_ == "none" else tuple(int(v) for v in c_.split("x")) for c_ in args.chunks.split(",")]
         for (bc, chunk), ch in ((p_, c_) for p_ in plans for c_ in chunk_sets):
             with_contract(TWIN_ATTENTION_BC=bc, TWIN_ATTENTION_CHUNK=chunk)
             for wp in (int(w) for w in args.warps.split(",")):

@@ -69,7 +69,7 @@ def _entry_kernel(*refs, T, C, HT, X, convention, all_active, gpu):
     # as interpreted (where a masked store would write the old value back through a duplicate index).
     t = jnp.minimum(jnp.arange(next_pow2(T), dtype=jnp.int32), T - 1)
     rows = functools.partial(row_tables, offset, start, active, T=T, capacity=C, convention=convention)
-    q_pos, write_index, write_mask, end_offset, _ = rows(t, t)
+    q_pos, write_index, write_mask, end_offset, _ = rows(t, t)  # (slots t: positions come by tiles below)
     at_t = b * T + t
     pltriton.store(qpos_ref.at[at_t], q_pos[0])
     pltriton.store(slot_ref.at[at_t], write_index[0])
