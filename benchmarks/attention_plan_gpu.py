@@ -4,8 +4,8 @@ ring fastest in the JAX step's kernel (Pallas), and whether the Triton twin stil
 
     python benchmarks/attention_plan_gpu.py --out $OUT/attention_plan.json
 
-`--chunks AxR,...` also times the kernel's load chunks (`twin_attention.attention(chunks=)`: k in A
-column chunks, v in R row chunks; a tile: other speed, the same bits, checked against Triton at B=4).
+`--forms lanes,mma` times the attention's forms (`common.twin_attention_form`: the lane form's trees,
+or the tensor cores' products; other bits, each checked against its Triton twin at B=4).
 The plan is part of the numerics contract (`common.twin_attention_plan`, read by both packages at
 call time): another plan gives other bits, the same on both sides. Per plan, warps and B: ms per
 layer of the Pallas kernel (one jit of 2 x L calls over L stacked layers, larger than the L2, host
@@ -40,12 +40,11 @@ def main():
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--warps", default="2,4")
     parser.add_argument("--plans", default=",".join(f"{bc}x{ch}" for bc, ch in PLANS), help="BCxchunk, ...")
-    parser.add_argument("--chunks", default="none", help="the kernel's load chunks AxR, ... (none: whole blocks)")
+    parser.add_argument("--forms", default="mma", help="the attention's forms, lanes and/or mma")
     parser.add_argument("--layers", type=int, default=8, help="stacked layers (more than fit in the L2)")
     args = parser.parse_args()
     L = args.layers
     plans = [tuple(int(v) for v in p_.split("x")) for p_ in args.plans.split(",")]
-    chunk_sets = [None if c_ == "none" else tuple(int(v) for v in c_.split("x")) for c_ in args.chunks.split(",")]
     ceiling = copy_bandwidth()
     default = (common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK)
     res = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
@@ -58,17 +57,17 @@ def main():
         q_pos = torch.full((B, T), C - 1, device="cuda", dtype=torch.int32)
         jargs = tuple(to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
         layer_bytes = 2 * B * H * C * D * 2
-        for (bc, chunk), ch in ((p_, c_) for p_ in plans for c_ in chunk_sets):
+        for (bc, chunk), form in ((p_, f_) for p_ in plans for f_ in args.forms.split(",")):
             with_contract(TWIN_ATTENTION_BC=bc, TWIN_ATTENTION_CHUNK=chunk)
             for wp in (int(w) for w in args.warps.split(",")):
                 row = {"B": B, "bc": bc, "chunk": chunk, "splits": common.twin_attention_plan(C)[2], "warps": wp,
-                       "chunks": ch}
+                       "form": form}
                 try:
-                    def layers(q, k, v, p, qp, wp=wp, B=B, ch=ch):  # as in the step: one set of counters, carried
+                    def layers(q, k, v, p, qp, wp=wp, B=B, form=form):  # as in the step: one set of counters, carried
                         sems, outs = jnp.zeros((common.twin_sems_size(B, H, T),), jnp.int32), []
                         for i in range(2 * L):
                             o, sems = pa.attention(q, k, v, i % L, p, qp, context=C, sems=sems, num_warps=wp,
-                                                   chunks=ch)
+                                                   form=form)
                             outs.append(o)
                         return outs
 
@@ -77,10 +76,10 @@ def main():
                     row.update(us_per_layer=1e3 * ms, TBps=layer_bytes / (ms * 1e-3) / 1e12,
                                of_copy=layer_bytes / (ms * 1e-3) / ceiling)
                     if B == 4 and wp == 2:
-                        yj = jax.jit(lambda q, k, v, p, qp, ch=ch: pa.attention(q, k, v, L - 1, p, qp, context=C,
-                                                                               num_warps=2, chunks=ch))(*jargs)
+                        yj = jax.jit(lambda q, k, v, p, qp, form=form: pa.attention(
+                            q, k, v, L - 1, p, qp, context=C, num_warps=2, form=form))(*jargs)
                         row["pallas_equals_triton"] = same(yj, ta.attention(q, ring_k, ring_v, L - 1, positions,
-                                                                            q_pos, context=C))
+                                                                            q_pos, context=C, form=form))
                 except Exception as e:  # noqa: BLE001 (recorded: a plan that fails, the sweep goes on)
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 res["rows"].append(row)

@@ -545,6 +545,25 @@ def twin_attention_plan(C: int) -> tuple[int, int, int]:
     return BC, chunk, -(-C // chunk)
 
 
+ATTENTION_FORMS = ("lanes", "mma")
+
+
+def twin_attention_form(D: int, BC: int, dtype, compiled: bool, form: str | None = None) -> str:
+    """Which form of the twin attention runs (`twin_attention`'s docstring): `form` if given
+    (checked), else "mma" where it can (compiled for the GPU, 16-bit q and ring, D and the block's
+    BC slots multiples of 16), else "lanes". A function of the shapes, the dtype and the backend,
+    never of B: both twins pick the same form, and a row's bits do not depend on the batch."""
+    if form not in (None, *ATTENTION_FORMS):
+        raise ValueError(f"attention(form): must be one of {ATTENTION_FORMS} or None, got {form!r}")
+    fits = str(dtype) in _SIXTEEN_BIT and D % 16 == 0 and BC % 16 == 0
+    if form == "mma" and not fits:
+        raise ValueError(f"attention(form='mma'): needs bfloat16/float16 q and ring, a head dim and a block of "
+                         f"slots that are multiples of 16; got {dtype}, D={D}, BC={BC}")
+    if form is not None:
+        return form
+    return "mma" if compiled and fits else "lanes"
+
+
 def twin_sems_size(B: int, H: int, T: int) -> int:
     """Counters a step's twin kernels count on (`twin_attention.attention(sems=)`): one a query."""
     return B * H * T

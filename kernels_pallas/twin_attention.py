@@ -11,7 +11,15 @@ C slots are cut into S splits of `chunk` slots and each split into blocks of BC 
     a   = exp(m - m0);  p = exp(s - m0) where visible, else 0
     l   = l * a + tree_sum(p);  acc = acc * a + tree_sum_c(p * v')         (v' = 0 where not visible)
 
-starting from m = -inf, l = 0, acc = 0. The combine then takes the S partials in order:
+starting from m = -inf, l = 0, acc = 0. That is the "lanes" form (CUDA cores; every backend, the
+only form interpreted on the CPU). The "mma" form (`common.twin_attention_form`: compiled for the GPU,
+16-bit q and ring) computes the two sums on the tensor cores, as the linears' MMA form does, with
+everything else as above:
+
+    s   = dot(k, q)^T * scale                  (float32 accumulation, the hardware's order)
+    acc = acc * a + dot(p_hi, v') + dot(p_lo, v')      (p_hi = to_dtype(p), p_lo = to_dtype(p - p_hi))
+
+Its bits have no plain reference; the GPU tests hold the Pallas and Triton twins to each other. The combine then takes the S partials in order:
 M = max_s m_s, w_s = exp(m_s - M0), L = sum_s l_s * w_s, O = sum_s acc_s * w_s (sequential sums),
 and out = to_dtype(O / L), or 0 when L == 0 (a query that sees no slot: what torch's SDPA gives,
 never NaN). The combine runs in the same launch: with one split (S == 1: rings of one block) in the
@@ -34,7 +42,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.common import check_twin_attention, check_twin_sems, twin_attention_plan, twin_sems_size
+from kernels_pallas.common import (
+    TWIN_MMA_ROWS,
+    check_twin_attention,
+    check_twin_sems,
+    twin_attention_form,
+    twin_attention_plan,
+    twin_sems_size,
+)
 
 NEG_INF = float("-inf")
 
@@ -43,74 +58,83 @@ def _safe(m):
     return jnp.where(m == NEG_INF, tm.F32(0.0), m)
 
 
-def _halve(parts):
-    """parts [n] (a power of two) of one axis, in order -> their sum in the halving order of
-    `twin_math.tree_sum` over that axis's top bits: part i + part i + n/2, halved again."""
-    while len(parts) > 1:
-        h = len(parts) // 2
-        parts = [parts[i] + parts[i + h] for i in range(h)]
-    return parts[0]
-
-
 def _block(q, k, v, visible, carry, scale, gpu):
-    """One block of BC slots, in chunks: q A x [W] and k A x [BC, W] (D = A W, in column chunks),
-    v R x [BC/R, D] (the slots in row chunks), all float32; visible [BC]; carry (m, l [1], acc [D]).
-    The top levels of each halving tree (over D in the scores, over the slots in p v) add whole
-    chunks elementwise (`_halve`), then each chunk's own tree runs: the contract's order whatever
-    A and R (A = R = 1: one whole block), so the chunks change the speed, never the bits.
-
-    m and l are 1-element arrays, not scalars: the GPU lowering takes no 0-d inline assembly.
-    """
+    """The lane form's block of BC slots: q [D], k, v [BC, D], all float32; visible [BC]; carry
+    (m, l [1], acc [D]). m and l are 1-element arrays, not scalars: the GPU lowering takes no 0-d
+    inline assembly."""
     m, l, acc = carry
-    s = tm.mul(tm.tree_sum(_halve([tm.mul(qa[None, :], ka, gpu) for qa, ka in zip(q, k)]))[:, 0],
-               tm.F32(scale), gpu)
+    s = tm.mul(tm.tree_sum(tm.mul(q[None, :], k, gpu))[:, 0], tm.F32(scale), gpu)
+    m_new, a, p, l = _softmax_step(s, visible, m, l, gpu)
+    pv = tm.mul(p[:, None], jnp.where(visible[:, None], v, tm.F32(0.0)), gpu)          # [BC, D]
+    return m_new, l, tm.mul(acc, a, gpu) + tm.tree_sum(pv.T)[:, 0]
+
+
+def _block_mma(q16, k, v, visible, carry, scale, gpu):
+    """The MMA form's block: q16 [R, D] (the query in each of the R = TWIN_MMA_ROWS rows), k [BC, D]
+    and v [BC, D] (0 where not visible: a masked load) in the ring's 16-bit dtype; carry (m, l [1],
+    acc [R, D], its rows equal). The scores are the tensor cores' products of k and q16, its R
+    equal columns folded by max (exact); p multiplies v as two 16-bit parts, p_hi = p rounded and
+    p_lo = p - p_hi rounded (the error of p's ~16 kept bits under the output's own rounding)."""
+    m, l, acc = carry
+    s = jnp.max(lax.dot_general(k, q16, (((1,), (1,)), ((), ())), preferred_element_type=tm.F32), axis=1)  # [BC]
+    m_new, a, p, l = _softmax_step(tm.mul(s, tm.F32(scale), gpu), visible, m, l, gpu)
+    p_hi = tm.to_dtype(p, v.dtype)
+    p_lo = tm.to_dtype(p - p_hi.astype(tm.F32), v.dtype)
+
+    def rows(x):  # [BC] -> [R, BC]
+        return jnp.broadcast_to(x[None, :], (TWIN_MMA_ROWS, x.shape[0]))
+
+    acc = tm.mul(acc, a, gpu) + jnp.dot(rows(p_hi), v, preferred_element_type=tm.F32)
+    return m_new, l, acc + jnp.dot(rows(p_lo), v, preferred_element_type=tm.F32)
+
+
+def _softmax_step(s, visible, m, l, gpu):
+    """The online softmax's update shared by both forms: scores s [BC] (scaled) -> (m', a, p, l')."""
     s = jnp.where(visible, s, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, keepdims=True))
     m0 = _safe(m_new)
     a = tm.exp(m - m0, gpu)
     p = jnp.where(visible, tm.exp(s - m0, gpu), tm.F32(0.0))
-    l = tm.mul(l, a, gpu) + tm.tree_sum(p[None, :])[0]
-    p_r, vis_r = ([p], [visible]) if len(v) == 1 else (jnp.split(p, len(v)), jnp.split(visible, len(v)))
-    pv = _halve([tm.mul(pr[:, None], jnp.where(vr[:, None], vv, tm.F32(0.0)), gpu)
-                 for pr, vr, vv in zip(p_r, vis_r, v)])                                        # [BC/R, D]
-    acc = tm.mul(acc, a, gpu) + tm.tree_sum(pv.T)[:, 0]
-    return m_new, l, acc
+    return m_new, a, p, tm.mul(l, a, gpu) + tm.tree_sum(p[None, :])[0]
 
 
 def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
-                  B, H, T, C, D, context, chunk, BC, S, scale, gpu, chunks):
+                  B, H, T, C, D, context, chunk, BC, S, scale, gpu, mma):
     """Program (b*H*T + h*T + t, split): one split of query (b, h, t). refs: the output (one split,
     S == 1: combined here), or the counters in, then the partials (acc, m, l), the output and the
-    counters out (aliased to the counters in): the last split program to finish combines."""
+    counters out (aliased to the counters in): the last split program to finish combines.
+    mma: the MMA form (`_block_mma`), else the lane form (`_block`)."""
     bht, split = pl.program_id(0), pl.program_id(1)
     b, t = bht // (H * T), bht % T
     d = jnp.arange(D, dtype=jnp.int32)
     q_pos = qpos_ref[b * T + t]
     row = layer_ref[0] * B * H + bht // T                                        # (layer, b, h) of the ring
-    A, R = chunks
-    W, BR = D // A, BC // R
-    w = jnp.arange(W, dtype=jnp.int32)
-    qa = [pltriton.load(q_ref.at[bht * D + a * W + w]).astype(tm.F32) for a in range(A)]   # q [B, H, T, D]
-
-    def slots(i, first, n):  # n slots of block i from `first` on: (clamped indexes, in the ring)
-        c = split * chunk + i * BC + first + jnp.arange(n, dtype=jnp.int32)
-        return jnp.where(c < C, c, 0), c < C  # masked lanes still index inside the ref (interpreted)
+    q = pltriton.load(q_ref.at[bht * D + d])                                     # q [B, H, T, D]
 
     def body(i, carry):
-        cc, ok = slots(i, 0, BC)
+        c = split * chunk + i * BC + jnp.arange(BC, dtype=jnp.int32)
+        ok = c < C
+        cc = jnp.where(ok, c, 0)  # masked lanes still index inside the ref (interpreted)
         pos = jnp.where(ok, pltriton.load(pos_ref.at[b * C + cc]), -1)
         delta = q_pos - pos
         visible = ok & (pos >= 0) & (delta >= 0) & (delta < context)
         # the rings as [L*B*H, C, D], indexed per dimension, not by a flat offset: past 2**32 bytes
         # the lowering computes the addresses in 64 bits (a flat int32 offset overflows once
         # L*B*H*C*D > 2**31: the temporal ring at B >= 6); every index an array: a gather, also interpreted
-        k = [pltriton.load(k_ref.at[row, cc[:, None], (a * W + w)[None, :]]).astype(tm.F32) for a in range(A)]
-        v = [pltriton.load(v_ref.at[row, slots(i, r * BR, BR)[0][:, None], d[None, :]]).astype(tm.F32)
-             for r in range(R)]                                                  # A x [BC, W], R x [BR, D]
-        return _block(qa, k, v, visible, carry, scale, gpu)
+        at = (row, cc[:, None], d[None, :])
+        k = pltriton.load(k_ref.at[at])                                          # [BC, D]
+        if mma:  # v masked as it loads (a select after the load would keep it out of the pipelined copies)
+            v = pltriton.load(v_ref.at[at], mask=jnp.broadcast_to(visible[:, None], (BC, D)),
+                              other=jnp.zeros((), v_ref.dtype))
+            return _block_mma(jnp.broadcast_to(q[None, :], (TWIN_MMA_ROWS, D)), k, v, visible, carry, scale, gpu)
+        return _block(q.astype(tm.F32), k.astype(tm.F32), pltriton.load(v_ref.at[at]).astype(tm.F32), visible,
+                      carry, scale, gpu)
 
-    init = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32), jnp.zeros((D,), tm.F32))
+    init = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32),
+            jnp.zeros((TWIN_MMA_ROWS, D) if mma else (D,), tm.F32))
     m, l, acc = lax.fori_loop(0, chunk // BC, body, init)
+    if mma:
+        acc = jnp.max(acc, axis=0)  # its rows are equal: exact
     if S == 1:
         (o_ref,) = refs
         _store_out(o_ref, _combine(lambda s: (m, l, acc), 1, o_ref.dtype, gpu), bht, H, T, D)
@@ -165,7 +189,7 @@ def _store_out(o_ref, out, bht, H, T, D):
 
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
               q_pos: jax.Array, *, context: int, sems: jax.Array | None = None, num_warps: int = 4,
-              interpret: bool | None = None, chunks: tuple[int, int] | None = None):
+              interpret: bool | None = None, form: str | None = None):
     """softmax(q k^T / sqrt(D) | visible) v over layer `layer` of the stacked ring (the contract).
 
     q: [B, H, T, D]; ring_k, ring_v: [L, B, H, C, D] in q's dtype; layer: int or int32 scalar
@@ -173,25 +197,19 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     sems: int32 [n >= B*H*T], all 0 (`common.twin_sems_size`): the counters the combine counts on,
     returned all 0 again, so one buffer serves every call of a step (carry it through the layer
     loop: a buffer made inside each call costs a kernel a call). None: made here.
-    chunks: (A, R), how a block is loaded: k in A column chunks [BC, D/A], v in R row chunks
-    [BC/R, D], so the top levels of the halving trees add whole chunks (`_block`); like a
-    tile, it changes the speed, never the bits. None: whole blocks (what the step runs).
+    form: "lanes" or "mma" (None: `common.twin_attention_form`'s choice; the two give other bits).
     Returns [B, T, H, D] in q's dtype (the layout the out-projection reads), and sems if given.
     """
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: jnp.zeros((n,), jnp.int32))
     BC, chunk, S = twin_attention_plan(C)
-    if chunks is not None and not (len(chunks) == 2 and all(isinstance(n, int) and n >= 1 for n in chunks)
-                                   and D % chunks[0] == 0 and BC % chunks[1] == 0
-                                   and chunks[0] & (chunks[0] - 1) == 0 and chunks[1] & (chunks[1] - 1) == 0):
-        raise ValueError(f"attention(chunks): expected (A, R), powers of two dividing the head dim {D} and the "
-                         f"block's {BC} slots, got {chunks!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     gpu = not interpret
+    mma = twin_attention_form(D, BC, q.dtype, compiled=gpu, form=form) == "mma"
     kernel = functools.partial(_split_kernel, B=B, H=H, T=T, C=C, D=D, context=context, chunk=chunk, BC=BC,
-                               S=S, scale=1.0 / math.sqrt(D), gpu=gpu, chunks=chunks or (1, 1))
+                               S=S, scale=1.0 / math.sqrt(D), gpu=gpu, mma=mma)
     parts = B * H * T * S
     out_flat = jax.ShapeDtypeStruct((B * T * H * D,), q.dtype)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1, C, D),
@@ -213,7 +231,8 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
 
 
 def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, **_):
-    """The plain jax.numpy reference of `attention` (same signature and bits)."""
+    """The plain jax.numpy reference of `attention`'s lane form (same signature and bits; the MMA
+    form's bits are the tensor cores', held to the Triton twin's on the GPU)."""
     _B, _H, _T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     BC, chunk, S = twin_attention_plan(C)
     pad = S * chunk - C
@@ -232,7 +251,7 @@ def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int
             carry = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32), jnp.zeros((D,), tm.F32))
             for i in range(chunk // BC):
                 c = slice(s * chunk + i * BC, s * chunk + (i + 1) * BC)
-                carry = _block([qv], [kv[c]], [vv[c]], visible[c], carry, scale, False)
+                carry = _block(qv, kv[c], vv[c], visible[c], carry, scale, False)
             ms.append(carry[0]), ls.append(carry[1]), accs.append(carry[2])
         return _combine(lambda s: (ms[s], ls[s], accs[s]), S, q.dtype, False)
 

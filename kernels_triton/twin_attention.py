@@ -10,10 +10,12 @@ import triton
 import triton.language as tl
 
 from kernels_pallas.common import (
+    TWIN_MMA_ROWS,
     TWIN_TRITON_ATTENTION_STAGES,
     TWIN_TRITON_ATTENTION_WARPS,
     check_twin_attention,
     check_twin_sems,
+    twin_attention_form,
     twin_attention_plan,
     twin_sems_size,
 )
@@ -25,7 +27,8 @@ from kernels_triton.twin_math import interpreting
 def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_ptr, l_ptr, o_ptr, sem_ptr, scale,
                   B: tl.constexpr, H: tl.constexpr, T: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
                   CONTEXT: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
-                  HB: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+                  HB: tl.constexpr, STAGES: tl.constexpr, MMA: tl.constexpr, R: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
     """Program (b*(H/HB)*T + hb*T + t, split): heads hb*HB .. of query (b, t), one split; the
     output into o, combined by this program (one split, S == 1) or by the last of the S programs to
     finish (the partials through acc, m, l; sem_ptr + pid: its counter, as in the Pallas twin).
@@ -33,7 +36,8 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
     The loop over the split's blocks is software-pipelined (STAGES, as in `twin_linear`).
 
     Each head's arithmetic is the contract's whatever HB: HB heads per program only saves the
-    interpreter's per-program overhead (HB = 1 compiled).
+    interpreter's per-program overhead (HB = 1 compiled, and in the MMA form). MMA: the MMA form
+    (R rows of its operands), else the lane form.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -42,33 +46,53 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
     h = ((pid // T) % (H // HB)) * HB + tl.arange(0, HB)                     # [HB]
     bht = (b * H + h) * T + t                                                 # [HB]
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + bht[:, None] * D + d[None, :]).to(tl.float32)        # [HB, D]
+    q = tl.load(q_ptr + bht[:, None] * D + d[None, :])                          # [HB, D]
     q_pos = tl.load(qpos_ptr + b * T + t)
     layer = tl.load(layer_ptr).to(tl.int64)
     row = (layer * B * H + b * H + h) * C                                     # [HB]
     m = tl.full([HB], float("-inf"), tl.float32)
     l = tl.zeros([HB], tl.float32)
-    acc = tl.zeros([HB, D], tl.float32)
+    if MMA:  # HB == 1: the query in each of the R rows of the MMA's operand; acc's R rows stay equal
+        q16 = tl.broadcast_to(q, [R, D])
+        acc = tl.zeros([R, D], tl.float32)
+    else:
+        q = q.to(tl.float32)
+        acc = tl.zeros([HB, D], tl.float32)
     for i in tl.range(0, CHUNK // BC, num_stages=STAGES):
         c = split * CHUNK + i * BC + tl.arange(0, BC)
         ok = c < C
         pos = tl.load(pos_ptr + b * C + c, mask=ok, other=-1)
         delta = q_pos - pos
         visible = (ok & (pos >= 0) & (delta >= 0) & (delta < CONTEXT))[None, :]  # [1, BC]
-        offs = (row[:, None, None] + c[None, :, None]) * D + d[None, None, :]      # [HB, BC, D]
-        k = tl.load(k_ptr + offs, mask=ok[None, :, None], other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offs, mask=ok[None, :, None], other=0.0).to(tl.float32)
-        s = tl.reshape(tm.tree_sum(tl.reshape(q[:, None, :] * k, [HB * BC, D]), HB * BC, D, True), [HB, BC]) * scale
+        if MMA:
+            offs = (row[:, None] + c[:, None]) * D + d[None, :]                   # [BC, D]
+            k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)
+            v = tl.load(v_ptr + offs, mask=tl.trans(visible), other=0.0)           # v' as it loads
+            s = tl.max(tm.mma(k, tl.trans(q16), INTERPRETED), axis=1)[None, :] * scale  # [1, BC]: R equal columns
+        else:
+            offs = (row[:, None, None] + c[None, :, None]) * D + d[None, None, :]  # [HB, BC, D]
+            k = tl.load(k_ptr + offs, mask=ok[None, :, None], other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offs, mask=ok[None, :, None], other=0.0).to(tl.float32)
+            s = tl.reshape(tm.tree_sum(tl.reshape(q[:, None, :] * k, [HB * BC, D]), HB * BC, D, True), [HB, BC])
+            s = s * scale
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m0 = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tm.exp(m - m0)
         p = tl.where(visible, tm.exp(s - m0[:, None]), 0.0)                   # [HB, BC]
         l = l * a + tm.tree_sum(p, HB, BC, True)
-        pv = p[:, :, None] * tl.where(visible[:, :, None], v, 0.0)             # [HB, BC, D]
-        pv = tl.reshape(tl.permute(pv, (0, 2, 1)), [HB * D, BC])
-        acc = acc * a[:, None] + tl.reshape(tm.tree_sum(pv, HB * D, BC, True), [HB, D])
+        if MMA:
+            p_hi = tm.to_dtype(p, v.dtype, INTERPRETED)
+            p_lo = tm.to_dtype(p - p_hi.to(tl.float32), v.dtype, INTERPRETED)
+            acc = acc * a[:, None] + tm.mma(tl.broadcast_to(p_hi, [R, BC]), v, INTERPRETED)
+            acc = acc + tm.mma(tl.broadcast_to(p_lo, [R, BC]), v, INTERPRETED)
+        else:
+            pv = p[:, :, None] * tl.where(visible[:, :, None], v, 0.0)             # [HB, BC, D]
+            pv = tl.reshape(tl.permute(pv, (0, 2, 1)), [HB * D, BC])
+            acc = acc * a[:, None] + tl.reshape(tm.tree_sum(pv, HB * D, BC, True), [HB, D])
         m = m_new
+    if MMA:
+        acc = tl.max(acc, axis=0)[None, :]  # its rows are equal: exact
     if S == 1:  # one split: the combine of the contract, here (one launch)
         w = tm.exp(m - tl.where(m == float("-inf"), 0.0, m))
         L = tl.zeros([HB], tl.float32) + l * w
@@ -114,9 +138,11 @@ def _combine(acc_ptr, m_ptr, l_ptr, o_ptr, b, t, h, bht, d, H: tl.constexpr, T: 
 
 def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer, positions: torch.Tensor,
               q_pos: torch.Tensor, *, context: int, sems: torch.Tensor | None = None,
-              num_warps: int = TWIN_TRITON_ATTENTION_WARPS, num_stages: int = TWIN_TRITON_ATTENTION_STAGES):
+              num_warps: int = TWIN_TRITON_ATTENTION_WARPS, num_stages: int = TWIN_TRITON_ATTENTION_STAGES,
+              form: str | None = None):
     """The Pallas twin's signature and bits; returns [B, T, H, D] in q's dtype, and sems if given
-    (its counters counted on in place and left all 0)."""
+    (its counters counted on in place and left all 0). form: as the Pallas twin's (None:
+    `common.twin_attention_form`, compiled being not interpreted)."""
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: torch.zeros(n, dtype=torch.int32, device=q.device))
@@ -135,11 +161,13 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
     m = out if one else torch.empty(parts, dtype=torch.float32, device=dev)
     l = out if one else torch.empty(parts, dtype=torch.float32, device=dev)
     interpreted = interpreting(_split_kernel)
-    HB = H if interpreted and not H & (H - 1) else 1  # interpreted: all heads of a query per program
+    mma = twin_attention_form(D, BC, q.dtype, compiled=not interpreted, form=form) == "mma"
+    HB = H if interpreted and not mma and not H & (H - 1) else 1  # interpreted: all heads of a query per program
     _split_kernel[(B * (H // HB) * T, S)](
         tm.layer_tensor(layer, ring_k.shape[0], dev, "attention"), q, ring_k, ring_v,
         positions.to(torch.int32).contiguous(), q_pos.to(torch.int32).contiguous(), acc, m, l, out, sems,
         float(torch.tensor(1.0 / math.sqrt(D), dtype=torch.float32)), B=B, H=H, T=T, C=C, D=D, CONTEXT=context,
-        CHUNK=chunk, BC=BC, S=S, SP=triton.next_power_of_2(S), HB=HB, STAGES=num_stages, INTERPRETED=interpreted,
+        CHUNK=chunk, BC=BC, S=S, SP=triton.next_power_of_2(S), HB=HB, STAGES=num_stages, MMA=mma,
+        R=TWIN_MMA_ROWS, INTERPRETED=interpreted,
         num_warps=num_warps, enable_fp_fusion=False)
     return (out, sems) if given else out

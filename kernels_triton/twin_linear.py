@@ -131,16 +131,6 @@ def _gate_kernel(layer_ptr, ab_ptr, scale_ptr, res_ptr, o_ptr, M, N_OUT: tl.cons
 
 
 @triton.jit
-def _dot(w, xb, INTERPRETED: tl.constexpr):
-    """w [BN, BK] @ xb[R, BK]^T in float32 on the tensor cores. Interpreted, on float32 copies (exact
-    products): the interpreter's bfloat16 dot multiplies the raw bits (seen with Triton 3.9's)."""
-    if INTERPRETED:
-        return tl.dot(w.to(tl.float32), tl.trans(xb.to(tl.float32)), input_precision="ieee")
-    else:
-        return tl.dot(w, tl.trans(xb))
-
-
-@triton.jit
 def _mma_accumulate(x_ptr, w_ptr, nw_ptr, nb_ptr, eps, m, m_ok, n, N_OUT, K: tl.constexpr, R: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, INV_K: tl.constexpr,
                     NORM_UNROLL: tl.constexpr, GATE: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -159,9 +149,10 @@ def _mma_accumulate(x_ptr, w_ptr, nw_ptr, nb_ptr, eps, m, m_ok, n, N_OUT, K: tl.
         if NORM != "":
             xb = tm.to_dtype(twin_norm.normalize(xb.to(tl.float32), nw_ptr, nb_ptr, k0 + k, mean, r, NORM == "rms"),
                              x_ptr.dtype.element_ty, INTERPRETED)
-        acc += _dot(tl.load(w_ptr + n[:, None] * K + k0 + k[None, :]), xb, INTERPRETED)
+        acc += tm.mma(tl.load(w_ptr + n[:, None] * K + k0 + k[None, :]), tl.trans(xb), INTERPRETED)
         if GATE:
-            acc_b += _dot(tl.load(w_ptr + (n[:, None] + N_OUT) * K + k0 + k[None, :]), xb, INTERPRETED)
+            acc_b += tm.mma(tl.load(w_ptr + (n[:, None] + N_OUT) * K + k0 + k[None, :]), tl.trans(xb),
+                            INTERPRETED)
     return acc, acc_b
 
 

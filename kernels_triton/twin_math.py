@@ -71,6 +71,16 @@ def layer_tensor(layer, L: int, device, who: str) -> torch.Tensor:
 
 
 @triton.jit
+def mma(a, b, INTERPRETED: tl.constexpr):
+    """a @ b in float32 on the tensor cores (16-bit a and b: the MMA forms). Interpreted, on float32
+    copies (exact products): the interpreter's bfloat16 dot multiplies the raw bits (Triton 3.9's)."""
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def to_dtype(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """float32 -> ``dtype``, round to nearest even.
 

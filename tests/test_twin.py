@@ -709,18 +709,41 @@ def test_entry_gpu_tables_same_bits(B, T, H, D, C, dtype, convention):
     _check_entry(B, T, H, D, C, dtype, convention, "cuda")
 
 
-@pytest.mark.parametrize("B,H,T,D,C,dtype", [(3, 4, 1, 16, 24, "float32"), (2, 4, 2, 8, 10, "bfloat16"),
-                                              (2, 2, 1, 16, 300, "float32")])
-def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T, D, C, dtype):
-    rng = np.random.default_rng(C)
+def _attention_case(B, H, T, D, C, dtype):
+    """(q, ring_k, ring_v, positions, q_pos) as numpy: a masked slot 3 holding NaN (v) and Inf (k),
+    which must reach no output; row 0 sees nothing; the other rows' slots in a shuffled order."""
+    rng = np.random.default_rng(C + D)
     q = rng.standard_normal((B, H, T, D)).astype(NP[dtype])
     ring_k, ring_v = (rng.standard_normal((2, B, H, C, D)).astype(NP[dtype]) for _ in range(2))
-    ring_v[:, :, :, 3] = np.nan  # a masked slot holding NaN must not reach any output
+    ring_v[:, :, :, 3] = np.nan
     ring_k[:, :, :, 3] = np.inf
     positions = rng.integers(0, C, (B, C)).astype(np.int32)
     positions[:, 3] = -1
-    positions[0] = -1  # row 0 sees nothing
+    positions[0] = -1
     q_pos = (np.full((B, T), C, np.int32) + np.arange(T)).astype(np.int32)
+    return q, ring_k, ring_v, positions, q_pos
+
+
+def _attention_distance(out, q, ring_k, ring_v, positions, q_pos, layer=1):
+    """Max abs distance of out [B, T, H, D] from float64 attention; asserts row 0 is exactly +0."""
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all() and not out[0].any() and not np.signbit(out[0]).any()
+    C, D = ring_k.shape[-2:]
+    visible = (positions[:, None, :] >= 0) & (q_pos[:, :, None] - positions[:, None, :] >= 0) & (
+        q_pos[:, :, None] - positions[:, None, :] < C)
+    s = np.einsum("bhtd,bhcd->bhtc", q.astype(np.float64), ring_k[layer].astype(np.float64)) / math.sqrt(D)
+    s = np.where(visible[:, None], s, -np.inf)
+    m = np.max(s, -1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0))
+    vv = np.nan_to_num(ring_v[layer].astype(np.float64))
+    want = np.einsum("bhtc,bhcd->bhtd", p, vv) / np.maximum(p.sum(-1, keepdims=True), 1e-300)
+    return np.abs(out.transpose(0, 2, 1, 3) - want).max()
+
+
+@pytest.mark.parametrize("B,H,T,D,C,dtype", [(3, 4, 1, 16, 24, "float32"), (2, 4, 2, 8, 10, "bfloat16"),
+                                              (2, 2, 1, 16, 300, "float32")])
+def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T, D, C, dtype):
+    q, ring_k, ring_v, positions, q_pos = case = _attention_case(B, H, T, D, C, dtype)
     args = (q, ring_k, ring_v, jnp.int32(1), positions, q_pos)
     o_p = jax.jit(lambda *a: pa.attention(*a, context=C))(*args)
     o_n = jax.jit(lambda *a: pa.attention_native(*a, context=C))(*args)
@@ -730,13 +753,6 @@ def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T,
     o_t2 = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
                         torch.from_numpy(q_pos), context=C, num_warps=4, num_stages=2)
     assert_same(o_t, o_t2, what="attention, other launch")
-    # the load chunks (k by columns, v by rows) change the speed, never the bits
-    for chunks in ((2, 2), (D // 2, 4), (1, 1)):
-        o_c = jax.jit(lambda *a, ch=chunks: pa.attention(*a, context=C, chunks=ch))(*args)
-        assert_same(o_p, o_c, what=f"attention, chunks {chunks}")
-    for bad in ((3, 1), (2 * D, 1), (1, 128), (2,)):
-        with pytest.raises(ValueError, match=r"attention\(chunks\): expected \(A, R\)"):
-            pa.attention(*args, context=C, chunks=bad)
     # one counter buffer for many calls (the step's): the same bits, the counters left all 0
     sems_p, sems_t = jnp.zeros((B * H * T + 3,), jnp.int32), torch.zeros(B * H * T + 3, dtype=torch.int32)
     with_sems = jax.jit(lambda *a: pa.attention(*a[:-1], context=C, sems=a[-1]))
@@ -749,18 +765,71 @@ def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T,
     for bad in (jnp.zeros((B * H * T - 1,), jnp.int32), jnp.zeros((B * H * T,), jnp.float32)):
         with pytest.raises(ValueError, match=r"attention\(sems\): expected int32"):
             pa.attention(*args, context=C, sems=bad)
-    out = np.asarray(o_p, np.float32)
-    assert np.isfinite(out).all() and not out[0].any() and not np.signbit(out[0]).any()
-    visible = (positions[:, None, :] >= 0) & (q_pos[:, :, None] - positions[:, None, :] >= 0) & (
-        q_pos[:, :, None] - positions[:, None, :] < C)
-    s = np.einsum("bhtd,bhcd->bhtc", q.astype(np.float64), ring_k[1].astype(np.float64)) / math.sqrt(D)
-    s = np.where(visible[:, None], s, -np.inf)
-    m = np.max(s, -1, keepdims=True)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0))
-    vv = np.nan_to_num(ring_v[1].astype(np.float64))
-    want = np.einsum("bhtc,bhcd->bhtd", p, vv) / np.maximum(p.sum(-1, keepdims=True), 1e-300)
-    tol = 1e-6 if dtype == "float32" else 1e-2
-    assert np.abs(out.transpose(0, 2, 1, 3) - want).max() <= tol
+    assert _attention_distance(o_p, *case) <= (1e-6 if dtype == "float32" else 1e-2)
+
+
+@pytest.mark.parametrize("B,H,T,D,C", [(2, 2, 2, 16, 24), (2, 2, 1, 32, 300)])
+def test_attention_mma_form_interpreted_agrees_with_float64(B, H, T, D, C):
+    """form="mma" (what runs compiled on the GPU for 16-bit operands, `common.twin_attention_form`),
+    interpreted: its sums are XLA's and numpy's matrix products here (the tensor cores' compiled,
+    which the GPU test holds the twins to bit for bit), so both twins are held to float64 within
+    bf16 rounding; the masking, the online softmax, the split combine and p's two 16-bit parts are
+    the code that runs compiled."""
+    q, ring_k, ring_v, positions, q_pos = case = _attention_case(B, H, T, D, C, "bfloat16")
+    o_p = jax.jit(lambda *a: pa.attention(*a, context=C, form="mma"))(q, ring_k, ring_v, jnp.int32(1), positions,
+                                                                      q_pos)
+    o_t = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
+                       torch.from_numpy(q_pos), context=C, form="mma")
+    for name, o in (("pallas", o_p), ("triton", o_t.float().numpy())):
+        assert _attention_distance(o, *case) <= 1e-2, name
+
+
+def test_attention_form_is_chosen_by_shape_dtype_and_backend_never_by_batch(monkeypatch, capsys):
+    """Compiled, 16-bit q and ring with D and the block multiples of 16 take the MMA form (the
+    lowered module holds a tt.dot), float32 the lane form (none), at B=1 and B=16 alike; form="mma"
+    where it cannot run is refused, naming the argument."""
+    b16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+    assert common.twin_attention_form(128, 64, b16, compiled=True) == "mma"
+    assert common.twin_attention_form(64, 64, torch.bfloat16, compiled=True) == "mma"
+    assert common.twin_attention_form(128, 64, b16, compiled=False) == "lanes"
+    assert common.twin_attention_form(128, 64, f32, compiled=True) == "lanes"
+    assert common.twin_attention_form(8, 16, b16, compiled=True) == "lanes"  # D: 8
+    S = jax.ShapeDtypeStruct
+    C, D, H = 300, 64, 2
+    for B in (1, 16):
+        for dtype, dot in ((jnp.bfloat16, True), (jnp.float32, False)):
+            text = _triton_module_text(lambda q, k, p, t: pa.attention(q, k, k, 1, p, t, context=C, interpret=False),
+                                       S((B, H, 1, D), dtype), S((2, B, H, C, D), dtype), S((B, C), jnp.int32),
+                                       S((B, 1), jnp.int32), monkeypatch=monkeypatch, capsys=capsys)
+            assert ("tt.dot" in text) == dot, (B, dtype)
+    q, ring_k, _, positions, q_pos = _attention_case(1, 1, 1, 8, 16, "bfloat16")
+    with pytest.raises(ValueError, match=r"attention\(form='mma'\): needs bfloat16/float16"):
+        pa.attention(q, ring_k, ring_k, 0, positions, q_pos, context=16, form="mma")
+    with pytest.raises(ValueError, match=r"attention\(form\): must be one of"):
+        ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_k), 0, torch.from_numpy(positions),
+                     torch.from_numpy(q_pos), context=16, form="tensor")
+
+
+@mma_on_gpu
+@pytest.mark.parametrize("B,H,T,D,C", [(4, 32, 1, 128, 3000), (4, 8, 2, 64, 250), (2, 8, 10, 64, 250)])
+def test_attention_mma_form_gpu_twins_same_bits_and_batch_invariant(B, H, T, D, C):
+    """Compiled on the GPU at the stacks' sizes (temporal; Mimi at T=2 and 10): the Pallas and
+    Triton MMA forms give the same bits, another launch of the Triton twin too, a row alone has the
+    bits it has among the others, and the output is within bf16 rounding of float64."""
+    q, ring_k, ring_v, positions, q_pos = case = _attention_case(B, H, T, D, C, "bfloat16")
+    assert common.twin_attention_form(D, common.twin_attention_plan(C)[0], jnp.dtype(jnp.bfloat16), True) == "mma"
+    G = (lambda a: to_torch(a).cuda())
+    o_p = jax.jit(lambda *a: pa.attention(*a, context=C))(*(jnp.asarray(a) for a in (q, ring_k, ring_v)), 1,
+                                                          jnp.asarray(positions), jnp.asarray(q_pos))
+    o_t = ta.attention(G(q), G(ring_k), G(ring_v), 1, G(positions), G(q_pos), context=C)
+    o_t2 = ta.attention(G(q), G(ring_k), G(ring_v), 1, G(positions), G(q_pos), context=C, num_warps=4, num_stages=2)
+    assert_same(np.asarray(o_p), o_t.cpu(), o_t2.cpu(), what="attention mma form, GPU")
+    for b in (1, B - 1):
+        one = slice(b, b + 1)
+        alone = ta.attention(G(q[one]), G(ring_k[:, one]), G(ring_v[:, one]), 1, G(positions[one]), G(q_pos[one]),
+                             context=C)
+        assert_same(alone[0].cpu(), o_t[b].cpu(), what=f"row {b} alone, GPU")
+    assert _attention_distance(o_t.float().cpu().numpy(), *case) <= 1e-2
 
 
 # ---------------------------------------------------------------------------------- the step
