@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas import common
 from kernels_pallas import twin_math as tm
 from kernels_pallas.common import (
     TWIN_MMA_ROWS,
@@ -188,7 +189,7 @@ def _store_out(o_ref, out, bht, H, T, D):
 
 
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
-              q_pos: jax.Array, *, context: int, sems: jax.Array | None = None, num_warps: int = 4,
+              q_pos: jax.Array, *, context: int, sems: jax.Array | None = None, num_warps: int | None = None,
               interpret: bool | None = None, form: str | None = None):
     """softmax(q k^T / sqrt(D) | visible) v over layer `layer` of the stacked ring (the contract).
 
@@ -198,6 +199,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     returned all 0 again, so one buffer serves every call of a step (carry it through the layer
     loop: a buffer made inside each call costs a kernel a call). None: made here.
     form: "lanes" or "mma" (None: `common.twin_attention_form`'s choice; the two give other bits).
+    num_warps: speed only (None: `common.TWIN_PALLAS_ATTENTION_WARPS`, read at call time).
     Returns [B, T, H, D] in q's dtype (the layout the out-projection reads), and sems if given.
     """
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
@@ -223,7 +225,8 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
         aliases = {len(operands) - 1: 4}
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(B * H * T, S), input_output_aliases=aliases, interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2), name="twin_attention",
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or common.TWIN_PALLAS_ATTENTION_WARPS,
+                                                num_stages=2), name="twin_attention",
     )(*operands)
     out = outs[0 if S == 1 else 3].reshape(B, T, H, D)
     sems = sems if S == 1 else outs[4]
