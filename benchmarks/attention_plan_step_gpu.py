@@ -43,13 +43,17 @@ def pick(rows: list[dict], batches: list[int]) -> dict:
     """The (bc, chunk, warps) of least summed time relative to the contract's, over the batches."""
     default = (common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK, common.TWIN_PALLAS_ATTENTION_WARPS)
     us = {(r["bc"], r["chunk"], r["warps"], r["B"]): r["us_per_layer"] for r in rows if "us_per_layer" in r}
-    base = {B: us.get((*default, B)) for B in batches}
+    base = {B: us[(*default, B)] for B in batches if (*default, B) in us}  # the batches the sweep reached
+    batches = list(base)
     score = {}
     for bc, chunk, warps in {k[:3] for k in us}:
-        if all((bc, chunk, warps, B) in us and base[B] for B in batches):
+        if all((bc, chunk, warps, B) in us for B in batches):
             score[(bc, chunk, warps)] = sum(us[(bc, chunk, warps, B)] / base[B] for B in batches)
+    if not batches:
+        score = {}
     best = min(score, key=score.get, default=default)
-    return {"pick": list(best), "default": list(default), "relative_sum": {str(k): v for k, v in score.items()}}
+    return {"pick": list(best), "default": list(default), "batches": batches,
+            "relative_sum": {str(k): v for k, v in score.items()}}
 
 
 def main():
