@@ -224,10 +224,10 @@ def twin_norm_unroll(num_blocks: int, BM: int) -> int:
     return largest_pow2_divisor(num_blocks, max(1, TWIN_NORM_ROWS_IN_FLIGHT // BM)) if BM > 1 else num_blocks
 
 
-# The twin linears' two forms (kernels_pallas.twin_linear docstring): "lanes" (CUDA cores, every
+# The twin linears' and attention's two forms (their modules' docstrings): "lanes" (CUDA cores, every
 # backend) and "mma" (tensor cores: compiled for the GPU, 16-bit operands)
-LINEAR_FORMS = ("lanes", "mma")
-TWIN_MMA_ROWS = 16    # x rows per program of the MMA form (the MMA's n dimension): fixed, so a row's bits never see M
+TWIN_FORMS = ("lanes", "mma")
+TWIN_MMA_ROWS = 16    # rows of the MMA forms' operand (x rows a program; the attention's query, repeated): fixed, so a row's bits never see M or B
 TWIN_MMA_MAX_BN = 64  # output columns per program of the MMA form (speed only)
 TWIN_MMA_STAGES = 4   # software-pipeline depth of the MMA form's loop over K (speed only, both sides) ...
 TWIN_MMA_FEW_PROGRAMS_STAGES = 8  # ... where the grid has fewer column blocks than the H200 has SMs
@@ -243,12 +243,18 @@ def twin_linear_form(N_out: int, K: int, dtype, compiled: bool, form: str | None
     A function of the shapes, the dtype and the backend alone, never of M: both twins pick the
     same form, and a row's bits do not depend on the batch.
     """
-    if form not in (None, *LINEAR_FORMS):
-        raise ValueError(f"linear(form): must be one of {LINEAR_FORMS} or None, got {form!r}")
     fits = str(dtype) in _SIXTEEN_BIT and twin_lanes(K) >= 16 and N_out % 16 == 0
+    return _twin_form("linear", form, fits, compiled,
+                      f"bfloat16/float16 x and w, K and N_out multiples of 16; got {dtype}, K={K}, N_out={N_out}")
+
+
+def _twin_form(who: str, form: str | None, fits: bool, compiled: bool, needs: str) -> str:
+    """`form` if given (one of TWIN_FORMS; "mma" only where it fits), else "mma" where it fits
+    and runs compiled, else "lanes"; a bad form is refused naming who's argument."""
+    if form not in (None, *TWIN_FORMS):
+        raise ValueError(f"{who}(form): must be one of {TWIN_FORMS} or None, got {form!r}")
     if form == "mma" and not fits:
-        raise ValueError(f"linear(form='mma'): needs bfloat16/float16 x and w, K and N_out multiples of 16; "
-                         f"got {dtype}, K={K}, N_out={N_out}")
+        raise ValueError(f"{who}(form='mma'): needs {needs}")
     if form is not None:
         return form
     return "mma" if compiled and fits else "lanes"
@@ -546,23 +552,14 @@ def twin_attention_plan(C: int) -> tuple[int, int, int]:
     return BC, chunk, -(-C // chunk)
 
 
-ATTENTION_FORMS = ("lanes", "mma")
-
-
 def twin_attention_form(D: int, BC: int, dtype, compiled: bool, form: str | None = None) -> str:
     """Which form of the twin attention runs (`twin_attention`'s docstring): `form` if given
     (checked), else "mma" where it can (compiled for the GPU, 16-bit q and ring, D and the block's
     BC slots multiples of 16), else "lanes". A function of the shapes, the dtype and the backend,
     never of B: both twins pick the same form, and a row's bits do not depend on the batch."""
-    if form not in (None, *ATTENTION_FORMS):
-        raise ValueError(f"attention(form): must be one of {ATTENTION_FORMS} or None, got {form!r}")
     fits = str(dtype) in _SIXTEEN_BIT and D % 16 == 0 and BC % 16 == 0
-    if form == "mma" and not fits:
-        raise ValueError(f"attention(form='mma'): needs bfloat16/float16 q and ring, a head dim and a block of "
-                         f"slots that are multiples of 16; got {dtype}, D={D}, BC={BC}")
-    if form is not None:
-        return form
-    return "mma" if compiled and fits else "lanes"
+    return _twin_form("attention", form, fits, compiled, f"bfloat16/float16 q and ring, a head dim and a block of "
+                      f"slots that are multiples of 16; got {dtype}, D={D}, BC={BC}")
 
 
 def twin_sems_size(B: int, H: int, T: int) -> int:
