@@ -8,7 +8,7 @@ ring fastest in the JAX step's kernel (Pallas), and whether the Triton twin stil
 or the tensor cores' products; other bits, each checked against its Triton twin at B=4).
 The plan is part of the numerics contract (`common.twin_attention_plan`, read by both packages at
 call time): another plan gives other bits, the same on both sides. Per plan, warps and B: ms per
-layer of the Pallas kernel (one jit of 2 x L calls over L stacked layers, larger than the L2, host
+layer of the Pallas kernel (one jit of --calls calls over L stacked layers, larger than the L2, host
 timed, median of 10), the ring bytes per second and their share of the copy rate measured in the
 same run, and for each plan at B=4 whether Pallas == Triton bit for bit. Never part of the tests.
 """
@@ -42,6 +42,9 @@ def main():
     parser.add_argument("--plans", default=",".join(f"{bc}x{ch}" for bc, ch in PLANS), help="BCxchunk, ...")
     parser.add_argument("--forms", default="mma", help="the attention's forms, lanes and/or mma")
     parser.add_argument("--layers", type=int, default=8, help="stacked layers (more than fit in the L2)")
+    parser.add_argument("--calls", type=int, default=64,
+                        help="kernel calls a timed jit, the host's dispatch spread over them (with 8, the same "
+                             "kernel measured up to 1.5x apart between runs: RESULTS, twelfth session)")
     args = parser.parse_args()
     L = args.layers
     plans = [tuple(int(v) for v in p_.split("x")) for p_ in args.plans.split(",")]
@@ -49,7 +52,8 @@ def main():
     default = (common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK)
     res = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                     "jax": jax.__version__, "torch": torch.__version__, "copy_TBps": ceiling / 1e12,
-                    "default_plan": default, "H": H, "D": D, "C": C, "layers": L}, "rows": []}
+                    "default_plan": default, "H": H, "D": D, "C": C, "layers": L,
+                    "calls": args.calls}, "rows": []}
     for B in (int(b) for b in args.batches.split(",")):
         q = randn(B, H, T, D)
         ring_k, ring_v = randn(L, B, H, C, D, seed=1), randn(L, B, H, C, D, seed=2)
@@ -65,14 +69,14 @@ def main():
                 try:
                     def layers(q, k, v, p, qp, wp=wp, B=B, form=form):  # as in the step: one set of counters, carried
                         sems, outs = jnp.zeros((common.twin_sems_size(B, H, T),), jnp.int32), []
-                        for i in range(2 * L):
+                        for i in range(args.calls):
                             o, sems = pa.attention(q, k, v, i % L, p, qp, context=C, sems=sems, num_warps=wp,
                                                    form=form)
                             outs.append(o)
                         return outs
 
                     fn = jax.jit(layers)
-                    ms = jax_ms(fn, jargs, 2 * L)
+                    ms = jax_ms(fn, jargs, args.calls)
                     row.update(us_per_layer=1e3 * ms, TBps=layer_bytes / (ms * 1e-3) / 1e12,
                                of_copy=layer_bytes / (ms * 1e-3) / ceiling)
                     if B == 4 and wp == 2:
