@@ -85,6 +85,8 @@ def _block_mma(q16, k, v, visible, carry, scale, gpu):
     def rows(x):  # [BC] -> [R, BC]
         return jnp.broadcast_to(x[None, :], (TWIN_MMA_ROWS, x.shape[0]))
 
+    # whether Triton folds each add into the MMA's accumulator is the compiler's choice, the same for
+    # both twins on the H200 (measured), not on every Triton version (RESULTS.md, twelfth session)
     acc = tm.mul(acc, a, gpu) + jnp.dot(rows(p_hi), v, preferred_element_type=tm.F32)
     return m_new, l, acc + jnp.dot(rows(p_lo), v, preferred_element_type=tm.F32)
 
