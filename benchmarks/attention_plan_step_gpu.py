@@ -45,12 +45,8 @@ def pick(rows: list[dict], batches: list[int]) -> dict:
     us = {(r["bc"], r["chunk"], r["warps"], r["B"]): r["us_per_layer"] for r in rows if "us_per_layer" in r}
     base = {B: us[(*default, B)] for B in batches if (*default, B) in us}  # the batches the sweep reached
     batches = list(base)
-    score = {}
-    for bc, chunk, warps in {k[:3] for k in us}:
-        if all((bc, chunk, warps, B) in us for B in batches):
-            score[(bc, chunk, warps)] = sum(us[(bc, chunk, warps, B)] / base[B] for B in batches)
-    if not batches:
-        score = {}
+    score = {cfg: sum(us[(*cfg, B)] / base[B] for B in batches)
+             for cfg in ({k[:3] for k in us} if batches else ()) if all((*cfg, B) in us for B in batches)}
     best = min(score, key=score.get, default=default)
     return {"pick": list(best), "default": list(default), "batches": batches,
             "relative_sum": {str(k): v for k, v in score.items()}}
@@ -75,11 +71,11 @@ def main():
         json.dump(result, f, indent=1)
     print("pick", json.dumps(result), flush=True)
     given = tuple(result["pick"])
+    os.makedirs(os.path.join(args.out, "sb"), exist_ok=True)
     for script, argv, share in (
             ("twin_step_gpu.py", ["--only", "bits", "--steps", "300", "--out", os.path.join(args.out, "bits.json")], 0.3),
             ("scale_bench.py", ["--out", os.path.join(args.out, "sb"), "--kernels", "twin", "--loops", "scan",
                                 "--batches", "4,64,1,16", "--mimi-batches", "4"], 1.0)):
-        os.makedirs(os.path.join(args.out, "sb"), exist_ok=True)
         path = os.path.join(HERE, script)
         run([sys.executable, "-c", RUN_WITH.format(pick=given, argv=[path, *argv], path=path)], share * left())
 
