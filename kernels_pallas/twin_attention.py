@@ -113,6 +113,8 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
     q_pos = qpos_ref[b * T + t]
     row = layer_ref[0] * B * H + bht // T                                        # (layer, b, h) of the ring
     q = pltriton.load(q_ref.at[bht * D + d])                                     # q [B, H, T, D]
+    # the MMA form's operand: the query in each of its rows, in q's dtype; the lane form's: float32 [D]
+    q = jnp.broadcast_to(q[None, :], (TWIN_MMA_ROWS, D)) if mma else q.astype(tm.F32)
 
     def body(i, carry):
         c = split * chunk + i * BC + jnp.arange(BC, dtype=jnp.int32)
@@ -129,8 +131,8 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
         if mma:  # v masked as it loads (a select after the load would keep it out of the pipelined copies)
             v = pltriton.load(v_ref.at[at], mask=jnp.broadcast_to(visible[:, None], (BC, D)),
                               other=jnp.zeros((), v_ref.dtype))
-            return _block_mma(jnp.broadcast_to(q[None, :], (TWIN_MMA_ROWS, D)), k, v, visible, carry, scale, gpu)
-        return _block(q.astype(tm.F32), k.astype(tm.F32), pltriton.load(v_ref.at[at]).astype(tm.F32), visible,
+            return _block_mma(q, k, v, visible, carry, scale, gpu)
+        return _block(q, k.astype(tm.F32), pltriton.load(v_ref.at[at]).astype(tm.F32), visible,
                       carry, scale, gpu)
 
     init = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32),
