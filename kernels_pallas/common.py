@@ -181,6 +181,7 @@ TWIN_TRITON_LINEAR_STAGES = 4     # software-pipeline depth of the linear's loop
 TWIN_TRITON_ATTENTION_STAGES = 1  # ... of the attention's loop over a split's blocks (deeper: slower)
 TWIN_TRITON_ATTENTION_WARPS = 2
 TWIN_PALLAS_ATTENTION_WARPS = 4  # warps of the Pallas attention's programs (the JAX twin step's)
+TWIN_PALLAS_ATTENTION_STAGES = 2  # ... and the software-pipeline depth of its loop over a split's blocks
 TWIN_NORM_WARPS = 2  # warps of a norm program (compiled: one row each, see twin_norm_rows)
 TWIN_PALLAS_PREFETCH = 1  # weight blocks the Pallas linear loads ahead of their use (speed only)
 TWIN_NORM_ROWS_IN_FLIGHT = 32  # block-rows a norm's statistics loop loads at once (twin_norm_unroll)

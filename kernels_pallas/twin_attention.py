@@ -9,15 +9,20 @@ C slots are cut into S splits of `chunk` slots and each split into blocks of BC 
     s   = tree_sum(q * k) * scale        (-inf where not visible)       [BC]
     m'  = max(m, max(s));  m0 = m' where finite, else 0
     a   = exp(m - m0);  p = exp(s - m0) where visible, else 0
-    l   = l * a + tree_sum(p);  acc = acc * a + tree_sum_c(p * v')         (v' = 0 where not visible)
+    l   = l * a + p     (l [BC]: a sum per lane, not per block)
+    acc = acc * a + tree_sum_c(p * v')                     (v' = 0 where not visible)
 
-starting from m = -inf, l = 0, acc = 0. That is the "lanes" form (CUDA cores; every backend, the
+starting from m = -inf, l = 0, acc = 0; after the split's last block, l = tree_sum(l). (A sum per
+lane costs a multiply-add a slot; a block's sum was a tree of six layout changes in every block,
+the costliest part of a latency-bound block.) That is the "lanes" form (CUDA cores; every backend, the
 only form interpreted on the CPU). The "mma" form (`common.twin_attention_form`: compiled for the GPU,
 16-bit q and ring) computes the two sums on the tensor cores, as the linears' MMA form does, with
 everything else as above:
 
     s   = dot(k, q)^T * scale                  (float32 accumulation, the hardware's order)
     acc = acc * a + dot(p_hi, v') + dot(p_lo, v')      (p_hi = to_dtype(p), p_lo = to_dtype(p - p_hi))
+
+each dot from a zero accumulator, each add rounded on its own (`twin_math.mma_add`).
 
 Its bits have no plain reference; the GPU tests hold the Pallas and Triton twins to each other. The combine then takes the S partials in order:
 M = max_s m_s, w_s = exp(m_s - M0), L = sum_s l_s * w_s, O = sum_s acc_s * w_s (sequential sums),
@@ -61,7 +66,7 @@ def _safe(m):
 
 def _block(q, k, v, visible, carry, scale, gpu):
     """The lane form's block of BC slots: q [D], k, v [BC, D], all float32; visible [BC]; carry
-    (m, l [1], acc [D]). m and l are 1-element arrays, not scalars: the GPU lowering takes no 0-d
+    (m [1], l [BC], acc [D]). m is a 1-element array, not a scalar: the GPU lowering takes no 0-d
     inline assembly."""
     m, l, acc = carry
     s = tm.mul(tm.tree_sum(tm.mul(q[None, :], k, gpu))[:, 0], tm.F32(scale), gpu)
@@ -72,8 +77,8 @@ def _block(q, k, v, visible, carry, scale, gpu):
 
 def _block_mma(q16, k, v, visible, carry, scale, gpu):
     """The MMA form's block: q16 [R, D] (the query in each of the R = TWIN_MMA_ROWS rows), k [BC, D]
-    and v [BC, D] (0 where not visible: a masked load) in the ring's 16-bit dtype; carry (m, l [1],
-    acc [R, D], its rows equal). The scores are the tensor cores' products of k and q16, its R
+    and v [BC, D] (0 where not visible: a masked load) in the ring's 16-bit dtype; carry (m [1],
+    l [BC], acc [R, D], its rows equal). The scores are the tensor cores' products of k and q16, its R
     equal columns folded by max (exact); p multiplies v as two 16-bit parts, p_hi = p rounded and
     p_lo = p - p_hi rounded (the error of p's ~16 kept bits under the output's own rounding)."""
     m, l, acc = carry
@@ -85,20 +90,19 @@ def _block_mma(q16, k, v, visible, carry, scale, gpu):
     def rows(x):  # [BC] -> [R, BC]
         return jnp.broadcast_to(x[None, :], (TWIN_MMA_ROWS, x.shape[0]))
 
-    # whether Triton folds each add into the MMA's accumulator is the compiler's choice, the same for
-    # both twins on the H200 (measured), not on every Triton version (RESULTS.md, twelfth session)
-    acc = tm.mul(acc, a, gpu) + jnp.dot(rows(p_hi), v, preferred_element_type=tm.F32)
-    return m_new, l, acc + jnp.dot(rows(p_lo), v, preferred_element_type=tm.F32)
+    acc = tm.mma_add(tm.mul(acc, a, gpu), jnp.dot(rows(p_hi), v, preferred_element_type=tm.F32), gpu)
+    return m_new, l, tm.mma_add(acc, jnp.dot(rows(p_lo), v, preferred_element_type=tm.F32), gpu)
 
 
 def _softmax_step(s, visible, m, l, gpu):
-    """The online softmax's update shared by both forms: scores s [BC] (scaled) -> (m', a, p, l')."""
+    """The online softmax's update shared by both forms: scores s [BC] (scaled) -> (m', a, p, l'),
+    l and l' [BC] (a sum per lane)."""
     s = jnp.where(visible, s, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, keepdims=True))
     m0 = _safe(m_new)
     a = tm.exp(m - m0, gpu)
     p = jnp.where(visible, tm.exp(s - m0, gpu), tm.F32(0.0))
-    return m_new, a, p, tm.mul(l, a, gpu) + tm.tree_sum(p[None, :])[0]
+    return m_new, a, p, tm.mul(l, a, gpu) + p
 
 
 def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
@@ -135,9 +139,10 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
         return _block(q, k.astype(tm.F32), pltriton.load(v_ref.at[at]).astype(tm.F32), visible,
                       carry, scale, gpu)
 
-    init = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32),
+    init = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((BC,), tm.F32),
             jnp.zeros((TWIN_MMA_ROWS, D) if mma else (D,), tm.F32))
     m, l, acc = lax.fori_loop(0, chunk // BC, body, init)
+    l = tm.tree_sum(l[None, :])[0]  # the lanes' sums, once a split: [1]
     if mma:
         acc = jnp.max(acc, axis=0)  # its rows are equal: exact
     if S == 1:
@@ -194,7 +199,7 @@ def _store_out(o_ref, out, bht, H, T, D):
 
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
               q_pos: jax.Array, *, context: int, sems: jax.Array | None = None, num_warps: int | None = None,
-              interpret: bool | None = None, form: str | None = None):
+              num_stages: int | None = None, interpret: bool | None = None, form: str | None = None):
     """softmax(q k^T / sqrt(D) | visible) v over layer `layer` of the stacked ring (the contract).
 
     q: [B, H, T, D]; ring_k, ring_v: [L, B, H, C, D] in q's dtype; layer: int or int32 scalar
@@ -203,7 +208,8 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     returned all 0 again, so one buffer serves every call of a step (carry it through the layer
     loop: a buffer made inside each call costs a kernel a call). None: made here.
     form: "lanes" or "mma" (None: `common.twin_attention_form`'s choice; the two give other bits).
-    num_warps: speed only (None: `common.TWIN_PALLAS_ATTENTION_WARPS`, read at call time).
+    num_warps, num_stages: speed only (None: `common.TWIN_PALLAS_ATTENTION_WARPS` and `_STAGES`, read
+    at call time).
     Returns [B, T, H, D] in q's dtype (the layout the out-projection reads), and sems if given.
     """
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
@@ -230,7 +236,8 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(B * H * T, S), input_output_aliases=aliases, interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps or common.TWIN_PALLAS_ATTENTION_WARPS,
-                                                num_stages=2), name="twin_attention",
+                                                num_stages=num_stages or common.TWIN_PALLAS_ATTENTION_STAGES),
+        name="twin_attention",
     )(*operands)
     out = outs[0 if S == 1 else 3].reshape(B, T, H, D)
     sems = sems if S == 1 else outs[4]
@@ -255,11 +262,11 @@ def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int
         visible = (posv >= 0) & (delta >= 0) & (delta < context)
         ms, ls, accs = [], [], []
         for s in range(S):
-            carry = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((1,), tm.F32), jnp.zeros((D,), tm.F32))
+            carry = (jnp.full((1,), NEG_INF, tm.F32), jnp.zeros((BC,), tm.F32), jnp.zeros((D,), tm.F32))
             for i in range(chunk // BC):
                 c = slice(s * chunk + i * BC, s * chunk + (i + 1) * BC)
                 carry = _block(qv, kv[c], vv[c], visible[c], carry, scale, False)
-            ms.append(carry[0]), ls.append(carry[1]), accs.append(carry[2])
+            ms.append(carry[0]), ls.append(tm.tree_sum(carry[1][None, :])[0]), accs.append(carry[2])
         return _combine(lambda s: (ms[s], ls[s], accs[s]), S, q.dtype, False)
 
     per_t = jax.vmap(one, in_axes=(0, None, None, None, 0))                      # over t

@@ -70,6 +70,13 @@ def mul(a, b, gpu: bool):
     return _asm("mul.rn.f32", (a, b), 2) if gpu else _opaque(a * b)
 
 
+def mma_add(acc, d, gpu: bool):
+    """acc + d, where d is a matrix product on the tensor cores (the attention's MMA form):
+    compiled, an ``add.rn.f32`` that Triton's dot-add combine cannot see, so each product starts
+    from a zero accumulator and is added on its own on both twins, whatever the Triton version."""
+    return _asm("add.rn.f32", (acc, d), 2) if gpu else acc + d
+
+
 def mac(acc, a, b, fused: bool, gpu: bool):
     """acc + a * b; fused (a and b upcast from 16-bit values; module docstring): one FMA on the GPU."""
     if fused and gpu:

@@ -51,7 +51,7 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
     layer = tl.load(layer_ptr).to(tl.int64)
     row = (layer * B * H + b * H + h) * C                                     # [HB]
     m = tl.full([HB], float("-inf"), tl.float32)
-    l = tl.zeros([HB], tl.float32)
+    l = tl.zeros([HB, BC], tl.float32)                                        # a sum per lane
     if MMA:  # HB == 1: the query in each of the R rows of the MMA's operand; acc's R rows stay equal
         q16 = tl.broadcast_to(q, [R, D])
         acc = tl.zeros([R, D], tl.float32)
@@ -80,17 +80,18 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
         m0 = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tm.exp(m - m0)
         p = tl.where(visible, tm.exp(s - m0[:, None]), 0.0)                   # [HB, BC]
-        l = l * a + tm.tree_sum(p, HB, BC, True)
+        l = l * a[:, None] + p
         if MMA:
             p_hi = tm.to_dtype(p, v.dtype, INTERPRETED)
             p_lo = tm.to_dtype(p - p_hi.to(tl.float32), v.dtype, INTERPRETED)
-            acc = acc * a[:, None] + tm.mma(tl.broadcast_to(p_hi, [R, BC]), v, INTERPRETED)
-            acc = acc + tm.mma(tl.broadcast_to(p_lo, [R, BC]), v, INTERPRETED)
+            acc = tm.mma_add(acc * a[:, None], tm.mma(tl.broadcast_to(p_hi, [R, BC]), v, INTERPRETED), INTERPRETED)
+            acc = tm.mma_add(acc, tm.mma(tl.broadcast_to(p_lo, [R, BC]), v, INTERPRETED), INTERPRETED)
         else:
             pv = p[:, :, None] * tl.where(visible[:, :, None], v, 0.0)             # [HB, BC, D]
             pv = tl.reshape(tl.permute(pv, (0, 2, 1)), [HB * D, BC])
             acc = acc * a[:, None] + tl.reshape(tm.tree_sum(pv, HB * D, BC, True), [HB, D])
         m = m_new
+    l = tm.tree_sum(l, HB, BC)  # the lanes' sums, once a split: [HB]
     if MMA:
         acc = tl.max(acc, axis=0)[None, :]  # its rows are equal: exact
     if S == 1:  # one split: the combine of the contract, here (one launch)

@@ -81,6 +81,17 @@ def mma(a, b, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def mma_add(acc, d, INTERPRETED: tl.constexpr):
+    """acc + d after an `mma` (the Pallas twin's `mma_add`, the attention's): compiled, an
+    ``add.rn.f32`` the dot-add combine cannot fold into the product's accumulator."""
+    if INTERPRETED:
+        return acc + d
+    else:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [acc, d], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
 def to_dtype(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """float32 -> ``dtype``, round to nearest even.
 

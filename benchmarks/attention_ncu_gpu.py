@@ -1,0 +1,105 @@
+"""The twin attention's kernels at the temporal sizes, timed by Nsight Compute: the kernel's own GPU
+time, free of the host's dispatch (host-timed sweeps of this kernel moved up to 1.5x between calls:
+RESULTS.md, twelfth session), and where a latency-bound attention (B = 1, 4) spends it.
+
+    ncu --clock-control none -k regex:"attention|_split_kernel" --metrics gpu__time_duration.sum --csv \
+        python benchmarks/attention_ncu_gpu.py --batches 1,4 --manifest $OUT/m.json > $OUT/ncu.csv
+    python benchmarks/attention_ncu_gpu.py --summarize $OUT/ncu.csv --manifest $OUT/m.json --out $OUT/a.json
+
+The first command launches the Pallas kernel (the JAX step's) --calls times for each batch size,
+warp count and pipeline depth, then the Triton twin (the torch step's) at its defaults, and writes
+the launches' order to the manifest; ncu times each launch (cold L2: ncu flushes the caches before
+each, as a ring larger than the L2 is read in the step). It also checks the Pallas and Triton
+outputs bit for bit at each batch size and measures the copy rate. The second pairs ncu's rows
+with the manifest: the median us a layer of each case and its ring bytes against the copy rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import statistics
+
+H, D, C, T = 32, 128, 3000, 1
+
+
+def launch(args):
+    import jax
+    import torch
+    from cuda_timing import copy_bandwidth
+    from twin_tune_gpu import randn, same
+
+    from kernels_pallas import twin_attention as pa
+    from kernels_triton import twin_attention as ta
+    from torch_bridge.dlpack import to_jax
+
+    order, equal, copy_TBps = [], {}, copy_bandwidth() / 1e12
+    for B in (int(b) for b in args.batches.split(",")):
+        q = randn(B, H, T, D)
+        ring_k, ring_v = randn(args.layers, B, H, C, D, seed=1), randn(args.layers, B, H, C, D, seed=2)
+        positions = torch.arange(C, device="cuda", dtype=torch.int32)[None].expand(B, C).contiguous()
+        q_pos = torch.full((B, T), C - 1, device="cuda", dtype=torch.int32)
+        jargs = tuple(to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
+        for warps in (int(w) for w in args.warps.split(",")):
+            for stages in (int(s) for s in args.stages.split(",")):
+                fn = jax.jit(lambda q, k, v, p, qp, w=warps, s=stages:
+                             pa.attention(q, k, v, 1, p, qp, context=C, num_warps=w, num_stages=s))
+                for _ in range(args.calls):
+                    out = jax.block_until_ready(fn(*jargs))
+                order += [{"twin": "pallas", "B": B, "warps": warps, "stages": stages}] * args.calls
+        for _ in range(args.calls):
+            ref = ta.attention(q, ring_k, ring_v, 1, positions, q_pos, context=C)
+        torch.cuda.synchronize()
+        order += [{"twin": "triton", "B": B}] * args.calls
+        equal[B] = same(out, ref)  # the last Pallas case against the Triton twin's defaults
+        print(f"B={B}: Pallas == Triton bit for bit: {equal[B]}", flush=True)
+    with open(args.manifest, "w") as f:
+        json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+                   "jax": jax.__version__, "torch": torch.__version__, "layers": args.layers, "copy_TBps": copy_TBps,
+                   "launches": order, "pallas_equals_triton": equal}, f, indent=1)
+
+
+def summarize(args):
+    with open(args.manifest) as f:
+        manifest = json.load(f)
+    with open(args.summarize) as f:
+        rows = [r for r in csv.DictReader(line for line in f if line.startswith('"'))
+                if r.get("Metric Name") == "gpu__time_duration.sum"]
+    if len(rows) != len(manifest["launches"]):
+        raise SystemExit(f"--summarize: {len(rows)} timed launches, the manifest has {len(manifest['launches'])}")
+    cases: dict = {}
+    for launch_, row in zip(manifest["launches"], rows):
+        ns = float(row["Metric Value"].replace(",", "")) * {"nsecond": 1, "usecond": 1e3, "msecond": 1e6}[row["Metric Unit"]]
+        cases.setdefault(json.dumps(launch_, sort_keys=True), []).append(ns / 1e3)
+    out = []
+    for key, us in cases.items():
+        case = json.loads(key)
+        med = statistics.median(us)
+        case.update(us=med, us_all=us, TBps=2 * case["B"] * H * C * D * 2 / (med * 1e-6) / 1e12)
+        case["share_of_copy"] = case["TBps"] / manifest["copy_TBps"]
+        out.append(case)
+        print(f"{key}: {med:.1f} us ({case['TBps']:.2f} TB/s, {case['share_of_copy']:.0%})")
+    manifest["cases"] = out
+    manifest.pop("launches")
+    with open(args.out, "w") as f:
+        json.dump(manifest, f, indent=1)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--warps", default="4")
+    parser.add_argument("--stages", default="2")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=5, help="launches of each case")
+    parser.add_argument("--manifest", default="attention_ncu_manifest.json")
+    parser.add_argument("--summarize", default=None, help="ncu's CSV (--csv --metrics gpu__time_duration.sum)")
+    parser.add_argument("--out", default="attention_ncu.json")
+    args = parser.parse_args()
+    summarize(args) if args.summarize else launch(args)
+
+
+if __name__ == "__main__":
+    main()
