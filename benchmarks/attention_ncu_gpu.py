@@ -7,10 +7,10 @@ RESULTS.md, twelfth session), and where a latency-bound attention (B = 1, 4) spe
     python benchmarks/attention_ncu_gpu.py --summarize $OUT/ncu.csv --manifest $OUT/m.json --out $OUT/a.json
 
 The first command launches the Pallas kernel (the JAX step's) --calls times for each batch size,
-warp count and pipeline depth, then the Triton twin (the torch step's) at its defaults, and writes
-the launches' order to the manifest; ncu times each launch (cold L2: ncu flushes the caches before
+plan, warp count and pipeline depth, then the Triton twin (the torch step's) for each of its own,
+and writes the launches' order to the manifest; ncu times each launch (cold L2: ncu flushes the caches before
 each, as a ring larger than the L2 is read in the step). It also checks the Pallas and Triton
-outputs bit for bit at each batch size and measures the copy rate. The second pairs ncu's rows
+outputs bit for bit at each batch size and plan, and measures the copy rate. The second pairs ncu's rows
 with the manifest: the median us a layer of each case and its ring bytes against the copy rate.
 """
 
@@ -29,32 +29,39 @@ def launch(args):
     import jax
     import torch
     from cuda_timing import copy_bandwidth
-    from twin_tune_gpu import randn, same
+    from twin_tune_gpu import randn, same, with_contract
 
     from kernels_pallas import twin_attention as pa
     from kernels_triton import twin_attention as ta
     from torch_bridge.dlpack import to_jax
 
     order, equal, copy_TBps = [], {}, copy_bandwidth() / 1e12
-    for B in (int(b) for b in args.batches.split(",")):
+    ints = lambda text: [int(v) for v in text.split(",")]
+    for B in ints(args.batches):
         q = randn(B, H, T, D)
         ring_k, ring_v = randn(args.layers, B, H, C, D, seed=1), randn(args.layers, B, H, C, D, seed=2)
         positions = torch.arange(C, device="cuda", dtype=torch.int32)[None].expand(B, C).contiguous()
         q_pos = torch.full((B, T), C - 1, device="cuda", dtype=torch.int32)
         jargs = tuple(to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
-        for warps in (int(w) for w in args.warps.split(",")):
-            for stages in (int(s) for s in args.stages.split(",")):
-                fn = jax.jit(lambda q, k, v, p, qp, w=warps, s=stages:
-                             pa.attention(q, k, v, 1, p, qp, context=C, num_warps=w, num_stages=s))
-                for _ in range(args.calls):
-                    out = jax.block_until_ready(fn(*jargs))
-                order += [{"twin": "pallas", "B": B, "warps": warps, "stages": stages}] * args.calls
-        for _ in range(args.calls):
-            ref = ta.attention(q, ring_k, ring_v, 1, positions, q_pos, context=C)
-        torch.cuda.synchronize()
-        order += [{"twin": "triton", "B": B}] * args.calls
-        equal[B] = same(out, ref)  # the last Pallas case against the Triton twin's defaults
-        print(f"B={B}: Pallas == Triton bit for bit: {equal[B]}", flush=True)
+        for plan in args.plans.split(","):
+            bc, chunk = (int(v) for v in plan.split("x"))
+            with_contract(TWIN_ATTENTION_BC=bc, TWIN_ATTENTION_CHUNK=chunk)  # both twins read it at call time
+            for warps in ints(args.warps):
+                for stages in ints(args.stages):
+                    fn = jax.jit(lambda q, k, v, p, qp, w=warps, s=stages:
+                                 pa.attention(q, k, v, 1, p, qp, context=C, num_warps=w, num_stages=s))
+                    for _ in range(args.calls):
+                        out = jax.block_until_ready(fn(*jargs))
+                    order += [{"twin": "pallas", "B": B, "plan": plan, "warps": warps, "stages": stages}] * args.calls
+            for warps in ints(args.triton_warps):
+                for stages in ints(args.triton_stages):
+                    for _ in range(args.calls):
+                        ref = ta.attention(q, ring_k, ring_v, 1, positions, q_pos, context=C, num_warps=warps,
+                                           num_stages=stages)
+                    torch.cuda.synchronize()
+                    order += [{"twin": "triton", "B": B, "plan": plan, "warps": warps, "stages": stages}] * args.calls
+            equal[f"B={B} {plan}"] = same(out, ref)  # the last Pallas case against the last Triton one
+            print(f"B={B}, plan {plan}: Pallas == Triton bit for bit: {equal[f'B={B} {plan}']}", flush=True)
     with open(args.manifest, "w") as f:
         json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                    "jax": jax.__version__, "torch": torch.__version__, "layers": args.layers, "copy_TBps": copy_TBps,
@@ -71,7 +78,7 @@ def summarize(args):
         raise SystemExit(f"--summarize: {len(rows)} timed launches, the manifest has {len(manifest['launches'])}")
     cases: dict = {}
     for launch_, row in zip(manifest["launches"], rows):
-        ns = float(row["Metric Value"].replace(",", "")) * {"nsecond": 1, "usecond": 1e3, "msecond": 1e6}[row["Metric Unit"]]
+        ns = float(row["Metric Value"].replace(",", "")) * {"ns": 1, "nsecond": 1, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6}[row["Metric Unit"]]
         cases.setdefault(json.dumps(launch_, sort_keys=True), []).append(ns / 1e3)
     out = []
     for key, us in cases.items():
@@ -92,6 +99,9 @@ def main():
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--warps", default="4")
     parser.add_argument("--stages", default="2")
+    parser.add_argument("--plans", default="64x256", help="BCxchunk, ... (the contract's plan: other bits, both twins)")
+    parser.add_argument("--triton-warps", default="2")
+    parser.add_argument("--triton-stages", default="1")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--calls", type=int, default=5, help="launches of each case")
     parser.add_argument("--manifest", default="attention_ncu_manifest.json")

@@ -124,7 +124,10 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
         c = split * chunk + i * BC + jnp.arange(BC, dtype=jnp.int32)
         ok = c < C
         cc = jnp.where(ok, c, 0)  # masked lanes still index inside the ref (interpreted)
-        pos = jnp.where(ok, pltriton.load(pos_ref.at[b * C + cc]), -1)
+        if gpu:  # c, not cc: the compiler sees the slots contiguous and loads them as vectors
+            pos = pltriton.load(pos_ref.at[b * C + c], mask=ok, other=-1)
+        else:
+            pos = jnp.where(ok, pltriton.load(pos_ref.at[b * C + cc]), -1)
         delta = q_pos - pos
         visible = ok & (pos >= 0) & (delta >= 0) & (delta < context)
         # the rings as [L*B*H, C, D], indexed per dimension, not by a flat offset: past 2**32 bytes
