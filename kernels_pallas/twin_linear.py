@@ -149,7 +149,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, norm, eps, ha
 
 def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, eps, has_scale, has_res, rms,
                 split, gpu):
-    """Program (j, i): columns j*BN.. of rows i*R.. (R = TWIN_MMA_ROWS), the MMA form: acc [BN, R]
+    """Program (i, j): columns j*BN.. of rows i*R.. (R = TWIN_MMA_ROWS), the MMA form: acc [BN, R]
     += w_block [BN, BK] @ x_block^T over the K blocks in order (module docstring); norm: the fused
     norm's kind (`_mma_accumulate`), its weight and bias refs first in refs; rms (the split norm's
     eps, or None): the rows' ss ref next, the sums scaled by `twin_norm.split_r`; split (the split
@@ -166,8 +166,8 @@ def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, 
     alpha_ref = refs.pop(0) if split is not None else None
     o_ref, *split_out = refs
     layer = layer_ref[0]
-    n0 = pl.program_id(0) * BN
-    m = pl.program_id(1) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
+    n0 = pl.program_id(1) * BN
+    m = pl.program_id(0) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
     starts = (n0, n0 + N_out) if act == "silu_gate" else (n0,)
     accs, ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, fused, gpu)
     sums = tuple(a.T for a in accs)                                               # [R, BN]
@@ -274,7 +274,9 @@ def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms
         operands.append(split.weight)
         outs += [jax.ShapeDtypeStruct((M, N_out), x.dtype),
                  jax.ShapeDtypeStruct((M, N_out // TWIN_SPLIT_GROUP), jnp.float32)]
-    # the columns first in the grid: the row blocks of one column block run together (its weights in L2)
+    # the row blocks first in the grid (the fastest-varying program index, launched one after the other):
+    # the row blocks of one column block run together and read its weights once from memory, then from
+    # the L2 (columns first, each row block had re-read all the weights: 4x the bytes at B=64)
     out = pl.pallas_call(
         functools.partial(_mma_kernel, M=M, K=K, BN=BN, BK=BK, N_out=N_out, act=act,
                           norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
@@ -282,7 +284,7 @@ def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms
                           rms=None if rms is None else rms.eps, split=None if split is None else split.offset,
                           gpu=not interpret),
         out_shape=tuple(outs),
-        grid=(N_out // BN, -(-M // TWIN_MMA_ROWS)),
+        grid=(-(-M // TWIN_MMA_ROWS), N_out // BN),
         in_specs=[_whole(a) for a in operands],
         out_specs=tuple(_whole(o) for o in outs),
         interpret=interpret,
@@ -334,7 +336,7 @@ def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, norm=None,
 
 
 def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, B, T, H, C, D, norm, eps, rms, gpu):
-    """Program (j, i): columns j*BN.. of rows i*R.. of qkv = x @ w[layer].T (the MMA form), then
+    """Program (i, j): columns j*BN.. of rows i*R.. of qkv = x @ w[layer].T (the MMA form), then
     `twin_rope.rope_write`'s epilogue on them: a program's columns lie in one head of q, k or v
     (BN | D) and hold whole GPT-J pairs. q is rotated into q_ref [B*H*T, D]; k rotated and v as it
     is go into the rings [L*B*H, C, D] at the write slots where the write mask is set. Row m is
@@ -346,8 +348,8 @@ def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, B, T, H, C, D, nor
     fused = (norm, eps, refs.pop(0), refs.pop(0)) if norm else None
     ss_ref = refs.pop(0) if rms is not None else None
     cos_ref, sin_ref, slot_ref, wmask_ref, _, _, q_ref, k_ref, v_ref = refs
-    n0 = pl.program_id(0) * BN
-    m = pl.program_id(1) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
+    n0 = pl.program_id(1) * BN
+    m = pl.program_id(0) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
     (acc,), ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, (n0,), fused, gpu)
     dtype = q_ref.dtype
     acc = acc.T if rms is None else tm.mul(acc.T, twin_norm.split_r(ss_ref, rows, ok, K, rms, gpu), gpu)
@@ -405,7 +407,7 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: ja
                           norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
                           rms=None if rms is None else rms.eps, gpu=not interpret),
         out_shape=(q_flat, jax.ShapeDtypeStruct(rows, ring_k.dtype), jax.ShapeDtypeStruct(rows, ring_v.dtype)),
-        grid=(N // BN, -(-M // TWIN_MMA_ROWS)),
+        grid=(-(-M // TWIN_MMA_ROWS), N // BN),  # row blocks first, as in `linear`
         in_specs=[_whole(a) for a in operands],
         out_specs=(_whole(q_flat), _whole(operands[ring_at]), _whole(operands[ring_at + 1])),
         input_output_aliases={ring_at: 1, ring_at + 1: 2},

@@ -164,13 +164,13 @@ def _mma_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, scale_ptr, res_
                 RMS: tl.constexpr, RMS_INV_K: tl.constexpr, SPLIT: tl.constexpr, SPLIT_OFFSET: tl.constexpr,
                 SPLIT_L: tl.constexpr, STAGES: tl.constexpr,
                 INTERPRETED: tl.constexpr):
-    """Program (j, i): columns j*BN .. of rows i*R .. (R = TWIN_MMA_ROWS), the MMA form of the
+    """Program (i, j): columns j*BN .. of rows i*R .. (R = TWIN_MMA_ROWS), the MMA form of the
     contract: acc [BN, R] += w_block @ x_block^T over the K blocks in order; ACT "", "gelu" or
     "silu_gate" (columns n and n + N_OUT in two accumulators, the gate in the epilogue); NORM: the
     fused norm (`_mma_accumulate`); RMS, SPLIT: the split norm's halves (`common.TwinSplit`)."""
     layer = tl.load(layer_ptr).to(tl.int64)
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    m = tl.program_id(1) * R + tl.arange(0, R)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = tl.program_id(0) * R + tl.arange(0, R)
     m_ok = m < M
     n_ok = n < N_OUT
     acc, acc_b = _mma_accumulate(x_ptr, w_ptr + layer * N * K, nw_ptr + layer * K, nb_ptr + layer * K, eps, m, m_ok,
@@ -193,7 +193,7 @@ def _mma_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, scale_ptr, res_
     y = _finish(y, layer, m, m_ok, n, n_ok, scale_ptr, res_ptr, o_ptr, N_OUT, HAS_SCALE, HAS_RES, INTERPRETED)
     if SPLIT:
         split_layer = tl.minimum(layer + SPLIT_OFFSET, SPLIT_L - 1)
-        twin_norm.split_store(y, alpha_ptr + split_layer * N_OUT, tl.program_id(0) * BN, m, m_ok, u_ptr, ss_out_ptr,
+        twin_norm.split_store(y, alpha_ptr + split_layer * N_OUT, tl.program_id(1) * BN, m, m_ok, u_ptr, ss_out_ptr,
                               N_OUT, R, BN, INTERPRETED)
 
 
@@ -276,7 +276,8 @@ def _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, split
     if split is not None:
         u = torch.empty_like(out)
         ss_out = torch.empty((M, N_out // TWIN_SPLIT_GROUP), dtype=torch.float32, device=x.device)
-    _mma_kernel[(N_out // BN, triton.cdiv(M, TWIN_MMA_ROWS))](
+    # row blocks first (the fastest-varying program index): the Pallas twin's order, its weights once from memory
+    _mma_kernel[(triton.cdiv(M, TWIN_MMA_ROWS), N_out // BN)](
         layer_t, x, w, nw, nb, out if rms is None else rms.ss, out if scale is None else scale,
         out if residual is None else residual, out if split is None else split.weight, out, u, ss_out,
         M, eps, 0.0 if rms is None else rms.eps, N=N, K=K, N_OUT=N_out, R=TWIN_MMA_ROWS, BN=BN, BK=BK,
@@ -305,12 +306,12 @@ def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, cos_ptr, sin_pt
                 T: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                 D: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
                 INV_K: tl.constexpr, NORM_UNROLL: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Program (j, i): the MMA form's columns j*BN .. of rows i*R .. of qkv, then rope_write's
+    """Program (i, j): the MMA form's columns j*BN .. of rows i*R .. of qkv, then rope_write's
     epilogue (the Pallas twin `_qkv_kernel`: a program's columns lie in one head, whole GPT-J pairs)."""
     layer = tl.load(layer_ptr).to(tl.int64)
-    n0 = tl.program_id(0) * BN
+    n0 = tl.program_id(1) * BN
     n = n0 + tl.arange(0, BN)
-    m = tl.program_id(1) * R + tl.arange(0, R)
+    m = tl.program_id(0) * R + tl.arange(0, R)
     m_ok = m < M
     acc, _ = _mma_accumulate(x_ptr, w_ptr + layer * (3 * H * D) * K, nw_ptr + layer * K, nb_ptr + layer * K, eps, m,
                              m_ok, n, 0, K, R, BN, BK, NORM, INV_K, NORM_UNROLL, False, STAGES, INTERPRETED)
@@ -370,7 +371,7 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
     x, (nw, nb, eps), norm_consts = _mma_norm(x, norm, layer_t, K)
     q = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)
     BK = twin_lanes(K)
-    _qkv_kernel[(N // BN, triton.cdiv(M, TWIN_MMA_ROWS))](
+    _qkv_kernel[(triton.cdiv(M, TWIN_MMA_ROWS), N // BN)](
         layer_t, x, w, nw, nb, x if rms is None else rms.ss, cos, sin, write_index.to(torch.int32).contiguous(),
         write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, M, eps, 0.0 if rms is None else rms.eps,
         RMS=rms is not None, RMS_INV_K=float(np.float32(1.0 / K)), K=K, B=B, T=T, H=H,
