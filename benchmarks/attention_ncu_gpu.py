@@ -29,7 +29,7 @@ def launch(args):
     import jax
     import torch
     from cuda_timing import copy_bandwidth
-    from twin_tune_gpu import randn, same, with_contract
+    from twin_tune_gpu import attention_case, same, with_contract
 
     from kernels_pallas import twin_attention as pa
     from kernels_triton import twin_attention as ta
@@ -38,10 +38,7 @@ def launch(args):
     order, equal, copy_TBps = [], {}, copy_bandwidth() / 1e12
     ints = lambda text: [int(v) for v in text.split(",")]
     for B in ints(args.batches):
-        q = randn(B, H, T, D)
-        ring_k, ring_v = randn(args.layers, B, H, C, D, seed=1), randn(args.layers, B, H, C, D, seed=2)
-        positions = torch.arange(C, device="cuda", dtype=torch.int32)[None].expand(B, C).contiguous()
-        q_pos = torch.full((B, T), C - 1, device="cuda", dtype=torch.int32)
+        q, ring_k, ring_v, positions, q_pos = attention_case(B, H, T, D, C, args.layers)
         jargs = tuple(to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
         for plan in args.plans.split(","):
             bc, chunk = (int(v) for v in plan.split("x"))
@@ -60,8 +57,9 @@ def launch(args):
                                            num_stages=stages)
                     torch.cuda.synchronize()
                     order += [{"twin": "triton", "B": B, "plan": plan, "warps": warps, "stages": stages}] * args.calls
-            equal[f"B={B} {plan}"] = same(out, ref)  # the last Pallas case against the last Triton one
-            print(f"B={B}, plan {plan}: Pallas == Triton bit for bit: {equal[f'B={B} {plan}']}", flush=True)
+            key = f"B={B} {plan}"
+            equal[key] = same(out, ref)  # the last Pallas case against the last Triton one
+            print(f"{key}: Pallas == Triton bit for bit: {equal[key]}", flush=True)
     with open(args.manifest, "w") as f:
         json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                    "jax": jax.__version__, "torch": torch.__version__, "layers": args.layers, "copy_TBps": copy_TBps,

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import torch
 from cuda_timing import copy_bandwidth
-from twin_tune_gpu import jax_ms, randn, same, with_contract
+from twin_tune_gpu import attention_case, jax_ms, same, with_contract
 
 from kernels_pallas import common
 from kernels_pallas import twin_attention as pa
@@ -55,10 +55,7 @@ def main():
                     "default_plan": default, "H": H, "D": D, "C": C, "layers": L,
                     "calls": args.calls}, "rows": []}
     for B in (int(b) for b in args.batches.split(",")):
-        q = randn(B, H, T, D)
-        ring_k, ring_v = randn(L, B, H, C, D, seed=1), randn(L, B, H, C, D, seed=2)
-        positions = torch.arange(C, device="cuda", dtype=torch.int32)[None].expand(B, C).contiguous()
-        q_pos = torch.full((B, T), C - 1, device="cuda", dtype=torch.int32)
+        q, ring_k, ring_v, positions, q_pos = attention_case(B, H, T, D, C, L)
         jargs = tuple(to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
         layer_bytes = 2 * B * H * C * D * 2
         for (bc, chunk), form in ((p_, f_) for p_ in plans for f_ in args.forms.split(",")):

@@ -102,10 +102,12 @@ def attention_tbps(config, state, kernels: str) -> float | None:
     f = jax.jit(lambda q, k, v: [attend(q, k, v, layer, positions, q_pos) for layer in range(L)])
     jax.block_until_ready(f(q, state.k, state.v))
 
-    def calls(n=10):  # back to back, one wait: the kernels' time, not the host's latency around one call
+    n = 10
+
+    def calls():  # back to back, one wait: the kernels' time, not the host's latency around one call
         jax.block_until_ready([f(q, state.k, state.v) for _ in range(n)])
 
-    ms = host_ms(calls, 5) / 10
+    ms = host_ms(calls, 5) / n
     return 2 * L * B * H * C * D * 2 / (ms * 1e-3) / 1e12
 
 

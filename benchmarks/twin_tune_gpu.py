@@ -96,6 +96,15 @@ def randn(*shape, scale=1.0, seed=0):
     return (torch.randn(shape, generator=g, device=DEVICE) * scale).to(torch.bfloat16)
 
 
+def attention_case(B, H, T, D, C, L):
+    """(q [B, H, T, D], ring_k, ring_v [L, B, H, C, D], positions [B, C], q_pos [B, T]) of random bf16:
+    a full ring, every slot written in order, each query at the last position (sees them all)."""
+    q = randn(B, H, T, D)
+    ring_k, ring_v = randn(L, B, H, C, D, seed=1), randn(L, B, H, C, D, seed=2)
+    positions = torch.arange(C, device=DEVICE, dtype=torch.int32)[None].expand(B, C).contiguous()
+    return q, ring_k, ring_v, positions, torch.full((B, T), C - 1, device=DEVICE, dtype=torch.int32)
+
+
 def same(a, b) -> bool:
     a, b = (x.detach().cpu() if isinstance(x, torch.Tensor) else np.asarray(x) for x in (a, b))
     return bool(np.array_equal(bits(a), bits(b)))
@@ -189,10 +198,7 @@ def tune_linear(name, shape, out, ceiling, small):
 
 def tune_attention(out, ceiling, small):
     B, H, T, D, C, L = (2, 2, 1, 16, 40, 2) if small else (4, 32, 1, 128, 3000, 4)
-    q = randn(B, H, T, D)
-    ring_k, ring_v = randn(L, B, H, C, D, seed=1), randn(L, B, H, C, D, seed=2)
-    positions = torch.arange(C, device=DEVICE, dtype=torch.int32)[None].expand(B, C).contiguous()
-    q_pos = torch.full((B, T), C - 1, device=DEVICE, dtype=torch.int32)
+    q, ring_k, ring_v, positions, q_pos = attention_case(B, H, T, D, C, L)
     rbytes = 2 * B * H * C * D * 2
     rows, refs = [], {}
     plans = [(64, 256), (32, 256), (64, 512)]
@@ -219,7 +225,8 @@ def tune_attention(out, ceiling, small):
     best = min(ok, key=lambda r_: r_["ms"])
     pallas = []
     for label, cfg in (("best", best), ("default", {"bc": DEFAULTS["TWIN_ATTENTION_BC"],
-                                                    "chunk": DEFAULTS["TWIN_ATTENTION_CHUNK"], "warps": 4})):
+                                                    "chunk": DEFAULTS["TWIN_ATTENTION_CHUNK"],
+                                                    "warps": common.TWIN_PALLAS_ATTENTION_WARPS})):
         with_contract(TWIN_ATTENTION_BC=cfg["bc"], TWIN_ATTENTION_CHUNK=cfg["chunk"])
         jq, jk, jv, jp, jqp = (to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
         try:

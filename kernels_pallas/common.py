@@ -178,7 +178,7 @@ TWIN_INTERPRET_MAX_BN = 256  # interpreted (CPU), fewer, larger programs: each c
 TWIN_INTERPRET_MAX_BM = 64
 # the Triton twins' launch (speed only): the fastest of benchmarks/twin_tune_gpu.py on an H200
 TWIN_TRITON_LINEAR_STAGES = 4     # software-pipeline depth of the linear's loop over K
-TWIN_TRITON_ATTENTION_STAGES = 1  # ... of the attention's loop over a split's blocks (MMA form, ncu: 3 is 6% faster at B=1, 2% slower at B=4)
+TWIN_TRITON_ATTENTION_STAGES = 1  # ... of the attention's loop over a split's blocks (3: -6% at B=1, +2% at B=4)
 TWIN_TRITON_ATTENTION_WARPS = 2
 TWIN_PALLAS_ATTENTION_WARPS = 2  # warps of the Pallas attention's programs (the JAX twin step's; RESULTS, 13th session)
 TWIN_PALLAS_ATTENTION_STAGES = 3  # ... and the software-pipeline depth of its loop over a split's blocks
