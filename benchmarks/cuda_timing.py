@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 
 def cuda_time(fn, n: int) -> float:
@@ -54,3 +55,21 @@ def graph_per_call_ms(launch, calls: int, reps: int = 10) -> float:
     replay = torch_graph(lambda: [launch(i) for i in range(calls)])
     replay()
     return cuda_time(replay, reps) / calls
+
+
+def kernel_profile(fn, top: int = 14) -> tuple[int, list]:
+    """(CUDA kernels one fn() call launches, memcpy/memset excluded; the `top` kernel names by GPU
+    time: [name, us, calls]). One warm-up call first; torch.profiler (CUPTI) sees JAX's kernels too."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by_name: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset", "[memory]")):
+            us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+            t, n = by_name.get(e.name, (0.0, 0))
+            by_name[e.name] = (t + us, n + 1)
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return sum(n for _, n in by_name.values()), [[name[:80], round(t, 1), n] for name, (t, n) in ranked]

@@ -17,7 +17,8 @@ and with one `lax.scan` over the layers (scan: true) (`--loops`):
 - floor_ms: (weight bytes + ring bytes) / the copy bandwidth measured in the same run;
 - call_floor_sync_ms / call_floor_pipelined_ms: a jitted call with the step's arguments (state
   donated) that only bumps the offsets, timed the same way: the synchronized cost before any kernel work;
-- kernels: CUDA kernels per step (torch.profiler); compile_s: the first call;
+- kernels: CUDA kernels per step (torch.profiler), top_kernels: the 8 costliest by name [name, us, calls];
+  compile_s: the first call;
 - attention_TBps: the Pallas ring attention alone over every layer (one jit, calls back to back), k and v bytes per
   second (None where the ring is past its int32 offsets); with --kernels twin, the twin attention;
 - dropin_ms: the torch-facing drop-in (`from_torch`) on the same weights, kernels and layer loop
@@ -53,9 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from cuda_timing import copy_bandwidth, cuda_time, torch_graph
+from cuda_timing import copy_bandwidth, cuda_time, kernel_profile, torch_graph
 from host_timing import host_ms, time_step
-from step_bench import count_kernels
 
 import jax_impl
 from jax_impl.config import PRESETS
@@ -148,10 +148,10 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
             o, holder["state"] = step(params, holder["state"], xj, aj)
             jax.block_until_ready((o, holder["state"]))
 
-        launches = count_kernels(one) if GPU else None
+        launches, top = kernel_profile(one, top=8) if GPU else (None, None)
         state = holder["state"]
         records.append(dict(common, scan=scan, sync_ms=sync, pipelined_ms=pipelined, compile_s=compile_s,
-                            kernels=launches))
+                            kernels=launches, top_kernels=top))
         print(kind, T, B, "scan" if scan else "python", records[-1], flush=True)
     try:  # after the steps: a probe that fails (B=64 ran out of memory in it once) loses no step record
         tbps, note = attention_tbps(config, holder["state"], kernels), None
@@ -255,7 +255,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for scale_bench.json and scale_bench.png")
     parser.add_argument("--batches", default="1,4,16,64", help="temporal batch sizes")
-    parser.add_argument("--mimi-batches", default="4,16,64", help="Mimi batch sizes (T=2 and T=10)")
+    parser.add_argument("--mimi-batches", default="4,16,64", help="Mimi batch sizes (T=2 and T=10; empty: none)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement (median)")
     parser.add_argument("--small", action="store_true", help="small presets on the CPU (a smoke run)")
     parser.add_argument("--kernels", default="auto", choices=("auto", "twin"), help="the JAX step's kernels")
@@ -267,8 +267,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     bandwidth = copy_bandwidth() if GPU else None
     size = "-small" if args.small else ""
-    cases = [("mimi", T, int(B)) for B in args.mimi_batches.split(",") for T in (2, 10)]
-    cases += [("temporal", 1, int(B)) for B in args.batches.split(",")]
+    cases = [("mimi", T, int(B)) for B in filter(None, args.mimi_batches.split(",")) for T in (2, 10)]
+    cases += [("temporal", 1, int(B)) for B in filter(None, args.batches.split(","))]
     records, errors = [], {}
     modules = {}
     for kind, T, B in cases:

@@ -33,9 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from cuda_timing import copy_bandwidth, cuda_time, torch_graph
+from cuda_timing import copy_bandwidth, cuda_time, kernel_profile, torch_graph
 from host_timing import host_ms, time_step
-from torch.profiler import ProfilerActivity, profile
 
 import jax_impl
 from jax_impl.config import PRESETS
@@ -47,17 +46,6 @@ from torch_bridge.jax_steppers import from_torch
 
 B = 4
 CASES = {"temporal": ("temporal", 1), "mimi2": ("mimi", 2), "mimi10": ("mimi", 10)}
-
-
-def count_kernels(fn) -> int:
-    """CUDA kernels launched by one fn() call (memcpy/memset excluded)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(1 for n in names if not n.startswith(("Memcpy", "Memset", "[memory]")))
 
 
 def bytes_accessed(jitted, *args) -> float | None:
@@ -89,7 +77,7 @@ def bench_case(name: str, steps: int, bandwidth: float) -> dict:
     def torch_step():
         module.step(x, active)
     rec["torch_eager_ms"] = cuda_time(torch_step, max(5, steps // 2))
-    rec["torch_kernels"] = count_kernels(torch_step)
+    rec["torch_kernels"] = kernel_profile(torch_step)[0]
     rec["torch_graph_ms"] = cuda_time(torch_graph(torch_step), steps)
     print(name, "torch eager", rec["torch_eager_ms"], "graph", rec["torch_graph_ms"], "kernels",
           rec["torch_kernels"], flush=True)
@@ -124,7 +112,7 @@ def bench_case(name: str, steps: int, bandwidth: float) -> dict:
 
         key = "jax" if kernels == "auto" else "jax_xla_kernels"
         rec[f"{key}_ms"], rec[f"{key}_pipelined_ms"] = ms, pipelined
-        rec[f"{key}_kernels"] = count_kernels(jax_step)
+        rec[f"{key}_kernels"] = kernel_profile(jax_step)[0]
         state = holder["state"]
         print(name, key, ms, "pipelined", pipelined, "kernels", rec[f"{key}_kernels"], flush=True)
 

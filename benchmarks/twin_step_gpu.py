@@ -31,9 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from cuda_timing import torch_graph
+from cuda_timing import kernel_profile, torch_graph
 from host_timing import host_ms, time_step
-from torch.profiler import ProfilerActivity, profile
 
 import jax_impl
 from jax_impl.config import PRESETS
@@ -201,21 +200,6 @@ def accuracy(out, steps=120, B=4):
                                        agree[k] / total} for k, v in errs.items()} | {"steps": steps, "B": B}, out)
     del twin, ref32, ref16, params, s_twin, s_auto
     torch.cuda.empty_cache()
-
-
-def kernel_profile(fn, top: int = 14):
-    """(kernels launched by one fn() call, the `top` kernel names by GPU time: [name, us, calls])."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    by_name: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
-            t, n = by_name.get(e.name, (0.0, 0))
-            by_name[e.name] = (t + us, n + 1)
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-    return sum(n for _, n in by_name.values()), [[name[:80], round(t, 1), n] for name, (t, n) in ranked]
 
 
 def jax_speed(module, x, rec, with_auto, with_loop):

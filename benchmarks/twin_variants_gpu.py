@@ -23,9 +23,10 @@ import statistics
 import jax
 import numpy as np
 import torch
+from cuda_timing import kernel_profile
 from host_timing import time_step
 from scale_bench import full_state
-from twin_step_gpu import build, kernel_profile
+from twin_step_gpu import build
 
 import jax_impl
 from kernels_pallas import common
