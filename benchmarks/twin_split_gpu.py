@@ -5,8 +5,9 @@
 For each temporal projection (qkv, gate, out, down) at M rows: the GPU time of one call (torch.profiler,
 device time, median over L stacked layers read from HBM) of
   - XLA's own gemm (`x @ w[layer].T`, the `kernels="auto"` path's fusion);
-  - the twin MMA kernel, Pallas and Triton, at block_n 32 / 64 and "split" P = 1 / 2 / 4: the kernel on
-    weights [L, P*N, K/P] (the bytes and programs of a split-K over P parts, without the combine).
+  - the twin MMA kernel, Pallas and Triton, at block_n 32 / 64, block_m (rows a program: 16 / 32 / 64)
+    and "split" P = 1 / 2 / 4: the kernel on weights [L, P*N, K/P] (the bytes and programs of a split-K
+    over P parts, without the combine).
 A timing question only: the split shapes' outputs are not the projection's. Never part of the tests.
 """
 
@@ -46,7 +47,7 @@ def device_us(run, calls: int) -> float:
     return statistics.median(totals)
 
 
-def case(M, name, bns, splits):
+def case(M, name, bns, splits, rows):
     N, K, act, has_res = SHAPES[name]
     rec = {"M": M, "N": N, "K": K, "weight_bytes": N * K * 2}
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
@@ -60,16 +61,16 @@ def case(M, name, bns, splits):
         xp = x[:, : K // P].contiguous()
         r = torch.randn(M, n_out, device="cuda").to(torch.bfloat16) if has_res else None
         jxp, jwp, jr = to_jax(xp), to_jax(wp), None if r is None else to_jax(r)
-        for bn in bns:
-            key = f"P{P}_bn{bn}"
+        for bn, R in ((bn, R) for bn in bns for R in rows):
+            key = f"P{P}_bn{bn}_r{R}"
             try:
-                fp = jax.jit(lambda x, w, r, bn=bn: [pli.linear(x, w, i, act=act, residual=r, block_n=bn)
-                                                     for i in range(L)])
+                fp = jax.jit(lambda x, w, r, bn=bn, R=R: [pli.linear(x, w, i, act=act, residual=r, block_n=bn,
+                                                                     block_m=R) for i in range(L)])
                 args = (jxp, jwp, jr)
                 rec[f"pallas_{key}_us"] = device_us(lambda fp=fp, args=args: jax.block_until_ready(fp(*args)), L)
                 rec[f"triton_{key}_us"] = device_us(
-                    lambda bn=bn, xp=xp, wp=wp, r=r: [tli.linear(xp, wp, i, act=act, residual=r, block_n=bn)
-                                                      for i in range(L)], L)
+                    lambda bn=bn, R=R, xp=xp, wp=wp, r=r: [tli.linear(xp, wp, i, act=act, residual=r, block_n=bn,
+                                                                      block_m=R) for i in range(L)], L)
             except Exception as e:  # noqa: BLE001 (a failing variant is a result, the next one runs)
                 rec[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     rec["TBps"] = {k: rec["weight_bytes"] / (v * 1e-6) / 1e12 for k, v in rec.items() if k.endswith("_us")}
@@ -83,13 +84,14 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--bn", default="32,64")
     parser.add_argument("--splits", default="1,2,4")
+    parser.add_argument("--rows", default="16", help="the MMA form's rows a program (block_m)")
     args = parser.parse_args()
-    bns, splits = ([int(v) for v in a.split(",")] for a in (args.bn, args.splits))
+    bns, splits, rows = ([int(v) for v in a.split(",")] for a in (args.bn, args.splits, args.rows))
     results = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                         "jax": jax.__version__, "torch": torch.__version__, "layers": L}}
     for M in (int(b) for b in args.batches.split(",")):
         for name in args.shapes.split(","):
-            results[f"{name}_m{M}"] = rec = case(M, name, bns, splits)
+            results[f"{name}_m{M}"] = rec = case(M, name, bns, splits, rows)
             print(f"{name}_m{M}", json.dumps({k: round(v, 1) for k, v in rec.items() if k.endswith("_us")}), flush=True)
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

@@ -228,7 +228,9 @@ def twin_norm_unroll(num_blocks: int, BM: int) -> int:
 # The twin linears' and attention's two forms (their modules' docstrings): "lanes" (CUDA cores, every
 # backend) and "mma" (tensor cores: compiled for the GPU, 16-bit operands)
 TWIN_FORMS = ("lanes", "mma")
-TWIN_MMA_ROWS = 16    # rows of the MMA forms' operand (x rows a program; the attention's query, repeated): fixed, so a row's bits never see M or B
+TWIN_MMA_ROWS = 16    # rows of the MMA forms' operand: the attention's query, repeated; the linears' fewest x rows a program
+TWIN_MMA_MAX_ROWS = 64  # x rows a program of the MMA linears (`twin_mma_rows`: 16, 32 or 64; speed only, the same bits)
+TWIN_MMA_MIN_PROGRAMS = 64  # ... while the grid keeps this many programs (Mimi's grids of 8-32 column blocks)
 TWIN_MMA_MAX_BN = 64  # output columns per program of the MMA form (speed only)
 TWIN_MMA_STAGES = 4   # software-pipeline depth of the MMA form's loop over K (speed only, both sides) ...
 TWIN_MMA_FEW_PROGRAMS_STAGES = 8  # ... where the grid has fewer column blocks than the H200 has SMs
@@ -261,15 +263,33 @@ def _twin_form(who: str, form: str | None, fits: bool, compiled: bool, needs: st
     return "mma" if compiled and fits else "lanes"
 
 
-def twin_mma_blocks(N_out: int, K: int, block_n: int | None = None, block_m: int | None = None) -> tuple[int, int]:
-    """(BN, BK) of the MMA form: BK = `twin_lanes(K)` (the norm's blocks too), BN for speed; a
-    block_m other than TWIN_MMA_ROWS (the form's fixed rows a program) is refused."""
-    if block_m is not None and block_m != TWIN_MMA_ROWS:
-        raise ValueError(f"linear(block_m): the MMA form has {TWIN_MMA_ROWS} rows a program, got {block_m}")
+def twin_mma_blocks(N_out: int, K: int, block_n: int | None = None) -> tuple[int, int]:
+    """(BN, BK) of the MMA form: BK = `twin_lanes(K)` (the norm's blocks too), BN for speed."""
     BN = largest_pow2_divisor(N_out, TWIN_MMA_MAX_BN) if block_n is None else block_n
     if BN < 16 or BN & (BN - 1) or N_out % BN:
         raise ValueError(f"linear(block_n): the MMA form needs a power of two >= 16 dividing N_out={N_out}, got {BN}")
     return BN, twin_lanes(K)
+
+
+def twin_mma_rows(M: int, column_blocks: int, block_m: int | None = None, who: str = "linear") -> int:
+    """x rows a program of the MMA linears (the MMA's n dimension; speed only): `block_m` if given
+    (checked: 16, 32 or 64), else the most, up to TWIN_MMA_MAX_ROWS, that M fills (more than half)
+    while the grid keeps TWIN_MMA_MIN_PROGRAMS programs.
+
+    A program of 64 rows loads each weight tile once for all of them and issues a quarter of the
+    MMAs: at M=64 on an H200 the temporal projections take 0.6-0.7x the time of 16-row programs, the
+    out projection's 64 programs included (RESULTS.md, fourteenth session). Each output element's
+    sum over a K block is the MMA's own whatever its n: the H200 gives the same bits at 16, 32 and
+    64 rows (as at mma.sync and wgmma alike), which the GPU tests hold the two twins to."""
+    if block_m is not None:
+        if block_m not in (16, 32, TWIN_MMA_MAX_ROWS):
+            raise ValueError(f"{who}(block_m): the MMA form runs 16, 32 or {TWIN_MMA_MAX_ROWS} rows a program, "
+                             f"got {block_m!r}")
+        return block_m
+    R = TWIN_MMA_MAX_ROWS
+    while R > TWIN_MMA_ROWS and (M <= R // 2 or -(-M // R) * column_blocks < TWIN_MMA_MIN_PROGRAMS):
+        R //= 2
+    return R
 
 
 def twin_qkv_plan(N: int, K: int, D: int, dtype, compiled: bool, form: str | None = None,
@@ -289,13 +309,14 @@ def twin_qkv_plan(N: int, K: int, D: int, dtype, compiled: bool, form: str | Non
     return "lanes", None
 
 
-def twin_mma_stages(N_out: int, BN: int, BK: int, weight_tiles: int = 1, itemsize: int = 2) -> int:
+def twin_mma_stages(N_out: int, BN: int, BK: int, weight_tiles: int = 1, itemsize: int = 2,
+                    rows: int = TWIN_MMA_ROWS) -> int:
     """The MMA form's pipeline depth (speed only): deeper where few programs (N_out / BN column
     blocks, under one per SM) must keep the copy rate's bytes in flight by themselves, and no
     deeper than TWIN_MMA_SMEM_BYTES holds (each stage: `weight_tiles` [BN, BK] tiles, two for the
-    gate, and the [TWIN_MMA_ROWS, BK] x tile)."""
+    gate, and the [rows, BK] x tile)."""
     depth = TWIN_MMA_STAGES if N_out // BN >= H200_SMS else TWIN_MMA_FEW_PROGRAMS_STAGES
-    stage = (weight_tiles * BN + TWIN_MMA_ROWS) * BK * itemsize
+    stage = (weight_tiles * BN + rows) * BK * itemsize
     return max(1, min(depth, TWIN_MMA_SMEM_BYTES // stage))
 
 

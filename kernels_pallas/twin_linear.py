@@ -12,11 +12,11 @@ never of M; both twins pick the same):
   the BK lanes are then added by `tree_sum`. BK depends on K alone (`common.twin_blocks`).
 * "mma" (tensor cores; compiled for the GPU with 16-bit x and w): `acc += dot(w_block, x_block^T)`
   over the K blocks of BK = `twin_lanes(K)` in order, each block a float32-accumulating matrix
-  product on the tensor cores in the hardware's own order, with TWIN_MMA_ROWS rows of x a
-  program (the MMA's n dimension, fixed). There is no plain reference for these bits: on the
-  H200 the Pallas and Triton kernels give the same bits at every tile tried, with mma.sync and
-  wgmma alike (`benchmarks/twin_mma_gpu.py`, RESULTS.md), and the GPU tests hold them to each
-  other. They differ from the lane form's bits (another order), within float32 rounding.
+  product on the tensor cores in the hardware's own order, with 16, 32 or 64 rows of x a
+  program (the MMA's n dimension, `common.twin_mma_rows`: speed only). There is no plain reference
+  for these bits: on the H200 the Pallas and Triton kernels give the same bits at every tile and
+  row count tried, with mma.sync and wgmma alike (`benchmarks/twin_mma_gpu.py`, RESULTS.md), and
+  the GPU tests hold them to each other. They differ from the lane form's bits (another order), within float32 rounding.
   Each block's product accumulates into acc on the tensor cores (Triton's dot-add combine folds
   the add, on both twins with the H200's compilers). Starting each product from zero and adding
   it apart (`twin_math.mma_add`, as the attention does) took the choice from the compilers but
@@ -58,7 +58,6 @@ from jax.experimental.pallas import triton as pltriton
 from kernels_pallas import twin_math as tm
 from kernels_pallas import twin_norm, twin_rope
 from kernels_pallas.common import (
-    TWIN_MMA_ROWS,
     TWIN_PALLAS_PREFETCH,
     TWIN_SPLIT_GROUP,
     TwinNorm,
@@ -75,6 +74,7 @@ from kernels_pallas.common import (
     twin_linear_form,
     twin_mma_blocks,
     twin_mma_fuse_norm,
+    twin_mma_rows,
     twin_mma_stages,
     twin_norm_unroll,
     twin_qkv_plan,
@@ -147,9 +147,9 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, norm, eps, ha
     o_ref[...] = _epilogue(sums if act == "silu_gate" else sums[0], o_ref.dtype, act, scale, residual, gpu)
 
 
-def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, eps, has_scale, has_res, rms,
+def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, R, BN, BK, N_out, act, norm, eps, has_scale, has_res, rms,
                 split, gpu):
-    """Program (i, j): columns j*BN.. of rows i*R.. (R = TWIN_MMA_ROWS), the MMA form: acc [BN, R]
+    """Program (i, j): columns j*BN.. of rows i*R.. (R: `common.twin_mma_rows`), the MMA form: acc [BN, R]
     += w_block [BN, BK] @ x_block^T over the K blocks in order (module docstring); norm: the fused
     norm's kind (`_mma_accumulate`), its weight and bias refs first in refs; rms (the split norm's
     eps, or None): the rows' ss ref next, the sums scaled by `twin_norm.split_r`; split (the split
@@ -167,7 +167,7 @@ def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, N_out, act, norm, 
     o_ref, *split_out = refs
     layer = layer_ref[0]
     n0 = pl.program_id(1) * BN
-    m = pl.program_id(0) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
+    m = pl.program_id(0) * R + jnp.arange(R, dtype=jnp.int32)
     starts = (n0, n0 + N_out) if act == "silu_gate" else (n0,)
     accs, ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, fused, gpu)
     sums = tuple(a.T for a in accs)                                               # [R, BN]
@@ -198,7 +198,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     residual: [M, N_out]; norm: a `TwinNorm` to fuse (None: x as it is). N_out = N/2 for
     act="silu_gate", else N. Returns [M, N_out] in x's dtype.
     form: "lanes" or "mma" (None: `common.twin_linear_form`'s choice; the two give other bits).
-    block_m (lane form only), block_n: output tile; num_stages: the pipeline depth (None: the MMA
+    block_m, block_n: output tile (the MMA form's block_m: 16, 32 or 64 rows, None:
+    `common.twin_mma_rows`); num_stages: the pipeline depth (None: the MMA
     form's `common.twin_mma_stages`, the lane form's 2); prefetch: weight blocks the lane form loads
     ahead itself. These change the speed, never the bits.
     split, rms (MMA form only): the split RMSNorm (`common.TwinSplit`); with split the call returns
@@ -261,8 +262,8 @@ def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms
                 num_stages, interpret):
     """The MMA form (`_mma_kernel`): the norm fused over a few K blocks, else its kernel first
     (`common.twin_mma_fuse_norm`: the same bits); split, rms: the split norm's halves."""
-    BN, BK = twin_mma_blocks(N_out, K, TWIN_SPLIT_GROUP if split is not None and block_n is None else block_n,
-                             block_m)
+    BN, BK = twin_mma_blocks(N_out, K, TWIN_SPLIT_GROUP if split is not None and block_n is None else block_n)
+    R = twin_mma_rows(M, N_out // BN, block_m)
     if split is not None and BN != TWIN_SPLIT_GROUP:
         raise ValueError(f"linear(block_n): with split the MMA form runs {TWIN_SPLIT_GROUP} columns a program, "
                          f"got {BN}")
@@ -278,18 +279,19 @@ def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms
     # the row blocks of one column block run together and read its weights once from memory, then from
     # the L2 (columns first, each row block had re-read all the weights: 4x the bytes at B=64)
     out = pl.pallas_call(
-        functools.partial(_mma_kernel, M=M, K=K, BN=BN, BK=BK, N_out=N_out, act=act,
+        functools.partial(_mma_kernel, M=M, K=K, R=R, BN=BN, BK=BK, N_out=N_out, act=act,
                           norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
                           has_scale=scale is not None, has_res=residual is not None,
                           rms=None if rms is None else rms.eps, split=None if split is None else split.offset,
                           gpu=not interpret),
         out_shape=tuple(outs),
-        grid=(-(-M // TWIN_MMA_ROWS), N_out // BN),
+        grid=(-(-M // R), N_out // BN),
         in_specs=[_whole(a) for a in operands],
         out_specs=tuple(_whole(o) for o in outs),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(
-            num_warps=num_warps, num_stages=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"))),
+            num_warps=num_warps,
+            num_stages=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"), rows=R)),
         name="twin_linear_mma",
     )(*operands)
     return out if split is not None else out[0]
@@ -303,8 +305,8 @@ def _mma_norm(x, norm: TwinNorm | None, layer, K: int, interpret: bool):
 
 
 def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, norm=None, gpu=True):
-    """The MMA form's loop of one program: (acc [BN, R] per start column, ok [R, 1], rows [R, 1]);
-    rows past M are read as 0 (masked). norm: None, or (kind, eps, weight ref, bias ref) of the
+    """The MMA form's loop of one program of rows m [R]: (acc [BN, R] per start column, ok [R, 1],
+    rows [R, 1]); rows past M are read as 0 (masked). norm: None, or (kind, eps, weight ref, bias ref) of the
     fused norm: the rows' statistics first (`twin_norm.row_stats`), then each x block normalized
     and rounded to x's dtype before its product: the bits of `twin_norm.norm`, then this loop."""
     layer = layer_ref[0]
@@ -313,7 +315,7 @@ def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, norm=None,
     lanes = jnp.arange(BK, dtype=jnp.int32)[None, :]
     # a masked load, not a select after it: the select kept the x tile out of the pipelined loop's
     # asynchronous copies (M=4 on an H200: 31 against 25 us for the qkv projection, Triton's masked load)
-    mask, zero = jnp.broadcast_to(ok, (TWIN_MMA_ROWS, BK)), jnp.zeros((), x_ref.dtype)
+    mask, zero = jnp.broadcast_to(ok, (m.shape[0], BK)), jnp.zeros((), x_ref.dtype)
 
     def load_x(kb):  # [R, BK]
         return pltriton.load(x_ref.at[rows, kb * BK + lanes], mask=mask, other=zero)
@@ -331,11 +333,11 @@ def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, norm=None,
         return tuple(a + lax.dot_general(w_ref[layer, pl.ds(s, BN), pl.ds(kb * BK, BK)], xb, (((1,), (1,)), ((), ())),
                                          preferred_element_type=tm.F32) for a, s in zip(accs, starts))
 
-    zeros = jnp.zeros((BN, TWIN_MMA_ROWS), tm.F32)
+    zeros = jnp.zeros((BN, m.shape[0]), tm.F32)
     return lax.fori_loop(0, K // BK, body, (zeros,) * len(starts)), ok, rows
 
 
-def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, B, T, H, C, D, norm, eps, rms, gpu):
+def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, R, BN, BK, B, T, H, C, D, norm, eps, rms, gpu):
     """Program (i, j): columns j*BN.. of rows i*R.. of qkv = x @ w[layer].T (the MMA form), then
     `twin_rope.rope_write`'s epilogue on them: a program's columns lie in one head of q, k or v
     (BN | D) and hold whole GPT-J pairs. q is rotated into q_ref [B*H*T, D]; k rotated and v as it
@@ -349,7 +351,7 @@ def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, B, T, H, C, D, nor
     ss_ref = refs.pop(0) if rms is not None else None
     cos_ref, sin_ref, slot_ref, wmask_ref, _, _, q_ref, k_ref, v_ref = refs
     n0 = pl.program_id(1) * BN
-    m = pl.program_id(0) * TWIN_MMA_ROWS + jnp.arange(TWIN_MMA_ROWS, dtype=jnp.int32)
+    m = pl.program_id(0) * R + jnp.arange(R, dtype=jnp.int32)
     (acc,), ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, (n0,), fused, gpu)
     dtype = q_ref.dtype
     acc = acc.T if rms is None else tm.mul(acc.T, twin_norm.split_r(ss_ref, rows, ok, K, rms, gpu), gpu)
@@ -357,12 +359,12 @@ def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, B, T, H, C, D, nor
     part, h, d0 = n0 // (H * D), (n0 // D) % H, n0 % D
     freq = d0 // 2 + jnp.arange(BN // 2, dtype=jnp.int32)[None, :]
     cos, sin = (pltriton.load(ref.at[rows, freq]) for ref in (cos_ref, sin_ref))     # [R, BN/2]
-    r, i = (a[..., 0] for a in jnp.split(y.astype(tm.F32).reshape(TWIN_MMA_ROWS, BN // 2, 2), 2, axis=-1))
-    rotated = jnp.stack(twin_rope.rotate(r, i, cos, sin, dtype, gpu), axis=-1).reshape(TWIN_MMA_ROWS, BN)
+    r, i = (a[..., 0] for a in jnp.split(y.astype(tm.F32).reshape(R, BN // 2, 2), 2, axis=-1))
+    rotated = jnp.stack(twin_rope.rotate(r, i, cos, sin, dtype, gpu), axis=-1).reshape(R, BN)
     out = jnp.where(part < 2, rotated, y)                             # v is not rotated
     cols = d0 + jnp.arange(BN, dtype=jnp.int32)[None, :]
     b, t = (m // T)[:, None], (m % T)[:, None]
-    full = (TWIN_MMA_ROWS, BN)
+    full = (R, BN)
     pltriton.store(q_ref.at[(b * H + h) * T + t, cols], out, mask=jnp.broadcast_to(ok & (part == 0), full))
     written = ok & (pltriton.load(wmask_ref.at[rows]) != 0)
     ring_row, slot = (layer_ref[0] * B + b) * H + h, pltriton.load(slot_ref.at[rows])
@@ -372,8 +374,9 @@ def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, BN, BK, B, T, H, C, D, nor
 
 def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: jax.Array, ring_k: jax.Array,
                       ring_v: jax.Array, write_index: jax.Array, write_mask: jax.Array, *, norm: TwinNorm | None = None,
-                      rms: TwinRms | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                      form: str | None = None, interpret: bool | None = None):
+                      rms: TwinRms | None = None, block_m: int | None = None, block_n: int | None = None,
+                      num_warps: int = 4, num_stages: int | None = None, form: str | None = None,
+                      interpret: bool | None = None):
     """The qkv projection with the RoPE rotation and the ring write in its epilogue: the bits of
     `linear(x, w, layer, norm=norm)` reshaped to [B, T, 3, H, D], then `twin_rope.rope_write`.
 
@@ -382,6 +385,7 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: ja
     rms: the split RMSNorm's (`common.TwinSplit`; x is its u; the MMA form only).
     Returns (q [B, H, T, D], ring_k, ring_v). The MMA form runs it as one kernel after the norm's
     (`common.twin_qkv_plan`); the lane form as `linear` then `rope_write`, the same bits as ever.
+    block_m, block_n, num_warps, num_stages: speed only, as in `linear`.
     """
     B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     if interpret is None:
@@ -389,31 +393,31 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: ja
     chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpret, form, block_n)
     check_twin_split(None, rms, norm, M, K, N, chosen, "linear_rope_write")
     if chosen == "lanes":
-        qkv = linear(x, w, layer, norm=norm, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                     form="lanes", interpret=interpret).reshape(B, T, 3, H, D)
+        qkv = linear(x, w, layer, norm=norm, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                     num_stages=num_stages, form="lanes", interpret=interpret).reshape(B, T, 3, H, D)
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, interpret=interpret)
     norm, (x, *norm_refs) = _mma_norm(x, norm, layer, K, interpret)
     norm_refs += [] if rms is None else [rms.ss]
     L, C = ring_k.shape[0], ring_k.shape[3]
     rows = (L * B * H, C, D)  # the rings as [L*B*H, C, D], indexed per dimension (64-bit addresses when large)
-    BK = twin_lanes(K)
+    BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w, *norm_refs, cos.reshape(M, D // 2),
                 sin.reshape(M, D // 2), write_index.astype(jnp.int32).reshape(M),
                 write_mask.astype(jnp.int32).reshape(M), ring_k.reshape(rows), ring_v.reshape(rows)]
     ring_at = len(operands) - 2
     q_flat = jax.ShapeDtypeStruct((B * H * T, D), x.dtype)
     q, k, v = pl.pallas_call(
-        functools.partial(_qkv_kernel, M=M, K=K, BN=BN, BK=BK, B=B, T=T, H=H, C=C, D=D,
+        functools.partial(_qkv_kernel, M=M, K=K, R=R, BN=BN, BK=BK, B=B, T=T, H=H, C=C, D=D,
                           norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
                           rms=None if rms is None else rms.eps, gpu=not interpret),
         out_shape=(q_flat, jax.ShapeDtypeStruct(rows, ring_k.dtype), jax.ShapeDtypeStruct(rows, ring_v.dtype)),
-        grid=(-(-M // TWIN_MMA_ROWS), N // BN),  # row blocks first, as in `linear`
+        grid=(-(-M // R), N // BN),  # row blocks first, as in `linear`
         in_specs=[_whole(a) for a in operands],
         out_specs=(_whole(q_flat), _whole(operands[ring_at]), _whole(operands[ring_at + 1])),
         input_output_aliases={ring_at: 1, ring_at + 1: 2},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps,
-                                                num_stages=num_stages or twin_mma_stages(N, BN, BK)),
+                                                num_stages=num_stages or twin_mma_stages(N, BN, BK, rows=R)),
         name="twin_qkv_rope_write",
     )(*operands)
     return q.reshape(B, H, T, D), k.reshape(ring_k.shape), v.reshape(ring_v.shape)

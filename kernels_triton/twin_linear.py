@@ -14,7 +14,6 @@ import triton.language as tl
 
 from kernels_pallas.common import (
     TWIN_INTERPRET_MAX_BN,
-    TWIN_MMA_ROWS,
     TWIN_SPLIT_GROUP,
     TWIN_TRITON_LINEAR_STAGES,
     TwinNorm,
@@ -31,6 +30,7 @@ from kernels_pallas.common import (
     twin_linear_form,
     twin_mma_blocks,
     twin_mma_fuse_norm,
+    twin_mma_rows,
     twin_mma_stages,
     twin_norm_unroll,
     twin_qkv_plan,
@@ -164,7 +164,7 @@ def _mma_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, scale_ptr, res_
                 RMS: tl.constexpr, RMS_INV_K: tl.constexpr, SPLIT: tl.constexpr, SPLIT_OFFSET: tl.constexpr,
                 SPLIT_L: tl.constexpr, STAGES: tl.constexpr,
                 INTERPRETED: tl.constexpr):
-    """Program (i, j): columns j*BN .. of rows i*R .. (R = TWIN_MMA_ROWS), the MMA form of the
+    """Program (i, j): columns j*BN .. of rows i*R .. (R: `common.twin_mma_rows`), the MMA form of the
     contract: acc [BN, R] += w_block @ x_block^T over the K blocks in order; ACT "", "gelu" or
     "silu_gate" (columns n and n + N_OUT in two accumulators, the gate in the epilogue); NORM: the
     fused norm (`_mma_accumulate`); RMS, SPLIT: the split norm's halves (`common.TwinSplit`)."""
@@ -205,8 +205,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
 
     x: [M, K]; w: [L, N, K] with layer an int or int tensor, or [N, K] with layer=None; norm: a
     `TwinNorm` to fuse, or None; form: "lanes", "mma" or None (`common.twin_linear_form`).
-    block_m (lane form only), block_n, num_warps, num_stages (of the pipelined loop over K; None:
-    the form's default): speed only, never the bits. split, rms: the split RMSNorm (the Pallas twin's).
+    block_m (the MMA form's: 16, 32 or 64 rows, `common.twin_mma_rows`), block_n, num_warps, num_stages
+    (of the pipelined loop over K; None: the form's default): speed only, never the bits. split, rms: the split RMSNorm (the Pallas twin's).
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     split = split_one_layer(split)
@@ -265,8 +265,8 @@ def _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, split
                 num_stages, interpreted):
     """The MMA form (`_mma_kernel`): one launch with the gate, the norm fused or its kernel first (as
     the Pallas twin, `common.twin_mma_fuse_norm`); split, rms: the split norm's halves."""
-    BN, BK = twin_mma_blocks(N_out, K, TWIN_SPLIT_GROUP if split is not None and block_n is None else block_n,
-                             block_m)
+    BN, BK = twin_mma_blocks(N_out, K, TWIN_SPLIT_GROUP if split is not None and block_n is None else block_n)
+    R = twin_mma_rows(M, N_out // BN, block_m)
     if split is not None and BN != TWIN_SPLIT_GROUP:
         raise ValueError(f"linear(block_n): with split the MMA form runs {TWIN_SPLIT_GROUP} columns a program, "
                          f"got {BN}")
@@ -277,14 +277,14 @@ def _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, split
         u = torch.empty_like(out)
         ss_out = torch.empty((M, N_out // TWIN_SPLIT_GROUP), dtype=torch.float32, device=x.device)
     # row blocks first (the fastest-varying program index): the Pallas twin's order, its weights once from memory
-    _mma_kernel[(triton.cdiv(M, TWIN_MMA_ROWS), N_out // BN)](
+    _mma_kernel[(triton.cdiv(M, R), N_out // BN)](
         layer_t, x, w, nw, nb, out if rms is None else rms.ss, out if scale is None else scale,
         out if residual is None else residual, out if split is None else split.weight, out, u, ss_out,
-        M, eps, 0.0 if rms is None else rms.eps, N=N, K=K, N_OUT=N_out, R=TWIN_MMA_ROWS, BN=BN, BK=BK,
+        M, eps, 0.0 if rms is None else rms.eps, N=N, K=K, N_OUT=N_out, R=R, BN=BN, BK=BK,
         **norm_consts, ACT=act or "", HAS_SCALE=scale is not None, HAS_RES=residual is not None,
         RMS=rms is not None, RMS_INV_K=float(np.float32(1.0 / K)), SPLIT=split is not None,
         SPLIT_OFFSET=0 if split is None else split.offset, SPLIT_L=1 if split is None else split.weight.shape[0],
-        STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate")),
+        STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"), rows=R),
         INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
     return out if split is None else (out, u, ss_out)
 
@@ -350,8 +350,9 @@ def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, cos_ptr, sin_pt
 
 def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor,
                       ring_k: torch.Tensor, ring_v: torch.Tensor, write_index: torch.Tensor, write_mask: torch.Tensor, *,
-                      norm: TwinNorm | None = None, rms: TwinRms | None = None, block_n: int | None = None,
-                      num_warps: int = 4, num_stages: int | None = None, form: str | None = None):
+                      norm: TwinNorm | None = None, rms: TwinRms | None = None, block_m: int | None = None,
+                      block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                      form: str | None = None):
     """The qkv projection with the RoPE rotation and the ring write in its epilogue (the Pallas
     twin's signature and bits): `linear` then `twin_rope.rope_write`, one kernel in the MMA form.
     Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place."""
@@ -360,8 +361,8 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
     chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpreted, form, block_n)
     check_twin_split(None, rms, norm, M, K, N, chosen, "linear_rope_write")
     if chosen == "lanes":
-        qkv = linear(x, w, layer, norm=norm, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                     form="lanes").view(B, T, 3, H, D)
+        qkv = linear(x, w, layer, norm=norm, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                     num_stages=num_stages, form="lanes").view(B, T, 3, H, D)
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
     for name, t in (("x", x), ("w", w), ("cos", cos), ("sin", sin), ("ring_k", ring_k), ("ring_v", ring_v),
                     ("rms.ss", x if rms is None else rms.ss)):
@@ -370,12 +371,12 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
     layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear_rope_write")
     x, (nw, nb, eps), norm_consts = _mma_norm(x, norm, layer_t, K)
     q = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)
-    BK = twin_lanes(K)
-    _qkv_kernel[(triton.cdiv(M, TWIN_MMA_ROWS), N // BN)](
+    BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
+    _qkv_kernel[(triton.cdiv(M, R), N // BN)](
         layer_t, x, w, nw, nb, x if rms is None else rms.ss, cos, sin, write_index.to(torch.int32).contiguous(),
         write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, M, eps, 0.0 if rms is None else rms.eps,
         RMS=rms is not None, RMS_INV_K=float(np.float32(1.0 / K)), K=K, B=B, T=T, H=H,
-        C=ring_k.shape[3], D=D, R=TWIN_MMA_ROWS, BN=BN, BK=BK, **norm_consts,
-        STAGES=num_stages or twin_mma_stages(N, BN, BK), INTERPRETED=interpreted, num_warps=num_warps,
+        C=ring_k.shape[3], D=D, R=R, BN=BN, BK=BK, **norm_consts,
+        STAGES=num_stages or twin_mma_stages(N, BN, BK, rows=R), INTERPRETED=interpreted, num_warps=num_warps,
         enable_fp_fusion=False)
     return q, ring_k, ring_v

@@ -332,6 +332,42 @@ def test_linear_mma_form_interpreted_agrees_with_the_lane_form(M, N, K, L, act, 
     assert_same(alone[0], y_t[row], what=f"triton mma row {row} alone")
 
 
+def test_mma_rows_a_program_never_change_the_bits():
+    """The MMA linears' rows a program (`block_m` 16, 32 or 64, `common.twin_mma_rows`: speed only),
+    interpreted: the same bits at each, on both twins, for a projection with a residual and the split
+    norm's consumer half at 40 rows (the last block partial), and for the fused qkv kernel at 18 rows;
+    the policy takes the most rows M fills while the grid keeps a program an SM; a bad block_m is
+    refused, naming the argument. (Compiled, the GPU test holds the tensor cores to the same.)"""
+    M, N, K, L = 40, 64, 128, 2
+    x, w, _, r, _ = _mma_case(M, N, K, L, None, False, True, None)
+    rms = TwinRms(np.abs(np.random.default_rng(1).standard_normal((M, K // common.TWIN_SPLIT_GROUP))).astype(np.float32),
+                  1e-5)
+    trms = TwinRms(to_torch(rms.ss), rms.eps)
+    mma = jax.jit(lambda x, w, r, ss, R: pli.linear(x, w, L - 1, residual=r, rms=TwinRms(ss, 1e-5), form="mma",
+                                                    block_m=R), static_argnums=4)
+    ys = [mma(x, w, r, rms.ss, R) for R in (16, 32, 64)]
+    ys += [tli.linear(to_torch(x), to_torch(w), L - 1, residual=to_torch(r), rms=trms, form="mma", block_m=R)
+           for R in (16, 64)]
+    assert_same(*ys, what="rows a program 16 / 32 / 64, both twins")
+    B, T, H, D, C = 9, 2, 2, 16, 8
+    x, w, cos, sin, ring_k, ring_v, wi, wm, norm = _qkv_case(B, T, H, D, C, L, K)
+    fused = jax.jit(lambda *a, R: pli.linear_rope_write(*a[:2], L - 1, *a[2:], norm=norm, form="mma", block_m=R),
+                    static_argnames="R")
+    for name, a, b in zip(("q", "ring_k", "ring_v"), *(fused(x, w, cos, sin, ring_k, ring_v, wi, wm, R=R)
+                                                        for R in (16, 32))):
+        assert_same(a, b, what=f"fused {name}, 16 and 32 rows a program")
+    # the policy: the most rows M fills, as long as the grid keeps TWIN_MMA_MIN_PROGRAMS (64) programs
+    rows = common.twin_mma_rows
+    assert [rows(M, 192) for M in (1, 16, 17, 32, 33, 64, 640)] == [16, 16, 32, 32, 64, 64, 64]
+    assert [rows(M, 24) for M in (16, 64, 128, 640)] == [16, 16, 32, 64]  # few column blocks: more row blocks
+    assert rows(64, 8) == 16
+    with pytest.raises(ValueError, match=r"linear\(block_m\): the MMA form runs 16, 32 or 64 rows"):
+        pli.linear(jnp.ones((2, 32), jnp.bfloat16), jnp.ones((1, 32, 32), jnp.bfloat16), 0, form="mma", block_m=8)
+    with pytest.raises(ValueError, match=r"linear_rope_write\(block_m\)"):
+        tli.linear_rope_write(*(to_torch(a) for a in (x, w)), L - 1, *(to_torch(a) for a in (cos, sin, ring_k, ring_v,
+                              wi, wm)), form="mma", block_m=48)
+
+
 def test_linear_form_is_chosen_by_shape_dtype_and_backend_never_by_batch(monkeypatch, capsys):
     """Compiled, 16-bit operands with K and N_out multiples of 16 take the MMA form (the lowered
     module holds a tt.dot), float32 the lane form (none), at M=1 and M=16 alike; form="mma" where
@@ -352,8 +388,6 @@ def test_linear_form_is_chosen_by_shape_dtype_and_backend_never_by_batch(monkeyp
         pli.linear(jnp.ones((2, 32)), jnp.ones((1, 32, 32)), 0, form="mma")
     with pytest.raises(ValueError, match=r"linear\(form\): must be one of"):
         tli.linear(torch.ones(2, 32), torch.ones(1, 32, 32), 0, form="tensor")
-    with pytest.raises(ValueError, match=r"linear\(block_m\): the MMA form"):
-        pli.linear(jnp.ones((2, 32), jnp.bfloat16), jnp.ones((1, 32, 32), jnp.bfloat16), 0, form="mma", block_m=4)
     with pytest.raises(ValueError, match=r"linear_native\(form\)"):
         pli.linear_native(jnp.ones((2, 32)), jnp.ones((1, 32, 32)), 0, form="mma")
 
@@ -558,17 +592,20 @@ mma_on_gpu = pytest.mark.skipif(
 
 
 @mma_on_gpu
-@pytest.mark.parametrize("M,N,K,L,act,scale,res,kind", MMA + [(16, 256, 512, 2, "silu_gate", False, True, "rms")])
+@pytest.mark.parametrize("M,N,K,L,act,scale,res,kind", MMA + [(16, 256, 512, 2, "silu_gate", False, True, "rms"),
+                                                              (64, 512, 1024, 2, None, False, True, None)])
 def test_linear_mma_form_gpu_twins_same_bits_and_batch_invariant(M, N, K, L, act, scale, res, kind):
-    """Compiled on the GPU: the Pallas and Triton MMA forms give the same bits, at other tiles too,
-    and a row alone has the bits it has among the others."""
+    """Compiled on the GPU: the Pallas and Triton MMA forms give the same bits, at other tiles and
+    16, 32 or 64 rows a program (the MMA's n) too, and a row alone has the bits it has among the others."""
     x, w, s, r, norm = _mma_case(M, N, K, L, act, scale, res, kind)
     C = (lambda a: None if a is None else to_torch(a).cuda())
     tnorm = None if norm is None else TwinNorm(kind, C(norm.weight), C(norm.bias), norm.eps)
     y_p = pli.linear(jnp.asarray(x), jnp.asarray(w), L - 1, act=act, scale=s, residual=r, norm=norm)
     y_t = tli.linear(C(x), C(w), L - 1, act=act, scale=C(s), residual=C(r), norm=tnorm)
     y_t2 = tli.linear(C(x), C(w), L - 1, act=act, scale=C(s), residual=C(r), norm=tnorm, block_n=16, num_stages=2)
-    assert_same(np.asarray(y_p), y_t.cpu(), y_t2.cpu(), what="mma form, GPU")
+    y_p64 = pli.linear(jnp.asarray(x), jnp.asarray(w), L - 1, act=act, scale=s, residual=r, norm=norm, block_m=64)
+    y_t32 = tli.linear(C(x), C(w), L - 1, act=act, scale=C(s), residual=C(r), norm=tnorm, block_m=32)
+    assert_same(np.asarray(y_p), y_t.cpu(), y_t2.cpu(), np.asarray(y_p64), y_t32.cpu(), what="mma form, GPU")
     for row in (0, M - 1):
         alone = tli.linear(C(x[row:row + 1]), C(w), L - 1, act=act, scale=C(s),
                            residual=None if r is None else C(r[row:row + 1]), norm=tnorm)
@@ -576,14 +613,14 @@ def test_linear_mma_form_gpu_twins_same_bits_and_batch_invariant(M, N, K, L, act
 
 
 @mma_on_gpu
-@pytest.mark.parametrize("B,T,H,D", [(3, 1, 4, 128), (5, 2, 8, 64)])
-def test_qkv_rope_write_gpu_twins_same_bits(B, T, H, D):
+@pytest.mark.parametrize("B,T,H,D,R", [(3, 1, 4, 128, None), (5, 2, 8, 64, None), (20, 2, 4, 128, 64)])
+def test_qkv_rope_write_gpu_twins_same_bits(B, T, H, D, R):
     """Compiled on the GPU: the fused qkv + RoPE + ring write kernel has the bits of linear then
-    rope_write, and the Pallas and Triton kernels agree."""
+    rope_write, and the Pallas and Triton kernels agree (the Pallas one at R rows a program, if given)."""
     C, L, K = 12, 2, 256
     x, w, cos, sin, ring_k, ring_v, wi, wm, norm = _qkv_case(B, T, H, D, C, L, K, seed=B)
     q, k, v = pli.linear_rope_write(*(jnp.asarray(a) for a in (x, w)), L - 1, *(jnp.asarray(a) for a in
-                                    (cos, sin, ring_k, ring_v, wi, wm)), norm=norm)
+                                    (cos, sin, ring_k, ring_v, wi, wm)), norm=norm, block_m=R)
     qkv = pli.linear(jnp.asarray(x), jnp.asarray(w), L - 1, norm=norm).reshape(B, T, 3, H, D)
     q2, k2, v2 = pr.rope_write(qkv, *(jnp.asarray(a) for a in (cos, sin, ring_k, ring_v)), L - 1, jnp.asarray(wi),
                                jnp.asarray(wm))
