@@ -16,7 +16,8 @@ never of M; both twins pick the same):
   program (the MMA's n dimension, `common.twin_mma_rows`: speed only). There is no plain reference
   for these bits: on the H200 the Pallas and Triton kernels give the same bits at every tile and
   row count tried, with mma.sync and wgmma alike (`benchmarks/twin_mma_gpu.py`, RESULTS.md), and
-  the GPU tests hold them to each other. They differ from the lane form's bits (another order), within float32 rounding.
+  the GPU tests hold them to each other. They differ from the lane form's bits (another order),
+  within float32 rounding.
   Each block's product accumulates into acc on the tensor cores (Triton's dot-add combine folds
   the add, on both twins with the H200's compilers). Starting each product from zero and adding
   it apart (`twin_math.mma_add`, as the attention does) took the choice from the compilers but
@@ -199,9 +200,9 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     act="silu_gate", else N. Returns [M, N_out] in x's dtype.
     form: "lanes" or "mma" (None: `common.twin_linear_form`'s choice; the two give other bits).
     block_m, block_n: output tile (the MMA form's block_m: 16, 32 or 64 rows, None:
-    `common.twin_mma_rows`); num_stages: the pipeline depth (None: the MMA
-    form's `common.twin_mma_stages`, the lane form's 2); prefetch: weight blocks the lane form loads
-    ahead itself. These change the speed, never the bits.
+    `common.twin_mma_rows`); num_stages: the pipeline depth (None: the MMA form's
+    `common.twin_mma_stages`, the lane form's 2); prefetch: weight blocks the lane form loads ahead
+    itself. These change the speed, never the bits.
     split, rms (MMA form only): the split RMSNorm (`common.TwinSplit`); with split the call returns
     (y, u [M, N_out], ss float32 [M, N_out/G]); with rms, x is the split norm's u.
     """
@@ -306,8 +307,8 @@ def _mma_norm(x, norm: TwinNorm | None, layer, K: int, interpret: bool):
 
 def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, norm=None, gpu=True):
     """The MMA form's loop of one program of rows m [R]: (acc [BN, R] per start column, ok [R, 1],
-    rows [R, 1]); rows past M are read as 0 (masked). norm: None, or (kind, eps, weight ref, bias ref) of the
-    fused norm: the rows' statistics first (`twin_norm.row_stats`), then each x block normalized
+    rows [R, 1]); rows past M are read as 0 (masked). norm: None, or (kind, eps, weight ref, bias
+    ref) of the fused norm: the rows' statistics first (`twin_norm.row_stats`), then each x block normalized
     and rounded to x's dtype before its product: the bits of `twin_norm.norm`, then this loop."""
     layer = layer_ref[0]
     ok = (m < M)[:, None]
@@ -396,11 +397,11 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: ja
         qkv = linear(x, w, layer, norm=norm, block_m=block_m, block_n=block_n, num_warps=num_warps,
                      num_stages=num_stages, form="lanes", interpret=interpret).reshape(B, T, 3, H, D)
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, interpret=interpret)
+    BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
     norm, (x, *norm_refs) = _mma_norm(x, norm, layer, K, interpret)
     norm_refs += [] if rms is None else [rms.ss]
     L, C = ring_k.shape[0], ring_k.shape[3]
     rows = (L * B * H, C, D)  # the rings as [L*B*H, C, D], indexed per dimension (64-bit addresses when large)
-    BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w, *norm_refs, cos.reshape(M, D // 2),
                 sin.reshape(M, D // 2), write_index.astype(jnp.int32).reshape(M),
                 write_mask.astype(jnp.int32).reshape(M), ring_k.reshape(rows), ring_v.reshape(rows)]

@@ -140,7 +140,8 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
 # (`common.TwinSplit`): the producer's and the consumer's halves, which the MMA linears run in their
 # epilogue and before it, and `split`, the producer's half on its own (a step's first norm).
 def split_r(ss_ref, rows, ok, K, eps, gpu):
-    """r [R, 1] of the split norm (`common.TwinSplit`) from the partial sums ss [M, K/G] of the rows [R, 1]."""
+    """r [R, 1] of the split norm (`common.TwinSplit`) from the partial sums ss [M, K/G] of the
+    rows [R, 1]."""
     G = K // TWIN_SPLIT_GROUP
     ss = pltriton.load(ss_ref.at[rows, jnp.arange(G, dtype=jnp.int32)[None, :]],
                        mask=jnp.broadcast_to(ok, (rows.shape[0], G)), other=jnp.zeros((), tm.F32))

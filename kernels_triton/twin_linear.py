@@ -205,8 +205,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
 
     x: [M, K]; w: [L, N, K] with layer an int or int tensor, or [N, K] with layer=None; norm: a
     `TwinNorm` to fuse, or None; form: "lanes", "mma" or None (`common.twin_linear_form`).
-    block_m (the MMA form's: 16, 32 or 64 rows, `common.twin_mma_rows`), block_n, num_warps, num_stages
-    (of the pipelined loop over K; None: the form's default): speed only, never the bits. split, rms: the split RMSNorm (the Pallas twin's).
+    block_m (the MMA form's: 16, 32 or 64 rows, `common.twin_mma_rows`), block_n, num_warps,
+    num_stages (of the pipelined loop over K; None: the form's default): speed only, never the bits.
+    split, rms: the split RMSNorm (the Pallas twin's).
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     split = split_one_layer(split)
@@ -368,10 +369,10 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
                     ("rms.ss", x if rms is None else rms.ss)):
         if not t.is_contiguous():
             raise ValueError(f"linear_rope_write({name}): must be contiguous, got strides {t.stride()}")
+    BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
     layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear_rope_write")
     x, (nw, nb, eps), norm_consts = _mma_norm(x, norm, layer_t, K)
     q = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)
-    BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
     _qkv_kernel[(triton.cdiv(M, R), N // BN)](
         layer_t, x, w, nw, nb, x if rms is None else rms.ss, cos, sin, write_index.to(torch.int32).contiguous(),
         write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, M, eps, 0.0 if rms is None else rms.eps,
