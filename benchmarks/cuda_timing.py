@@ -59,9 +59,8 @@ def graph_per_call_ms(launch, calls: int, reps: int = 10) -> float:
 
 def kernel_profile(fn, top: int = 14) -> tuple[int, list]:
     """(CUDA kernels one fn() call launches, memcpy/memset excluded; the `top` kernel names by GPU
-    time: [name, us, calls]). One warm-up call first; torch.profiler (CUPTI) sees JAX's kernels too."""
-    fn()
-    torch.cuda.synchronize()
+    time: [name, us, calls]); torch.profiler (CUPTI) sees JAX's kernels too. fn is called once, so it
+    may donate its state; warm it up (compile) before."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
