@@ -12,7 +12,8 @@ layout) -> `tables` (the per-step RoPE / ring tables) -> `state` (the ring state
 recycle ops) -> `ops` (one layer's operations) -> `model` (layers, the layer driver, the Flax
 stacks) -> `step` (the jitted step, `Streamer`); `weights` (parameters in and out) and
 `parity` (bit / ULP distances) beside them; `snapshot` (the stream snapshot format, shared
-with torch, framework-neutral) and `stream_io` (a `StreamState` to a snapshot / file and back).
+with torch, framework-neutral) and `stream_io` (a `StreamState` to a snapshot / file and back);
+`wait` (`until_ready`: a synchronized loop's wait on the GPU's stream order).
 Names are imported on first use: the torch path reads `jax_impl.config` and `jax_impl.snapshot`
 without importing jax.
 """
@@ -32,6 +33,7 @@ _EXPORTS = {
                      "params_from_checkpoint", "params_from_stacked", "save_safetensors"], "weights"),
     **dict.fromkeys(["SnapshotError", "check_snapshot_layout"], "snapshot"),
     **dict.fromkeys(["read_stream", "state_from_snapshot", "state_snapshot", "write_stream"], "stream_io"),
+    "until_ready": "wait",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = [*_EXPORTS]  # noqa: PLE0604 (the names of the lazy export table)

@@ -1,0 +1,132 @@
+"""How the host waits for a step decides the synchronized step's time (issue 11), in one device call.
+
+    python benchmarks/sync_wait_gpu.py --out $OUT/sync_wait.json
+
+`host_trace_gpu.py` found the synchronized step's extra time after its last kernel, with no host work
+in it: the thread sits in `jax.block_until_ready` 0.5-0.8 ms after the GPU is done. PjRt fulfils a
+buffer's ready future through a host callback queued behind the step (thread hops), so that is the
+wait's own latency. Per case (the twin JAX step, bf16, random weights, full ring, the rolled scan),
+synchronized ms a step for each wait, interleaved rounds, medians:
+- jax: `jax.block_until_ready((out, state))`, as every earlier figure;
+- is_ready: polling `jax.Array.is_ready` (the same future);
+- cuda_event: `jax_impl.wait.until_ready` (the output's DLPack export makes a private CUDA stream
+  wait for the step on the GPU, then the host synchronizes that stream);
+- torch: the same through torch (`torch.from_dlpack(out)` on torch's current stream, then its
+  `synchronize`), what a drop-in's caller does;
+- cuda_poll: until_ready's stream wait, then polling `cuStreamQuery`;
+and the pipelined ms of the same step for reference. Never part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax
+import torch
+from host_timing import time_step
+from scale_bench import full_state
+
+import jax_impl
+from jax_impl import wait
+from jax_impl.config import PRESETS
+from jax_impl.wait import until_ready
+from torch_bridge import MimiTransformer, TemporalStreaming
+from torch_bridge.dlpack import to_jax
+
+CASES = {  # name -> (stack, T, B)
+    "mimi_T2_B4": ("mimi", 2, 4),
+    "mimi_T10_B4": ("mimi", 10, 4),
+    "temporal_B1": ("temporal", 1, 1),
+    "temporal_B4": ("temporal", 1, 4),
+}
+
+
+def _poll(tree) -> None:
+    leaves = jax.tree.leaves(tree)
+    while not all(a.is_ready() for a in leaves):
+        pass
+
+
+def _torch_wait(tree) -> None:
+    out = jax.tree.leaves(tree)[0]  # one output: all of a step's outputs are ready together
+    t = torch.from_dlpack(out)
+    torch.cuda.current_stream().synchronize()
+    del t
+
+
+def _cuda_poll(tree) -> None:
+    """until_ready's stream wait, then a poll of cuStreamQuery instead of cuStreamSynchronize."""
+    cuda = wait._driver()
+    out = jax.tree.leaves(tree)[0]
+    context, stream = wait._stream(cuda, next(iter(out.devices())).local_hardware_id)
+    out.__dlpack__(stream=stream.value)
+    cuda.cuCtxPushCurrent_v2(context)
+    while cuda.cuStreamQuery(stream) != 0:
+        pass
+    cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
+WAITS = {"jax": jax.block_until_ready, "is_ready": _poll, "cuda_event": until_ready, "cuda_poll": _cuda_poll,
+         "torch": _torch_wait}
+
+
+def compare(step, params, state, x, active, steps: int, rounds: int = 5):
+    """({wait: median ms}, state): `rounds` interleaved rounds of `steps` synchronized steps per wait."""
+    holder = {"state": state}
+    times = {w: [] for w in WAITS}
+    for _ in range(rounds):
+        for name, wait_fn in WAITS.items():
+            for i in range(steps + 2):
+                t0 = time.perf_counter()
+                out, holder["state"] = step(params, holder["state"], x, active)
+                wait_fn(out)  # the state is ready with the outputs: one execution, one event
+                if i >= 2:
+                    times[name].append(1e3 * (time.perf_counter() - t0))
+                del out
+    return {w: statistics.median(t) for w, t in times.items()}, holder["state"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="the JSON to write")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+              "jax": jax.__version__, "torch": torch.__version__, "cases": {}}
+    modules = {}
+    for name in args.cases.split(","):
+        kind, T, B = CASES[name]
+        if kind not in modules:  # one module at a time on the card
+            cls = TemporalStreaming if kind == "temporal" else MimiTransformer
+            modules = {kind: cls.from_config(PRESETS[kind], dtype=torch.bfloat16, device="cuda")}
+            modules[kind].init_weights(generator=torch.Generator(device="cuda").manual_seed(0))
+            torch.cuda.empty_cache()
+        module = modules[kind]
+        config = module.config
+        params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
+        x = to_jax(torch.randn(B, T, config.dim, device="cuda", dtype=torch.bfloat16))
+        active = to_jax(torch.ones(B, dtype=torch.bool, device="cuda"))
+        step = jax_impl.make_step(config, layer_loop="scan", kernels="twin", rope_freqs=module.rope_freqs())
+        sync, pipelined, state = time_step(step, params, full_state(config, B), x, active, 30)
+        waits, state = compare(step, params, state, x, active, args.steps)
+        result["cases"][name] = {"pipelined_ms": pipelined, "time_step_sync_ms": sync,
+                                 **{f"sync_{w}_ms": v for w, v in waits.items()}}
+        print(name, json.dumps(result["cases"][name]), flush=True)
+        del state, params
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

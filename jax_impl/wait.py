@@ -1,0 +1,93 @@
+"""`until_ready(tree)`: `jax.block_until_ready` for a stepping loop, without PjRt's wake-up latency.
+
+A synchronized step (issue 11: the step's outputs ready before the next input exists) ends in a
+host wait. `jax.block_until_ready` waits on each buffer's ready future, which PjRt fulfils from a
+host callback queued on a stream behind the step (a CUDA host function, then PjRt's callback
+thread, then the waiting thread): on an H200 the thread returns 0.5-0.8 ms after the step's last
+kernel, with nothing else running (benchmarks/RESULTS.md, fifteenth session). That is 10-15% of a
+temporal step and twice a Mimi step.
+
+`until_ready` waits on the GPU's own order instead: each array's DLPack export with a stream
+(`__dlpack__(stream=)`, the array API's protocol) makes a private CUDA stream of the array's device
+wait for the array on the GPU, and the host then synchronizes that stream (CUDA driver API through
+ctypes: `libcuda.so.1`, present wherever JAX runs on an NVIDIA GPU). The export takes no copy and
+holds the buffer only until the capsule is dropped, here at once, so a later donation is not
+blocked. Arrays on other platforms (the CPU), or any array when the driver is not found, take
+`jax.block_until_ready`. Same contract: returns `tree`, every array in it ready.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import jax
+
+_CU_STREAM_NON_BLOCKING = 1
+_LOCK = threading.Lock()
+_STREAMS: dict[int, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}  # device ordinal -> (context, stream)
+_DRIVER: list = []  # [the libcuda handle or None], filled on first use
+
+
+def _driver():
+    if not _DRIVER:
+        try:
+            cuda = ctypes.CDLL("libcuda.so.1")
+            _DRIVER.append(cuda if cuda.cuInit(0) == 0 else None)
+        except OSError:
+            _DRIVER.append(None)
+    return _DRIVER[0]
+
+
+def _check(result: int, call: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"until_ready: {call} failed with CUDA driver error {result}")
+
+
+def _stream(cuda, ordinal: int) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
+    """(primary context, private non-blocking stream) of the CUDA device `ordinal`, made once."""
+    with _LOCK:
+        if ordinal not in _STREAMS:
+            device, context, stream = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+            _check(cuda.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
+            _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+            _check(cuda.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+            try:
+                _check(cuda.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+            finally:
+                cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+            _STREAMS[ordinal] = (context, stream)
+        return _STREAMS[ordinal]
+
+
+def until_ready(tree):
+    """Wait until every `jax.Array` in `tree` is ready; return `tree` (as `jax.block_until_ready`).
+
+    A sharded array waits shard by shard (its addressable shards). An array the GPU wait cannot
+    take (another platform, a dtype DLPack has no code for, such as PRNG keys) takes
+    `jax.block_until_ready`, as does everything when the CUDA driver is not found.
+    """
+    cuda = _driver()
+    others, by_device = [], {}
+    for leaf in jax.tree.leaves(tree):
+        if not isinstance(leaf, jax.Array):
+            continue
+        if cuda is None or leaf.is_deleted() or any(d.platform != "gpu" for d in leaf.devices()):
+            others.append(leaf)
+            continue
+        for shard in leaf.addressable_shards:
+            by_device.setdefault(shard.device.local_hardware_id, []).append(shard.data)
+    for ordinal, arrays in by_device.items():
+        context, stream = _stream(cuda, ordinal)
+        for a in arrays:
+            try:
+                a.__dlpack__(stream=stream.value)  # the stream waits for a on the GPU; the capsule is dropped
+            except (BufferError, TypeError, ValueError, RuntimeError):
+                others.append(a)
+        _check(cuda.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+        try:
+            _check(cuda.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        finally:
+            cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    jax.block_until_ready(others)
+    return tree
