@@ -7,6 +7,8 @@ import time
 
 import jax
 
+from jax_impl.wait import until_ready
+
 
 def host_ms(fn, n: int) -> float:
     """Median ms of fn() measured on the host (fn waits for its own result)."""
@@ -18,17 +20,19 @@ def host_ms(fn, n: int) -> float:
     return statistics.median(times)
 
 
-def time_step(step, params, state, x, active, steps: int):
+def time_step(step, params, state, x, active, steps: int, wait=until_ready):
     """(sync_ms, pipelined_ms, state) of a donated step `step(params, state, x, active)`.
 
-    Synchronized: each step's outputs and state are ready before the next is launched (median);
+    Synchronized: each step's outputs and state are ready before the next is launched (median),
+    waited for by `wait` (`jax_impl.until_ready`, the GPU's stream order; until the fifteenth
+    session `jax.block_until_ready`, PjRt's ready futures, 0.5-0.8 ms later on an H200);
     pipelined: `steps` launches back to back, then one wait (mean). Three warm-up steps first.
     """
     holder = {"state": state}
 
     def one():
         out, holder["state"] = step(params, holder["state"], x, active)
-        jax.block_until_ready((out, holder["state"]))
+        wait((out, holder["state"]))
 
     for _ in range(3):
         one()

@@ -12,8 +12,10 @@ ring slot random and visible (offsets at capacity), one record
 
 for the JAX step (`kernels="auto"`, or `--kernels twin`) with the Python layer loop (scan: false)
 and with one `lax.scan` over the layers (scan: true) (`--loops`):
-- sync_ms: median of synchronized steps (outputs and state ready before the next step);
-  pipelined_ms: the same steps launched back to back (`host_timing.time_step`);
+- sync_ms: median of synchronized steps (outputs and state ready before the next step, waited for by
+  `jax_impl.until_ready`); sync_block_until_ready_ms: the same waited for by `jax.block_until_ready`
+  (every sync_ms before the fifteenth session); pipelined_ms: the same steps launched back to back
+  (`host_timing.time_step`);
 - floor_ms: (weight bytes + ring bytes) / the copy bandwidth measured in the same run;
 - call_floor_sync_ms / call_floor_pipelined_ms: a jitted call with the step's arguments (state
   donated) that only bumps the offsets, timed the same way: the synchronized cost before any kernel work;
@@ -142,6 +144,7 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
         jax.block_until_ready((out, state))
         compile_s = time.perf_counter() - t0
         sync, pipelined, state = time_step(step, params, state, xj, aj, steps)
+        sync_futures, _, state = time_step(step, params, state, xj, aj, steps, wait=jax.block_until_ready)
         holder = {"state": state}
 
         def one(step=step, holder=holder):
@@ -150,7 +153,8 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
 
         launches, top = kernel_profile(one, top=8) if GPU else (None, None)
         state = holder["state"]
-        records.append(dict(common, scan=scan, sync_ms=sync, pipelined_ms=pipelined, compile_s=compile_s,
+        records.append(dict(common, scan=scan, sync_ms=sync, sync_block_until_ready_ms=sync_futures,
+                            pipelined_ms=pipelined, compile_s=compile_s,
                             kernels=launches, top_kernels=top))
         print(kind, T, B, "scan" if scan else "python", records[-1], flush=True)
     try:  # after the steps: a probe that fails (B=64 ran out of memory in it once) loses no step record
