@@ -5,7 +5,8 @@
 
 For each stack, B=4: the drop-in (`from_torch`) stepped with active=None and with a mask, and the
 bare jitted JAX step on the same weights, interleaved call by call (the same machine state for
-all three); medians of synchronized steps, in us. Then the drop-in's parts on their own, also
+all three); medians of synchronized steps, in us (the drop-in waited for by torch, the device's or
+its current stream's synchronize; the bare step by `jax_impl.until_ready`). Then the drop-in's parts on their own, also
 interleaved: its input checks, the DLPack import of x, its Streamer's step (synchronized), the
 DLPack export of the outputs (already computed). Never part of the tests.
 """
@@ -21,6 +22,7 @@ import torch
 
 import jax_impl
 from jax_impl.config import PRESETS
+from jax_impl.wait import until_ready
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.dlpack import to_jax, to_torch
 from torch_bridge.jax_steppers import from_torch
@@ -62,20 +64,24 @@ def measure(kind: str, real: bool, steps: int, B: int = 4, kernels: str = "auto"
         if device == "cuda":
             torch.cuda.synchronize()
 
+    def stream_sync():  # the drop-in's outputs are ordered on torch's current stream
+        if device == "cuda":
+            torch.cuda.current_stream().synchronize()
+
     def bare():
         out, holder["state"] = step(params, holder["state"], xj, None)
-        jax.block_until_ready((out, holder["state"]))
+        until_ready((out, holder["state"]))
 
     calls = {"dropin_active_none_us": lambda: (dropin.step(x), sync()),
+             "dropin_active_none_stream_sync_us": lambda: (dropin.step(x), stream_sync()),
              "dropin_active_mask_us": lambda: (dropin.step(x, active), sync()),
              "bare_jax_us": bare}
     rec = interleaved_medians_us(calls, steps, warmup=20)
     rec["overhead_active_none"] = rec["dropin_active_none_us"] / rec["bare_jax_us"] - 1
-    ready = dropin._streamer.step(xj)
-    jax.block_until_ready(ready)
+    ready = until_ready(dropin._streamer.step(xj))
 
     def streamer_step():
-        jax.block_until_ready(dropin._streamer.step(xj))
+        until_ready(dropin._streamer.step(xj))
 
     parts = {"part_check_inputs_us": lambda: dropin._check_step_inputs(x, None),
              "part_to_jax_x_us": lambda: to_jax(x, copy=None),

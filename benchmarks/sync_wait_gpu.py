@@ -9,19 +9,19 @@ wait's own latency. Per case (the twin JAX step, bf16, random weights, full ring
 synchronized ms a step for each wait, interleaved rounds, medians:
 - jax: `jax.block_until_ready((out, state))`, as every earlier figure;
 - is_ready: polling `jax.Array.is_ready` (the same future);
-- cuda_event: `jax_impl.wait.until_ready` (the output's DLPack export makes a private CUDA stream
-  wait for the step on the GPU, then the host synchronizes that stream);
+- cuda_event: `jax_impl.until_ready(spin=False)` (the output's DLPack export makes a private CUDA
+  stream wait for the step on the GPU, then the host synchronizes that stream);
 - torch: the same through torch (`torch.from_dlpack(out)` on torch's current stream, then its
   `synchronize`), what a drop-in's caller does;
-- cuda_poll: until_ready's stream wait, then polling `cuStreamQuery`;
+- cuda_poll: `jax_impl.until_ready` (the default: the same, polling `cuStreamQuery`);
 and the pipelined ms of the same step for reference. Never part of the tests.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -37,7 +37,6 @@ from host_timing import time_step
 from scale_bench import full_state
 
 import jax_impl
-from jax_impl import wait
 from jax_impl.config import PRESETS
 from jax_impl.wait import until_ready
 from torch_bridge import MimiTransformer, TemporalStreaming
@@ -64,20 +63,8 @@ def _torch_wait(tree) -> None:
     del t
 
 
-def _cuda_poll(tree) -> None:
-    """until_ready's stream wait, then a poll of cuStreamQuery instead of cuStreamSynchronize."""
-    cuda = wait._driver()
-    out = jax.tree.leaves(tree)[0]
-    context, stream = wait._stream(cuda, next(iter(out.devices())).local_hardware_id)
-    out.__dlpack__(stream=stream.value)
-    cuda.cuCtxPushCurrent_v2(context)
-    while cuda.cuStreamQuery(stream) != 0:
-        pass
-    cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-
-
-WAITS = {"jax": jax.block_until_ready, "is_ready": _poll, "cuda_event": until_ready, "cuda_poll": _cuda_poll,
-         "torch": _torch_wait}
+WAITS = {"jax": jax.block_until_ready, "is_ready": _poll, "cuda_event": functools.partial(until_ready, spin=False),
+         "cuda_poll": until_ready, "torch": _torch_wait}
 
 
 def compare(step, params, state, x, active, steps: int, rounds: int = 5):

@@ -3,16 +3,17 @@
 A synchronized step (issue 11: the step's outputs ready before the next input exists) ends in a
 host wait. `jax.block_until_ready` waits on each buffer's ready future, which PjRt fulfils from a
 host callback queued on a stream behind the step (a CUDA host function, then PjRt's callback
-thread, then the waiting thread): on an H200 the thread returns 0.5-0.8 ms after the step's last
-kernel, with nothing else running (benchmarks/RESULTS.md, fifteenth session). That is 10-15% of a
-temporal step and twice a Mimi step.
+thread, then the waiting thread): on an H200 the thread returned 0.5-0.8 ms after the step's last
+kernel under the profiler, with nothing else running, and a synchronized step took 0.25-0.56 ms
+longer than with `until_ready` (benchmarks/RESULTS.md, fifteenth session): up to 9% of a temporal
+step and 60% of a Mimi step.
 
 `until_ready` waits on the GPU's own order instead: each array's DLPack export with a stream
 (`__dlpack__(stream=)`, the array API's protocol) makes a private CUDA stream of the array's device
-wait for the array on the GPU, and the host then synchronizes that stream (CUDA driver API through
-ctypes: `libcuda.so.1`, present wherever JAX runs on an NVIDIA GPU). The export takes no copy and
-holds the buffer only until the capsule is dropped, here at once, so a later donation is not
-blocked. Arrays on other platforms (the CPU), or any array when the driver is not found, take
+wait for the array on the GPU, and the host then waits for that stream, polling it by default
+(CUDA driver API through ctypes: `libcuda.so.1`, present wherever JAX runs on an NVIDIA GPU). The
+export takes no copy and holds the buffer only until the capsule is dropped, here at once, so a
+later donation is not blocked. Arrays on other platforms (the CPU), or any array when the driver is not found, take
 `jax.block_until_ready`. Same contract: returns `tree`, every array in it ready.
 """
 
@@ -24,6 +25,7 @@ import threading
 import jax
 
 _CU_STREAM_NON_BLOCKING = 1
+_CUDA_ERROR_NOT_READY = 600
 _LOCK = threading.Lock()
 _STREAMS: dict[int, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}  # device ordinal -> (context, stream)
 _DRIVER: list = []  # [the libcuda handle or None], filled on first use
@@ -60,8 +62,13 @@ def _stream(cuda, ordinal: int) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
         return _STREAMS[ordinal]
 
 
-def until_ready(tree):
+def until_ready(tree, *, spin: bool = True):
     """Wait until every `jax.Array` in `tree` is ready; return `tree` (as `jax.block_until_ready`).
+
+    spin: poll the stream (`cuStreamQuery`, the thread busy, the GIL released at each poll) rather
+    than `cuStreamSynchronize` (the context's scheduling policy, which may sleep): 0.05-0.07 ms
+    sooner a temporal step on an H200, for a core kept busy while the GPU works. A real-time loop
+    waits on nothing else; pass spin=False where the core is needed meanwhile.
 
     A sharded array waits shard by shard (its addressable shards). An array the GPU wait cannot
     take (another platform, a dtype DLPack has no code for, such as PRNG keys) takes
@@ -86,7 +93,12 @@ def until_ready(tree):
                 others.append(a)
         _check(cuda.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
         try:
-            _check(cuda.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            if spin:
+                while (result := cuda.cuStreamQuery(stream)) == _CUDA_ERROR_NOT_READY:
+                    pass
+                _check(result, "cuStreamQuery")
+            else:
+                _check(cuda.cuStreamSynchronize(stream), "cuStreamSynchronize")
         finally:
             cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
     jax.block_until_ready(others)

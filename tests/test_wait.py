@@ -51,7 +51,8 @@ def _read_without_waiting(cuda, array) -> np.ndarray:
 
 
 @gpu_only
-def test_until_ready_waits_for_a_long_producer_on_the_gpu():
+@pytest.mark.parametrize("spin", [True, False])
+def test_until_ready_waits_for_a_long_producer_on_the_gpu(spin):
     """After until_ready, a read that does not wait sees the final values; right after the dispatch
     the same read does not (the producer is ~100 ms of matmuls), so the check can fail."""
     cuda = wait_module._driver()
@@ -63,7 +64,7 @@ def test_until_ready_waits_for_a_long_producer_on_the_gpu():
     start = float(np.random.default_rng().integers(1, 1000))
     y = producer(zeros, start)
     early = _read_without_waiting(cuda, y)
-    assert until_ready(y) is y
+    assert until_ready(y, spin=spin) is y
     late = _read_without_waiting(cuda, y)
     assert np.all(late == start + steps)
     assert not np.all(early == start + steps)
