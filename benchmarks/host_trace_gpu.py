@@ -20,7 +20,6 @@ A case with fewer layers (`_L8`) says whether the gaps grow with the layer loop.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import glob
 import gzip
@@ -37,11 +36,7 @@ import jax
 import torch
 from host_timing import time_step
 from scale_bench import full_state
-
-import jax_impl
-from jax_impl.config import PRESETS
-from torch_bridge import MimiTransformer, TemporalStreaming
-from torch_bridge.dlpack import to_jax
+from sync_gap_gpu import twin_case
 
 CASES = {  # name -> (stack, T, B, layers or None for the preset's)
     "temporal_B1": ("temporal", 1, 1, None),
@@ -132,17 +127,7 @@ def main() -> None:
     modules = {}
     for name in args.cases.split(","):
         kind, T, B, layers = CASES[name]
-        config = PRESETS[kind] if layers is None else dataclasses.replace(PRESETS[kind], num_layers=layers)
-        if (kind, layers) not in modules:  # one module at a time on the card
-            cls = TemporalStreaming if kind == "temporal" else MimiTransformer
-            modules = {(kind, layers): cls.from_config(config, dtype=torch.bfloat16, device="cuda")}
-            modules[kind, layers].init_weights(generator=torch.Generator(device="cuda").manual_seed(0))
-            torch.cuda.empty_cache()
-        module = modules[kind, layers]
-        params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
-        x = to_jax(torch.randn(B, T, config.dim, device="cuda", dtype=torch.bfloat16))
-        active = to_jax(torch.ones(B, dtype=torch.bool, device="cuda"))
-        step = jax_impl.make_step(config, layer_loop="scan", kernels="twin", rope_freqs=module.rope_freqs())
+        config, params, x, active, step = twin_case(modules, kind, T, B, layers)
         sync, pipelined, state = time_step(step, params, full_state(config, B), x, active, 30)
         events, state = traced_steps(step, params, state, x, active, args.steps)
         result["cases"][name] = {"sync_ms": sync, "pipelined_ms": pipelined, "layers": config.num_layers,

@@ -24,6 +24,7 @@ Never part of the tests.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -138,6 +139,26 @@ def timeline(step, params, state, x, active, steps: int):
     return sync, piped, holder["state"]
 
 
+def twin_case(modules: dict, kind: str, T: int, B: int, layers: int | None = None, scan_unroll: int = 1):
+    """(config, params, x, active, step) of the twin JAX step (bf16, the rolled scan unless scan_unroll)
+    on a torch module's random weights (DLPack), the preset's layers or `layers`. modules caches the
+    module by (kind, layers), one at a time on the card."""
+    config = PRESETS[kind] if layers is None else dataclasses.replace(PRESETS[kind], num_layers=layers)
+    if (kind, layers) not in modules:
+        cls = TemporalStreaming if kind == "temporal" else MimiTransformer
+        modules.clear()
+        modules[kind, layers] = cls.from_config(config, dtype=torch.bfloat16, device="cuda")
+        modules[kind, layers].init_weights(generator=torch.Generator(device="cuda").manual_seed(0))
+        torch.cuda.empty_cache()
+    module = modules[kind, layers]
+    params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
+    x = to_jax(torch.randn(B, T, config.dim, device="cuda", dtype=torch.bfloat16))
+    active = to_jax(torch.ones(B, dtype=torch.bool, device="cuda"))
+    step = jax_impl.make_step(config, layer_loop="scan", scan_unroll=scan_unroll, kernels="twin",
+                              rope_freqs=module.rope_freqs())
+    return config, params, x, active, step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the JSON to write")
@@ -150,18 +171,7 @@ def main() -> None:
     modules = {}
     for name in args.cases.split(","):
         kind, T, B, unroll = CASES[name]
-        if kind not in modules:
-            cls = TemporalStreaming if kind == "temporal" else MimiTransformer
-            modules = {kind: cls.from_config(PRESETS[kind], dtype=torch.bfloat16, device="cuda")}
-            modules[kind].init_weights(generator=torch.Generator(device="cuda").manual_seed(0))
-            torch.cuda.empty_cache()
-        module = modules[kind]
-        config = module.config
-        params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
-        x = to_jax(torch.randn(B, T, config.dim, device="cuda", dtype=torch.bfloat16))
-        active = to_jax(torch.ones(B, dtype=torch.bool, device="cuda"))
-        step = jax_impl.make_step(config, layer_loop="scan", scan_unroll=unroll, kernels="twin",
-                                  rope_freqs=module.rope_freqs())
+        config, params, x, active, step = twin_case(modules, kind, T, B, scan_unroll=unroll)
         print(f"=== case {name}", file=sys.stderr, flush=True)  # marks the XLA log
         sync, pipelined_ms, state = time_step(step, params, full_state(config, B), x, active, args.steps)
         print(f"=== timeline {name}", file=sys.stderr, flush=True)

@@ -35,12 +35,9 @@ import jax
 import torch
 from host_timing import time_step
 from scale_bench import full_state
+from sync_gap_gpu import twin_case
 
-import jax_impl
-from jax_impl.config import PRESETS
 from jax_impl.wait import until_ready
-from torch_bridge import MimiTransformer, TemporalStreaming
-from torch_bridge.dlpack import to_jax
 
 CASES = {  # name -> (stack, T, B)
     "mimi_T2_B4": ("mimi", 2, 4),
@@ -94,17 +91,7 @@ def main() -> None:
     modules = {}
     for name in args.cases.split(","):
         kind, T, B = CASES[name]
-        if kind not in modules:  # one module at a time on the card
-            cls = TemporalStreaming if kind == "temporal" else MimiTransformer
-            modules = {kind: cls.from_config(PRESETS[kind], dtype=torch.bfloat16, device="cuda")}
-            modules[kind].init_weights(generator=torch.Generator(device="cuda").manual_seed(0))
-            torch.cuda.empty_cache()
-        module = modules[kind]
-        config = module.config
-        params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
-        x = to_jax(torch.randn(B, T, config.dim, device="cuda", dtype=torch.bfloat16))
-        active = to_jax(torch.ones(B, dtype=torch.bool, device="cuda"))
-        step = jax_impl.make_step(config, layer_loop="scan", kernels="twin", rope_freqs=module.rope_freqs())
+        config, params, x, active, step = twin_case(modules, kind, T, B)
         sync, pipelined, state = time_step(step, params, full_state(config, B), x, active, 30)
         waits, state = compare(step, params, state, x, active, args.steps)
         result["cases"][name] = {"pipelined_ms": pipelined, "time_step_sync_ms": sync,
