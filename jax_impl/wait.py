@@ -13,13 +13,14 @@ step and 60% of a Mimi step.
 wait for the array on the GPU, and the host then waits for that stream, polling it by default
 (CUDA driver API through ctypes: `libcuda.so.1`, present wherever JAX runs on an NVIDIA GPU). The
 export takes no copy and holds the buffer only until the capsule is dropped, here at once, so a
-later donation is not blocked. Arrays on other platforms (the CPU), or any array when the driver is not found, take
-`jax.block_until_ready`. Same contract: returns `tree`, every array in it ready.
+later donation is not blocked. Arrays on other platforms (the CPU), or any array when the driver is
+not found, take `jax.block_until_ready`. Same contract: returns `tree`, every array in it ready.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 
 import jax
@@ -28,17 +29,16 @@ _CU_STREAM_NON_BLOCKING = 1
 _CUDA_ERROR_NOT_READY = 600
 _LOCK = threading.Lock()
 _STREAMS: dict[int, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}  # device ordinal -> (context, stream)
-_DRIVER: list = []  # [the libcuda handle or None], filled on first use
 
 
+@functools.cache
 def _driver():
-    if not _DRIVER:
-        try:
-            cuda = ctypes.CDLL("libcuda.so.1")
-            _DRIVER.append(cuda if cuda.cuInit(0) == 0 else None)
-        except OSError:
-            _DRIVER.append(None)
-    return _DRIVER[0]
+    """The CUDA driver library, initialized, or None where there is none (loaded on first use)."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    return cuda if cuda.cuInit(0) == 0 else None
 
 
 def _check(result: int, call: str) -> None:
