@@ -24,6 +24,24 @@ def test_zero_copy_both_ways(dtype):
     assert torch.equal(back, t)
 
 
+@pytest.mark.parametrize("path", ["capsule_import", "jnp_from_dlpack"])
+def test_to_jax_shares_through_either_import(path, monkeypatch):
+    """to_jax imports with JAX's own capsule call on this jax (a jax without it is noticed here),
+    and with `jnp.from_dlpack` where that call is missing: the same shared buffer either way."""
+    from torch_bridge import dlpack
+
+    assert dlpack._capsule_import() is not None
+    if path == "capsule_import":
+        monkeypatch.setattr(dlpack.jnp, "from_dlpack", lambda *a, **k: pytest.fail("jnp.from_dlpack called"))
+    else:
+        monkeypatch.setattr(dlpack, "_capsule_import", lambda: None)
+    t = torch.arange(12.0).view(3, 4).to(torch.bfloat16)
+    a = to_jax(t)
+    assert a.unsafe_buffer_pointer() == t.data_ptr() and a.dtype == jnp.bfloat16 and a.shape == (3, 4)
+    assert a.committed and a.devices() == {dlpack._jax_device_for(t)}
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), t.float().numpy())
+
+
 def test_int64_zero_copy_with_x64():
     import jax
 

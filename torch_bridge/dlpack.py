@@ -21,11 +21,13 @@ torch's current stream to `array.__dlpack__`, and JAX makes it wait until the ar
 written. Neither blocks the host. `tests/test_bridge_gpu.py` proves it with a long producer.
 `to_jax` sets that order up itself (`_order_for_jax`): torch's own `__dlpack__(stream=)` made
 a CUDA event and looked its streams up at every call, 80-120 of the 250-350 us a step input took
-to cross on an H200 (benchmarks/RESULTS.md, eighth session).
+to cross on an H200 (benchmarks/RESULTS.md, eighth session). It then imports the capsule with the
+call `jnp.from_dlpack` makes after its checks (`_capsule_import`), having made those checks itself.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 
@@ -50,41 +52,53 @@ def _refuse_or_copy(copy: bool | None, why: str, fix: str) -> None:
 
 
 def _jax_device_for(tensor: torch.Tensor):
-    if tensor.device.type not in ("cpu", "cuda"):  # e.g. "meta": no JAX device, not a GPU either
-        raise ValueError(f"to_jax(tensor): the tensor is on {tensor.device}; JAX takes CPU and CUDA tensors")
-    platform = "cpu" if tensor.device.type == "cpu" else "gpu"
+    """The JAX device matching `tensor`'s (ValueError where JAX has none)."""
+    return _jax_device(tensor.device.type, tensor.device.index or 0)
+
+
+@functools.cache  # JAX's devices are fixed once its backends are up; a refusal is not cached
+def _jax_device(kind: str, index: int):
+    where = kind if kind == "cpu" else f"{kind}:{index}"
+    if kind not in ("cpu", "cuda"):  # e.g. "meta": no JAX device, not a GPU either
+        raise ValueError(f"to_jax(tensor): the tensor is on {where}; JAX takes CPU and CUDA tensors")
     try:
-        devices = jax.devices(platform)
+        devices = jax.devices("cpu" if kind == "cpu" else "gpu")
     except RuntimeError:
         devices = []
-    index = tensor.device.index or 0
     if index >= len(devices):
-        raise ValueError(f"to_jax(tensor): the tensor is on {tensor.device}, and JAX has no such device "
+        raise ValueError(f"to_jax(tensor): the tensor is on {where}, and JAX has no such device "
                          f"(JAX backends: {[d.platform for d in jax.devices()]})")
     return devices[index]
 
 
+@functools.cache
+def _capsule_import():
+    """JAX's import of a DLPack capsule, `import_(capsule, device, stream, dl_device_type)`, the call
+    `jnp.from_dlpack` makes after its own checks; None where this jaxlib lacks it (then
+    `jnp.from_dlpack`). Private to JAX, so looked up once and called as `jnp.from_dlpack` calls
+    it on this version. Why: the checks and the wrapper around it took 30-60 of the 60-120 us
+    `jnp.from_dlpack` took a step input on an H200 (benchmarks/RESULTS.md, sixteenth session);
+    `to_jax` makes them itself, once per device."""
+    try:
+        from jax._src.lib import _jax, jaxlib_extension_version
+    except ImportError:
+        return None
+    fn = getattr(_jax, "dlpack_managed_tensor_to_buffer", None)
+    if fn is None:
+        return None
+    if jaxlib_extension_version >= 467:  # the DLPack device type is passed on
+        return lambda capsule, device, stream, dl_type: fn(capsule, device, stream, None, dl_type)
+    return lambda capsule, device, stream, dl_type: fn(capsule, device, stream, None)
+
+
 _HANDOFF = threading.local()  # per thread: JAX device -> (its external-ready stream, as a torch stream, an event)
+_DL_CPU, _DL_CUDA = 1, 2  # DLPack device types
 
 
-class _Ordered:
-    """A CUDA tensor whose DLPack export skips torch's own stream handshake (`_order_for_jax` did it)."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def __dlpack__(self, *, stream=None, **kwargs):
-        del stream  # the stream JAX reads on already waits for torch's current one
-        return self.tensor.__dlpack__(stream=-1, **kwargs)
-
-    def __dlpack_device__(self):
-        return self.tensor.__dlpack_device__()
-
-
-def _order_for_jax(tensor: torch.Tensor, device) -> _Ordered | torch.Tensor:
-    """tensor to hand to `jnp.from_dlpack`, with the stream JAX waits on for external writes made to
-    wait for torch's current stream (the DLPack protocol's order), through one event reused per
-    thread and device. Where JAX has no such stream, the tensor itself (torch's handshake)."""
+def _order_for_jax(tensor: torch.Tensor, device) -> int | None:
+    """The stream JAX waits on for external writes (a pointer), made to wait for torch's current
+    stream (the DLPack protocol's order) through one event reused per thread and device; None
+    where JAX has no such stream (then torch's own handshake, `jnp.from_dlpack`)."""
     cache = _HANDOFF.__dict__.setdefault("by_device", {})
     if device not in cache:
         try:
@@ -94,13 +108,28 @@ def _order_for_jax(tensor: torch.Tensor, device) -> _Ordered | torch.Tensor:
         with torch.cuda.device(tensor.device):
             cache[device] = None if ptr is None else (ptr, torch.cuda.ExternalStream(ptr), torch.cuda.Event())
     if cache[device] is None:
-        return tensor
+        return None
     ptr, jax_stream, event = cache[device]
     current = torch.cuda.current_stream(tensor.device)
     if current.cuda_stream != ptr:
         event.record(current)
         jax_stream.wait_event(event)
-    return _Ordered(tensor)
+    return ptr
+
+
+def _import(tensor: torch.Tensor, device) -> jax.Array:
+    """`tensor` as a JAX array on `device` (JAX's DLPack import; on the CPU it may copy, see to_jax)."""
+    import_ = _capsule_import()
+    dl_type = tensor.__dlpack_device__()[0]
+    if import_ is None or dl_type not in (_DL_CPU, _DL_CUDA):  # e.g. pinned memory: JAX's own checks
+        return jnp.from_dlpack(tensor)
+    if dl_type == _DL_CPU:
+        return import_(tensor.__dlpack__(), device, None, dl_type)
+    stream = _order_for_jax(tensor, device)
+    if stream is None:
+        return jnp.from_dlpack(tensor)
+    # stream=-1: no second handshake in torch; JAX's reads wait for `stream`, which waits for torch's
+    return import_(tensor.__dlpack__(stream=-1), device, stream, dl_type)
 
 
 def to_jax(tensor: torch.Tensor, *, copy: bool | None = False) -> jax.Array:
@@ -127,7 +156,7 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = False) -> jax.Array:
     if not tensor.is_contiguous():
         _refuse_or_copy(copy, f"it is not contiguous (strides {tensor.stride()})", "Call .contiguous()")
         tensor = tensor.contiguous()
-    array = jnp.from_dlpack(_order_for_jax(tensor, device) if tensor.is_cuda else tensor)
+    array = _import(tensor, device)
     if tensor.numel() and array.unsafe_buffer_pointer() != tensor.data_ptr() and copy is not None:
         # JAX copied on import (on the CPU it does so for buffers it finds misaligned).
         _refuse_or_copy(copy, f"JAX copied it on import (address {tensor.data_ptr():#x} not accepted as is)",
