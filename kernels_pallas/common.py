@@ -292,6 +292,29 @@ def twin_mma_rows(M: int, column_blocks: int, block_m: int | None = None, who: s
     return R
 
 
+def twin_mma_plan(M: int, N_out: int, K: int, weight_tiles: int = 1, split: bool = False, block_m: int | None = None,
+                  block_n: int | None = None) -> tuple[int, int, int]:
+    """(BN, BK, R) of an MMA linear, both twins' (speed only: every plan gives the same bits).
+
+    With the split norm's consumer half (`split`), BN is TWIN_SPLIT_GROUP (a given block_n must be
+    it). Else `twin_mma_blocks`' BN, halved for the gate (`weight_tiles` 2: each program loads a
+    tile of each half) where programs run TWIN_MMA_ROWS rows: its weight rows a program then match
+    the other projections'. On an H200 the gate took 48.0-49.1 us a layer at BN 32 against
+    49.9-51.4 at BN 64 at M = 1 and 4, even at M = 16, while at 64 rows a program BN 32 cost 74 against
+    57 us (RESULTS.md, fourteenth and sixteenth sessions). R: `twin_mma_rows`."""
+    if split:
+        BN, BK = twin_mma_blocks(N_out, K, TWIN_SPLIT_GROUP if block_n is None else block_n)
+        if BN != TWIN_SPLIT_GROUP:
+            raise ValueError(f"linear(block_n): with split the MMA form runs {TWIN_SPLIT_GROUP} columns a program, "
+                             f"got {BN}")
+        return BN, BK, twin_mma_rows(M, N_out // BN, block_m)
+    BN, BK = twin_mma_blocks(N_out, K, block_n)
+    R = twin_mma_rows(M, N_out // BN, block_m)
+    if block_n is None and R == TWIN_MMA_ROWS and BN // weight_tiles >= 16:
+        BN //= weight_tiles  # still a power of two dividing N_out; R stays (more column blocks)
+    return BN, BK, R
+
+
 def twin_qkv_plan(N: int, K: int, D: int, dtype, compiled: bool, form: str | None = None,
                   block_n: int | None = None) -> tuple[str, int | None]:
     """(form, BN) of the qkv projection with the RoPE and ring-write epilogue (`linear_rope_write`):

@@ -73,8 +73,8 @@ from kernels_pallas.common import (
     twin_fuse_norm,
     twin_lanes,
     twin_linear_form,
-    twin_mma_blocks,
     twin_mma_fuse_norm,
+    twin_mma_plan,
     twin_mma_rows,
     twin_mma_stages,
     twin_norm_unroll,
@@ -263,11 +263,7 @@ def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms
                 num_stages, interpret):
     """The MMA form (`_mma_kernel`): the norm fused over a few K blocks, else its kernel first
     (`common.twin_mma_fuse_norm`: the same bits); split, rms: the split norm's halves."""
-    BN, BK = twin_mma_blocks(N_out, K, TWIN_SPLIT_GROUP if split is not None and block_n is None else block_n)
-    R = twin_mma_rows(M, N_out // BN, block_m)
-    if split is not None and BN != TWIN_SPLIT_GROUP:
-        raise ValueError(f"linear(block_n): with split the MMA form runs {TWIN_SPLIT_GROUP} columns a program, "
-                         f"got {BN}")
+    BN, BK, R = twin_mma_plan(M, N_out, K, 1 + (act == "silu_gate"), split is not None, block_m, block_n)
     norm, (x, *norm_refs) = _mma_norm(x, norm, layer, K, interpret)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w, *norm_refs]
     operands += [t for t in (None if rms is None else rms.ss, scale, residual) if t is not None]

@@ -28,8 +28,8 @@ from kernels_pallas.common import (
     twin_fuse_norm,
     twin_lanes,
     twin_linear_form,
-    twin_mma_blocks,
     twin_mma_fuse_norm,
+    twin_mma_plan,
     twin_mma_rows,
     twin_mma_stages,
     twin_norm_unroll,
@@ -266,11 +266,7 @@ def _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, split
                 num_stages, interpreted):
     """The MMA form (`_mma_kernel`): one launch with the gate, the norm fused or its kernel first (as
     the Pallas twin, `common.twin_mma_fuse_norm`); split, rms: the split norm's halves."""
-    BN, BK = twin_mma_blocks(N_out, K, TWIN_SPLIT_GROUP if split is not None and block_n is None else block_n)
-    R = twin_mma_rows(M, N_out // BN, block_m)
-    if split is not None and BN != TWIN_SPLIT_GROUP:
-        raise ValueError(f"linear(block_n): with split the MMA form runs {TWIN_SPLIT_GROUP} columns a program, "
-                         f"got {BN}")
+    BN, BK, R = twin_mma_plan(M, N_out, K, 1 + (act == "silu_gate"), split is not None, block_m, block_n)
     x, (nw, nb, eps), norm_consts = _mma_norm(x, norm, layer_t, K)
     out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)
     u, ss_out = out, out  # unread where split is None (as the other absent operands)

@@ -336,8 +336,8 @@ def test_mma_rows_a_program_never_change_the_bits():
     """The MMA linears' rows a program (`block_m` 16, 32 or 64, `common.twin_mma_rows`: speed only),
     interpreted: the same bits at each, on both twins, for a projection with a residual and the split
     norm's consumer half at 40 rows (the last block partial), and for the fused qkv kernel at 18 rows;
-    the policy takes the most rows M fills while the grid keeps TWIN_MMA_MIN_PROGRAMS programs; a bad
-    block_m is refused, naming the argument. (Compiled, the GPU test holds the tensor cores to the same.)"""
+    the policy takes the most rows M fills while the grid keeps TWIN_MMA_MIN_PROGRAMS programs, and the
+    gate half the columns at 16 rows; a bad block_m is refused, naming the argument. (Compiled, the GPU test holds the tensor cores to the same.)"""
     M, N, K, L = 40, 64, 128, 2
     x, w, _, r, _ = _mma_case(M, N, K, L, None, False, True, None)
     rms = TwinRms(np.abs(np.random.default_rng(1).standard_normal((M, K // common.TWIN_SPLIT_GROUP))).astype(np.float32),
@@ -361,6 +361,12 @@ def test_mma_rows_a_program_never_change_the_bits():
     assert [rows(M, 192) for M in (1, 16, 17, 32, 33, 64, 640)] == [16, 16, 32, 32, 64, 64, 64]
     assert [rows(M, 24) for M in (16, 64, 128, 640)] == [16, 16, 32, 64]  # few column blocks: more row blocks
     assert rows(64, 8) == 16
+    # the columns: BN 64, halved for the gate (two weight tiles) at 16 rows a program; a given block_n kept
+    plan = common.twin_mma_plan
+    assert [plan(M, 11264, 4096, 2)[::2] for M in (1, 16, 17, 64)] == [(32, 16), (32, 16), (64, 32), (64, 64)]
+    assert [plan(M, 12288, 4096)[::2] for M in (1, 64)] == [(64, 16), (64, 64)]
+    assert plan(1, 11264, 4096, 2, block_n=64)[0] == 64 and plan(1, 48, 512, 2)[0] == 16
+    assert plan(1, 4096, 4096, split=True)[0] == common.TWIN_SPLIT_GROUP
     with pytest.raises(ValueError, match=r"linear\(block_m\): the MMA form runs 16, 32 or 64 rows"):
         pli.linear(jnp.ones((2, 32), jnp.bfloat16), jnp.ones((1, 32, 32), jnp.bfloat16), 0, form="mma", block_m=8)
     with pytest.raises(ValueError, match=r"linear_rope_write\(block_m\)"):
@@ -593,10 +599,12 @@ mma_on_gpu = pytest.mark.skipif(
 
 @mma_on_gpu
 @pytest.mark.parametrize("M,N,K,L,act,scale,res,kind", MMA + [(16, 256, 512, 2, "silu_gate", False, True, "rms"),
-                                                              (64, 512, 1024, 2, None, False, True, None)])
+                                                              (64, 512, 1024, 2, None, False, True, None),
+                                                              (64, 8192, 256, 2, "silu_gate", False, False, None)])
 def test_linear_mma_form_gpu_twins_same_bits_and_batch_invariant(M, N, K, L, act, scale, res, kind):
     """Compiled on the GPU: the Pallas and Triton MMA forms give the same bits, at other tiles and
-    16, 32 or 64 rows a program (the MMA's n) too, and a row alone has the bits it has among the others."""
+    16, 32 or 64 rows a program (the MMA's n) too, and a row alone has the bits it has among the others
+    (the last case: the gate alone at 32 columns a program, among 64 rows at 64, `common.twin_mma_plan`)."""
     x, w, s, r, norm = _mma_case(M, N, K, L, act, scale, res, kind)
     C = (lambda a: None if a is None else to_torch(a).cuda())
     tnorm = None if norm is None else TwinNorm(kind, C(norm.weight), C(norm.bias), norm.eps)
