@@ -5,20 +5,22 @@
 
 For each stack, B=4: the drop-in (`from_torch`) stepped with active=None and with a mask, and the
 bare jitted JAX step on the same weights, interleaved call by call (the same machine state for
-all three); medians of synchronized steps, in us (the drop-in waited for by torch, the device's or
-its current stream's synchronize; the bare step by `jax_impl.until_ready`). Then the drop-in's parts on their own, also
-interleaved: its input checks, the DLPack import of x, its Streamer's step (synchronized), the
-DLPack export of the outputs (already computed). Never part of the tests.
+all three); medians of synchronized steps, in us: the drop-in waited for on torch's current stream
+(where its outputs are ordered: `overhead_*`) and, with active=None, by `torch.cuda.synchronize`
+(`*_device_sync`: it also waits for JAX's own streams, where PjRt queues a host callback behind
+each step); the bare step by `jax_impl.until_ready`. Then the drop-in's parts on their own, also
+interleaved: its input checks, the DLPack import of x and its parts, its Streamer's step
+(synchronized), the DLPack export of the outputs (already computed, then the stream's wait).
+Never part of the tests.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import torch
+from host_timing import interleaved_medians_us
 
 import jax_impl
 from jax_impl.config import PRESETS
@@ -26,21 +28,6 @@ from jax_impl.wait import until_ready
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.dlpack import _import, _jax_device_for, _order_for_jax, to_jax, to_torch
 from torch_bridge.jax_steppers import from_torch
-
-
-def interleaved_medians_us(calls: dict, steps: int, warmup: int = 0) -> dict:
-    """name -> median us of calls[name](), the calls interleaved one by one for `steps` rounds
-    (after `warmup` untimed rounds), so the machine's drift hits each alike."""
-    for _ in range(warmup):
-        for f in calls.values():
-            f()
-    times: dict = {k: [] for k in calls}
-    for _ in range(steps):
-        for k, f in calls.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append(1e6 * (time.perf_counter() - t0))
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def measure(kind: str, real: bool, steps: int, B: int = 4, kernels: str = "auto", layer_loop: str = "python") -> dict:
@@ -74,10 +61,11 @@ def measure(kind: str, real: bool, steps: int, B: int = 4, kernels: str = "auto"
 
     calls = {"dropin_active_none_us": lambda: (dropin.step(x), sync()),
              "dropin_active_none_stream_sync_us": lambda: (dropin.step(x), stream_sync()),
-             "dropin_active_mask_us": lambda: (dropin.step(x, active), sync()),
+             "dropin_active_mask_us": lambda: (dropin.step(x, active), stream_sync()),
              "bare_jax_us": bare}
     rec = interleaved_medians_us(calls, steps, warmup=20)
-    rec["overhead_active_none"] = rec["dropin_active_none_us"] / rec["bare_jax_us"] - 1
+    rec["overhead_active_none"] = rec["dropin_active_none_stream_sync_us"] / rec["bare_jax_us"] - 1
+    rec["overhead_active_none_device_sync"] = rec["dropin_active_none_us"] / rec["bare_jax_us"] - 1
     ready = until_ready(dropin._streamer.step(xj))
 
     def streamer_step():
@@ -92,7 +80,7 @@ def measure(kind: str, real: bool, steps: int, B: int = 4, kernels: str = "auto"
              "part_to_jax_import_us": lambda: _import(x, jax_device),
              "part_unsafe_buffer_pointer_us": lambda: xj.unsafe_buffer_pointer(),
              "part_streamer_step_us": streamer_step,
-             "part_to_torch_outputs_us": lambda: (jax.tree_util.tree_map(to_torch, ready), sync())}
+             "part_to_torch_outputs_us": lambda: (jax.tree_util.tree_map(to_torch, ready), stream_sync())}
     return rec | interleaved_medians_us(parts, steps)
 
 

@@ -20,6 +20,21 @@ def host_ms(fn, n: int) -> float:
     return statistics.median(times)
 
 
+def interleaved_medians_us(calls: dict, steps: int, warmup: int = 0) -> dict:
+    """name -> median us of calls[name](), the calls interleaved one by one for `steps` rounds
+    (after `warmup` untimed rounds), so the machine's drift hits each alike."""
+    for _ in range(warmup):
+        for f in calls.values():
+            f()
+    times: dict = {k: [] for k in calls}
+    for _ in range(steps):
+        for k, f in calls.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(1e6 * (time.perf_counter() - t0))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def time_step(step, params, state, x, active, steps: int, wait=until_ready):
     """(sync_ms, pipelined_ms, state) of a donated step `step(params, state, x, active)`.
 

@@ -24,7 +24,9 @@ and with one `lax.scan` over the layers (scan: true) (`--loops`):
 - attention_TBps: the Pallas ring attention alone over every layer (one jit, calls back to back), k and v bytes per
   second (None where the ring is past its int32 offsets); with --kernels twin, the twin attention;
 - dropin_ms: the torch-facing drop-in (`from_torch`) on the same weights, kernels and layer loop
-  (`dropin_loop`: scan when timed), synchronized;
+  (`dropin_loop`: scan when timed), synchronized on torch's current stream (its outputs' order);
+  dropin_device_sync_ms: the same waited for by `torch.cuda.synchronize`, which also waits for JAX's
+  own streams (PjRt's host callback queued behind each step);
 - torch_graph_ms: the torch path under a CUDA graph, where its own ring fits beside JAX's
   (null otherwise, with the reason in `torch_graph_note`).
 Then `sessions_in_80ms`: the largest B whose temporal step plus two Mimi T=2 steps (encoder and
@@ -57,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from cuda_timing import copy_bandwidth, cuda_time, kernel_profile, torch_graph
-from host_timing import host_ms, time_step
+from host_timing import host_ms, interleaved_medians_us, time_step
 
 import jax_impl
 from jax_impl.config import PRESETS
@@ -167,7 +169,7 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
     gc.collect()            # ring then found no room (out of memory, and the allocator crashed)
 
     dropin_loop = "scan" if "scan" in loops else "python"  # the drop-in runs the same step as the records
-    dropin_ms = time_dropin(module, B, x, steps, kernels, dropin_loop) if with_torch else None
+    dropin_ms, dropin_device_sync_ms = time_dropin(module, B, x, steps, kernels, dropin_loop) if with_torch else (None, None)
     gc.collect()
 
     # the torch path under a CUDA graph, where its ring fits
@@ -187,27 +189,24 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
         module.streaming_end()
         torch.cuda.empty_cache()
     for r in records:
-        r.update(dropin_ms=dropin_ms, dropin_loop=dropin_loop, torch_graph_ms=graph_ms, torch_graph_note=note)
+        r.update(dropin_ms=dropin_ms, dropin_device_sync_ms=dropin_device_sync_ms, dropin_loop=dropin_loop, torch_graph_ms=graph_ms, torch_graph_note=note)
     return records
 
 
-def time_dropin(module, B: int, x, steps: int, kernels: str, layer_loop: str) -> float:
-    """ms of the torch-facing drop-in's synchronized step on `module`'s weight buffers, its own full ring."""
+def time_dropin(module, B: int, x, steps: int, kernels: str, layer_loop: str) -> tuple[float, float | None]:
+    """ms of the torch-facing drop-in's synchronized step on `module`'s weight buffers, its own full ring:
+    (waited for on torch's current stream, where its outputs are ordered; waited for by
+    `torch.cuda.synchronize`, which also waits for JAX's streams: PjRt's host callback behind each step,
+    None on the CPU), interleaved step by step."""
     dropin = from_torch(module, layer_loop=layer_loop, kernels=kernels)
     dropin.streaming_init(B)
     dropin._streamer.state = None  # its zero rings go before the full ones come (50 GB each at B=64)
     dropin._streamer.state = full_state(module.config, B)
-
-    def one():
-        dropin.step(x)
-        if GPU:
-            torch.cuda.synchronize()
-
-    for _ in range(3):
-        one()
-    ms = host_ms(one, steps)
+    waits = {"stream": lambda: torch.cuda.current_stream().synchronize(), "device": torch.cuda.synchronize}
+    calls = {name: (lambda wait=wait: (dropin.step(x), wait() if GPU else None)) for name, wait in waits.items()}
+    us = interleaved_medians_us(calls, steps, warmup=3)
     dropin.streaming_end()
-    return ms
+    return us["stream"] / 1e3, us["device"] / 1e3 if GPU else None
 
 
 def sessions_in_80ms(records: list[dict]) -> dict:
