@@ -8,7 +8,9 @@ bare jitted JAX step on the same weights, interleaved call by call (the same mac
 all three); medians of synchronized steps, in us: the drop-in waited for on torch's current stream
 (where its outputs are ordered: `overhead_*`) and, with active=None, by `torch.cuda.synchronize`
 (`*_device_sync`: it also waits for JAX's own streams, where PjRt queues a host callback behind
-each step); the bare step by `jax_impl.until_ready`. Then the drop-in's parts on their own, also
+each step); that stream polled (`*_spin`, as `until_ready` polls); the same under a side stream
+(`dropin_side_*`: torch's default stream is CUDA's legacy NULL stream); the bare step by
+`jax_impl.until_ready`, polling and not (`bare_jax_no_spin_us`). Then the drop-in's parts on their own, also
 interleaved: its input checks, the DLPack import of x and its parts, its Streamer's step
 (synchronized), the DLPack export of the outputs (already computed, then the stream's wait).
 Never part of the tests.
@@ -55,14 +57,33 @@ def measure(kind: str, real: bool, steps: int, B: int = 4, kernels: str = "auto"
         if device == "cuda":
             torch.cuda.current_stream().synchronize()
 
-    def bare():
+    def spin():  # torch's current stream polled (as until_ready polls its own)
+        if device == "cuda":
+            stream = torch.cuda.current_stream()
+            while not stream.query():
+                pass
+
+    side = torch.cuda.Stream() if device == "cuda" else None
+
+    def on_side(wait):  # the drop-in under a side stream (torch's default stream is the legacy NULL stream)
+        if side is None:
+            return dropin.step(x)
+        with torch.cuda.stream(side):
+            dropin.step(x)
+            wait()
+
+    def bare(spin=True):
         out, holder["state"] = step(params, holder["state"], xj, None)
-        until_ready((out, holder["state"]))
+        until_ready((out, holder["state"]), spin=spin)
 
     calls = {"dropin_active_none_us": lambda: (dropin.step(x), sync()),
              "dropin_active_none_stream_sync_us": lambda: (dropin.step(x), stream_sync()),
+             "dropin_active_none_stream_spin_us": lambda: (dropin.step(x), spin()),
+             "dropin_side_stream_sync_us": lambda: on_side(stream_sync),
+             "dropin_side_stream_spin_us": lambda: on_side(spin),
              "dropin_active_mask_us": lambda: (dropin.step(x, active), stream_sync()),
-             "bare_jax_us": bare}
+             "bare_jax_us": bare,
+             "bare_jax_no_spin_us": lambda: bare(spin=False)}
     rec = interleaved_medians_us(calls, steps, warmup=20)
     rec["overhead_active_none"] = rec["dropin_active_none_stream_sync_us"] / rec["bare_jax_us"] - 1
     rec["overhead_active_none_device_sync"] = rec["dropin_active_none_us"] / rec["bare_jax_us"] - 1
