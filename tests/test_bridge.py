@@ -88,6 +88,8 @@ def test_bad_types_are_refused():
         to_jax(torch.zeros(2, dtype=torch.float64))
     with pytest.raises(TypeError, match="expected a torch.Tensor"):
         to_jax(np.zeros(2))
+    with pytest.raises(TypeError, match=r"layout torch.sparse_coo is not supported; expected a dense"):
+        to_jax(torch.eye(3).to_sparse(), copy=True)
     with pytest.raises(TypeError, match="expected a jax.Array"):
         to_torch(torch.zeros(2))
 

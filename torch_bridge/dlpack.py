@@ -23,7 +23,7 @@ written. Neither blocks the host. `tests/test_bridge_gpu.py` proves it with a lo
 a CUDA event and looked its streams up at every call, 80-120 of the 250-350 us a step input took
 to cross on an H200 (benchmarks/RESULTS.md, eighth session). It then hands torch's capsule
 (`torch.utils.dlpack.to_dlpack`) to the call `jnp.from_dlpack` makes after its checks
-(`_capsule_import`), having made both sides' checks itself: 39 against 59 us a step input on an
+(`_capsule_import`), having made both sides' checks itself: 25 against 44 us a step input on an
 idle H200 (sixteenth session).
 """
 
@@ -79,9 +79,9 @@ def _capsule_import():
     """JAX's import of a DLPack capsule, `import_(capsule, device, stream, dl_device_type)`, the call
     `jnp.from_dlpack` makes after its own checks; None where this jaxlib lacks it (then
     `jnp.from_dlpack`). Private to JAX, so looked up once and called as `jnp.from_dlpack` calls
-    it on this version. Why: the checks and the wrapper around it took 30-60 of the 60-120 us
-    `jnp.from_dlpack` took a step input on an H200 (benchmarks/RESULTS.md, sixteenth session);
-    `to_jax` makes them itself, once per device."""
+    it on this version. Why: with `jnp.from_dlpack` and `Tensor.__dlpack__`, `to_jax` took 44 us a
+    step input on an idle H200, with this call and `to_dlpack` 25 (benchmarks/RESULTS.md, sixteenth
+    session); `to_jax` makes their checks itself (the devices and streams once per device)."""
     try:
         from jax._src.lib import _jax, jaxlib_extension_version
     except ImportError:
@@ -137,7 +137,7 @@ def _import(tensor: torch.Tensor, device) -> jax.Array:
 def to_jax(tensor: torch.Tensor, *, copy: bool | None = False) -> jax.Array:
     """The JAX array sharing `tensor`'s buffer: same shape, dtype and device.
 
-    Raises TypeError for an unsupported dtype and ValueError when sharing is impossible
+    Raises TypeError for an unsupported dtype or layout (sparse) and ValueError when sharing is impossible
     (see the module docstring) unless copy=True, which copies and warns (copy=None: layout
     copies without a warning).
     """
@@ -145,6 +145,9 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = False) -> jax.Array:
         raise TypeError(f"to_jax(tensor): expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in SUPPORTED:
         raise TypeError(f"to_jax(tensor): dtype {tensor.dtype} is not supported; expected one of {SUPPORTED}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"to_jax(tensor): layout {tensor.layout} is not supported; expected a dense tensor "
+                        f"(torch.strided: call .to_dense())")
     if tensor.requires_grad:
         tensor = tensor.detach()
     device = _jax_device_for(tensor)
