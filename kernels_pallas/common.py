@@ -181,6 +181,11 @@ TWIN_TRITON_LINEAR_STAGES = 4     # software-pipeline depth of the linear's loop
 TWIN_TRITON_ATTENTION_STAGES = 1  # ... of the attention's loop over a split's blocks (3: -6% at B=1, +2% at B=4)
 TWIN_TRITON_ATTENTION_WARPS = 2
 TWIN_PALLAS_ATTENTION_WARPS = 2  # warps of the Pallas attention's programs (the JAX twin step's; RESULTS, 13th session)
+# ... and where a step has at most TWIN_PALLAS_ATTENTION_FEW_QUERIES queries (B*H*T: the temporal step to B=4),
+# a latency-bound grid: 4 warps took 19.9-20.2 against 20.2-21.3 us a layer at B=1 and 60.4-60.8 against
+# 61.3-62.6 at B=4, in three sessions' ncu sweeps; 2 warps 820 against 871 at B=64 (RESULTS, 13th-16th sessions)
+TWIN_PALLAS_ATTENTION_FEW_WARPS = 4
+TWIN_PALLAS_ATTENTION_FEW_QUERIES = 128
 TWIN_PALLAS_ATTENTION_STAGES = 3  # ... and the software-pipeline depth of its loop over a split's blocks
 TWIN_NORM_WARPS = 2  # warps of a norm program (compiled: one row each, see twin_norm_rows)
 TWIN_PALLAS_PREFETCH = 1  # weight blocks the Pallas linear loads ahead of their use (speed only)

@@ -200,6 +200,12 @@ def _store_out(o_ref, out, bht, H, T, D):
     pltriton.store(o_ref.at[((b * T + t) * H + h) * D + jnp.arange(D, dtype=jnp.int32)], out)
 
 
+def _warps(queries: int) -> int:
+    """The Pallas attention's warps a program for a step of `queries` queries (speed only)."""
+    few = queries <= common.TWIN_PALLAS_ATTENTION_FEW_QUERIES
+    return common.TWIN_PALLAS_ATTENTION_FEW_WARPS if few else common.TWIN_PALLAS_ATTENTION_WARPS
+
+
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
               q_pos: jax.Array, *, context: int, sems: jax.Array | None = None, num_warps: int | None = None,
               num_stages: int | None = None, interpret: bool | None = None, form: str | None = None):
@@ -211,8 +217,8 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     returned all 0 again, so one buffer serves every call of a step (carry it through the layer
     loop: a buffer made inside each call costs a kernel a call). None: made here.
     form: "lanes" or "mma" (None: `common.twin_attention_form`'s choice; the two give other bits).
-    num_warps, num_stages: speed only (None: `common.TWIN_PALLAS_ATTENTION_WARPS` and `_STAGES`, read
-    at call time).
+    num_warps, num_stages: speed only (None: `common.TWIN_PALLAS_ATTENTION_WARPS`, or `_FEW_WARPS` for
+    at most `_FEW_QUERIES` queries B*H*T, and `_STAGES`, read at call time).
     Returns [B, T, H, D] in q's dtype (the layout the out-projection reads), and sems if given.
     """
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
@@ -238,7 +244,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
         aliases = {len(operands) - 1: 4}
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(B * H * T, S), input_output_aliases=aliases, interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps or common.TWIN_PALLAS_ATTENTION_WARPS,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or _warps(B * H * T),
                                                 num_stages=num_stages or common.TWIN_PALLAS_ATTENTION_STAGES),
         name="twin_attention",
     )(*operands)
