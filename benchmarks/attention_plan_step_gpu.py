@@ -3,8 +3,8 @@
     python benchmarks/attention_plan_step_gpu.py --out $OUT
 
 1. `attention_plan_gpu.py --forms mma` over the plans x warps x batches given (us a layer).
-2. The pick: the (plan, warps) whose time, relative to the contract's plan at its warps
-   (`common.TWIN_ATTENTION_BC`, `TWIN_ATTENTION_CHUNK`, `TWIN_PALLAS_ATTENTION_WARPS`), summed over
+2. The pick: the (plan, warps) whose time, relative to the contract's plan at its warps for each B
+   (`common.TWIN_ATTENTION_BC`, `TWIN_ATTENTION_CHUNK`, `twin_attention._warps`), summed over
    the batches, is least. The plan is part of the numerics contract, so a new plan needs the step's
    bits checked again: hence
 3. with the pick set (both packages read those constants at call time): `twin_step_gpu.py --only
@@ -22,12 +22,15 @@ import subprocess
 import sys
 import time
 
-from kernels_pallas import common
+from kernels_pallas import common, twin_attention
+
+TEMPORAL_HEADS = 32  # the sweep's queries a batch row (T=1)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # a benchmark run with the pick's contract constants set (read at call time by both packages)
 RUN_WITH = ("import runpy, sys; from kernels_pallas import common; "
-            "common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK, common.TWIN_PALLAS_ATTENTION_WARPS = {pick}; "
+            "(common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK, common.TWIN_PALLAS_ATTENTION_WARPS), "
+            "common.TWIN_PALLAS_ATTENTION_FEW_WARPS = {pick}, {pick}[2]; "
             "sys.argv = {argv}; runpy.run_path({path!r}, run_name='__main__')")
 
 
@@ -41,14 +44,15 @@ def run(argv: list[str], budget_s: float) -> None:
 
 def pick(rows: list[dict], batches: list[int]) -> dict:
     """The (bc, chunk, warps) of least summed time relative to the contract's, over the batches."""
-    default = (common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK, common.TWIN_PALLAS_ATTENTION_WARPS)
+    plan = (common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK)
+    default = {B: (*plan, twin_attention._warps(B * TEMPORAL_HEADS)) for B in batches}  # the contract's warps at B
     us = {(r["bc"], r["chunk"], r["warps"], r["B"]): r["us_per_layer"] for r in rows if "us_per_layer" in r}
-    base = {B: us[(*default, B)] for B in batches if (*default, B) in us}  # the batches the sweep reached
+    base = {B: us[(*default[B], B)] for B in batches if (*default[B], B) in us}  # the batches the sweep reached
     batches = list(base)
     score = {cfg: sum(us[(*cfg, B)] / base[B] for B in batches)
              for cfg in ({k[:3] for k in us} if batches else ()) if all((*cfg, B) in us for B in batches)}
-    best = min(score, key=score.get, default=default)
-    return {"pick": list(best), "default": list(default), "batches": batches,
+    best = min(score, key=score.get, default=(*plan, common.TWIN_PALLAS_ATTENTION_WARPS))
+    return {"pick": list(best), "default": {B: list(d) for B, d in default.items()}, "batches": batches,
             "relative_sum": {str(k): v for k, v in score.items()}}
 
 
