@@ -1,0 +1,60 @@
+"""What would the temporal step's small projections gain with their weights already in the L2?
+
+    python benchmarks/l2_resident_gpu.py --out $OUT/l2_resident.json [--batches 1,4]
+
+At B <= 4 the attention uses half the copy rate (RESULTS.md, sixteenth session), and the out
+projection's 33.5 MB of weights would fit in the H200's L2 beside it: a prefetch there would turn
+the out projection's read into an L2 read. Before building that, this measures the bound: the
+Pallas MMA linear's GPU time a call (`twin_split_gpu.device_us`: torch.profiler, device time) over
+8 stacked layers in turn (each read from HBM, as in the step) against the same layer again and
+again (its weights stay in the L2 after the first call), and a copy of the same bytes from each.
+A timing question only. Never part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+
+import jax
+import torch
+from twin_split_gpu import L, SHAPES, device_us
+
+from kernels_pallas import twin_linear as pli
+from torch_bridge.dlpack import to_jax
+
+
+def case(M: int, name: str) -> dict:
+    N, K, act, has_res = SHAPES[name]
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(L, N, K, device="cuda") * 0.02).to(torch.bfloat16)
+    n_out = N // 2 if act == "silu_gate" else N
+    r = torch.randn(M, n_out, device="cuda").to(torch.bfloat16) if has_res else None
+    jx, jw, jr = to_jax(x), to_jax(w), None if r is None else to_jax(r)
+    rec = {"M": M, "weight_MB": N * K * 2 / 1e6}
+    for label, layers in (("hbm", range(L)), ("l2", [0] * L)):
+        f = jax.jit(lambda x, w, r, layers=tuple(layers): [pli.linear(x, w, i, act=act, residual=r) for i in layers])
+        rec[f"linear_{label}_us"] = device_us(lambda f=f: jax.block_until_ready(f(jx, jw, jr)), L)
+    return rec
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="l2_resident.json")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--shapes", default="out")
+    args = parser.parse_args()
+    results = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+                        "jax": jax.__version__, "torch": torch.__version__, "layers": L,
+                        "l2_MB": torch.cuda.get_device_properties(0).L2_cache_size / 1e6}}
+    for M in (int(b) for b in args.batches.split(",")):
+        for name in args.shapes.split(","):
+            results[f"{name}_m{M}"] = rec = case(M, name)
+            print(f"{name}_m{M}", json.dumps({k: round(v, 1) for k, v in rec.items()}), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
