@@ -19,7 +19,7 @@ import json
 
 import jax
 import torch
-from twin_split_gpu import L, SHAPES, device_us
+from twin_split_gpu import SHAPES, L, device_us
 
 from kernels_pallas import twin_linear as pli
 from torch_bridge.dlpack import to_jax
