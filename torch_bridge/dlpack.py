@@ -137,9 +137,9 @@ def _import(tensor: torch.Tensor, device) -> jax.Array:
 def to_jax(tensor: torch.Tensor, *, copy: bool | None = False) -> jax.Array:
     """The JAX array sharing `tensor`'s buffer: same shape, dtype and device.
 
-    Raises TypeError for an unsupported dtype or layout (sparse) and ValueError when sharing is impossible
-    (see the module docstring) unless copy=True, which copies and warns (copy=None: layout
-    copies without a warning).
+    Raises TypeError for an unsupported dtype or layout (sparse) and ValueError when sharing is
+    impossible (see the module docstring) unless copy=True, which copies and warns (copy=None:
+    layout copies without a warning).
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"to_jax(tensor): expected a torch.Tensor, got {type(tensor).__name__}")
