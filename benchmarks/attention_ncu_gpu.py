@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import json
 import statistics
 
@@ -28,7 +27,7 @@ H, D, C, T = 32, 128, 3000, 1
 def launch(args):
     import jax
     import torch
-    from cuda_timing import copy_bandwidth
+    from cuda_timing import copy_bandwidth, run_meta
     from twin_tune_gpu import attention_case, same, with_contract
 
     from kernels_pallas import twin_attention as pa
@@ -61,9 +60,7 @@ def launch(args):
             equal[key] = same(out, ref)  # the last Pallas case against the last Triton one
             print(f"{key}: Pallas == Triton bit for bit: {equal[key]}", flush=True)
             with open(args.manifest, "w") as f:  # after each plan: a sweep cut short keeps what it timed
-                json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                           "jax": jax.__version__, "torch": torch.__version__, "layers": args.layers,
-                           "copy_TBps": copy_TBps, "launches": order, "pallas_equals_triton": equal}, f, indent=1)
+                json.dump(run_meta(layers=args.layers, copy_TBps=copy_TBps, launches=order, pallas_equals_triton=equal), f, indent=1)
 
 
 def summarize(args):

@@ -16,13 +16,12 @@ same run, and for each plan at B=4 whether Pallas == Triton bit for bit. Never p
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 
 import jax
 import jax.numpy as jnp
 import torch
-from cuda_timing import copy_bandwidth
+from cuda_timing import copy_bandwidth, run_meta
 from twin_tune_gpu import attention_case, jax_ms, same, with_contract
 
 from kernels_pallas import common
@@ -50,10 +49,8 @@ def main():
     plans = [tuple(int(v) for v in p_.split("x")) for p_ in args.plans.split(",")]
     ceiling = copy_bandwidth()
     default = (common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK)
-    res = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-                    "jax": jax.__version__, "torch": torch.__version__, "copy_TBps": ceiling / 1e12,
-                    "default_plan": default, "H": H, "D": D, "C": C, "layers": L,
-                    "calls": args.calls}, "rows": []}
+    res = {"meta": run_meta(copy_TBps=ceiling / 1e12, default_plan=default, H=H, D=D, C=C, layers=L,
+                            calls=args.calls), "rows": []}
     for B in (int(b) for b in args.batches.split(",")):
         q, ring_k, ring_v, positions, q_pos = attention_case(B, H, T, D, C, L)
         jargs = tuple(to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))

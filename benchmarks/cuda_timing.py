@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import datetime
 import statistics
 
+import jax
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+
+def run_meta(device: str | None = None, **extra) -> dict:
+    """What every result file records of its run: the device (`device`, else the CUDA device's name,
+    else "cpu"), the date and the jax and torch versions, then `extra`."""
+    if device is None:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+            "torch": torch.__version__, **extra}
 
 
 def cuda_time(fn, n: int) -> float:

@@ -14,12 +14,12 @@ Medians of --n calls on an idle GPU, in us, a [4, 2, 512] bf16 tensor (Mimi's st
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 
 import jax
 import jax.numpy as jnp
 import torch
+from cuda_timing import run_meta
 from host_timing import host_ms
 from jax._src.lib import _jax  # the capsule import jax.dlpack.from_dlpack calls (private: diagnosis only)
 
@@ -78,8 +78,7 @@ def main():
         "jax_export_capsule_with_torch_stream": lambda: _jax.buffer_to_dlpack_managed_tensor(a, stream=torch_stream),
         "torch_import_capsule": lambda: torch.utils.dlpack.from_dlpack(a.__dlpack__(stream=torch_stream)),
     }
-    rec = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-                    "jax": jax.__version__, "torch": torch.__version__, "n": args.n}}
+    rec = {"meta": run_meta(n=args.n)}
     for name, fn in parts.items():
         try:
             rec[name + "_us"] = median_us(fn, args.n)

@@ -20,7 +20,6 @@ A case with fewer layers (`_L8`) says whether the gaps grow with the layer loop.
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import gzip
 import json
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax
 import torch
+from cuda_timing import run_meta
 from host_timing import time_step
 from scale_bench import full_state
 from sync_gap_gpu import twin_case
@@ -121,9 +121,7 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "jax": jax.__version__, "torch": torch.__version__, "xla_flags": os.environ.get("XLA_FLAGS"),
-              "cases": {}}
+    result = run_meta(xla_flags=os.environ.get("XLA_FLAGS"), cases={})
     modules = {}
     for name in args.cases.split(","):
         kind, T, B, layers = CASES[name]

@@ -14,11 +14,11 @@ A timing question only. Never part of the tests.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 
 import jax
 import torch
+from cuda_timing import run_meta
 from twin_split_gpu import SHAPES, L, device_us
 
 from kernels_pallas import twin_linear as pli
@@ -47,9 +47,7 @@ def main():
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--shapes", default="out")
     args = parser.parse_args()
-    results = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-                        "jax": jax.__version__, "torch": torch.__version__, "layers": L,
-                        "l2_MB": torch.cuda.get_device_properties(0).L2_cache_size / 1e6}}
+    results = {"meta": run_meta(layers=L, l2_MB=torch.cuda.get_device_properties(0).L2_cache_size / 1e6)}
     for M in (int(b) for b in args.batches.split(",")):
         for name in args.shapes.split(","):
             results[f"{name}_m{M}"] = rec = case(M, name)

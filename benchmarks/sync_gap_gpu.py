@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import statistics
@@ -36,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax
 import torch
+from cuda_timing import run_meta
 from host_timing import host_ms, time_step
 from scale_bench import full_state
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -165,9 +165,7 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR"),
-              "jax": jax.__version__, "torch": torch.__version__, "cases": {}}
+    result = run_meta(allocator=os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR"), cases={})
     modules = {}
     for name in args.cases.split(","):
         kind, T, B, unroll = CASES[name]

@@ -20,7 +20,6 @@ and the pipelined ms of the same step for reference. Never part of the tests.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax
 import torch
+from cuda_timing import run_meta
 from host_timing import time_step
 from scale_bench import full_state
 from sync_gap_gpu import twin_case
@@ -86,8 +86,7 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "jax": jax.__version__, "torch": torch.__version__, "cases": {}}
+    result = run_meta(cases={})
     modules = {}
     for name in args.cases.split(","):
         kind, T, B = CASES[name]

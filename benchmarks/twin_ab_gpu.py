@@ -11,12 +11,10 @@ and the Triton lane form the Pallas lane form. Never part of the tests.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 
 import jax
-import torch
-from cuda_timing import graph_per_call_ms
+from cuda_timing import graph_per_call_ms, run_meta
 from twin_tune_gpu import jax_ms, randn, same
 
 from kernels_pallas import twin_linear as pli
@@ -86,8 +84,7 @@ def main():
     parser.add_argument("--stages", default="4,8", help="MMA pipeline depths")
     args = parser.parse_args()
     bns, stages = ([int(v) for v in a.split(",") if v] for a in (args.bn, args.stages))
-    results = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-                        "jax": jax.__version__, "torch": torch.__version__, "layers": L}}
+    results = {"meta": run_meta(layers=L)}
     for M in (int(b) for b in args.batches.split(",")):
         cases = [(f"{name}_m{M}", lambda M=M, name=name: case(M, name, bns, stages)) for name in args.shapes.split(",")]
         for key, run in [*cases, (f"rms_norm_m{M}", lambda M=M: norm_case(M))]:

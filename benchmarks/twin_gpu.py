@@ -12,7 +12,6 @@ around 20 calls after warm-up; the JAX side blocks on the result). Never part of
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import statistics
@@ -23,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from cuda_timing import cuda_time
+from cuda_timing import cuda_time, run_meta
 
 from jax_impl.parity import bits
 from jax_impl.tables import rope_freqs
@@ -180,8 +179,7 @@ def main():
             rec["traceback"] = traceback.format_exc()[-3000:]
         print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
         records.append(rec)
-    meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-            "jax": jax.__version__, "torch": torch.__version__}
+    meta = run_meta()
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=1)
 

@@ -18,7 +18,6 @@ Never part of the tests.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import os
 import sys
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from cuda_timing import run_meta
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -165,8 +165,7 @@ def main():
     parser.add_argument("--out", default="twin_mma.json")
     parser.add_argument("--small", action="store_true")
     args = parser.parse_args()
-    RESULTS["meta"] = {"device": torch.cuda.get_device_name() if GPU else "cpu", "date": datetime.date.today().isoformat(),
-                       "jax": jax.__version__, "torch": torch.__version__, "triton": triton.__version__}
+    RESULTS["meta"] = run_meta(triton=triton.__version__)
     if args.small:
         probe("small", 3, 64, 256, [(32, 64, 4, 2), (16, 128, 4, 3)], args.out, L=2)
         return

@@ -14,12 +14,12 @@ A timing question only: the split shapes' outputs are not the projection's. Neve
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 
 import jax
 import torch
+from cuda_timing import run_meta
 from torch.profiler import ProfilerActivity, profile
 
 from kernels_pallas import twin_linear as pli
@@ -87,8 +87,7 @@ def main():
     parser.add_argument("--rows", default="16", help="the MMA form's rows a program (block_m)")
     args = parser.parse_args()
     bns, splits, rows = ([int(v) for v in a.split(",")] for a in (args.bn, args.splits, args.rows))
-    results = {"meta": {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-                        "jax": jax.__version__, "torch": torch.__version__, "layers": L}}
+    results = {"meta": run_meta(layers=L)}
     for M in (int(b) for b in args.batches.split(",")):
         for name in args.shapes.split(","):
             results[f"{name}_m{M}"] = rec = case(M, name, bns, splits, rows)

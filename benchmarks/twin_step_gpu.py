@@ -20,7 +20,6 @@ accuracy against float32, speed. One device call:
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import statistics
@@ -31,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from cuda_timing import kernel_profile, torch_graph
+from cuda_timing import kernel_profile, run_meta, torch_graph
 from host_timing import host_ms, time_step
 
 import jax_impl
@@ -287,9 +286,8 @@ def main():
     jax.config.update("jax_compilation_cache_dir", "/tmp/jax_cache")  # the same step twice compiles once
     if args.small:
         DEVICE, SIZE = "cpu", "-small"
-    RESULTS["meta"] = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": datetime.date.today().isoformat(),
-                       "jax": jax.__version__, "torch": torch.__version__, "dtype": "bfloat16",
-                       "scan_unroll": SCAN_UNROLL, "mma_fused_norm_max_blocks": common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS}
+    RESULTS["meta"] = run_meta(device=None if DEVICE == "cuda" else "cpu", dtype="bfloat16", scan_unroll=SCAN_UNROLL,
+                                 mma_fused_norm_max_blocks=common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS)
     jobs = []
     only = args.only.split(",")
     stacks = args.stacks.split(",")

@@ -26,7 +26,6 @@ at Triton's best tile. Never part of the tests.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import time
@@ -35,7 +34,7 @@ import traceback
 import jax
 import numpy as np
 import torch
-from cuda_timing import copy_bandwidth, graph_per_call_ms
+from cuda_timing import copy_bandwidth, graph_per_call_ms, run_meta
 
 from jax_impl.parity import bits
 from kernels_pallas import common
@@ -269,9 +268,7 @@ def main():
     if not GPU and not args.small:
         raise SystemExit("twin_tune_gpu.py: no CUDA device; pass --small (with TRITON_INTERPRET=1) on a CPU")
     ceiling = copy_bandwidth() if GPU else 1.0
-    record("meta", {"device": torch.cuda.get_device_name() if GPU else "cpu", "jax": jax.__version__,
-                    "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-                    "copy_TBps": ceiling / 1e12}, args.out)
+    record("meta", run_meta(copy_TBps=ceiling / 1e12), args.out)
     cases = {f"linear_{k}": (lambda k=k, s=s: tune_linear(k, s, args.out, ceiling, args.small))
              for k, s in (SMALL_SHAPES if args.small else SHAPES).items()}
     cases["attention"] = lambda: tune_attention(args.out, ceiling, args.small)

@@ -1,0 +1,121 @@
+"""Do the twin MMA linears lose time to how many programs an SM holds?
+
+    python benchmarks/linear_occupancy_gpu.py --out $OUT/linear_occupancy.json [--batches 1,16,64]
+
+Each temporal projection as the twin step calls it (qkv: `linear_rope_write` with the split norm's
+rms; gate: `act="silu_gate"` with rms; out and down: `split=` with the residual), at M rows, over 8
+stacked layers read in turn from HBM. For each pipeline depth (num_stages) and warp count the GPU
+time of one call (`twin_split_gpu.device_us`), Pallas and Triton. The depth sets each program's
+shared memory ((weight tiles * BN + rows) * BK * 2 bytes a stage), so how many programs an SM holds
+at once (an H200 SM has 228 KB), so whether the grid runs in one wave. Speed only: every depth and
+warp count gives the same bits. A timing question only; never part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import torch
+from cuda_timing import run_meta
+from twin_split_gpu import SHAPES, L, device_us
+
+from kernels_pallas import common
+from kernels_pallas import twin_linear as pli
+from kernels_triton import twin_linear as tli
+from torch_bridge.dlpack import to_jax
+
+H, D, C = 32, 128, 16  # the temporal heads; a short ring: the ring write's cost does not depend on C
+SM_SHARED_BYTES = 228 * 1024
+
+
+def inputs(M: int, name: str) -> dict:
+    """The torch operands of one projection's step call (the JAX ones are their DLPack views)."""
+    N, K, act, _ = SHAPES[name]
+    n_out = N // 2 if act == "silu_gate" else N
+    dev = "cuda"
+    t = {"x": torch.randn(M, K, device=dev).to(torch.bfloat16),
+         "w": (torch.randn(L, N, K, device=dev) * 0.02).to(torch.bfloat16)}
+    if name in ("qkv", "gate"):  # the consumer of a split norm: per-group sums of squares of x
+        t["ss"] = torch.rand(M, K // common.TWIN_SPLIT_GROUP, device=dev) * 64
+    else:  # the producer: the residual and the next norm's alpha
+        t["r"] = torch.randn(M, n_out, device=dev).to(torch.bfloat16)
+        t["alpha"] = torch.rand(L, n_out, device=dev).to(torch.bfloat16)
+    if name == "qkv":
+        t["cos"], t["sin"] = (torch.rand(M, 1, D // 2, device=dev) for _ in range(2))
+        t["rk"], t["rv"] = (torch.zeros(L, M, H, C, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        t["widx"] = torch.arange(M, device=dev, dtype=torch.int32).remainder(C).view(M, 1)
+        t["wmask"] = torch.ones(M, 1, device=dev, dtype=torch.int32)
+    return t
+
+
+def calls(mod, name: str, a: dict, stages: int, warps: int):
+    """L calls of projection `name` of twin module `mod` (pli or tli) on operands a."""
+    kw = {"num_stages": stages, "num_warps": warps}
+    eps = 1e-8
+    if name == "qkv":
+        return [mod.linear_rope_write(a["x"], a["w"], i, a["cos"], a["sin"], a["rk"], a["rv"], a["widx"],
+                                      a["wmask"], rms=common.TwinRms(a["ss"], eps), **kw)[0] for i in range(L)]
+    if name == "gate":
+        return [mod.linear(a["x"], a["w"], i, act="silu_gate", rms=common.TwinRms(a["ss"], eps), **kw)
+                for i in range(L)]
+    offset = int(name == "down")
+    return [mod.linear(a["x"], a["w"], i, residual=a["r"], split=common.TwinSplit(a["alpha"], offset), **kw)[0]
+            for i in range(L)]
+
+
+def plan(M: int, name: str) -> dict:
+    """The step's plan of this call: (BN, BK, rows), its default depth and a stage's shared memory."""
+    N, K, act, _ = SHAPES[name]
+    tiles = 1 + (act == "silu_gate")
+    n_out = N // tiles
+    if name == "qkv":
+        BN, BK = common.largest_pow2_divisor(D, common.TWIN_MMA_MAX_BN), common.twin_lanes(K)
+        R = common.twin_mma_rows(M, N // BN)
+    else:
+        BN, BK, R = common.twin_mma_plan(M, n_out, K, tiles, split=name in ("out", "down"))
+    return {"BN": BN, "BK": BK, "rows": R, "programs": -(-M // R) * (n_out // BN),
+            "default_stages": common.twin_mma_stages(n_out, BN, BK, tiles, rows=R),
+            "stage_bytes": (tiles * BN + R) * BK * 2}
+
+
+def case(M: int, name: str, stages: list, warps: list) -> dict:
+    t = inputs(M, name)
+    j = {k: to_jax(v) for k, v in t.items()}
+    rec = {"M": M, **plan(M, name)}
+    for s in stages:
+        if s * rec["stage_bytes"] > SM_SHARED_BYTES:
+            continue
+        for w in warps:
+            key = f"s{s}_w{w}"
+            try:
+                f = jax.jit(lambda a, s=s, w=w: calls(pli, name, a, s, w))
+                rec[f"pallas_{key}_us"] = device_us(lambda f=f: jax.block_until_ready(f(j)), L)
+                rec[f"triton_{key}_us"] = device_us(lambda s=s, w=w: calls(tli, name, t, s, w), L)
+            except Exception as e:  # noqa: BLE001 (a failing variant is a result, the next one runs)
+                rec[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return rec
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="linear_occupancy.json")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--stages", default="2,3,4,6,8")
+    parser.add_argument("--warps", default="4,8")
+    args = parser.parse_args()
+    stages, warps = ([int(v) for v in a.split(",")] for a in (args.stages, args.warps))
+    results = {"meta": run_meta(layers=L)}
+    for M in (int(b) for b in args.batches.split(",")):
+        for name in args.shapes.split(","):
+            results[f"{name}_m{M}"] = rec = case(M, name, stages, warps)
+            print(f"{name}_m{M}", json.dumps({k: (round(v, 1) if isinstance(v, float) else v)
+                                               for k, v in rec.items() if not k.endswith("_error")}), flush=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
