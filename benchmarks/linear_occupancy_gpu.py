@@ -44,19 +44,23 @@ def inputs(M: int, name: str) -> dict:
         t["alpha"] = torch.rand(L, n_out, device=dev).to(torch.bfloat16)
     if name == "qkv":
         t["cos"], t["sin"] = (torch.rand(M, 1, D // 2, device=dev) for _ in range(2))
-        t["rk"], t["rv"] = (torch.zeros(L, M, H, C, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
         t["widx"] = torch.arange(M, device=dev, dtype=torch.int32).remainder(C).view(M, 1)
         t["wmask"] = torch.ones(M, 1, device=dev, dtype=torch.int32)
     return t
 
 
-def calls(mod, name: str, a: dict, stages: int, warps: int):
-    """L calls of projection `name` of twin module `mod` (pli or tli) on operands a."""
+def calls(mod, name: str, a: dict, stages: int, warps: int, rings=None):
+    """L calls of projection `name` of twin module `mod` (pli or tli) on operands a; the qkv
+    projection's threads the rings (k, v) through its calls and returns them after its outputs."""
     kw = {"num_stages": stages, "num_warps": warps}
     eps = 1e-8
     if name == "qkv":
-        return [mod.linear_rope_write(a["x"], a["w"], i, a["cos"], a["sin"], a["rk"], a["rv"], a["widx"],
-                                      a["wmask"], rms=common.TwinRms(a["ss"], eps), **kw)[0] for i in range(L)]
+        qs = []
+        for i in range(L):
+            q, *rings = mod.linear_rope_write(a["x"], a["w"], i, a["cos"], a["sin"], *rings, a["widx"], a["wmask"],
+                                              rms=common.TwinRms(a["ss"], eps), **kw)
+            qs.append(q)
+        return qs, rings
     if name == "gate":
         return [mod.linear(a["x"], a["w"], i, act="silu_gate", rms=common.TwinRms(a["ss"], eps), **kw)
                 for i in range(L)]
@@ -76,13 +80,22 @@ def plan(M: int, name: str) -> dict:
     else:
         BN, BK, R = common.twin_mma_plan(M, n_out, K, tiles, split=name in ("out", "down"))
     return {"BN": BN, "BK": BK, "rows": R, "programs": -(-M // R) * (n_out // BN),
-            "default_stages": common.twin_mma_stages(n_out, BN, BK, tiles, rows=R),
+            "default_stages": common.twin_mma_stages(n_out, BN, BK, tiles, rows=R, M=M),
             "stage_bytes": (tiles * BN + R) * BK * 2}
 
 
 def case(M: int, name: str, stages: list, warps: list) -> dict:
     t = inputs(M, name)
     j = {k: to_jax(v) for k, v in t.items()}
+    # the qkv projection's rings, donated to the Pallas calls (not donated, XLA would copy them
+    # for the kernel's in-place write, a copy a call): held here from call to call
+    rings = [torch.zeros(L, M, H, C, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    held = {"rings": [to_jax(r) for r in rings]}
+
+    def pallas(f):
+        out, held["rings"] = f(j, held["rings"])
+        jax.block_until_ready((out, held["rings"]))
+
     rec = {"M": M, **plan(M, name)}
     for s in stages:
         if s * rec["stage_bytes"] > SM_SHARED_BYTES:
@@ -90,9 +103,10 @@ def case(M: int, name: str, stages: list, warps: list) -> dict:
         for w in warps:
             key = f"s{s}_w{w}"
             try:
-                f = jax.jit(lambda a, s=s, w=w: calls(pli, name, a, s, w))
-                rec[f"pallas_{key}_us"] = device_us(lambda f=f: jax.block_until_ready(f(j)), L)
-                rec[f"triton_{key}_us"] = device_us(lambda s=s, w=w: calls(tli, name, t, s, w), L)
+                f = jax.jit(lambda a, r, s=s, w=w: calls(pli, name, a, s, w, r)
+                            if name == "qkv" else (calls(pli, name, a, s, w), r), donate_argnums=1)
+                rec[f"pallas_{key}_us"] = device_us(lambda f=f: pallas(f), L)
+                rec[f"triton_{key}_us"] = device_us(lambda s=s, w=w: calls(tli, name, t, s, w, rings), L)
             except Exception as e:  # noqa: BLE001 (a failing variant is a result, the next one runs)
                 rec[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     return rec

@@ -241,6 +241,8 @@ TWIN_MMA_STAGES = 4   # software-pipeline depth of the MMA form's loop over K (s
 TWIN_MMA_FEW_PROGRAMS_STAGES = 8  # ... where the grid has fewer column blocks than the H200 has SMs
 TWIN_MMA_SMEM_BYTES = 200 * 1024  # shared memory the MMA form's pipeline may fill (an H200 block gets 227 KB)
 H200_SMS = 132
+H200_SM_SHARED_BYTES = 228 * 1024  # shared memory an H200 SM holds for all its resident programs ...
+H200_BLOCK_RESERVED_BYTES = 1024   # ... of which the system takes this much a program
 _SIXTEEN_BIT = ("bfloat16", "float16", "torch.bfloat16", "torch.float16")
 
 
@@ -338,14 +340,27 @@ def twin_qkv_plan(N: int, K: int, D: int, dtype, compiled: bool, form: str | Non
 
 
 def twin_mma_stages(N_out: int, BN: int, BK: int, weight_tiles: int = 1, itemsize: int = 2,
-                    rows: int = TWIN_MMA_ROWS) -> int:
+                    rows: int = TWIN_MMA_ROWS, M: int = 1) -> int:
     """The MMA form's pipeline depth (speed only): deeper where few programs (N_out / BN column
     blocks, under one per SM) must keep the copy rate's bytes in flight by themselves, and no
     deeper than TWIN_MMA_SMEM_BYTES holds (each stage: `weight_tiles` [BN, BK] tiles, two for the
-    gate, and the [rows, BK] x tile)."""
+    gate, and the [rows, BK] x tile).
+
+    Then as deep as that, or shallower, but no shallower than 2, so that the grid's programs (M / rows
+    row blocks of N_out / BN) are all resident at once: a program's stages are its shared memory, and
+    a grid one program over what the SMs hold runs a second, mostly idle wave. On an H200, at the
+    temporal step's calls (RESULTS.md, seventeenth session), 3 stages rather than 4 took the gate at
+    M = 1 from 50.3 to 49.0 us (352 programs: 3 an SM rather than 2) and the qkv projection at M = 64
+    from 43 to 35 us (192 programs: 2 an SM rather than 1); 2 rather than 4, the gate at M = 64 from
+    69.8 to 63.1 (176 programs)."""
     depth = TWIN_MMA_STAGES if N_out // BN >= H200_SMS else TWIN_MMA_FEW_PROGRAMS_STAGES
     stage = (weight_tiles * BN + rows) * BK * itemsize
-    return max(1, min(depth, TWIN_MMA_SMEM_BYTES // stage))
+    depth = max(1, min(depth, TWIN_MMA_SMEM_BYTES // stage))
+    programs = -(-M // rows) * (N_out // BN)
+    for d in range(depth, 1, -1):
+        if programs <= H200_SMS * (H200_SM_SHARED_BYTES // (d * stage + H200_BLOCK_RESERVED_BYTES)):
+            return d
+    return depth
 
 
 def twin_fuse_norm(BM: int, interpreted: bool = False) -> bool:

@@ -288,7 +288,7 @@ def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(
             num_warps=num_warps,
-            num_stages=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"), rows=R)),
+            num_stages=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"), rows=R, M=M)),
         name="twin_linear_mma",
     )(*operands)
     return out if split is not None else out[0]
@@ -414,7 +414,7 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: ja
         input_output_aliases={ring_at: 1, ring_at + 1: 2},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps,
-                                                num_stages=num_stages or twin_mma_stages(N, BN, BK, rows=R)),
+                                                num_stages=num_stages or twin_mma_stages(N, BN, BK, rows=R, M=M)),
         name="twin_qkv_rope_write",
     )(*operands)
     return q.reshape(B, H, T, D), k.reshape(ring_k.shape), v.reshape(ring_v.shape)

@@ -281,7 +281,7 @@ def _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, split
         **norm_consts, ACT=act or "", HAS_SCALE=scale is not None, HAS_RES=residual is not None,
         RMS=rms is not None, RMS_INV_K=float(np.float32(1.0 / K)), SPLIT=split is not None,
         SPLIT_OFFSET=0 if split is None else split.offset, SPLIT_L=1 if split is None else split.weight.shape[0],
-        STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"), rows=R),
+        STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"), rows=R, M=M),
         INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
     return out if split is None else (out, u, ss_out)
 
@@ -374,6 +374,6 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
         write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, M, eps, 0.0 if rms is None else rms.eps,
         RMS=rms is not None, RMS_INV_K=float(np.float32(1.0 / K)), K=K, B=B, T=T, H=H,
         C=ring_k.shape[3], D=D, R=R, BN=BN, BK=BK, **norm_consts,
-        STAGES=num_stages or twin_mma_stages(N, BN, BK, rows=R), INTERPRETED=interpreted, num_warps=num_warps,
+        STAGES=num_stages or twin_mma_stages(N, BN, BK, rows=R, M=M), INTERPRETED=interpreted, num_warps=num_warps,
         enable_fp_fusion=False)
     return q, ring_k, ring_v

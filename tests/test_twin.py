@@ -368,6 +368,14 @@ def test_mma_rows_a_program_never_change_the_bits():
     assert [plan(M, 12288, 4096)[::2] for M in (1, 64)] == [(64, 16), (64, 64)]
     assert plan(1, 11264, 4096, 2, block_n=64)[0] == 64 and plan(1, 48, 512, 2)[0] == 16
     assert plan(1, 4096, 4096, split=True)[0] == common.TWIN_SPLIT_GROUP
+    # the depth: the default (4; 8 under one column block an SM, capped by the shared memory) unless the
+    # grid then overflows what the SMs hold at once: then the deepest (>= 2) that fits it in one wave
+    stages = common.twin_mma_stages
+    assert [stages(11264, 32, 128, 2, rows=16, M=M) for M in (1, 16)] == [3, 3]    # gate: 352 programs
+    assert [stages(12288, 64, 128, rows=R, M=M) for R, M in ((16, 1), (64, 64))] == [4, 3]  # qkv: 192 programs
+    assert stages(11264, 64, 128, 2, rows=64, M=64) == 2                            # gate: 176 programs
+    assert [stages(4096, 64, 128, rows=R, M=M) for R, M in ((16, 1), (64, 64))] == [8, 6]  # out: 64 programs
+    assert stages(512, 64, 128, rows=64, M=64 * 132) == 6  # 1056 programs: none fits; 8 capped by the memory
     with pytest.raises(ValueError, match=r"linear\(block_m\): the MMA form runs 16, 32 or 64 rows"):
         pli.linear(jnp.ones((2, 32), jnp.bfloat16), jnp.ones((1, 32, 32), jnp.bfloat16), 0, form="mma", block_m=8)
     with pytest.raises(ValueError, match=r"linear_rope_write\(block_m\)"):
