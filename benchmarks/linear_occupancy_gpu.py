@@ -14,6 +14,7 @@ warp count gives the same bits. A timing question only; never part of the tests.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import jax
@@ -28,6 +29,7 @@ from torch_bridge.dlpack import to_jax
 
 H, D, C = 32, 128, 16  # the temporal heads; a short ring: the ring write's cost does not depend on C
 SM_SHARED_BYTES = 228 * 1024
+TWINS = ["pallas", "triton"]  # timed (--pallas-only: the JAX step's alone)
 
 
 def inputs(M: int, name: str) -> dict:
@@ -49,10 +51,10 @@ def inputs(M: int, name: str) -> dict:
     return t
 
 
-def calls(mod, name: str, a: dict, stages: int, warps: int, rings=None):
-    """L calls of projection `name` of twin module `mod` (pli or tli) on operands a; the qkv
-    projection's threads the rings (k, v) through its calls and returns them after its outputs."""
-    kw = {"num_stages": stages, "num_warps": warps}
+def calls(mod, name: str, a: dict, kw: dict, rings=None):
+    """L calls of projection `name` of twin module `mod` (pli or tli) on operands a, with the speed
+    arguments kw; the qkv projection's threads the rings (k, v) through its calls and returns them
+    after its outputs."""
     eps = 1e-8
     if name == "qkv":
         qs = []
@@ -69,22 +71,23 @@ def calls(mod, name: str, a: dict, stages: int, warps: int, rings=None):
             for i in range(L)]
 
 
-def plan(M: int, name: str) -> dict:
-    """The step's plan of this call: (BN, BK, rows), its default depth and a stage's shared memory."""
+def plan(M: int, name: str, block_n: int | None = None, block_m: int | None = None) -> dict:
+    """The step's plan of this call (block_n, block_m: given, as the kernels take them): (BN, BK,
+    rows), the programs, the default depth and a stage's shared memory."""
     N, K, act, _ = SHAPES[name]
     tiles = 1 + (act == "silu_gate")
     n_out = N // tiles
     if name == "qkv":
-        BN, BK = common.largest_pow2_divisor(D, common.TWIN_MMA_MAX_BN), common.twin_lanes(K)
-        R = common.twin_mma_rows(M, N // BN)
+        BN, BK = block_n or common.largest_pow2_divisor(D, common.TWIN_MMA_MAX_BN), common.twin_lanes(K)
+        R = common.twin_mma_rows(M, N // BN, block_m)
     else:
-        BN, BK, R = common.twin_mma_plan(M, n_out, K, tiles, split=name in ("out", "down"))
+        BN, BK, R = common.twin_mma_plan(M, n_out, K, tiles, name in ("out", "down"), block_m, block_n)
     return {"BN": BN, "BK": BK, "rows": R, "programs": -(-M // R) * (n_out // BN),
             "default_stages": common.twin_mma_stages(n_out, BN, BK, tiles, rows=R, M=M),
             "stage_bytes": (tiles * BN + R) * BK * 2}
 
 
-def case(M: int, name: str, stages: list, warps: list) -> dict:
+def case(M: int, name: str, stages: list, warps: list, bns: list, rows: list) -> dict:
     t = inputs(M, name)
     j = {k: to_jax(v) for k, v in t.items()}
     # the qkv projection's rings, donated to the Pallas calls (not donated, XLA would copy them
@@ -97,18 +100,20 @@ def case(M: int, name: str, stages: list, warps: list) -> dict:
         jax.block_until_ready((out, held["rings"]))
 
     rec = {"M": M, **plan(M, name)}
-    for s in stages:
-        if s * rec["stage_bytes"] > SM_SHARED_BYTES:
+    for bn, R, s, w in itertools.product(bns, rows, stages, warps):
+        p = plan(M, name, bn, R)
+        if s * p["stage_bytes"] > SM_SHARED_BYTES:
             continue
-        for w in warps:
-            key = f"s{s}_w{w}"
-            try:
-                f = jax.jit(lambda a, r, s=s, w=w: calls(pli, name, a, s, w, r)
-                            if name == "qkv" else (calls(pli, name, a, s, w), r), donate_argnums=1)
-                rec[f"pallas_{key}_us"] = device_us(lambda f=f: pallas(f), L)
-                rec[f"triton_{key}_us"] = device_us(lambda s=s, w=w: calls(tli, name, t, s, w, rings), L)
-            except Exception as e:  # noqa: BLE001 (a failing variant is a result, the next one runs)
-                rec[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        key = f"s{s}_w{w}" + ("" if bn is None else f"_bn{bn}") + ("" if R is None else f"_r{R}")
+        kw = {"num_stages": s, "num_warps": w, "block_n": bn, "block_m": R}
+        try:
+            f = jax.jit(lambda a, r, kw=kw: calls(pli, name, a, kw, r)
+                        if name == "qkv" else (calls(pli, name, a, kw), r), donate_argnums=1)
+            rec[f"pallas_{key}_us"] = device_us(lambda f=f: pallas(f), L)
+            if "triton" in TWINS:
+                rec[f"triton_{key}_us"] = device_us(lambda kw=kw: calls(tli, name, t, kw, rings), L)
+        except Exception as e:  # noqa: BLE001 (a failing variant is a result, the next one runs)
+            rec[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     return rec
 
 
@@ -119,12 +124,18 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--stages", default="2,3,4,6,8")
     parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--bn", default="", help="block_n values (empty: the step's)")
+    parser.add_argument("--rows", default="", help="block_m values (empty: the step's)")
+    parser.add_argument("--pallas-only", action="store_true", help="no Triton twin timings")
     args = parser.parse_args()
     stages, warps = ([int(v) for v in a.split(",")] for a in (args.stages, args.warps))
+    bns, rows = ([int(v) for v in a.split(",")] if a else [None] for a in (args.bn, args.rows))
+    if args.pallas_only:
+        TWINS.remove("triton")
     results = {"meta": run_meta(layers=L)}
     for M in (int(b) for b in args.batches.split(",")):
         for name in args.shapes.split(","):
-            results[f"{name}_m{M}"] = rec = case(M, name, stages, warps)
+            results[f"{name}_m{M}"] = rec = case(M, name, stages, warps, bns, rows)
             print(f"{name}_m{M}", json.dumps({k: (round(v, 1) if isinstance(v, float) else v)
                                                for k, v in rec.items() if not k.endswith("_error")}), flush=True)
             with open(args.out, "w") as f:
