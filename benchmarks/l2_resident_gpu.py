@@ -14,12 +14,11 @@ A timing question only. Never part of the tests.
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import torch
 from cuda_timing import run_meta
-from twin_split_gpu import SHAPES, L, device_us
+from twin_split_gpu import SHAPES, L, device_us, run_cases
 
 from kernels_pallas import twin_linear as pli
 from torch_bridge.dlpack import to_jax
@@ -47,13 +46,8 @@ def main():
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--shapes", default="out")
     args = parser.parse_args()
-    results = {"meta": run_meta(layers=L, l2_MB=torch.cuda.get_device_properties(0).L2_cache_size / 1e6)}
-    for M in (int(b) for b in args.batches.split(",")):
-        for name in args.shapes.split(","):
-            results[f"{name}_m{M}"] = rec = case(M, name)
-            print(f"{name}_m{M}", json.dumps({k: round(v, 1) for k, v in rec.items()}), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    meta = run_meta(layers=L, l2_MB=torch.cuda.get_device_properties(0).L2_cache_size / 1e6)
+    run_cases({"meta": meta}, args.batches, args.shapes, case, args.out)
 
 
 if __name__ == "__main__":

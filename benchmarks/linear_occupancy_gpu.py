@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 
 import jax
 import torch
 from cuda_timing import run_meta
-from twin_split_gpu import SHAPES, L, device_us
+from twin_split_gpu import SHAPES, L, device_us, run_cases
 
 from kernels_pallas import common
 from kernels_pallas import twin_linear as pli
@@ -132,14 +131,8 @@ def main():
     bns, rows = ([int(v) for v in a.split(",")] if a else [None] for a in (args.bn, args.rows))
     if args.pallas_only:
         TWINS.remove("triton")
-    results = {"meta": run_meta(layers=L)}
-    for M in (int(b) for b in args.batches.split(",")):
-        for name in args.shapes.split(","):
-            results[f"{name}_m{M}"] = rec = case(M, name, stages, warps, bns, rows)
-            print(f"{name}_m{M}", json.dumps({k: (round(v, 1) if isinstance(v, float) else v)
-                                               for k, v in rec.items() if not k.endswith("_error")}), flush=True)
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+    run_cases({"meta": run_meta(layers=L)}, args.batches, args.shapes,
+              lambda M, name: case(M, name, stages, warps, bns, rows), args.out)
 
 
 if __name__ == "__main__":

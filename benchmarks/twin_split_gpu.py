@@ -77,6 +77,19 @@ def case(M, name, bns, splits, rows):
     return rec
 
 
+def run_cases(results: dict, batches: str, shapes: str, case, out: str) -> None:
+    """results[f"{name}_m{M}"] = case(M, name) for each M of `batches` and projection name of `shapes`
+    (comma-separated), each printed, and the JSON written to `out` after each: a sweep cut short
+    keeps what it timed."""
+    for M in (int(b) for b in batches.split(",")):
+        for name in shapes.split(","):
+            results[f"{name}_m{M}"] = rec = case(M, name)
+            print(f"{name}_m{M}", json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in rec.items()
+                                               if not k.endswith(("_error", "TBps"))}), flush=True)
+            with open(out, "w") as f:
+                json.dump(results, f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="twin_split.json")
@@ -87,13 +100,8 @@ def main():
     parser.add_argument("--rows", default="16", help="the MMA form's rows a program (block_m)")
     args = parser.parse_args()
     bns, splits, rows = ([int(v) for v in a.split(",")] for a in (args.bn, args.splits, args.rows))
-    results = {"meta": run_meta(layers=L)}
-    for M in (int(b) for b in args.batches.split(",")):
-        for name in args.shapes.split(","):
-            results[f"{name}_m{M}"] = rec = case(M, name, bns, splits, rows)
-            print(f"{name}_m{M}", json.dumps({k: round(v, 1) for k, v in rec.items() if k.endswith("_us")}), flush=True)
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+    run_cases({"meta": run_meta(layers=L)}, args.batches, args.shapes, lambda M, name: case(M, name, bns, splits, rows),
+              args.out)
 
 
 if __name__ == "__main__":
