@@ -336,8 +336,9 @@ def test_mma_rows_a_program_never_change_the_bits():
     """The MMA linears' rows a program (`block_m` 16, 32 or 64, `common.twin_mma_rows`: speed only),
     interpreted: the same bits at each, on both twins, for a projection with a residual and the split
     norm's consumer half at 40 rows (the last block partial), and for the fused qkv kernel at 18 rows;
-    the policy takes the most rows M fills while the grid keeps TWIN_MMA_MIN_PROGRAMS programs, and the
-    gate half the columns at 16 rows; a bad block_m is refused, naming the argument. (Compiled, the GPU
+    the policy takes the most rows M fills while the grid keeps TWIN_MMA_MIN_PROGRAMS programs, the
+    gate half the columns at 16 rows, and the pipeline depth that keeps the grid in one wave
+    (`common.twin_mma_stages`); a bad block_m is refused, naming the argument. (Compiled, the GPU
     test holds the tensor cores to the same.)"""
     M, N, K, L = 40, 64, 128, 2
     x, w, _, r, _ = _mma_case(M, N, K, L, None, False, True, None)
