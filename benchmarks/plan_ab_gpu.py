@@ -1,0 +1,120 @@
+"""The twin step under two plans of the MMA linears, in one process: one copy rate, one host.
+
+    git show <rev>:kernels_pallas/common.py > candidate_common.py   # the plan to try
+    python benchmarks/plan_ab_gpu.py --candidate candidate_common.py --out $OUT/plan_ab.json
+    python benchmarks/plan_ab_gpu.py --candidate kernels_pallas/common.py --small --out /tmp/ab.json  # CPU smoke
+
+A: this checkout's `twin_mma_plan` and `twin_mma_stages`; B: the candidate file's (loaded as a
+module), put into both twins (`kernels_pallas.twin_linear`, `kernels_triton.twin_linear`) while B's
+step traces. Two steps timed in two processes differ by each process's copy rate and host (the
+seventeenth session's old and new plans: 2% apart in copy rate, 0.1-0.2 ms in a jitted call's cost),
+so here both steps are compiled in one process and timed in `--rounds` alternating rounds
+(`host_timing.time_step` each: synchronized and pipelined), medians over the rounds; the state (every
+slot visible, `scale_bench.full_state`) goes from step to step, so one ring lives at B=64. Each
+step's kernels by name from torch.profiler. The plans change the speed only; the bits are for the GPU
+tests and `twin_step_gpu.py --only bits` to check. A timing question only; never part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+
+import jax
+import torch
+from cuda_timing import copy_bandwidth, kernel_profile, run_meta
+from host_timing import time_step
+from scale_bench import DEVICE, GPU, full_state
+
+import jax_impl
+from jax_impl.config import PRESETS
+from kernels_pallas import twin_linear as pli
+from kernels_triton import twin_linear as tli
+from torch_bridge import MimiTransformer, TemporalStreaming
+from torch_bridge.dlpack import to_jax
+
+PLAN = ("twin_mma_plan", "twin_mma_stages")
+
+
+def compiled_steps(config, rope_freqs, candidate, params, state, x, active):
+    """(step A, step B, state): both traced and run once, B with the candidate's plan in both twins."""
+    steps = []
+    for plan in (None, candidate):
+        saved = [(mod, name, getattr(mod, name)) for mod in (pli, tli) for name in PLAN]
+        if plan is not None:
+            for mod, name, _ in saved:
+                setattr(mod, name, getattr(plan, name))
+        try:
+            # make_step's uncached body: the cached one would hand B the jit A traced
+            step = jax_impl.make_step.__wrapped__(config, layer_loop="scan", kernels="twin", rope_freqs=rope_freqs)
+            out, state = step(params, state, x, active)
+            jax.block_until_ready((out, state))
+        finally:
+            for mod, name, f in saved:
+                setattr(mod, name, f)
+        steps.append(step)
+    return steps[0], steps[1], state
+
+
+def case(kind: str, T: int, B: int, module, candidate, rounds: int, steps: int) -> dict:
+    config = module.config
+    params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
+    x = to_jax(torch.randn(B, T, config.dim, device=DEVICE, dtype=torch.bfloat16))
+    active = to_jax(torch.ones(B, dtype=torch.bool, device=DEVICE))
+    a, b, state = compiled_steps(config, module.rope_freqs(), candidate, params, full_state(config, B), x, active)
+    times: dict = {f"{s}_{k}": [] for s in "ab" for k in ("sync_ms", "pipelined_ms")}
+    for _ in range(rounds):
+        for name, step in (("a", a), ("b", b)):
+            sync, pipelined, state = time_step(step, params, state, x, active, steps)
+            times[f"{name}_sync_ms"].append(sync)
+            times[f"{name}_pipelined_ms"].append(pipelined)
+    rec = {"stack": kind, "T": T, "B": B, **{k: statistics.median(v) for k, v in times.items()}, "rounds": times}
+    for name, step in (("a", a), ("b", b)):
+        holder = {"state": state}
+
+        def one(step=step, holder=holder):
+            out, holder["state"] = step(params, holder["state"], x, active)
+            jax.block_until_ready((out, holder["state"]))
+
+        rec[f"{name}_kernels"], rec[f"{name}_top_kernels"] = kernel_profile(one, top=8) if GPU else (None, None)
+        state = holder["state"]
+    return rec
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--candidate", required=True, help="a Python file defining twin_mma_plan and twin_mma_stages")
+    parser.add_argument("--out", default="plan_ab.json")
+    parser.add_argument("--batches", default="1,16,64", help="temporal batch sizes")
+    parser.add_argument("--mimi-batches", default="64", help="Mimi batch sizes (T=2 and T=10; empty: none)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="steps a round and step (time_step's median)")
+    parser.add_argument("--small", action="store_true", help="small presets on the CPU (a smoke run)")
+    args = parser.parse_args()
+    if not GPU and not args.small:
+        raise SystemExit("plan_ab_gpu.py: no CUDA device; pass --small for the CPU smoke run")
+    spec = importlib.util.spec_from_file_location("candidate_plan", args.candidate)
+    candidate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(candidate)
+    size = "-small" if args.small else ""
+    cases = [("mimi", T, int(B)) for B in filter(None, args.mimi_batches.split(",")) for T in (2, 10)]
+    cases += [("temporal", 1, int(B)) for B in filter(None, args.batches.split(","))]
+    results = {"meta": run_meta(candidate=args.candidate, copy_TBps=copy_bandwidth() / 1e12 if GPU else None),
+               "records": []}
+    module, built = None, None
+    for kind, T, B in cases:
+        if built != kind:
+            module, built = None, kind  # one stack's weights at a time
+            cls = TemporalStreaming if kind == "temporal" else MimiTransformer
+            module = cls.from_config(PRESETS[kind + size], dtype=torch.bfloat16, device=DEVICE)
+            module.init_weights(generator=torch.Generator(device=DEVICE).manual_seed(0))
+        results["records"].append(rec := case(kind, T, B, module, candidate, args.rounds, args.steps))
+        print(json.dumps({k: v for k, v in rec.items() if k != "rounds"}), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
