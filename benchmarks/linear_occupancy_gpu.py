@@ -77,7 +77,7 @@ def plan(M: int, name: str, block_n: int | None = None, block_m: int | None = No
     tiles = 1 + (act == "silu_gate")
     n_out = N // tiles
     if name == "qkv":
-        BN, BK = block_n or common.largest_pow2_divisor(D, common.TWIN_MMA_MAX_BN), common.twin_lanes(K)
+        BN, BK = common.twin_qkv_plan(N, K, D, "bfloat16", compiled=True, block_n=block_n)[1], common.twin_lanes(K)
         R = common.twin_mma_rows(M, N // BN, block_m)
     else:
         BN, BK, R = common.twin_mma_plan(M, n_out, K, tiles, name in ("out", "down"), block_m, block_n)

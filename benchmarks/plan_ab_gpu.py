@@ -24,15 +24,13 @@ import statistics
 
 import jax
 import torch
-from cuda_timing import copy_bandwidth, kernel_profile, run_meta
+from cuda_timing import copy_bandwidth, run_meta
 from host_timing import time_step
-from scale_bench import DEVICE, GPU, full_state
+from scale_bench import DEVICE, GPU, full_state, profile_step, stack_cases, torch_stack
 
 import jax_impl
-from jax_impl.config import PRESETS
 from kernels_pallas import twin_linear as pli
 from kernels_triton import twin_linear as tli
-from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.dlpack import to_jax
 
 PLAN = ("twin_mma_plan", "twin_mma_stages")
@@ -72,14 +70,7 @@ def case(kind: str, T: int, B: int, module, candidate, rounds: int, steps: int) 
             times[f"{name}_pipelined_ms"].append(pipelined)
     rec = {"stack": kind, "T": T, "B": B, **{k: statistics.median(v) for k, v in times.items()}, "rounds": times}
     for name, step in (("a", a), ("b", b)):
-        holder = {"state": state}
-
-        def one(step=step, holder=holder):
-            out, holder["state"] = step(params, holder["state"], x, active)
-            jax.block_until_ready((out, holder["state"]))
-
-        rec[f"{name}_kernels"], rec[f"{name}_top_kernels"] = kernel_profile(one, top=8) if GPU else (None, None)
-        state = holder["state"]
+        rec[f"{name}_kernels"], rec[f"{name}_top_kernels"], state = profile_step(step, params, state, x, active)
     return rec
 
 
@@ -98,18 +89,13 @@ def main():
     spec = importlib.util.spec_from_file_location("candidate_plan", args.candidate)
     candidate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(candidate)
-    size = "-small" if args.small else ""
-    cases = [("mimi", T, int(B)) for B in filter(None, args.mimi_batches.split(",")) for T in (2, 10)]
-    cases += [("temporal", 1, int(B)) for B in filter(None, args.batches.split(","))]
     results = {"meta": run_meta(candidate=args.candidate, copy_TBps=copy_bandwidth() / 1e12 if GPU else None),
                "records": []}
     module, built = None, None
-    for kind, T, B in cases:
+    for kind, T, B in stack_cases(args.batches, args.mimi_batches):
         if built != kind:
             module, built = None, kind  # one stack's weights at a time
-            cls = TemporalStreaming if kind == "temporal" else MimiTransformer
-            module = cls.from_config(PRESETS[kind + size], dtype=torch.bfloat16, device=DEVICE)
-            module.init_weights(generator=torch.Generator(device=DEVICE).manual_seed(0))
+            module = torch_stack(kind, args.small)
         results["records"].append(rec := case(kind, T, B, module, candidate, args.rounds, args.steps))
         print(json.dumps({k: v for k, v in rec.items() if k != "rounds"}), flush=True)
         with open(args.out, "w") as f:

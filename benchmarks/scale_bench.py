@@ -115,6 +115,37 @@ def attention_tbps(config, state, kernels: str) -> float | None:
     return 2 * L * B * H * C * D * 2 / (ms * 1e-3) / 1e12
 
 
+def profile_step(step, params, state, x, active) -> tuple[int | None, list | None, object]:
+    """(kernels, top_kernels, state) of one donated step (`cuda_timing.kernel_profile`, the 8 costliest
+    by name; None, None on the CPU): the state goes in and the step's new state comes back."""
+    if not GPU:
+        return None, None, state
+    holder = {"state": state}
+
+    def one():
+        out, holder["state"] = step(params, holder["state"], x, active)
+        jax.block_until_ready((out, holder["state"]))
+
+    launches, top = kernel_profile(one, top=8)
+    return launches, top, holder["state"]
+
+
+def stack_cases(batches: str, mimi_batches: str) -> list[tuple[str, int, int]]:
+    """(stack, T, B): Mimi at T=2 and T=10 for each of `mimi_batches`, then temporal (T=1) for each of
+    `batches` (comma-separated; empty: none)."""
+    cases = [("mimi", T, int(B)) for B in filter(None, mimi_batches.split(",")) for T in (2, 10)]
+    return cases + [("temporal", 1, int(B)) for B in filter(None, batches.split(","))]
+
+
+def torch_stack(kind: str, small: bool):
+    """The torch module of stack `kind` ("temporal" or "mimi"; small: its small preset), bf16, weights
+    drawn from seed 0: the weight buffers both the torch path and (through DLPack) JAX's read."""
+    cls = TemporalStreaming if kind == "temporal" else MimiTransformer
+    module = cls.from_config(PRESETS[kind + ("-small" if small else "")], dtype=torch.bfloat16, device=DEVICE)
+    module.init_weights(generator=torch.Generator(device=DEVICE).manual_seed(0))
+    return module
+
+
 def free_bytes() -> int | None:
     return torch.cuda.mem_get_info()[0] if GPU else None
 
@@ -147,26 +178,19 @@ def bench(kind: str, T: int, B: int, module, steps: int, bandwidth: float | None
         compile_s = time.perf_counter() - t0
         sync, pipelined, state = time_step(step, params, state, xj, aj, steps)
         sync_futures, _, state = time_step(step, params, state, xj, aj, steps, wait=jax.block_until_ready)
-        holder = {"state": state}
-
-        def one(step=step, holder=holder):
-            o, holder["state"] = step(params, holder["state"], xj, aj)
-            jax.block_until_ready((o, holder["state"]))
-
-        launches, top = kernel_profile(one, top=8) if GPU else (None, None)
-        state = holder["state"]
+        launches, top, state = profile_step(step, params, state, xj, aj)
         records.append(dict(common, scan=scan, sync_ms=sync, sync_block_until_ready_ms=sync_futures,
                             pipelined_ms=pipelined, compile_s=compile_s,
                             kernels=launches, top_kernels=top))
         print(kind, T, B, "scan" if scan else "python", records[-1], flush=True)
     try:  # after the steps: a probe that fails (B=64 ran out of memory in it once) loses no step record
-        tbps, note = attention_tbps(config, holder["state"], kernels), None
+        tbps, note = attention_tbps(config, state, kernels), None
     except Exception as err:  # noqa: BLE001 (recorded)
         tbps, note = None, f"{type(err).__name__}: {err}"[:300]
     for r in records:
         r.update(attention_TBps=tbps, attention_note=note)
-    del state, holder, one  # `one` holds the ring too (its default argument): at B=64 the drop-in's
-    gc.collect()            # ring then found no room (out of memory, and the allocator crashed)
+    del state               # the ring: at B=64 the drop-in's ring then found no room while anything
+    gc.collect()            # held it (out of memory, and the allocator crashed)
 
     dropin_loop = "scan" if "scan" in loops else "python"  # the drop-in runs the same step as the records
     dropin_ms, dropin_device_sync_ms = time_dropin(module, B, x, steps, kernels, dropin_loop) if with_torch else (None, None)
@@ -269,16 +293,11 @@ def main() -> None:
         raise SystemExit("scale_bench.py: no CUDA device; pass --small for the CPU smoke run")
     os.makedirs(args.out, exist_ok=True)
     bandwidth = copy_bandwidth() if GPU else None
-    size = "-small" if args.small else ""
-    cases = [("mimi", T, int(B)) for B in filter(None, args.mimi_batches.split(",")) for T in (2, 10)]
-    cases += [("temporal", 1, int(B)) for B in filter(None, args.batches.split(","))]
     records, errors = [], {}
     modules = {}
-    for kind, T, B in cases:
+    for kind, T, B in stack_cases(args.batches, args.mimi_batches):
         if kind not in modules:
-            cls = TemporalStreaming if kind == "temporal" else MimiTransformer
-            modules = {kind: cls.from_config(PRESETS[kind + size], dtype=torch.bfloat16, device=DEVICE)}
-            modules[kind].init_weights(generator=torch.Generator(device=DEVICE).manual_seed(0))
+            modules = {kind: torch_stack(kind, args.small)}
             gc.collect()
             if GPU:
                 torch.cuda.empty_cache()  # the previous stack's weights and the init's temporaries

@@ -349,11 +349,10 @@ def twin_mma_stages(N_out: int, BN: int, BK: int, weight_tiles: int = 1, itemsiz
     Then as deep as that, or shallower, but no shallower than 2, so that the grid's programs (the M
     rows of x in row blocks of `rows`, by N_out / BN) are all resident at once: a program's stages
     are its shared memory, and a grid one program over what the SMs hold runs a second, mostly idle
-    wave. On an H200, at the
-    temporal step's calls (RESULTS.md, seventeenth session), 3 stages rather than 4 took the gate at
-    M = 1 from 50.3 to 49.0 us (352 programs: 3 an SM rather than 2) and the qkv projection at M = 64
-    from 43 to 35 us (192 programs: 2 an SM rather than 1); 2 rather than 4, the gate at M = 64 from
-    69.8 to 63.1 (176 programs)."""
+    wave. On an H200, at the temporal step's calls (RESULTS.md, seventeenth session), 3 stages rather
+    than 4 took the gate at M = 1 from 50.3 to 49.0 us (352 programs: 3 an SM rather than 2) and the
+    qkv projection at M = 64 from 43 to 35 us (192 programs: 2 an SM rather than 1); 2 rather than 4,
+    the gate at M = 64 from 69.8 to 63.1 (176 programs)."""
     depth = TWIN_MMA_STAGES if N_out // BN >= H200_SMS else TWIN_MMA_FEW_PROGRAMS_STAGES
     stage = (weight_tiles * BN + rows) * BK * itemsize
     depth = max(1, min(depth, TWIN_MMA_SMEM_BYTES // stage))
