@@ -305,10 +305,10 @@ def twin_mma_plan(M: int, N_out: int, K: int, weight_tiles: int = 1, split: bool
 
     With the split norm's consumer half (`split`), BN is TWIN_SPLIT_GROUP (a given block_n must be
     it). Else `twin_mma_blocks`' BN, halved for the gate (`weight_tiles` 2: each program loads a
-    tile of each half) where programs run TWIN_MMA_ROWS rows: its weight rows a program then match
-    the other projections'. On an H200 the gate took 48.0-49.1 us a layer at BN 32 against
-    49.9-51.4 at BN 64 at M = 1 and 4, even at M = 16, while at 64 rows a program BN 32 cost 74 against
-    57 us (RESULTS.md, fourteenth and sixteenth sessions). R: `twin_mma_rows`."""
+    tile of each half): its weight rows a program then match the other projections'. On an H200, at
+    the pipeline depth `twin_mma_stages` gives each, the gate took 55.7 us a layer at BN 32 against
+    63.1-71.8 at BN 64 at 64 rows a program (M = 64), and 48.6-49.2 against 47.7-48.2 at 16 (M = 1, 16;
+    RESULTS.md, seventeenth session). R: `twin_mma_rows`, of the columns before the halving."""
     if split:
         BN, BK = twin_mma_blocks(N_out, K, TWIN_SPLIT_GROUP if block_n is None else block_n)
         if BN != TWIN_SPLIT_GROUP:
@@ -317,7 +317,7 @@ def twin_mma_plan(M: int, N_out: int, K: int, weight_tiles: int = 1, split: bool
         return BN, BK, twin_mma_rows(M, N_out // BN, block_m)
     BN, BK = twin_mma_blocks(N_out, K, block_n)
     R = twin_mma_rows(M, N_out // BN, block_m)
-    if block_n is None and R == TWIN_MMA_ROWS and BN // weight_tiles >= 16:
+    if block_n is None and BN // weight_tiles >= 16:
         BN //= weight_tiles  # still a power of two dividing N_out; R stays (more column blocks)
     return BN, BK, R
 
@@ -346,21 +346,28 @@ def twin_mma_stages(N_out: int, BN: int, BK: int, weight_tiles: int = 1, itemsiz
     deeper than TWIN_MMA_SMEM_BYTES holds (each stage: `weight_tiles` [BN, BK] tiles, two for the
     gate, and the [rows, BK] x tile).
 
-    Then as deep as that, or shallower, but no shallower than 2, so that the grid's programs (the M
-    rows of x in row blocks of `rows`, by N_out / BN) are all resident at once: a program's stages
-    are its shared memory, and a grid one program over what the SMs hold runs a second, mostly idle
-    wave. On an H200, at the temporal step's calls (RESULTS.md, seventeenth session), 3 stages rather
-    than 4 took the gate at M = 1 from 50.3 to 49.0 us (352 programs: 3 an SM rather than 2) and the
-    qkv projection at M = 64 from 43 to 35 us (192 programs: 2 an SM rather than 1); 2 rather than 4,
-    the gate at M = 64 from 69.8 to 63.1 (176 programs)."""
+    Then, where the grid (the M rows of x in row blocks of `rows`, by N_out / BN) holds more programs
+    than the SMs do at that depth, shallower, but no shallower than 3: the deepest at which all are
+    resident at once, else the deepest at which each SM holds 2 (a program's stages are its shared
+    memory; a grid one program over what the SMs hold runs a second, mostly idle wave, and at 2 stages a
+    program waits on each load). On an H200, at the temporal step's calls (RESULTS.md, seventeenth
+    session), 3 stages rather than 4: the gate at M = 1 from 50.3 to 49.0 us (352 programs: 3 an SM
+    rather than 2), the qkv projection at M = 64 from 43 to 35 us (192 programs: 2 an SM rather than 1),
+    the gate at M = 64 (352 programs of BN 32) 55.7 us against 76.7 at 4 stages (1 an SM) and 69.5 at 2
+    (all resident)."""
     depth = TWIN_MMA_STAGES if N_out // BN >= H200_SMS else TWIN_MMA_FEW_PROGRAMS_STAGES
     stage = (weight_tiles * BN + rows) * BK * itemsize
     depth = max(1, min(depth, TWIN_MMA_SMEM_BYTES // stage))
     programs = -(-M // rows) * (N_out // BN)
-    for d in range(depth, 1, -1):
-        if programs <= H200_SMS * (H200_SM_SHARED_BYTES // (d * stage + H200_BLOCK_RESERVED_BYTES)):
-            return d
-    return depth
+
+    def resident(d):  # programs the SMs hold at once at depth d
+        return H200_SMS * (H200_SM_SHARED_BYTES // (d * stage + H200_BLOCK_RESERVED_BYTES))
+
+    if programs <= resident(depth):
+        return depth
+    shallower = range(depth - 1, 2, -1)
+    return next((d for d in shallower if programs <= resident(d)),
+                next((d for d in shallower if resident(d) >= 2 * H200_SMS), depth))
 
 
 def twin_fuse_norm(BM: int, interpreted: bool = False) -> bool:

@@ -363,20 +363,22 @@ def test_mma_rows_a_program_never_change_the_bits():
     assert [rows(M, 192) for M in (1, 16, 17, 32, 33, 64, 640)] == [16, 16, 32, 32, 64, 64, 64]
     assert [rows(M, 24) for M in (16, 64, 128, 640)] == [16, 16, 32, 64]  # few column blocks: more row blocks
     assert rows(64, 8) == 16
-    # the columns: BN 64, halved for the gate (two weight tiles) at 16 rows a program; a given block_n kept
+    # the columns: BN 64, halved for the gate (two weight tiles); a given block_n kept
     plan = common.twin_mma_plan
-    assert [plan(M, 11264, 4096, 2)[::2] for M in (1, 16, 17, 64)] == [(32, 16), (32, 16), (64, 32), (64, 64)]
+    assert [plan(M, 11264, 4096, 2)[::2] for M in (1, 16, 17, 64)] == [(32, 16), (32, 16), (32, 32), (32, 64)]
     assert [plan(M, 12288, 4096)[::2] for M in (1, 64)] == [(64, 16), (64, 64)]
     assert plan(1, 11264, 4096, 2, block_n=64)[0] == 64 and plan(1, 48, 512, 2)[0] == 16
     assert plan(1, 4096, 4096, split=True)[0] == common.TWIN_SPLIT_GROUP
     # the depth: the default (4; 8 under one column block an SM, capped by the shared memory) unless the
-    # grid then overflows what the SMs hold at once: then the deepest (>= 2) that fits it in one wave
+    # grid then overflows what the SMs hold at once: then the deepest (>= 3) that fits it in one wave,
+    # else the deepest (>= 3) at which each SM holds 2 programs, else the default
     stages = common.twin_mma_stages
-    assert [stages(11264, 32, 128, 2, rows=16, M=M) for M in (1, 16)] == [3, 3]    # gate: 352 programs
+    assert [stages(11264, 32, 128, 2, rows=16, M=M) for M in (1, 16)] == [3, 3]    # gate: 352 programs, 3 an SM
     assert [stages(12288, 64, 128, rows=R, M=M) for R, M in ((16, 1), (64, 64))] == [4, 3]  # qkv: 192 programs
-    assert stages(11264, 64, 128, 2, rows=64, M=64) == 2                            # gate: 176 programs
+    assert stages(11264, 32, 128, 2, rows=64, M=64) == 3     # gate: 352 programs of 64 rows, 2 an SM
+    assert stages(11264, 64, 128, 2, rows=64, M=64) == 4     # 176 of BN 64: one an SM even at 3 stages
     assert [stages(4096, 64, 128, rows=R, M=M) for R, M in ((16, 1), (64, 64))] == [8, 6]  # out: 64 programs
-    assert stages(512, 64, 128, rows=64, M=64 * 132) == 6  # 1056 programs: none fits; 8 capped by the memory
+    assert stages(512, 64, 128, rows=64, M=64 * 132) == 3  # 1056 programs (8 capped to 6 by the memory)
     with pytest.raises(ValueError, match=r"linear\(block_m\): the MMA form runs 16, 32 or 64 rows"):
         pli.linear(jnp.ones((2, 32), jnp.bfloat16), jnp.ones((1, 32, 32), jnp.bfloat16), 0, form="mma", block_m=8)
     with pytest.raises(ValueError, match=r"linear_rope_write\(block_m\)"):
@@ -614,7 +616,7 @@ mma_on_gpu = pytest.mark.skipif(
 def test_linear_mma_form_gpu_twins_same_bits_and_batch_invariant(M, N, K, L, act, scale, res, kind):
     """Compiled on the GPU: the Pallas and Triton MMA forms give the same bits, at other tiles and
     16, 32 or 64 rows a program (the MMA's n) too, and a row alone has the bits it has among the others
-    (the last case: the gate alone at 32 columns a program, among 64 rows at 64, `common.twin_mma_plan`)."""
+    (the last case: the gate, 32 columns a program (`common.twin_mma_plan`), 64 rows a program and alone)."""
     x, w, s, r, norm = _mma_case(M, N, K, L, act, scale, res, kind)
     C = (lambda a: None if a is None else to_torch(a).cuda())
     tnorm = None if norm is None else TwinNorm(kind, C(norm.weight), C(norm.bias), norm.eps)
