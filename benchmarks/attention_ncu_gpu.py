@@ -39,24 +39,28 @@ def launch(args):
     for B in ints(args.batches):
         q, ring_k, ring_v, positions, q_pos = attention_case(B, H, T, D, C, args.layers)
         jargs = tuple(to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
-        for plan in args.plans.split(","):
+        for plan, launch_order in ((p, o) for p in args.plans.split(",") for o in args.orders.split(",")):
             bc, chunk = (int(v) for v in plan.split("x"))
-            with_contract(TWIN_ATTENTION_BC=bc, TWIN_ATTENTION_CHUNK=chunk)  # both twins read it at call time
+            # both twins read these at call time
+            with_contract(TWIN_ATTENTION_BC=bc, TWIN_ATTENTION_CHUNK=chunk,
+                          TWIN_ATTENTION_SPLITS_FIRST=launch_order == "splits")
             for warps in ints(args.warps):
                 for stages in ints(args.stages):
                     fn = jax.jit(lambda q, k, v, p, qp, w=warps, s=stages:
                                  pa.attention(q, k, v, 1, p, qp, context=C, num_warps=w, num_stages=s))
                     for _ in range(args.calls):
                         out = jax.block_until_ready(fn(*jargs))
-                    order += [{"twin": "pallas", "B": B, "plan": plan, "warps": warps, "stages": stages}] * args.calls
+                    order += [{"twin": "pallas", "B": B, "plan": plan, "order": launch_order, "warps": warps,
+                               "stages": stages}] * args.calls
             for warps in ints(args.triton_warps):
                 for stages in ints(args.triton_stages):
                     for _ in range(args.calls):
                         ref = ta.attention(q, ring_k, ring_v, 1, positions, q_pos, context=C, num_warps=warps,
                                            num_stages=stages)
                     torch.cuda.synchronize()
-                    order += [{"twin": "triton", "B": B, "plan": plan, "warps": warps, "stages": stages}] * args.calls
-            key = f"B={B} {plan}"
+                    order += [{"twin": "triton", "B": B, "plan": plan, "order": launch_order, "warps": warps,
+                               "stages": stages}] * args.calls
+            key = f"B={B} {plan} {launch_order} first"
             equal[key] = same(out, ref)  # the last Pallas case against the last Triton one
             print(f"{key}: Pallas == Triton bit for bit: {equal[key]}", flush=True)
             with open(args.manifest, "w") as f:  # after each plan: a sweep cut short keeps what it timed
@@ -95,6 +99,8 @@ def main():
     parser.add_argument("--warps", default="4")
     parser.add_argument("--stages", default="2")
     parser.add_argument("--plans", default="64x256", help="BCxchunk, ... (the contract's plan: other bits, both twins)")
+    parser.add_argument("--orders", default="queries", help="queries,splits: the launch order (speed only, "
+                        "common.TWIN_ATTENTION_SPLITS_FIRST)")
     parser.add_argument("--triton-warps", default="2")
     parser.add_argument("--triton-stages", default="1")
     parser.add_argument("--layers", type=int, default=4)

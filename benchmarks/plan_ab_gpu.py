@@ -1,12 +1,14 @@
-"""The twin step under two plans of the MMA linears, in one process: one copy rate, one host.
+"""The twin step under two plans (the MMA linears', the kernels' speed constants), in one process:
+one copy rate, one host.
 
     git show <rev>:kernels_pallas/common.py > candidate_common.py   # the plan to try
     python benchmarks/plan_ab_gpu.py --candidate candidate_common.py --out $OUT/plan_ab.json
+    python benchmarks/plan_ab_gpu.py --set TWIN_ATTENTION_SPLITS_FIRST=True --out $OUT/order_ab.json
     python benchmarks/plan_ab_gpu.py --candidate kernels_pallas/common.py --small --out /tmp/ab.json  # CPU smoke
 
-A: this checkout's `twin_mma_plan` and `twin_mma_stages`; B: the candidate file's (loaded as a
-module), put into both twins (`kernels_pallas.twin_linear`, `kernels_triton.twin_linear`) while B's
-step traces. Two steps timed in two processes differ by each process's copy rate and host (the
+A: this checkout as it is; B: the candidate file's `twin_mma_plan` and `twin_mma_stages` (loaded as
+a module) put into both twins (`kernels_pallas.twin_linear`, `kernels_triton.twin_linear`), and each
+`--set` constant of `kernels_pallas.common` (read by both twins at call time), while B's step traces. Two steps timed in two processes differ by each process's copy rate and host (the
 seventeenth session's old and new plans: 2% apart in copy rate, 0.1-0.2 ms in a jitted call's cost),
 so here both steps are compiled in one process and timed in `--rounds` alternating rounds
 (`host_timing.time_step` each: synchronized and pipelined), medians over the rounds; the state (every
@@ -18,6 +20,7 @@ tests and `twin_step_gpu.py --only bits` to check. A timing question only; never
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
 import statistics
@@ -29,6 +32,7 @@ from host_timing import time_step
 from scale_bench import DEVICE, GPU, full_state, profile_step, stack_cases, torch_stack
 
 import jax_impl
+from kernels_pallas import common
 from kernels_pallas import twin_linear as pli
 from kernels_triton import twin_linear as tli
 from torch_bridge.dlpack import to_jax
@@ -36,14 +40,30 @@ from torch_bridge.dlpack import to_jax
 PLAN = ("twin_mma_plan", "twin_mma_stages")
 
 
-def compiled_steps(config, rope_freqs, candidate, params, state, x, active):
-    """(step A, step B, state): both traced and run once, B with the candidate's plan in both twins."""
+def patches(candidate: str | None, sets: list[str]) -> list[tuple]:
+    """B's (module, name, value)s: the candidate file's plan in both twins, then each NAME=VALUE
+    (a Python literal) as a constant of `kernels_pallas.common`."""
+    out = []
+    if candidate is not None:
+        spec = importlib.util.spec_from_file_location("candidate_plan", candidate)
+        plan = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(plan)
+        out += [(mod, name, getattr(plan, name)) for mod in (pli, tli) for name in PLAN]
+    for item in sets:
+        name, _, value = item.partition("=")
+        if not hasattr(common, name):
+            raise SystemExit(f"--set: kernels_pallas.common has no {name!r}")
+        out.append((common, name, ast.literal_eval(value)))
+    return out
+
+
+def compiled_steps(config, rope_freqs, changes, params, state, x, active):
+    """(step A, step B, state): both traced and run once, B under `changes` (`patches`)."""
     steps = []
-    for plan in (None, candidate):
-        saved = [(mod, name, getattr(mod, name)) for mod in (pli, tli) for name in PLAN]
-        if plan is not None:
-            for mod, name, _ in saved:
-                setattr(mod, name, getattr(plan, name))
+    for change in ((), changes):
+        saved = [(mod, name, getattr(mod, name)) for mod, name, _ in change]
+        for mod, name, value in change:
+            setattr(mod, name, value)
         try:
             # make_step's uncached body: the cached one would hand B the jit A traced
             step = jax_impl.make_step.__wrapped__(config, layer_loop="scan", kernels="twin", rope_freqs=rope_freqs)
@@ -56,12 +76,12 @@ def compiled_steps(config, rope_freqs, candidate, params, state, x, active):
     return steps[0], steps[1], state
 
 
-def case(kind: str, T: int, B: int, module, candidate, rounds: int, steps: int) -> dict:
+def case(kind: str, T: int, B: int, module, changes, rounds: int, steps: int) -> dict:
     config = module.config
     params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
     x = to_jax(torch.randn(B, T, config.dim, device=DEVICE, dtype=torch.bfloat16))
     active = to_jax(torch.ones(B, dtype=torch.bool, device=DEVICE))
-    a, b, state = compiled_steps(config, module.rope_freqs(), candidate, params, full_state(config, B), x, active)
+    a, b, state = compiled_steps(config, module.rope_freqs(), changes, params, full_state(config, B), x, active)
     times: dict = {f"{s}_{k}": [] for s in "ab" for k in ("sync_ms", "pipelined_ms")}
     for _ in range(rounds):
         for name, step in (("a", a), ("b", b)):
@@ -76,7 +96,9 @@ def case(kind: str, T: int, B: int, module, candidate, rounds: int, steps: int) 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--candidate", required=True, help="a Python file defining twin_mma_plan and twin_mma_stages")
+    parser.add_argument("--candidate", help="a Python file defining twin_mma_plan and twin_mma_stages")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="B's value of a kernels_pallas.common constant (repeatable)")
     parser.add_argument("--out", default="plan_ab.json")
     parser.add_argument("--batches", default="1,16,64", help="temporal batch sizes")
     parser.add_argument("--mimi-batches", default="64", help="Mimi batch sizes (T=2 and T=10; empty: none)")
@@ -86,17 +108,17 @@ def main():
     args = parser.parse_args()
     if not GPU and not args.small:
         raise SystemExit("plan_ab_gpu.py: no CUDA device; pass --small for the CPU smoke run")
-    spec = importlib.util.spec_from_file_location("candidate_plan", args.candidate)
-    candidate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(candidate)
-    results = {"meta": run_meta(candidate=args.candidate, copy_TBps=copy_bandwidth() / 1e12 if GPU else None),
+    if args.candidate is None and not args.set:
+        raise SystemExit("plan_ab_gpu.py: give B a --candidate, a --set or both")
+    changes = patches(args.candidate, args.set)
+    results = {"meta": run_meta(candidate=args.candidate, set=args.set, copy_TBps=copy_bandwidth() / 1e12 if GPU else None),
                "records": []}
     module, built = None, None
     for kind, T, B in stack_cases(args.batches, args.mimi_batches):
         if built != kind:
             module, built = None, kind  # one stack's weights at a time
             module = torch_stack(kind, args.small)
-        results["records"].append(rec := case(kind, T, B, module, candidate, args.rounds, args.steps))
+        results["records"].append(rec := case(kind, T, B, module, changes, args.rounds, args.steps))
         print(json.dumps({k: v for k, v in rec.items() if k != "rounds"}), flush=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -106,12 +106,13 @@ def _softmax_step(s, visible, m, l, gpu):
 
 
 def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
-                  B, H, T, C, D, context, chunk, BC, S, scale, gpu, mma):
-    """Program (b*H*T + h*T + t, split): one split of query (b, h, t). refs: the output (one split,
-    S == 1: combined here), or the counters in, then the partials (acc, m, l), the output and the
-    counters out (aliased to the counters in): the last split program to finish combines.
-    mma: the MMA form (`_block_mma`), else the lane form (`_block`)."""
-    bht, split = pl.program_id(0), pl.program_id(1)
+                  B, H, T, C, D, context, chunk, BC, S, scale, gpu, mma, splits_first):
+    """Program (query, split) of query bht = b*H*T + h*T + t: one split of it. refs: the output (one
+    split, S == 1: combined here), or the counters in, then the partials (acc, m, l), the output and
+    the counters out (aliased to the counters in): the last split program to finish combines.
+    mma: the MMA form (`_block_mma`), else the lane form (`_block`). splits_first: the launch order
+    (`_program`)."""
+    bht, split = _program(pl.program_id(0), B * H * T, S, splits_first)
     b, t = bht // (H * T), bht % T
     d = jnp.arange(D, dtype=jnp.int32)
     q_pos = qpos_ref[b * T + t]
@@ -175,6 +176,15 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
         pltriton.store(sem_ref.at[bht + one], jnp.zeros((1,), jnp.int32))
 
 
+def _program(pid, queries: int, S: int, splits_first: bool):
+    """(query, split) of program pid of the 1-D grid of queries * S programs, CUDA's launch order.
+    splits_first (`common.TWIN_ATTENTION_SPLITS_FIRST`; speed only): a query's S splits start one
+    after the other, so its combine (its last split's) runs while other queries' splits stream;
+    else split s of every query starts before split s + 1 of any, and every combine waits for the
+    grid's last wave."""
+    return (pid // S, pid % S) if splits_first else (pid % queries, pid // queries)
+
+
 def _combine(load, S: int, dtype, gpu):
     """The contract's combine of S partials, sequential over s; load(s) -> (m [1], l [1], acc [D]).
 
@@ -230,7 +240,8 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     gpu = not interpret
     mma = twin_attention_form(D, BC, q.dtype, compiled=gpu, form=form) == "mma"
     kernel = functools.partial(_split_kernel, B=B, H=H, T=T, C=C, D=D, context=context, chunk=chunk, BC=BC,
-                               S=S, scale=1.0 / math.sqrt(D), gpu=gpu, mma=mma)
+                               S=S, scale=1.0 / math.sqrt(D), gpu=gpu, mma=mma,
+                               splits_first=common.TWIN_ATTENTION_SPLITS_FIRST)
     parts = B * H * T * S
     out_flat = jax.ShapeDtypeStruct((B * T * H * D,), q.dtype)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1, C, D),
@@ -243,7 +254,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
                      jax.ShapeDtypeStruct((parts,), tm.F32), out_flat, jax.ShapeDtypeStruct(sems.shape, sems.dtype))
         aliases = {len(operands) - 1: 4}
     outs = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(B * H * T, S), input_output_aliases=aliases, interpret=interpret,
+        kernel, out_shape=out_shape, grid=(parts,), input_output_aliases=aliases, interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps or _warps(B * H * T),
                                                 num_stages=num_stages or common.TWIN_PALLAS_ATTENTION_STAGES),
         name="twin_attention",

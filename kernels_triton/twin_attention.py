@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_pallas import common
 from kernels_pallas.common import (
     TWIN_MMA_ROWS,
     TWIN_TRITON_ATTENTION_STAGES,
@@ -28,10 +29,11 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
                   B: tl.constexpr, H: tl.constexpr, T: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
                   CONTEXT: tl.constexpr, CHUNK: tl.constexpr, BC: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
                   HB: tl.constexpr, STAGES: tl.constexpr, MMA: tl.constexpr, R: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
-    """Program (b*(H/HB)*T + hb*T + t, split): heads hb*HB .. of query (b, t), one split; the
-    output into o, combined by this program (one split, S == 1) or by the last of the S programs to
-    finish (the partials through acc, m, l; sem_ptr + pid: its counter, as in the Pallas twin).
+                  SPLITS_FIRST: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program (group, split), group = b*(H/HB)*T + hb*T + t: heads hb*HB .. of query (b, t), one
+    split; the output into o, combined by this program (one split, S == 1) or by the last of the S
+    programs to finish (the partials through acc, m, l; sem_ptr + group: its counter, as in the
+    Pallas twin). The 1-D grid's launch order as the Pallas twin's (`SPLITS_FIRST`, its `_program`).
 
     The loop over the split's blocks is software-pipelined (STAGES, as in `twin_linear`).
 
@@ -39,8 +41,11 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
     interpreter's per-program overhead (HB = 1 compiled, and in the MMA form). MMA: the MMA form
     (R rows of its operands), else the lane form.
     """
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
+    G: tl.constexpr = B * (H // HB) * T
+    if SPLITS_FIRST:
+        pid, split = tl.program_id(0) // S, tl.program_id(0) % S
+    else:
+        pid, split = tl.program_id(0) % G, tl.program_id(0) // G
     b = pid // ((H // HB) * T)
     t = pid % T
     h = ((pid // T) % (H // HB)) * HB + tl.arange(0, HB)                     # [HB]
@@ -164,11 +169,11 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
     interpreted = interpreting(_split_kernel)
     mma = twin_attention_form(D, BC, q.dtype, compiled=not interpreted, form=form) == "mma"
     HB = H if interpreted and not mma and not H & (H - 1) else 1  # interpreted: all heads of a query per program
-    _split_kernel[(B * (H // HB) * T, S)](
+    _split_kernel[(B * (H // HB) * T * S,)](
         tm.layer_tensor(layer, ring_k.shape[0], dev, "attention"), q, ring_k, ring_v,
         positions.to(torch.int32).contiguous(), q_pos.to(torch.int32).contiguous(), acc, m, l, out, sems,
         float(torch.tensor(1.0 / math.sqrt(D), dtype=torch.float32)), B=B, H=H, T=T, C=C, D=D, CONTEXT=context,
         CHUNK=chunk, BC=BC, S=S, SP=triton.next_power_of_2(S), HB=HB, STAGES=num_stages, MMA=mma,
-        R=TWIN_MMA_ROWS, INTERPRETED=interpreted,
+        R=TWIN_MMA_ROWS, SPLITS_FIRST=common.TWIN_ATTENTION_SPLITS_FIRST, INTERPRETED=interpreted,
         num_warps=num_warps, enable_fp_fusion=False)
     return (out, sems) if given else out

@@ -799,7 +799,7 @@ def _attention_distance(out, q, ring_k, ring_v, positions, q_pos, layer=1):
 
 @pytest.mark.parametrize("B,H,T,D,C,dtype", [(3, 4, 1, 16, 24, "float32"), (2, 4, 2, 8, 10, "bfloat16"),
                                               (2, 2, 1, 16, 300, "float32")])
-def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T, D, C, dtype):
+def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T, D, C, dtype, monkeypatch):
     q, ring_k, ring_v, positions, q_pos = case = _attention_case(B, H, T, D, C, dtype)
     args = (q, ring_k, ring_v, jnp.int32(1), positions, q_pos)
     o_p = jax.jit(lambda *a: pa.attention(*a, context=C))(*args)
@@ -810,6 +810,13 @@ def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T,
     o_t2 = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
                         torch.from_numpy(q_pos), context=C, num_warps=4, num_stages=2)
     assert_same(o_t, o_t2, what="attention, other launch")
+    # the other launch order (speed only): the same bits, whichever split program combines
+    monkeypatch.setattr(common, "TWIN_ATTENTION_SPLITS_FIRST", not common.TWIN_ATTENTION_SPLITS_FIRST)
+    o_p3 = jax.jit(lambda *a: pa.attention(*a, context=C))(*args)
+    o_t3 = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
+                        torch.from_numpy(q_pos), context=C)
+    assert_same(o_p, o_p3, o_t3, what="attention, the other launch order")
+    monkeypatch.undo()
     # one counter buffer for many calls (the step's): the same bits, the counters left all 0
     sems_p, sems_t = jnp.zeros((B * H * T + 3,), jnp.int32), torch.zeros(B * H * T + 3, dtype=torch.int32)
     with_sems = jax.jit(lambda *a: pa.attention(*a[:-1], context=C, sems=a[-1]))
@@ -884,6 +891,12 @@ def test_attention_mma_form_gpu_twins_same_bits_and_batch_invariant(B, H, T, D, 
     o_t = ta.attention(G(q), G(ring_k), G(ring_v), 1, G(positions), G(q_pos), context=C)
     o_t2 = ta.attention(G(q), G(ring_k), G(ring_v), 1, G(positions), G(q_pos), context=C, num_warps=4, num_stages=2)
     assert_same(np.asarray(o_p), o_t.cpu(), o_t2.cpu(), what="attention mma form, GPU")
+    with pytest.MonkeyPatch.context() as patch:  # the other launch order (speed only): the same bits
+        patch.setattr(common, "TWIN_ATTENTION_SPLITS_FIRST", not common.TWIN_ATTENTION_SPLITS_FIRST)
+        o_p3 = jax.jit(lambda *a: pa.attention(*a, context=C))(*(jnp.asarray(a) for a in (q, ring_k, ring_v)), 1,
+                                                               jnp.asarray(positions), jnp.asarray(q_pos))
+        o_t3 = ta.attention(G(q), G(ring_k), G(ring_v), 1, G(positions), G(q_pos), context=C)
+    assert_same(np.asarray(o_p), np.asarray(o_p3), o_t3.cpu(), what="attention mma form, other launch order, GPU")
     for b in (1, B - 1):
         one = slice(b, b + 1)
         alone = ta.attention(G(q[one]), G(ring_k[:, one]), G(ring_v[:, one]), 1, G(positions[one]), G(q_pos[one]),
