@@ -609,7 +609,9 @@ def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask):
 TWIN_ATTENTION_BC = 64       # slots per block of the twin attention (at most)
 TWIN_ATTENTION_CHUNK = 256   # slots per split (at most)
 TWIN_ATTENTION_MIN_SPLITS = 4  # a ring of a few blocks is still cut into up to this many splits
-TWIN_ATTENTION_SPLITS_FIRST = False  # the launch order: a query's splits one after another (speed only, both twins)
+# the launch order (speed only, both twins): a query's splits one after another, so the combines spread
+# over the launch (at B=16 on an H200, the step's attention 6584 against 6790 us; RESULTS.md, eighteenth session)
+TWIN_ATTENTION_SPLITS_FIRST = True
 
 
 def twin_attention_plan(C: int) -> tuple[int, int, int]:
