@@ -66,8 +66,7 @@ def mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
 # torch_bridge/twin_layers.py on the Triton twins. The kernels read the stacked weights `w`
 # [L, ...] and the rings in place at `layer` (an int, or traced under lax.scan). The carry is
 # (x, ring_k, ring_v, sems[, u, ss]): sems, the int32 counters of the kernels that finish in their
-# last program (`twin_attention.attention(sems=)`, the out and down projections' K parts
-# `twin_linear.linear(sems=)`), made once a step and handed on all 0; u, ss: the
+# last program (`twin_attention.attention(sems=)`), made once a step and handed on all 0; u, ss: the
 # Helium layer's first norm, split (`common.TwinSplit`, where `common.twin_split_norm` says), made
 # by the layer before (the first layer's by `twin_norm.split`, before the loop).
 def _twin_attention(c: StackConfig, x2, norm: TwinNorm | None, w: dict, layer, ring_k, ring_v, sems,
@@ -96,18 +95,17 @@ def twin_temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTa
         u, ss = split
         a, ring_k, ring_v, sems = _twin_attention(c, u, None, w, layer, ring_k, ring_v, sems, tables, B, T,
                                                   rms=TwinRms(ss, c.norm_eps))
-        (x2, u, ss), sems = twin_linear.linear(a, w["out_proj"], layer, residual=x2,
-                                               split=TwinSplit(w["norm2_alpha"]), sems=sems)
+        x2, u, ss = twin_linear.linear(a, w["out_proj"], layer, residual=x2, split=TwinSplit(w["norm2_alpha"]))
         g = twin_linear.linear(u, w["linear_in"], layer, act="silu_gate", rms=TwinRms(ss, c.norm_eps))
-        (x2, u, ss), sems = twin_linear.linear(g, w["linear_out"], layer, residual=x2,
-                                               split=TwinSplit(w["norm1_alpha"], offset=1), sems=sems)  # the next layer's
+        x2, u, ss = twin_linear.linear(g, w["linear_out"], layer, residual=x2,
+                                       split=TwinSplit(w["norm1_alpha"], offset=1))  # the next layer's
         return x2.reshape(B, T, dim), ring_k, ring_v, sems, u, ss
     a, ring_k, ring_v, sems = _twin_attention(c, x2, TwinNorm("rms", w["norm1_alpha"], None, c.norm_eps), w, layer,
                                               ring_k, ring_v, sems, tables, B, T)
-    x2, sems = twin_linear.linear(a, w["out_proj"], layer, residual=x2, sems=sems)
+    x2 = twin_linear.linear(a, w["out_proj"], layer, residual=x2)
     u = twin_linear.linear(x2, w["linear_in"], layer, act="silu_gate",
                            norm=TwinNorm("rms", w["norm2_alpha"], None, c.norm_eps))
-    x2, sems = twin_linear.linear(u, w["linear_out"], layer, residual=x2, sems=sems)
+    x2 = twin_linear.linear(u, w["linear_out"], layer, residual=x2)
     return x2.reshape(B, T, dim), ring_k, ring_v, sems
 
 

@@ -239,8 +239,6 @@ TWIN_MMA_MIN_PROGRAMS = 64  # ... while the grid keeps this many programs (Mimi'
 TWIN_MMA_MAX_BN = 64  # output columns per program of the MMA form (speed only)
 TWIN_MMA_STAGES = 4   # software-pipeline depth of the MMA form's loop over K (speed only, both sides) ...
 TWIN_MMA_FEW_PROGRAMS_STAGES = 8  # ... where the grid has fewer column blocks than the H200 has SMs
-TWIN_MMA_K_PARTS = 2  # K parts of an MMA linear of few column blocks (contract: `twin_mma_k_parts`) ...
-TWIN_MMA_K_PART_MIN_BLOCKS = 32  # ... over at least this many K blocks
 TWIN_MMA_SMEM_BYTES = 200 * 1024  # shared memory the MMA form's pipeline may fill (an H200 block gets 227 KB)
 H200_SMS = 132
 H200_SM_SHARED_BYTES = 228 * 1024  # shared memory an H200 SM holds for all its resident programs ...
@@ -341,35 +339,14 @@ def twin_qkv_plan(N: int, K: int, D: int, dtype, compiled: bool, form: str | Non
     return "lanes", None
 
 
-def twin_mma_k_parts(N_out: int, K: int, k_parts: int | None = None, who: str = "linear") -> int:
-    """The MMA form's K parts (contract: they set the bits; a function of N_out and K alone, never of M):
-    `k_parts` if given (checked: an int >= 1 dividing the K blocks), else TWIN_MMA_K_PARTS where a grid
-    of TWIN_MMA_MAX_BN columns a program has fewer column blocks than the H200 has SMs and K holds at
-    least TWIN_MMA_K_PART_MIN_BLOCKS blocks (the temporal out and down projections: 64 column blocks
-    over 32 and 88 blocks of K), else 1.
-
-    Each part is a program's loop over its contiguous run of K blocks, so the parts run side by side:
-    a 64-program grid had half the SMs idle and each program's loop of 32-88 blocks waited on latency
-    (the out projection took 9.2-9.6 us a layer even from the L2, RESULTS.md, sixteenth session)."""
-    nkb = K // twin_lanes(K)
-    if k_parts is None:
-        few = N_out // TWIN_MMA_MAX_BN < H200_SMS
-        fits = nkb >= TWIN_MMA_K_PART_MIN_BLOCKS and nkb % TWIN_MMA_K_PARTS == 0
-        return TWIN_MMA_K_PARTS if few and fits else 1
-    if isinstance(k_parts, bool) or not isinstance(k_parts, int) or k_parts < 1 or nkb % k_parts:
-        raise ValueError(f"{who}(k_parts): expected an int >= 1 dividing the {nkb} K blocks of {twin_lanes(K)}, "
-                         f"got {k_parts!r}")
-    return k_parts
-
-
 def twin_mma_stages(N_out: int, BN: int, BK: int, weight_tiles: int = 1, itemsize: int = 2,
-                    rows: int = TWIN_MMA_ROWS, M: int = 1, k_parts: int = 1) -> int:
+                    rows: int = TWIN_MMA_ROWS, M: int = 1) -> int:
     """The MMA form's pipeline depth (speed only): deeper where few programs (N_out / BN column
-    blocks by `k_parts`, under one per SM) must keep the copy rate's bytes in flight by themselves, and no
+    blocks, under one per SM) must keep the copy rate's bytes in flight by themselves, and no
     deeper than TWIN_MMA_SMEM_BYTES holds (each stage: `weight_tiles` [BN, BK] tiles, two for the
     gate, and the [rows, BK] x tile).
 
-    Then, where the grid (the M rows of x in row blocks of `rows`, by N_out / BN, by k_parts) holds more programs
+    Then, where the grid (the M rows of x in row blocks of `rows`, by N_out / BN) holds more programs
     than the SMs do at that depth, shallower, but no shallower than 3: the deepest at which all are
     resident at once, else the deepest at which each SM holds 2 (a program's stages are its shared
     memory; a grid one program over what the SMs hold runs a second, mostly idle wave, and at 2 stages a
@@ -378,11 +355,10 @@ def twin_mma_stages(N_out: int, BN: int, BK: int, weight_tiles: int = 1, itemsiz
     rather than 2), the qkv projection at M = 64 from 43 to 35 us (192 programs: 2 an SM rather than 1),
     the gate at M = 64 (352 programs of BN 32) 55.7 us against 76.7 at 4 stages (1 an SM) and 69.5 at 2
     (all resident)."""
-    columns = N_out // BN * k_parts
-    depth = TWIN_MMA_STAGES if columns >= H200_SMS else TWIN_MMA_FEW_PROGRAMS_STAGES
+    depth = TWIN_MMA_STAGES if N_out // BN >= H200_SMS else TWIN_MMA_FEW_PROGRAMS_STAGES
     stage = (weight_tiles * BN + rows) * BK * itemsize
     depth = max(1, min(depth, TWIN_MMA_SMEM_BYTES // stage))
-    programs = -(-M // rows) * columns
+    programs = -(-M // rows) * (N_out // BN)
 
     def resident(d):  # programs the SMs hold at once at depth d
         return H200_SMS * (H200_SM_SHARED_BYTES // (d * stage + H200_BLOCK_RESERVED_BYTES))
@@ -661,22 +637,9 @@ def twin_attention_form(D: int, BC: int, dtype, compiled: bool, form: str | None
                       f"slots that are multiples of 16; got {dtype}, D={D}, BC={BC}")
 
 
-def twin_sems_size(B: int, H: int, T: int, dim: int = 0) -> int:
-    """Counters a step's twin kernels count on (`twin_attention.attention(sems=)`, `twin_linear.linear(sems=)`):
-    B rows of `twin_sems_per_row`."""
-    return B * twin_sems_per_row(H, T, dim)
-
-
-def twin_sems_per_row(H: int, T: int, dim: int = 0) -> int:
-    """A row's share of the counters: one a query (H * T), or, if more, T times the most column blocks
-    (`dim` / TWIN_MMA_ROWS) of an MMA linear whose outputs are dim wide (a counter an output tile of
-    R >= 1 rows, `twin_linear_sems`)."""
-    return T * max(H, dim // TWIN_MMA_ROWS)
-
-
-def twin_linear_sems(M: int, N_out: int, R: int, BN: int) -> int:
-    """Counters an MMA linear of K parts > 1 counts on: one an output tile of R rows and BN columns."""
-    return -(-M // R) * (N_out // BN)
+def twin_sems_size(B: int, H: int, T: int) -> int:
+    """Counters a step's twin kernels count on (`twin_attention.attention(sems=)`): one a query."""
+    return B * H * T
 
 
 def check_twin_sems(sems, n: int, where: str, make):

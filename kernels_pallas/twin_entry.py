@@ -13,8 +13,7 @@ Program b (one per row) writes, for that row:
     q_pos, write_index, write_mask, end_offset [T] / [1], positions [C]
                          `jax_impl.tables.row_tables` on the row's tiles: the expressions of the
                          jax.numpy tables, integers, exact
-    sems [S] = 0         the counters of the step's attention and K-part linear kernels (`twin_attention.attention(sems=)`,
-                         `twin_linear.linear(sems=)`): S = `common.twin_sems_per_row(H, T, dim)` a row
+    sems [H*T] = 0       the counters of the step's attention kernels (`twin_attention.attention(sems=)`)
     x [T, dim]           a copy of the step's input: the layer loop's carry starts in a buffer a kernel
                          wrote (XLA copies a caller's x into the loop otherwise)
 
@@ -35,7 +34,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jax_impl.tables import row_tables
 from kernels_pallas import twin_rope
-from kernels_pallas.common import next_pow2, twin_sems_per_row, twin_sems_size
+from kernels_pallas.common import next_pow2
 
 TILE = 1024  # elements of positions and of x a program handles at a time (a loop over tiles)
 
@@ -50,11 +49,11 @@ class Entry(NamedTuple):
     write_index: jax.Array  # [B, T]     q_pos % C
     write_mask: jax.Array   # int32 [B, T]  1: query t writes its k, v (active, q_pos >= start_offset)
     positions: jax.Array    # [B, C]     the position each slot holds after the write, or -1
-    sems: jax.Array         # int32 [B * twin_sems_per_row(H, T, dim)] zeros
+    sems: jax.Array         # int32 [B * H * T] zeros
     x: jax.Array            # [B, T, dim] a copy of x
 
 
-def _entry_kernel(*refs, T, C, S, X, convention, all_active, gpu):
+def _entry_kernel(*refs, T, C, HT, X, convention, all_active, gpu):
     """refs: offset, start_offset, active (unless all_active), freqs, x, then the outputs (`Entry`'s order)."""
     if all_active:
         offset_ref, start_ref, freqs_ref, x_ref, *outs = refs
@@ -93,7 +92,7 @@ def _entry_kernel(*refs, T, C, S, X, convention, all_active, gpu):
         lax.fori_loop(0, -(-n // size), step, 0)
 
     tiles(C, lambda c: pltriton.store(pos_ref.at[b * C + c], rows(t, c)[4][0]))
-    tiles(S, lambda i: pltriton.store(sems_ref.at[b * S + i], jnp.zeros(i.shape, jnp.int32)))
+    tiles(HT, lambda i: pltriton.store(sems_ref.at[b * HT + i], jnp.zeros(i.shape, jnp.int32)))
     tiles(X, lambda i: pltriton.store(xout_ref.at[b * X + i], pltriton.load(x_ref.at[b * X + i])))
 
 
@@ -122,14 +121,14 @@ def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array | None, 
     step is traced, so not an operand: a [B] array of ones made in the step is a launch on a GPU);
     x: [B, T, dim]; freqs: float32 [D/2];
     capacity: the ring's slots C; convention: the ring convention (`jax_impl.config.RING_CONVENTIONS`);
-    num_heads: H (the counters are `common.twin_sems_size(B, H, T, dim)`).
+    num_heads: H (the counters are `common.twin_sems_size(B, H, T)`).
     """
     B, T, half = _check(offset, start_offset, active, x, freqs)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     idx = offset.dtype
-    S, X = twin_sems_per_row(num_heads, T, x.shape[2]), T * x.shape[2]
-    kernel = functools.partial(_entry_kernel, T=T, C=capacity, S=S, X=X, convention=convention,
+    HT, X = num_heads * T, T * x.shape[2]
+    kernel = functools.partial(_entry_kernel, T=T, C=capacity, HT=HT, X=X, convention=convention,
                                all_active=active is None, gpu=not interpret)
     operands = (offset, start_offset) + (() if active is None else (active,))
     shape = jax.ShapeDtypeStruct
@@ -137,7 +136,7 @@ def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array | None, 
         kernel,
         out_shape=(shape((B,), idx), shape((B * T * half,), jnp.float32), shape((B * T * half,), jnp.float32),
                    shape((B * T,), idx), shape((B * T,), idx), shape((B * T,), jnp.int32),
-                   shape((B * capacity,), idx), shape((B * S,), jnp.int32), shape((B * X,), x.dtype)),
+                   shape((B * capacity,), idx), shape((B * HT,), jnp.int32), shape((B * X,), x.dtype)),
         grid=(B,), input_output_aliases={0: 0}, interpret=interpret, name="twin_entry",
         compiler_params=pltriton.CompilerParams(),  # Triton, not whatever the default backend is
     )(*operands, freqs.astype(jnp.float32), x.reshape(-1))
@@ -157,4 +156,4 @@ def entry_native(offset, start_offset, active, x, freqs, *, capacity: int, conve
         capacity=capacity, convention=convention)
     cos, sin = twin_rope.tables_native(offset, T, freqs)
     return Entry(end_offset, cos, sin, q_pos, write_index, write_mask.astype(jnp.int32), positions,
-                 jnp.zeros((twin_sems_size(B, num_heads, T, x.shape[2]),), jnp.int32), x)
+                 jnp.zeros((B * num_heads * T,), jnp.int32), x)

@@ -66,7 +66,6 @@ from kernels_pallas.common import (
     TwinSplit,
     check_twin_linear,
     check_twin_qkv,
-    check_twin_sems,
     check_twin_split,
     split_one_layer,
     stack_one_layer,
@@ -74,9 +73,7 @@ from kernels_pallas.common import (
     twin_fuse_norm,
     twin_lanes,
     twin_linear_form,
-    twin_linear_sems,
     twin_mma_fuse_norm,
-    twin_mma_k_parts,
     twin_mma_plan,
     twin_mma_rows,
     twin_mma_stages,
@@ -152,15 +149,13 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, norm, eps, ha
 
 
 def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, R, BN, BK, N_out, act, norm, eps, has_scale, has_res, rms,
-                split, P, gpu):
-    """Program (i*P + p, j): part p of the P K parts of the columns j*BN.. of rows i*R.. (R:
-    `common.twin_mma_rows`), the MMA form: acc [BN, R] += w_block [BN, BK] @ x_block^T over the part's
-    K blocks in order (module docstring); norm: the fused norm's kind (`_mma_accumulate`), its weight
-    and bias refs first in refs; rms (the split norm's eps, or None): the rows' ss ref next, the sums
-    scaled by `twin_norm.split_r`; split (the split norm's offset, or None): its alpha ref after the
-    residual's, and the outputs u and ss after o (`twin_norm.split_store`). P > 1: the counters in
-    (last in), the parts' float32 sums and the counters out (last out, aliased): the tile's last part
-    to finish adds the P sums in order and runs the epilogue (as the attention's combine).
+                split, gpu):
+    """Program (i, j): columns j*BN.. of rows i*R.. (R: `common.twin_mma_rows`), the MMA form: acc [BN, R]
+    += w_block [BN, BK] @ x_block^T over the K blocks in order (module docstring); norm: the fused
+    norm's kind (`_mma_accumulate`), its weight and bias refs first in refs; rms (the split norm's
+    eps, or None): the rows' ss ref next, the sums scaled by `twin_norm.split_r`; split (the split
+    norm's offset, or None): its alpha ref after the residual's, and the outputs u and ss after o
+    (`twin_norm.split_store`).
 
     x_ref [M, K], the residual and o_ref [M, N_out] are whole and unpadded: the rows past M are
     read as 0 (a masked load) and masked out of the store (no pad or slice kernels around the call)."""
@@ -170,66 +165,33 @@ def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, R, BN, BK, N_out, act, nor
     scale_ref = refs.pop(0) if has_scale else None
     res_ref = refs.pop(0) if has_res else None
     alpha_ref = refs.pop(0) if split is not None else None
-    if P > 1:
-        refs.pop(0)  # the counters in: counted on through their aliased output
-        *refs, parts_ref, sems_ref = refs
     o_ref, *split_out = refs
     layer = layer_ref[0]
-    i, p = (pl.program_id(0), 0) if P == 1 else (pl.program_id(0) // P, pl.program_id(0) % P)
     n0 = pl.program_id(1) * BN
-    m = i * R + jnp.arange(R, dtype=jnp.int32)
+    m = pl.program_id(0) * R + jnp.arange(R, dtype=jnp.int32)
     starts = (n0, n0 + N_out) if act == "silu_gate" else (n0,)
-    nkb = K // BK // P
-    accs, ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, fused, gpu, p * nkb, nkb)
-
-    def finish(accs):  # the sums [BN, R] a start column -> the epilogue and the stores
-        sums = tuple(a.T for a in accs)                                           # [R, BN]
-        if rms is not None:
-            r = twin_norm.split_r(ss_ref, rows, ok, K, rms, gpu)
-            sums = tuple(tm.mul(a, r, gpu) for a in sums)
-        cols = n0 + jnp.arange(BN, dtype=jnp.int32)[None, :]
-        scale = scale_ref[layer, pl.ds(n0, BN)][None, :] if has_scale else None
-        residual = pltriton.load(res_ref.at[rows, cols]) if has_res else None
-        y = _epilogue(sums if act == "silu_gate" else sums[0], o_ref.dtype, act, scale, residual, gpu)
-        # stored at m itself: masked rows must not alias row M - 1 (interpreted, a masked store writes back
-        # what it read, and duplicate indices would race)
-        pltriton.store(o_ref.at[m[:, None], cols], y, mask=jnp.broadcast_to(ok, y.shape))
-        if split is not None:
-            split_layer = jnp.minimum(layer + split, alpha_ref.shape[0] - 1)
-            twin_norm.split_store(y, alpha_ref, split_layer, n0, m, ok, *split_out, gpu)
-
-    if P == 1:
-        finish(accs)
-        return
-    tile = i * (N_out // BN) + pl.program_id(1)
-    cell = jnp.arange(BN, dtype=jnp.int32)[:, None] * R + jnp.arange(R, dtype=jnp.int32)[None, :]
-
-    def at(g, q):  # part q of start column g's sums [BN, R] of this tile, in the flat parts buffer
-        return ((tile * len(starts) + g) * P + q) * (BN * R) + cell
-
-    for g, a in enumerate(accs):
-        pltriton.store(parts_ref.at[at(g, p)], a)
-    if gpu:  # every thread's stores before the counter's release (one thread counts)
-        pltriton.debug_barrier()
-
-    # acquire-release: to the last part to count, the others' sums are visible
-    @pl.when(pltriton.atomic_add(sems_ref, tile, jnp.int32(1)) == P - 1)
-    def _last():
-        totals = []
-        for g in range(len(starts)):
-            a = pltriton.load(parts_ref.at[at(g, 0)])
-            for q in range(1, P):  # in order: the same bits whichever part is last
-                a = a + pltriton.load(parts_ref.at[at(g, q)])
-            totals.append(a)
-        finish(tuple(totals))
-        pltriton.store(sems_ref.at[tile + jnp.arange(1, dtype=jnp.int32)], jnp.zeros((1,), jnp.int32))
+    accs, ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, fused, gpu)
+    sums = tuple(a.T for a in accs)                                               # [R, BN]
+    if rms is not None:
+        r = twin_norm.split_r(ss_ref, rows, ok, K, rms, gpu)
+        sums = tuple(tm.mul(a, r, gpu) for a in sums)
+    cols = n0 + jnp.arange(BN, dtype=jnp.int32)[None, :]
+    scale = scale_ref[layer, pl.ds(n0, BN)][None, :] if has_scale else None
+    residual = pltriton.load(res_ref.at[rows, cols]) if has_res else None
+    y = _epilogue(sums if act == "silu_gate" else sums[0], o_ref.dtype, act, scale, residual, gpu)
+    # stored at m itself: masked rows must not alias row M - 1 (interpreted, a masked store writes back
+    # what it read, and duplicate indices would race)
+    pltriton.store(o_ref.at[m[:, None], cols], y, mask=jnp.broadcast_to(ok, y.shape))
+    if split is not None:
+        split_layer = jnp.minimum(layer + split, alpha_ref.shape[0] - 1)
+        twin_norm.split_store(y, alpha_ref, split_layer, n0, m, ok, *split_out, gpu)
 
 
 def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
            residual: jax.Array | None = None, norm: TwinNorm | None = None, split: TwinSplit | None = None,
            rms: TwinRms | None = None, block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
            num_stages: int | None = None, prefetch: int = TWIN_PALLAS_PREFETCH, form: str | None = None,
-           k_parts: int | None = None, sems: jax.Array | None = None, interpret: bool | None = None):
+           interpret: bool | None = None):
     """y = epilogue(norm(x) @ w[layer].T), batch-invariant (module docstring).
 
     x: [M, K] float32/bfloat16/float16; w: [L, N, K] (layer: int or int32 scalar, may be
@@ -243,10 +205,6 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     itself. These change the speed, never the bits.
     split, rms (MMA form only): the split RMSNorm (`common.TwinSplit`); with split the call returns
     (y, u [M, N_out], ss float32 [M, N_out/G]); with rms, x is the split norm's u.
-    k_parts (MMA form only; None: `common.twin_mma_k_parts`, of N_out and K): the K parts, which set
-    the bits. sems: int32 [n >= `common.twin_linear_sems`], all 0, the counters the parts count on
-    (returned all 0: a step carries one buffer, as the attention's); None: made here where needed.
-    With sems given the call returns (what it returns without, sems).
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     split = split_one_layer(split)
@@ -258,11 +216,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     chosen = twin_linear_form(N_out, K, x.dtype, compiled=not interpret, form=form)
     check_twin_split(split, rms, norm, M, K, N_out, chosen)
     if chosen == "mma":
-        out, sems_out = _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms, block_m,
-                                    block_n, num_warps, num_stages, k_parts, sems, interpret)
-        return out if sems is None else (out, sems_out)
-    if k_parts not in (None, 1):
-        raise ValueError(f"linear(k_parts): the lane form runs one K part, got {k_parts!r}")
+        return _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms, block_m, block_n,
+                           num_warps, num_stages, interpret)
     BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret)
     if norm is not None and not twin_fuse_norm(BM, interpret):  # the norm kernel first: the same bits
         x = _norm_first(x, norm, layer, interpret)
@@ -294,7 +249,7 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages or 2),
         name="twin_linear",
     )(*operands)
-    return out[:M] if sems is None else (out[:M], sems)
+    return out[:M]
 
 
 def _norm_first(x, norm: TwinNorm | None, layer, interpret: bool):
@@ -305,13 +260,10 @@ def _norm_first(x, norm: TwinNorm | None, layer, interpret: bool):
 
 
 def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms, block_m, block_n, num_warps,
-                num_stages, k_parts, sems, interpret):
+                num_stages, interpret):
     """The MMA form (`_mma_kernel`): the norm fused over a few K blocks, else its kernel first
-    (`common.twin_mma_fuse_norm`: the same bits); split, rms: the split norm's halves; k_parts, sems:
-    `linear`'s. Returns (the output(s), the counters: sems, or None where neither given nor needed)."""
+    (`common.twin_mma_fuse_norm`: the same bits); split, rms: the split norm's halves."""
     BN, BK, R = twin_mma_plan(M, N_out, K, 1 + (act == "silu_gate"), split is not None, block_m, block_n)
-    P = twin_mma_k_parts(N_out, K, k_parts)
-    G = 1 + (act == "silu_gate")
     norm, (x, *norm_refs) = _mma_norm(x, norm, layer, K, interpret)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w, *norm_refs]
     operands += [t for t in (None if rms is None else rms.ss, scale, residual) if t is not None]
@@ -320,13 +272,6 @@ def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms
         operands.append(split.weight)
         outs += [jax.ShapeDtypeStruct((M, N_out), x.dtype),
                  jax.ShapeDtypeStruct((M, N_out // TWIN_SPLIT_GROUP), jnp.float32)]
-    aliases = {}
-    if P > 1:
-        tiles = twin_linear_sems(M, N_out, R, BN)
-        sems = check_twin_sems(sems, tiles, "linear", lambda n: jnp.zeros((n,), jnp.int32))
-        operands.append(sems)
-        outs += [jax.ShapeDtypeStruct((tiles * G * P * BN * R,), jnp.float32), jax.ShapeDtypeStruct(sems.shape, sems.dtype)]
-        aliases = {len(operands) - 1: len(outs) - 1}
     # the row blocks first in the grid (the fastest-varying program index, launched one after the other):
     # the row blocks of one column block run together and read its weights once from memory, then from
     # the L2 (columns first, each row block had re-read all the weights: 4x the bytes at B=64)
@@ -335,20 +280,18 @@ def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms
                           norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
                           has_scale=scale is not None, has_res=residual is not None,
                           rms=None if rms is None else rms.eps, split=None if split is None else split.offset,
-                          P=P, gpu=not interpret),
+                          gpu=not interpret),
         out_shape=tuple(outs),
-        grid=(-(-M // R) * P, N_out // BN),  # a tile's parts next to each other, then the row blocks
+        grid=(-(-M // R), N_out // BN),
         in_specs=[_whole(a) for a in operands],
         out_specs=tuple(_whole(o) for o in outs),
-        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(
             num_warps=num_warps,
-            num_stages=num_stages or twin_mma_stages(N_out, BN, BK, G, rows=R, M=M, k_parts=P)),
+            num_stages=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"), rows=R, M=M)),
         name="twin_linear_mma",
     )(*operands)
-    sems = out[-1] if P > 1 else sems
-    return (tuple(out[:3]) if split is not None else out[0]), sems
+    return out if split is not None else out[0]
 
 
 def _mma_norm(x, norm: TwinNorm | None, layer, K: int, interpret: bool):
@@ -358,12 +301,11 @@ def _mma_norm(x, norm: TwinNorm | None, layer, K: int, interpret: bool):
     return norm, [x, norm.weight, norm.weight if norm.bias is None else norm.bias]  # rms: the bias is unread
 
 
-def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, norm=None, gpu=True, kb0=0, nkb=None):
-    """The MMA form's loop of one program of rows m [R] over nkb K blocks from block kb0 (None: all
-    K // BK from 0): (acc [BN, R] per start column, ok [R, 1], rows [R, 1]); rows past M are read as 0
-    (masked). norm: None, or (kind, eps, weight ref, bias ref) of the fused norm: the rows' statistics
-    (over all of K) first (`twin_norm.row_stats`), then each x block normalized and rounded to x's
-    dtype before its product: the bits of `twin_norm.norm`, then this loop."""
+def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, norm=None, gpu=True):
+    """The MMA form's loop of one program of rows m [R]: (acc [BN, R] per start column, ok [R, 1],
+    rows [R, 1]); rows past M are read as 0 (masked). norm: None, or (kind, eps, weight ref, bias
+    ref) of the fused norm: the rows' statistics first (`twin_norm.row_stats`), then each x block normalized
+    and rounded to x's dtype before its product: the bits of `twin_norm.norm`, then this loop."""
     layer = layer_ref[0]
     ok = (m < M)[:, None]
     rows = jnp.minimum(m, M - 1)[:, None]
@@ -389,9 +331,7 @@ def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, norm=None,
                                          preferred_element_type=tm.F32) for a, s in zip(accs, starts))
 
     zeros = jnp.zeros((BN, m.shape[0]), tm.F32)
-    # a static trip count (the loop is software-pipelined), the part's first block added to its index
-    accs = lax.fori_loop(0, K // BK if nkb is None else nkb, lambda i, a: body(kb0 + i, a), (zeros,) * len(starts))
-    return accs, ok, rows
+    return lax.fori_loop(0, K // BK, body, (zeros,) * len(starts)), ok, rows
 
 
 def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, R, BN, BK, B, T, H, C, D, norm, eps, rms, gpu):

@@ -21,7 +21,6 @@ from kernels_pallas.common import (
     TwinSplit,
     check_twin_linear,
     check_twin_qkv,
-    check_twin_sems,
     check_twin_split,
     split_one_layer,
     stack_one_layer,
@@ -29,9 +28,7 @@ from kernels_pallas.common import (
     twin_fuse_norm,
     twin_lanes,
     twin_linear_form,
-    twin_linear_sems,
     twin_mma_fuse_norm,
-    twin_mma_k_parts,
     twin_mma_plan,
     twin_mma_rows,
     twin_mma_stages,
@@ -136,11 +133,9 @@ def _gate_kernel(layer_ptr, ab_ptr, scale_ptr, res_ptr, o_ptr, M, N_OUT: tl.cons
 @triton.jit
 def _mma_accumulate(x_ptr, w_ptr, nw_ptr, nb_ptr, eps, m, m_ok, n, N_OUT, K: tl.constexpr, R: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, INV_K: tl.constexpr,
-                    NORM_UNROLL: tl.constexpr, GATE: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
-                    k_lo=0, K_PART: tl.constexpr = None):
+                    NORM_UNROLL: tl.constexpr, GATE: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
     """The MMA form's loop of one program (the Pallas twin's `_mma_accumulate`): acc [BN, R] +=
-    w[n, block] @ x[m, block]^T over the K blocks of k_lo .. k_lo + K_PART (None: all of K) in order
-    (w_ptr: the layer's [N, K]); with GATE,
+    w[n, block] @ x[m, block]^T over the K blocks in order (w_ptr: the layer's [N, K]); with GATE,
     acc_b the same for columns n + N_OUT (else zeros). Rows past M (not m_ok) read as 0. NORM
     ("rms", "layer" or ""): the fused norm (nw_ptr, nb_ptr: the layer's [K]), the rows' statistics
     first, then each x block normalized and rounded to x's dtype before its product."""
@@ -149,7 +144,7 @@ def _mma_accumulate(x_ptr, w_ptr, nw_ptr, nb_ptr, eps, m, m_ok, n, N_OUT, K: tl.
     acc_b = tl.zeros([BN, R], tl.float32)
     if NORM != "":
         mean, r = twin_norm.row_stats(x_ptr, m, m_ok, eps, INV_K, K, R, BK, NORM == "rms", NORM_UNROLL)
-    for k0 in tl.range(k_lo, k_lo + (K if K_PART is None else K_PART), BK, num_stages=STAGES):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         xb = tl.load(x_ptr + m[:, None] * K + k0 + k[None, :], mask=m_ok[:, None], other=0.0)
         if NORM != "":
             xb = tm.to_dtype(twin_norm.normalize(xb.to(tl.float32), nw_ptr, nb_ptr, k0 + k, mean, r, NORM == "rms"),
@@ -163,63 +158,24 @@ def _mma_accumulate(x_ptr, w_ptr, nw_ptr, nb_ptr, eps, m, m_ok, n, N_OUT, K: tl.
 
 @triton.jit
 def _mma_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, scale_ptr, res_ptr, alpha_ptr, o_ptr,
-                u_ptr, ss_out_ptr, parts_ptr, sems_ptr, M, eps, rms_eps, N: tl.constexpr, K: tl.constexpr,
-                N_OUT: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
-                INV_K: tl.constexpr, NORM_UNROLL: tl.constexpr, ACT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                HAS_RES: tl.constexpr, RMS: tl.constexpr, RMS_INV_K: tl.constexpr, SPLIT: tl.constexpr,
-                SPLIT_OFFSET: tl.constexpr, SPLIT_L: tl.constexpr, P: tl.constexpr, STAGES: tl.constexpr,
+                u_ptr, ss_out_ptr, M, eps, rms_eps, N: tl.constexpr, K: tl.constexpr, N_OUT: tl.constexpr,
+                R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, INV_K: tl.constexpr,
+                NORM_UNROLL: tl.constexpr, ACT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr,
+                RMS: tl.constexpr, RMS_INV_K: tl.constexpr, SPLIT: tl.constexpr, SPLIT_OFFSET: tl.constexpr,
+                SPLIT_L: tl.constexpr, STAGES: tl.constexpr,
                 INTERPRETED: tl.constexpr):
-    """Program (i*P + p, j): part p of the P K parts of columns j*BN .. of rows i*R .. (R:
-    `common.twin_mma_rows`), the MMA form of the contract: acc [BN, R] += w_block @ x_block^T over the
-    part's K blocks in order; ACT "", "gelu" or "silu_gate" (columns n and n + N_OUT in two
-    accumulators, the gate in the epilogue); NORM: the fused norm (`_mma_accumulate`); RMS, SPLIT: the
-    split norm's halves (`common.TwinSplit`). P > 1: each part's sums go to parts_ptr and the tile's
-    last part to count (sems_ptr + tile) adds them in order and runs the epilogue, as the Pallas twin."""
+    """Program (i, j): columns j*BN .. of rows i*R .. (R: `common.twin_mma_rows`), the MMA form of the
+    contract: acc [BN, R] += w_block @ x_block^T over the K blocks in order; ACT "", "gelu" or
+    "silu_gate" (columns n and n + N_OUT in two accumulators, the gate in the epilogue); NORM: the
+    fused norm (`_mma_accumulate`); RMS, SPLIT: the split norm's halves (`common.TwinSplit`)."""
     layer = tl.load(layer_ptr).to(tl.int64)
-    i = tl.program_id(0) // P
-    p = tl.program_id(0) % P
-    k_lo = p * (K // P) if P > 1 else 0  # a loop from a constant where one part takes all of K
     n = tl.program_id(1) * BN + tl.arange(0, BN)
-    m = i * R + tl.arange(0, R)
+    m = tl.program_id(0) * R + tl.arange(0, R)
     m_ok = m < M
-    GATE: tl.constexpr = ACT == "silu_gate"
-    acc, acc_b = _mma_accumulate(x_ptr, w_ptr + layer * N * K, nw_ptr + layer * K, nb_ptr + layer * K, eps, m, m_ok,
-                                 n, N_OUT, K, R, BN, BK, NORM, INV_K, NORM_UNROLL, GATE, STAGES,
-                                 INTERPRETED, k_lo, K // P)
-    if P == 1:
-        _mma_finish(acc, acc_b, layer, m, m_ok, n, ss_ptr, scale_ptr, res_ptr, alpha_ptr, o_ptr, u_ptr, ss_out_ptr,
-                    rms_eps, K, N_OUT, R, BN, ACT, HAS_SCALE, HAS_RES, RMS, RMS_INV_K, SPLIT, SPLIT_OFFSET, SPLIT_L,
-                    INTERPRETED)
-    else:
-        tile = i * (N_OUT // BN) + tl.program_id(1)
-        cell = tl.arange(0, BN)[:, None] * R + tl.arange(0, R)[None, :]
-        G: tl.constexpr = 2 if GATE else 1
-        tl.store(parts_ptr + ((tile * G) * P + p) * (BN * R) + cell, acc)
-        if GATE:
-            tl.store(parts_ptr + ((tile * G + 1) * P + p) * (BN * R) + cell, acc_b)
-        tl.debug_barrier()  # every thread's stores before the counter's release (one thread counts)
-        if tl.atomic_add(sems_ptr + tile, 1, sem="acq_rel", scope="gpu") == P - 1:  # the others' sums visible
-            acc = tl.load(parts_ptr + (tile * G) * P * (BN * R) + cell)
-            for q in tl.static_range(1, P):  # in order: the same bits whichever part is last
-                acc = acc + tl.load(parts_ptr + ((tile * G) * P + q) * (BN * R) + cell)
-            if GATE:
-                acc_b = tl.load(parts_ptr + (tile * G + 1) * P * (BN * R) + cell)
-                for q in tl.static_range(1, P):
-                    acc_b = acc_b + tl.load(parts_ptr + ((tile * G + 1) * P + q) * (BN * R) + cell)
-            _mma_finish(acc, acc_b, layer, m, m_ok, n, ss_ptr, scale_ptr, res_ptr, alpha_ptr, o_ptr, u_ptr,
-                        ss_out_ptr, rms_eps, K, N_OUT, R, BN, ACT, HAS_SCALE, HAS_RES, RMS, RMS_INV_K, SPLIT,
-                        SPLIT_OFFSET, SPLIT_L, INTERPRETED)
-            tl.store(sems_ptr + tile, 0)
-
-
-@triton.jit
-def _mma_finish(acc, acc_b, layer, m, m_ok, n, ss_ptr, scale_ptr, res_ptr, alpha_ptr, o_ptr, u_ptr, ss_out_ptr,
-                rms_eps, K: tl.constexpr, N_OUT: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, ACT: tl.constexpr,
-                HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr, RMS: tl.constexpr, RMS_INV_K: tl.constexpr,
-                SPLIT: tl.constexpr, SPLIT_OFFSET: tl.constexpr, SPLIT_L: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The MMA form's epilogue of the sums acc (and the gate's acc_b) [BN, R]: the split norm's r,
-    the activation, scale and residual (`_finish`), the store, the split norm's half."""
     n_ok = n < N_OUT
+    acc, acc_b = _mma_accumulate(x_ptr, w_ptr + layer * N * K, nw_ptr + layer * K, nb_ptr + layer * K, eps, m, m_ok,
+                                 n, N_OUT, K, R, BN, BK, NORM, INV_K, NORM_UNROLL, ACT == "silu_gate", STAGES,
+                                 INTERPRETED)
     dtype = o_ptr.dtype.element_ty
     acc = tl.trans(acc)                                                                    # [R, BN]
     acc_b = tl.trans(acc_b)
@@ -244,16 +200,14 @@ def _mma_finish(acc, acc_b, layer, m, m_ok, n, ss_ptr, scale_ptr, res_ptr, alpha
 def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = None,
            scale: torch.Tensor | None = None, residual: torch.Tensor | None = None, norm: TwinNorm | None = None,
            split: TwinSplit | None = None, rms: TwinRms | None = None, block_m: int | None = None,
-           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None, form: str | None = None,
-           k_parts: int | None = None, sems: torch.Tensor | None = None):
+           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None, form: str | None = None):
     """y = epilogue(norm(x) @ w[layer].T), batch-invariant; the signature and bits of the Pallas twin.
 
     x: [M, K]; w: [L, N, K] with layer an int or int tensor, or [N, K] with layer=None; norm: a
     `TwinNorm` to fuse, or None; form: "lanes", "mma" or None (`common.twin_linear_form`).
     block_m (the MMA form's: 16, 32 or 64 rows, `common.twin_mma_rows`), block_n, num_warps,
     num_stages (of the pipelined loop over K; None: the form's default): speed only, never the bits.
-    split, rms: the split RMSNorm (the Pallas twin's). k_parts, sems: the Pallas twin's (the K parts,
-    which set the bits; the counters they count on, counted on in place and left all 0).
+    split, rms: the split RMSNorm (the Pallas twin's).
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     split = split_one_layer(split)
@@ -270,11 +224,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
     chosen = twin_linear_form(N_out, K, x.dtype, compiled=not interpreted, form=form)
     check_twin_split(split, rms, norm, M, K, N_out, chosen)
     if chosen == "mma":
-        out = _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, split, rms, block_m, block_n,
-                          num_warps, num_stages, k_parts, sems, interpreted)
-        return out if sems is None else (out, sems)
-    if k_parts not in (None, 1):
-        raise ValueError(f"linear(k_parts): the lane form runs one K part, got {k_parts!r}")
+        return _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, split, rms, block_m, block_n,
+                           num_warps, num_stages, interpreted)
     if interpreted and block_n is None:  # one program per row block: the interpreter's cost is per program
         block_n = min(triton.next_power_of_2(N), TWIN_INTERPRET_MAX_BN)
     BM, BN, BK = twin_blocks(M, N, K, block_m, block_n, interpreted=interpreted, masked_n=interpreted)
@@ -303,7 +254,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
             layer_t, proj, dummy if scale is None else scale, dummy if residual is None else residual, out, M,
             N_OUT=N_out, BM=BM, BN=GB, HAS_SCALE=scale is not None, HAS_RES=residual is not None,
             INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
-    return out if sems is None else (out, sems)
+    return out
 
 
 def _norm_first(x, norm: TwinNorm | None, layer_t):
@@ -312,36 +263,25 @@ def _norm_first(x, norm: TwinNorm | None, layer_t):
 
 
 def _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, split, rms, block_m, block_n, num_warps,
-                num_stages, k_parts, sems, interpreted):
+                num_stages, interpreted):
     """The MMA form (`_mma_kernel`): one launch with the gate, the norm fused or its kernel first (as
-    the Pallas twin, `common.twin_mma_fuse_norm`); split, rms: the split norm's halves; k_parts, sems:
-    `linear`'s."""
+    the Pallas twin, `common.twin_mma_fuse_norm`); split, rms: the split norm's halves."""
     BN, BK, R = twin_mma_plan(M, N_out, K, 1 + (act == "silu_gate"), split is not None, block_m, block_n)
-    P = twin_mma_k_parts(N_out, K, k_parts)
     x, (nw, nb, eps), norm_consts = _mma_norm(x, norm, layer_t, K)
     out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)
     u, ss_out = out, out  # unread where split is None (as the other absent operands)
     if split is not None:
         u = torch.empty_like(out)
         ss_out = torch.empty((M, N_out // TWIN_SPLIT_GROUP), dtype=torch.float32, device=x.device)
-    parts = counters = out  # unread where P == 1
-    if P > 1:
-        tiles = twin_linear_sems(M, N_out, R, BN)
-        counters = check_twin_sems(sems, tiles, "linear", lambda n: torch.zeros(n, dtype=torch.int32, device=x.device))
-        if counters.device != x.device or not counters.is_contiguous():
-            raise ValueError(f"linear(sems): expected a contiguous tensor on {x.device}, got one on {counters.device} "
-                             f"(contiguous: {counters.is_contiguous()})")
-        parts = torch.empty(tiles * (1 + (act == "silu_gate")) * P * BN * R, dtype=torch.float32, device=x.device)
-    # a tile's parts next to each other, then the row blocks (the fastest-varying program index): the
-    # Pallas twin's order, its weights once from memory
-    _mma_kernel[(triton.cdiv(M, R) * P, N_out // BN)](
+    # row blocks first (the fastest-varying program index): the Pallas twin's order, its weights once from memory
+    _mma_kernel[(triton.cdiv(M, R), N_out // BN)](
         layer_t, x, w, nw, nb, out if rms is None else rms.ss, out if scale is None else scale,
-        out if residual is None else residual, out if split is None else split.weight, out, u, ss_out, parts, counters,
+        out if residual is None else residual, out if split is None else split.weight, out, u, ss_out,
         M, eps, 0.0 if rms is None else rms.eps, N=N, K=K, N_OUT=N_out, R=R, BN=BN, BK=BK,
         **norm_consts, ACT=act or "", HAS_SCALE=scale is not None, HAS_RES=residual is not None,
         RMS=rms is not None, RMS_INV_K=float(np.float32(1.0 / K)), SPLIT=split is not None,
         SPLIT_OFFSET=0 if split is None else split.offset, SPLIT_L=1 if split is None else split.weight.shape[0],
-        P=P, STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"), rows=R, M=M, k_parts=P),
+        STAGES=num_stages or twin_mma_stages(N_out, BN, BK, 1 + (act == "silu_gate"), rows=R, M=M),
         INTERPRETED=interpreted, num_warps=num_warps, enable_fp_fusion=False)
     return out if split is None else (out, u, ss_out)
 

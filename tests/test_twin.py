@@ -524,52 +524,6 @@ def test_split_norm_producer_has_the_bits_of_linear_then_split(layer, offset):
     assert ss.dtype == jnp.float32 and ss.shape == (M, N // common.TWIN_SPLIT_GROUP)
 
 
-@pytest.mark.parametrize("k_parts", [2, 4])
-def test_mma_k_parts_interpreted_within_rounding_counters_back_to_zero(k_parts):
-    """The MMA form in K parts (`common.twin_mma_k_parts`; they set the bits), interpreted: the split
-    producer's y within bf16 rounding of the lane form's reference and of one part, on both sides; the
-    step's counters given, the call returns them all 0 (so one buffer serves every call); a row alone
-    has the bits it has among the others. The rule is a function of N_out and K alone; a bad k_parts
-    is refused, naming the argument."""
-    M, N, K, L = 5, 128, 512, 2  # 4 K blocks of 128
-    a, w, r, alpha = _split_case(M, N, K, L, seed=k_parts)
-    J, T_ = jnp.asarray, to_torch
-    ref = np.asarray(pli.linear_native(J(a), J(w), 1, residual=J(r)), np.float32)
-    call = jax.jit(lambda a, w, r, al, s: pli.linear(a, w, 1, residual=r, split=TwinSplit(al), form="mma",
-                                                     k_parts=k_parts, sems=s))
-    sems = jnp.zeros((common.twin_linear_sems(M, N, 16, 64) + 3,), jnp.int32)
-    (y, u, ss), sems_p = call(J(a), J(w), J(r), J(alpha), sems)
-    tsems = torch.zeros(common.twin_linear_sems(M, N, 16, 64) + 3, dtype=torch.int32)
-    (ty, tu, tss), _ = tli.linear(T_(a), T_(w), 1, residual=T_(r), split=TwinSplit(T_(alpha)), form="mma",
-                                  k_parts=k_parts, sems=tsems)
-    one = np.asarray(pli.linear(J(a), J(w), 1, residual=J(r), form="mma", k_parts=1), np.float32)
-    bound = 2 ** -7 * np.abs(ref) + 1e-3 * np.abs(ref).max()
-    for name, got in (("pallas", np.asarray(y, np.float32)), ("triton", ty.float().numpy())):
-        assert (np.abs(got - ref) <= bound).all() and (np.abs(got - one) <= bound).all(), name
-    assert not np.asarray(sems_p).any() and not tsems.any()
-    for what, got, want in (("pallas", (u, ss), pn.split(y, J(alpha), 1)), ("triton", (tu, tss), tn.split(ty, T_(alpha), 1))):
-        assert_same(got[0], want[0], what=f"{what} u of y")
-        assert_same(got[1], want[1], what=f"{what} ss of y")
-    (alone, *_), _ = call(J(a[M - 1:]), J(w), J(r[M - 1:]), J(alpha), sems_p)
-    assert_same(alone[0], y[M - 1], what="pallas row alone")
-    (talone, *_), _ = tli.linear(T_(a[M - 1:]), T_(w), 1, residual=T_(r[M - 1:]), split=TwinSplit(T_(alpha)),
-                                 form="mma", k_parts=k_parts, sems=tsems)
-    assert_same(talone[0], ty[M - 1], what="triton row alone")
-    parts = common.twin_mma_k_parts
-    # the temporal out and down projections (64 column blocks) in 2; the gate, qkv, text head, Mimi's in 1
-    assert [parts(4096, 4096), parts(4096, 11264)] == [2, 2]
-    assert [parts(11264, 4096), parts(12288, 4096), parts(32000, 4096), parts(512, 2048)] == [1, 1, 1, 1]
-    for bad in (3, 0, True, 2.0):
-        with pytest.raises(ValueError, match=r"linear\(k_parts\): expected an int >= 1 dividing the 4 K blocks"):
-            pli.linear(J(a), J(w), 1, form="mma", k_parts=bad)
-    with pytest.raises(ValueError, match=r"linear\(k_parts\): expected an int >= 1 dividing"):
-        tli.linear(T_(a), T_(w), 1, form="mma", k_parts=3)
-    with pytest.raises(ValueError, match=r"linear\(k_parts\): the lane form runs one K part"):
-        pli.linear(J(a), J(w), 1, form="lanes", k_parts=2)
-    with pytest.raises(ValueError, match=r"linear\(sems\): expected int32"):
-        pli.linear(J(a), J(w), 1, form="mma", k_parts=2, sems=jnp.zeros((1,), jnp.int32))
-
-
 @pytest.mark.parametrize("act", [None, "silu_gate"])
 def test_split_norm_consumer_scales_its_sums_by_r(act):
     """With rms=TwinRms(ss, eps), x = u: the float32 sums scaled by r = 1 / sqrt(eps + S / K) before
@@ -679,38 +633,6 @@ def test_linear_mma_form_gpu_twins_same_bits_and_batch_invariant(M, N, K, L, act
 
 
 @mma_on_gpu
-@pytest.mark.parametrize("M", [1, 5, 64])
-def test_linear_k_parts_gpu_twins_same_bits_and_batch_invariant(M):
-    """Compiled on the GPU at the out projection's shape (4096 x 4096: two K parts by the rule, the split
-    producer as in the step, with the step's counters): the Pallas and Triton twins give the same bits,
-    at other rows a program and depths and at four parts too, the counters come back all 0, and a row
-    alone has the bits it has among the others."""
-    N = K = 4096
-    a, w, r, alpha = _split_case(M, N, K, 1, seed=M)
-    assert common.twin_mma_k_parts(N, K) == 2
-    G = (lambda t: to_torch(t).cuda())
-    J = (lambda t: jnp.asarray(t))
-    n = common.twin_sems_size(M, 32, 1, N)
-    sems_p, sems_t = jnp.zeros((n,), jnp.int32), torch.zeros(n, dtype=torch.int32, device="cuda")
-    outs = {}
-    for parts in (None, 4):
-        for name, kw in (("", {}), (" at 64 rows, 3 stages", {"block_m": 64, "num_stages": 3})):
-            (y, u, ss), sems_p = pli.linear(J(a), J(w), 0, residual=J(r), split=TwinSplit(J(alpha)), k_parts=parts,
-                                            sems=sems_p, **kw)
-            (ty, tu, tss), _ = tli.linear(G(a), G(w), 0, residual=G(r), split=TwinSplit(G(alpha)), k_parts=parts,
-                                          sems=sems_t, **kw)
-            for what, p_, t_ in (("y", y, ty), ("u", u, tu), ("ss", ss, tss)):
-                assert_same(np.asarray(p_), t_.cpu(), what=f"{what}, {parts or 2} parts{name}, GPU")
-            outs.setdefault(parts, []).append(np.asarray(y))
-        assert_same(*outs[parts], what=f"{parts or 2} parts at other tiles, GPU")
-    assert not np.asarray(sems_p).any() and not sems_t.any()
-    for row in (0, M - 1):
-        (alone, *_), _ = tli.linear(G(a[row:row + 1]), G(w), 0, residual=G(r[row:row + 1]), split=TwinSplit(G(alpha)),
-                                    sems=sems_t)
-        assert_same(alone[0].cpu(), outs[None][0][row], what=f"row {row} alone, GPU")
-
-
-@mma_on_gpu
 @pytest.mark.parametrize("B,T,H,D,R", [(3, 1, 4, 128, None), (5, 2, 8, 64, None), (20, 2, 4, 128, 64)])
 def test_qkv_rope_write_gpu_twins_same_bits(B, T, H, D, R):
     """Compiled on the GPU: the fused qkv + RoPE + ring write kernel has the bits of linear then
@@ -787,7 +709,7 @@ def _check_entry(B, T, H, D, C, dtype, convention, device):
     offset = np.array([0, 5 * C + 7, 3 * C + 1][:B], np.int32)
     start = np.array([0, 5 * C + 3, C][:B], np.int32)
     active = np.array([True, True, False][:B])
-    x = rng.standard_normal((B, T, 64)).astype(NP[dtype])  # dim 64: more counters a row than H * T at H = 2
+    x = rng.standard_normal((B, T, 6)).astype(NP[dtype])
     freqs = rope_freqs(D, 10000.0)
     kw = {"capacity": C, "convention": convention, "num_heads": H}
     e = jax.jit(lambda *a: pe.entry(*a, **kw))(offset, start, active, x, freqs)
@@ -809,8 +731,7 @@ def _check_entry(B, T, H, D, C, dtype, convention, device):
     assert pos[1].max() >= 5 * C and ((pos[1] == -1) | (pos[1] >= start[1])).all()
     if B == 3:
         assert (pos[1] == -1).any() and (pos[2] >= 0).all()
-    assert not np.asarray(e.sems).any() and e.sems.shape == (common.twin_sems_size(B, H, T, 64),)
-    assert common.twin_sems_size(B, H, T, 64) == B * T * max(H, 4)
+    assert not np.asarray(e.sems).any() and e.sems.shape == (common.twin_sems_size(B, H, T),)
     assert_same(e.x, x, what="x")
     # the contract's float32 angle (one rounded product), then cos in float64: a few ulp of 1
     angle = (offset[:, None, None].astype(np.float32) + np.arange(T, dtype=np.float32)[None, :, None]) * freqs

@@ -43,10 +43,9 @@ class StepTables(NamedTuple):
                                          reset_slot + bump_slot_start) is not written, so a slot a
                                          row cannot see never holds a recycled session's values
                                          (see `streaming.py`, session isolation).
-    sems:        int32 [n] or None       kernels="twin" only: the counters of the twin kernels that
+    sems:        int32 [B*H*T] or None   kernels="twin" only: the counters of the twin kernels that
                                          finish in their last program, all 0 between kernels
-                                         (`kernels_triton.twin_attention.attention(sems=)`, the K-part
-                                         linears'), n = `common.twin_sems_size(B, H, T, dim)`.
+                                         (`kernels_triton.twin_attention.attention(sems=)`).
     """
 
     cos: torch.Tensor

@@ -427,7 +427,7 @@ class _StreamingStack(nn.Module):
             from . import twin_layers
 
             tables = twin_layers.twin_tables(tables, offset, T, rope_freqs(c.head_dim, c.max_period, offset.device),
-                                             c.num_heads, c.dim)
+                                             c.num_heads)
         return tables
 
     @torch.no_grad()

@@ -72,16 +72,15 @@ def temporal_layer(x, w: dict, num_heads: int, eps: float, ring_k, ring_v, table
     if split:
         u, ss = split
         a = _attention(u, None, w, ring_k, ring_v, tables, B, T, context, rms=TwinRms(ss, eps))
-        (x2, u, ss), _ = twin_linear.linear(a, w["out_proj"], residual=x2, split=TwinSplit(w["norm2_alpha"]),
-                                            sems=tables.sems)
+        x2, u, ss = twin_linear.linear(a, w["out_proj"], residual=x2, split=TwinSplit(w["norm2_alpha"]))
         g = twin_linear.linear(u, w["linear_in"], act="silu_gate", rms=TwinRms(ss, eps))
-        (x2, u, ss), _ = twin_linear.linear(g, w["linear_out"], residual=x2,
-                                            split=TwinSplit(w["following_norm1_alpha"]), sems=tables.sems)
+        x2, u, ss = twin_linear.linear(g, w["linear_out"], residual=x2,
+                                       split=TwinSplit(w["following_norm1_alpha"]))
         return x2.view(B, T, dim), u, ss
     a = _attention(x2, TwinNorm("rms", w["norm1_alpha"], None, eps), w, ring_k, ring_v, tables, B, T, context)
-    x2, _ = twin_linear.linear(a, w["out_proj"], residual=x2, sems=tables.sems)
+    x2 = twin_linear.linear(a, w["out_proj"], residual=x2)
     u = twin_linear.linear(x2, w["linear_in"], act="silu_gate", norm=TwinNorm("rms", w["norm2_alpha"], None, eps))
-    return twin_linear.linear(u, w["linear_out"], residual=x2, sems=tables.sems)[0].view(B, T, dim)
+    return twin_linear.linear(u, w["linear_out"], residual=x2).view(B, T, dim)
 
 
 def mimi_layer(x, w: dict, num_heads: int, eps: float, ring_k, ring_v, tables, active, *, context: int):
@@ -107,13 +106,12 @@ def temporal_head(x, out_norm_alpha, text_linear, eps: float):
     return out.view(B, T, dim), twin_linear.linear(out, text_linear).view(B, 1, T, -1)
 
 
-def twin_tables(tables: StepTables, offset: torch.Tensor, T: int, freqs: torch.Tensor, num_heads: int,
-                dim: int) -> StepTables:
+def twin_tables(tables: StepTables, offset: torch.Tensor, T: int, freqs: torch.Tensor, num_heads: int) -> StepTables:
     """`tables` as the twin kernels read them, made once a step: the twin cos, sin [B, 1, T, D/2]
     for positions offset[b] + t, the index tables the kernels take in int32, their index type
     (converted by each layer's kernels, they had cost four small copy kernels a layer on the GPU),
     and the kernels' counters (`sems`, all 0)."""
     cos, sin = twin_rope.tables(offset.to(torch.int32), T, freqs)
     index = {name: getattr(tables, name).to(torch.int32) for name in ("write_index", "positions", "q_pos", "write_mask")}
-    sems = torch.zeros(twin_sems_size(offset.shape[0], num_heads, T, dim), dtype=torch.int32, device=offset.device)
+    sems = torch.zeros(twin_sems_size(offset.shape[0], num_heads, T), dtype=torch.int32, device=offset.device)
     return tables._replace(cos=cos[:, None], sin=sin[:, None], sems=sems, **index)
