@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gc
 import importlib.util
 import json
 import statistics
@@ -94,6 +95,13 @@ def case(kind: str, T: int, B: int, module, changes, rounds: int, steps: int) ->
     return rec
 
 
+def release():
+    """Hand back what the last case and torch's allocator cache hold (as scale_bench does between cases)."""
+    gc.collect()
+    if GPU:
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--candidate", help="a Python file defining twin_mma_plan and twin_mma_stages")
@@ -118,6 +126,7 @@ def main():
         if built != kind:
             module, built = None, kind  # one stack's weights at a time
             module = torch_stack(kind, args.small)
+        release()  # the init's temporaries, the last case's ring: at B=64 the ring needs 100 GB
         results["records"].append(rec := case(kind, T, B, module, changes, args.rounds, args.steps))
         print(json.dumps({k: v for k, v in rec.items() if k != "rounds"}), flush=True)
         with open(args.out, "w") as f:
