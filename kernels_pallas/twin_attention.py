@@ -107,11 +107,11 @@ def _softmax_step(s, visible, m, l, gpu):
 
 def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
                   B, H, T, C, D, context, chunk, BC, S, scale, gpu, mma, splits_first):
-    """Program (query, split) of query bht = b*H*T + h*T + t: one split of it. refs: the output (one
-    split, S == 1: combined here), or the counters in, then the partials (acc, m, l), the output and
-    the counters out (aliased to the counters in): the last split program to finish combines.
-    mma: the MMA form (`_block_mma`), else the lane form (`_block`). splits_first: the launch order
-    (`_program`)."""
+    """One program a split: split `split` of query bht = b*H*T + h*T + t (`_program`: from the 1-D
+    grid's index, in the launch order splits_first sets). refs: the output (one split, S == 1:
+    combined here), or the counters in, then the partials (acc, m, l), the output and the counters
+    out (aliased to the counters in): the last split program to finish combines. mma: the MMA form
+    (`_block_mma`), else the lane form (`_block`)."""
     bht, split = _program(pl.program_id(0), B * H * T, S, splits_first)
     b, t = bht // (H * T), bht % T
     d = jnp.arange(D, dtype=jnp.int32)
