@@ -8,7 +8,8 @@ one copy rate, one host.
 
 A: this checkout as it is; B: the candidate file's `twin_mma_plan` and `twin_mma_stages` (loaded as
 a module) put into both twins (`kernels_pallas.twin_linear`, `kernels_triton.twin_linear`), and each
-`--set` constant of `kernels_pallas.common` (read by both twins at call time), while B's step traces. Two steps timed in two processes differ by each process's copy rate and host (the
+`--set` constant of `kernels_pallas.common` (read by both twins at call time), while B's step traces.
+Two steps timed in two processes differ by each process's copy rate and host (the
 seventeenth session's old and new plans: 2% apart in copy rate, 0.1-0.2 ms in a jitted call's cost),
 so here both steps are compiled in one process and timed in `--rounds` alternating rounds
 (`host_timing.time_step` each: synchronized and pipelined), medians over the rounds; the state (every
@@ -119,8 +120,8 @@ def main():
     if args.candidate is None and not args.set:
         raise SystemExit("plan_ab_gpu.py: give B a --candidate, a --set or both")
     changes = patches(args.candidate, args.set)
-    results = {"meta": run_meta(candidate=args.candidate, set=args.set, copy_TBps=copy_bandwidth() / 1e12 if GPU else None),
-               "records": []}
+    copy_TBps = copy_bandwidth() / 1e12 if GPU else None
+    results = {"meta": run_meta(candidate=args.candidate, set=args.set, copy_TBps=copy_TBps), "records": []}
     module, built = None, None
     for kind, T, B in stack_cases(args.batches, args.mimi_batches):
         if built != kind:
