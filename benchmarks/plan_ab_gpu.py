@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import gc
 import importlib.util
 import json
 import statistics
@@ -31,7 +30,7 @@ import jax
 import torch
 from cuda_timing import copy_bandwidth, run_meta
 from host_timing import time_step
-from scale_bench import DEVICE, GPU, full_state, profile_step, stack_cases, torch_stack
+from scale_bench import DEVICE, GPU, full_state, profile_step, release, stack_cases, torch_stack
 
 import jax_impl
 from kernels_pallas import common
@@ -94,13 +93,6 @@ def case(kind: str, T: int, B: int, module, changes, rounds: int, steps: int) ->
     for name, step in (("a", a), ("b", b)):
         rec[f"{name}_kernels"], rec[f"{name}_top_kernels"], state = profile_step(step, params, state, x, active)
     return rec
-
-
-def release():
-    """Hand back what the last case and torch's allocator cache hold (as scale_bench does between cases)."""
-    gc.collect()
-    if GPU:
-        torch.cuda.empty_cache()
 
 
 def main():
