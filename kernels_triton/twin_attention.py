@@ -43,12 +43,12 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
     """
     G: tl.constexpr = B * (H // HB) * T
     if SPLITS_FIRST:
-        pid, split = tl.program_id(0) // S, tl.program_id(0) % S
+        group, split = tl.program_id(0) // S, tl.program_id(0) % S
     else:
-        pid, split = tl.program_id(0) % G, tl.program_id(0) // G
-    b = pid // ((H // HB) * T)
-    t = pid % T
-    h = ((pid // T) % (H // HB)) * HB + tl.arange(0, HB)                     # [HB]
+        group, split = tl.program_id(0) % G, tl.program_id(0) // G
+    b = group // ((H // HB) * T)
+    t = group % T
+    h = ((group // T) % (H // HB)) * HB + tl.arange(0, HB)                     # [HB]
     bht = (b * H + h) * T + t                                                 # [HB]
     d = tl.arange(0, D)
     q = tl.load(q_ptr + bht[:, None] * D + d[None, :])                          # [HB, D]
@@ -110,9 +110,9 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
         tl.store(m_ptr + part, m)
         tl.store(l_ptr + part, l)
         tl.debug_barrier()  # every thread's stores before the counter's release (one thread counts)
-        if tl.atomic_add(sem_ptr + pid, 1, sem="acq_rel", scope="gpu") == S - 1:  # the others' partials visible
+        if tl.atomic_add(sem_ptr + group, 1, sem="acq_rel", scope="gpu") == S - 1:  # the others' partials visible
             _combine(acc_ptr, m_ptr, l_ptr, o_ptr, b, t, h, bht, d, H, T, S, SP, INTERPRETED)
-            tl.store(sem_ptr + pid, 0)
+            tl.store(sem_ptr + group, 0)
 
 
 @triton.jit
