@@ -305,10 +305,12 @@ def twin_mma_plan(M: int, N_out: int, K: int, weight_tiles: int = 1, split: bool
 
     With the split norm's consumer half (`split`), BN is TWIN_SPLIT_GROUP (a given block_n must be
     it). Else `twin_mma_blocks`' BN, halved for the gate (`weight_tiles` 2: each program loads a
-    tile of each half): its weight rows a program then match the other projections'. On an H200, at
-    the pipeline depth `twin_mma_stages` gives each, the gate took 55.7 us a layer at BN 32 against
-    63.1-71.8 at BN 64 at 64 rows a program (M = 64), and 48.6-49.2 against 47.7-48.2 at 16 (M = 1, 16;
-    RESULTS.md, seventeenth session). R: `twin_mma_rows`, of the columns before the halving."""
+    tile of each half) where its programs run more than TWIN_MMA_ROWS rows: its weight rows a
+    program then match the other projections'. On an H200, at the pipeline depth `twin_mma_stages`
+    gives each, the gate took 55.7 us a layer at BN 32 against 63.1-71.8 at BN 64 at 64 rows a
+    program (M = 64), and 48.6-49.2 against 47.7-48.2 at 16 (M = 1, 16; RESULTS.md, seventeenth
+    session); in the step at 16 rows, 1540 us against 1570 (B=1) and 1540 against 1559 (B=16) a
+    step (nineteenth session). R: `twin_mma_rows`, of the columns before any halving."""
     if split:
         BN, BK = twin_mma_blocks(N_out, K, TWIN_SPLIT_GROUP if block_n is None else block_n)
         if BN != TWIN_SPLIT_GROUP:
@@ -317,7 +319,7 @@ def twin_mma_plan(M: int, N_out: int, K: int, weight_tiles: int = 1, split: bool
         return BN, BK, twin_mma_rows(M, N_out // BN, block_m)
     BN, BK = twin_mma_blocks(N_out, K, block_n)
     R = twin_mma_rows(M, N_out // BN, block_m)
-    if block_n is None and BN // weight_tiles >= 16:
+    if block_n is None and BN // weight_tiles >= 16 and R > TWIN_MMA_ROWS:
         BN //= weight_tiles  # still a power of two dividing N_out; R stays (more column blocks)
     return BN, BK, R
 

@@ -363,9 +363,9 @@ def test_mma_rows_a_program_never_change_the_bits():
     assert [rows(M, 192) for M in (1, 16, 17, 32, 33, 64, 640)] == [16, 16, 32, 32, 64, 64, 64]
     assert [rows(M, 24) for M in (16, 64, 128, 640)] == [16, 16, 32, 64]  # few column blocks: more row blocks
     assert rows(64, 8) == 16
-    # the columns: BN 64, halved for the gate (two weight tiles); a given block_n kept
+    # the columns: BN 64, halved for the gate (two weight tiles) at more than 16 rows; a given block_n kept
     plan = common.twin_mma_plan
-    assert [plan(M, 11264, 4096, 2)[::2] for M in (1, 16, 17, 64)] == [(32, 16), (32, 16), (32, 32), (32, 64)]
+    assert [plan(M, 11264, 4096, 2)[::2] for M in (1, 16, 17, 64)] == [(64, 16), (64, 16), (32, 32), (32, 64)]
     assert [plan(M, 12288, 4096)[::2] for M in (1, 64)] == [(64, 16), (64, 64)]
     assert plan(1, 11264, 4096, 2, block_n=64)[0] == 64 and plan(1, 48, 512, 2)[0] == 16
     assert plan(1, 4096, 4096, split=True)[0] == common.TWIN_SPLIT_GROUP
@@ -616,7 +616,8 @@ mma_on_gpu = pytest.mark.skipif(
 def test_linear_mma_form_gpu_twins_same_bits_and_batch_invariant(M, N, K, L, act, scale, res, kind):
     """Compiled on the GPU: the Pallas and Triton MMA forms give the same bits, at other tiles and
     16, 32 or 64 rows a program (the MMA's n) too, and a row alone has the bits it has among the others
-    (the last case: the gate, 32 columns a program (`common.twin_mma_plan`), 64 rows a program and alone)."""
+    (the last case: the gate at 64 rows and 32 columns a program, and alone at 16 rows and 64 columns:
+    `common.twin_mma_plan`)."""
     x, w, s, r, norm = _mma_case(M, N, K, L, act, scale, res, kind)
     C = (lambda a: None if a is None else to_torch(a).cuda())
     tnorm = None if norm is None else TwinNorm(kind, C(norm.weight), C(norm.bias), norm.eps)
