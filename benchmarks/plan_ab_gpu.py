@@ -4,11 +4,15 @@ one copy rate, one host.
     git show <rev>:kernels_pallas/common.py > candidate_common.py   # the plan to try
     python benchmarks/plan_ab_gpu.py --candidate candidate_common.py --out $OUT/plan_ab.json
     python benchmarks/plan_ab_gpu.py --set TWIN_ATTENTION_SPLITS_FIRST=True --out $OUT/order_ab.json
+    python benchmarks/plan_ab_gpu.py --xla xla_gpu_enable_pdl=false --out $OUT/xla_pdl_ab.json
+    python benchmarks/plan_ab_gpu.py --unroll 2 --out $OUT/unroll_ab.json
     python benchmarks/plan_ab_gpu.py --candidate kernels_pallas/common.py --small --out /tmp/ab.json  # CPU smoke
 
 A: this checkout as it is; B: the candidate file's `twin_mma_plan` and `twin_mma_stages` (loaded as
 a module) put into both twins (`kernels_pallas.twin_linear`, `kernels_triton.twin_linear`), and each
-`--set` constant of `kernels_pallas.common` (read by both twins at call time), while B's step traces.
+`--set` constant of `kernels_pallas.common` (read by both twins at call time), while B's step traces;
+each `--xla` option is B's XLA compiler option (`jax.jit(compiler_options=)`), and `--unroll` B's
+layer loop's unroll factor (`make_step(scan_unroll=)`).
 Two steps timed in two processes differ by each process's copy rate and host (the
 seventeenth session's old and new plans: 2% apart in copy rate, 0.1-0.2 ms in a jitted call's cost),
 so here both steps are compiled in one process and timed in `--rounds` alternating rounds
@@ -58,16 +62,34 @@ def patches(candidate: str | None, sets: list[str]) -> list[tuple]:
     return out
 
 
-def compiled_steps(config, rope_freqs, changes, params, state, x, active):
-    """(step A, step B, state): both traced and run once, B under `changes` (`patches`)."""
+def xla_options(items: list[str]) -> dict:
+    """NAME=VALUE items as `jax.jit` compiler options: true / false as bools, else Python literals,
+    else strings."""
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if value.lower() in ("true", "false"):
+            out[name] = value.lower() == "true"
+        else:
+            try:
+                out[name] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                out[name] = value
+    return out
+
+
+def compiled_steps(config, rope_freqs, changes, xla, unroll, params, state, x, active):
+    """(step A, step B, state): both traced and run once, B under `changes` (`patches`), the XLA
+    compiler options `xla` and the layer loop unrolled `unroll` times."""
     steps = []
-    for change in ((), changes):
+    for change, options, n in (((), {}, 1), (changes, xla, unroll)):
         saved = [(mod, name, getattr(mod, name)) for mod, name, _ in change]
         for mod, name, value in change:
             setattr(mod, name, value)
         try:
-            # make_step's uncached body: the cached one would hand B the jit A traced
-            step = jax_impl.make_step.__wrapped__(config, layer_loop="scan", kernels="twin", rope_freqs=rope_freqs)
+            # make_step's body, uncached: the cached one would hand B the jit A traced
+            fn = jax_impl.step_fn(config, layer_loop="scan", scan_unroll=n, kernels="twin", rope_freqs=rope_freqs)
+            step = jax.jit(fn, donate_argnums=(1,), compiler_options=options or None)
             out, state = step(params, state, x, active)
             jax.block_until_ready((out, state))
         finally:
@@ -77,12 +99,12 @@ def compiled_steps(config, rope_freqs, changes, params, state, x, active):
     return steps[0], steps[1], state
 
 
-def case(kind: str, T: int, B: int, module, changes, rounds: int, steps: int) -> dict:
+def case(kind: str, T: int, B: int, module, changes, xla: dict, unroll: int, rounds: int, steps: int) -> dict:
     config = module.config
     params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
     x = to_jax(torch.randn(B, T, config.dim, device=DEVICE, dtype=torch.bfloat16))
     active = to_jax(torch.ones(B, dtype=torch.bool, device=DEVICE))
-    a, b, state = compiled_steps(config, module.rope_freqs(), changes, params, full_state(config, B), x, active)
+    a, b, state = compiled_steps(config, module.rope_freqs(), changes, xla, unroll, params, full_state(config, B), x, active)
     times: dict = {f"{s}_{k}": [] for s in "ab" for k in ("sync_ms", "pipelined_ms")}
     for _ in range(rounds):
         for name, step in (("a", a), ("b", b)):
@@ -100,6 +122,9 @@ def main():
     parser.add_argument("--candidate", help="a Python file defining twin_mma_plan and twin_mma_stages")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="B's value of a kernels_pallas.common constant (repeatable)")
+    parser.add_argument("--xla", action="append", default=[], metavar="NAME=VALUE",
+                        help="B's XLA compiler option, e.g. xla_gpu_enable_pdl=false (repeatable)")
+    parser.add_argument("--unroll", type=int, default=1, help="B's layer loop unroll factor")
     parser.add_argument("--out", default="plan_ab.json")
     parser.add_argument("--batches", default="1,16,64", help="temporal batch sizes")
     parser.add_argument("--mimi-batches", default="64", help="Mimi batch sizes (T=2 and T=10; empty: none)")
@@ -109,18 +134,18 @@ def main():
     args = parser.parse_args()
     if not GPU and not args.small:
         raise SystemExit("plan_ab_gpu.py: no CUDA device; pass --small for the CPU smoke run")
-    if args.candidate is None and not args.set:
-        raise SystemExit("plan_ab_gpu.py: give B a --candidate, a --set or both")
-    changes = patches(args.candidate, args.set)
+    if args.candidate is None and not args.set and not args.xla and args.unroll == 1:
+        raise SystemExit("plan_ab_gpu.py: give B a --candidate, a --set, an --xla option or an --unroll")
+    changes, xla = patches(args.candidate, args.set), xla_options(args.xla)
     copy_TBps = copy_bandwidth() / 1e12 if GPU else None
-    results = {"meta": run_meta(candidate=args.candidate, set=args.set, copy_TBps=copy_TBps), "records": []}
+    results = {"meta": run_meta(candidate=args.candidate, set=args.set, xla=xla, unroll=args.unroll, copy_TBps=copy_TBps), "records": []}
     module, built = None, None
     for kind, T, B in stack_cases(args.batches, args.mimi_batches):
         if built != kind:
             module, built = None, kind  # one stack's weights at a time
             module = torch_stack(kind, args.small)
         release()  # the init's temporaries, the last case's ring: at B=64 the ring needs 100 GB
-        results["records"].append(rec := case(kind, T, B, module, changes, args.rounds, args.steps))
+        results["records"].append(rec := case(kind, T, B, module, changes, xla, args.unroll, args.rounds, args.steps))
         print(json.dumps({k: v for k, v in rec.items() if k != "rounds"}), flush=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
