@@ -260,6 +260,7 @@ def chart(records: list[dict], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     temporal = sorted((r for r in records if r["stack"] == "temporal"), key=lambda r: r["B"])
     if not temporal:  # nothing to plot (every temporal case failed, or none was asked for)
@@ -267,6 +268,8 @@ def chart(records: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for scan, style in ((False, "-"), (True, "--")):
         rs = [r for r in temporal if r["scan"] == scan]
+        if not rs:  # a loop not run (--loops): no empty line in the legend
+            continue
         label = "scan" if scan else "Python loop"
         ax.plot([r["B"] for r in rs], [r["sync_ms"] for r in rs], "o" + style, color="C0", label=f"JAX sync ({label})")
         ax.plot([r["B"] for r in rs], [r["pipelined_ms"] for r in rs], "s" + style, color="C2",
@@ -279,6 +282,8 @@ def chart(records: list[dict], path: str) -> None:
             ax.plot(*zip(*pts), "^:", color=color, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 4, 10, 30: not 4 x 10^0
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("sessions B (full 3000-frame ring)" if temporal and temporal[0]["device"] != "cpu" else "B")
     ax.set_ylabel("ms per temporal step")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
