@@ -104,7 +104,8 @@ def case(kind: str, T: int, B: int, module, changes, xla: dict, unroll: int, rou
     params = jax_impl.weights.nest_params(config, {k: to_jax(w) for k, w in module.weights().items()})
     x = to_jax(torch.randn(B, T, config.dim, device=DEVICE, dtype=torch.bfloat16))
     active = to_jax(torch.ones(B, dtype=torch.bool, device=DEVICE))
-    a, b, state = compiled_steps(config, module.rope_freqs(), changes, xla, unroll, params, full_state(config, B), x, active)
+    a, b, state = compiled_steps(config, module.rope_freqs(), changes, xla, unroll, params, full_state(config, B),
+                                 x, active)
     times: dict = {f"{s}_{k}": [] for s in "ab" for k in ("sync_ms", "pipelined_ms")}
     for _ in range(rounds):
         for name, step in (("a", a), ("b", b)):
@@ -138,7 +139,8 @@ def main():
         raise SystemExit("plan_ab_gpu.py: give B a --candidate, a --set, an --xla option or an --unroll")
     changes, xla = patches(args.candidate, args.set), xla_options(args.xla)
     copy_TBps = copy_bandwidth() / 1e12 if GPU else None
-    results = {"meta": run_meta(candidate=args.candidate, set=args.set, xla=xla, unroll=args.unroll, copy_TBps=copy_TBps), "records": []}
+    meta = run_meta(candidate=args.candidate, set=args.set, xla=xla, unroll=args.unroll, copy_TBps=copy_TBps)
+    results = {"meta": meta, "records": []}
     module, built = None, None
     for kind, T, B in stack_cases(args.batches, args.mimi_batches):
         if built != kind:
