@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jax_impl.tables import row_tables
 from kernels_pallas import twin_rope
-from kernels_pallas.common import next_pow2
+from kernels_pallas.common import next_pow2, twin_sems_size
 
 TILE = 1024  # elements of positions and of x a program handles at a time (a loop over tiles)
 
@@ -136,7 +136,8 @@ def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array | None, 
         kernel,
         out_shape=(shape((B,), idx), shape((B * T * half,), jnp.float32), shape((B * T * half,), jnp.float32),
                    shape((B * T,), idx), shape((B * T,), idx), shape((B * T,), jnp.int32),
-                   shape((B * capacity,), idx), shape((B * HT,), jnp.int32), shape((B * X,), x.dtype)),
+                   shape((B * capacity,), idx), shape((twin_sems_size(B, num_heads, T),), jnp.int32),
+                   shape((B * X,), x.dtype)),
         grid=(B,), input_output_aliases={0: 0}, interpret=interpret, name="twin_entry",
         compiler_params=pltriton.CompilerParams(),  # Triton, not whatever the default backend is
     )(*operands, freqs.astype(jnp.float32), x.reshape(-1))
@@ -156,4 +157,4 @@ def entry_native(offset, start_offset, active, x, freqs, *, capacity: int, conve
         capacity=capacity, convention=convention)
     cos, sin = twin_rope.tables_native(offset, T, freqs)
     return Entry(end_offset, cos, sin, q_pos, write_index, write_mask.astype(jnp.int32), positions,
-                 jnp.zeros((B * num_heads * T,), jnp.int32), x)
+                 jnp.zeros((twin_sems_size(B, num_heads, T),), jnp.int32), x)
