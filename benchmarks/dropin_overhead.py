@@ -1,7 +1,7 @@
-"""What the torch-facing drop-in adds to the bare JAX step, on the host (issue 11: <= 5%).
+"""What the torch-facing drop-in adds to the bare JAX step, on the host.
 
-    python benchmarks/dropin_overhead.py                 # small presets, the CPU (host cost alone)
-    python benchmarks/dropin_overhead.py --real          # real sizes (on a GPU)
+    python -m benchmarks.dropin_overhead                 # small presets, the CPU (host cost alone)
+    python -m benchmarks.dropin_overhead --real          # real sizes (on a GPU)
 
 For each stack, B=4: the drop-in (`from_torch`) stepped with active=None and with a mask, and the
 bare jitted JAX step on the same weights, interleaved call by call (the same machine state for
@@ -22,9 +22,9 @@ import argparse
 
 import jax
 import torch
-from host_timing import interleaved_medians_us
 
 import jax_impl
+from benchmarks.timing import interleaved_medians_us
 from jax_impl.config import PRESETS
 from jax_impl.wait import until_ready
 from torch_bridge import MimiTransformer, TemporalStreaming

@@ -1,14 +1,14 @@
-"""GPU cost of session isolation (issue 12): what the chosen fix costs, and what the rejected one would.
+"""GPU cost of session isolation: what the isolation costs, and what the alternative would.
 
-    python benchmarks/isolation_cost_gpu.py --out $OUT/isolation.json [--steps 30]
-    python benchmarks/isolation_cost_gpu.py --small --out /tmp/isolation.json   # CPU smoke run
+    python -m benchmarks.isolation_cost_gpu --out $OUT/isolation.json [--steps 30]
+    python -m benchmarks.isolation_cost_gpu --small --out /tmp/isolation.json   # CPU smoke run
 
-The fix (in the code now): `reset_slot` / `reset_rows` zero the recycled rows' rings, and a
+The isolation: `reset_slot` / `reset_rows` zero the recycled rows' rings, and a
 step does not write positions below start_offset (`StepTables.write_mask`), so a masked slot
 never holds an old session's NaN / Inf. Per step the only change is which [B, T] writes the
-scatter keeps (the same op as before: `where(write_mask, slot, C + t)` instead of
+scatter keeps (the same op as without it: `where(write_mask, slot, C + t)` instead of
 `where(active, ...)`) and a select on the attention output ([B, H, T, D]) for rows that see
-nothing; the cost sits in the resets. The rejected alternative keeps the resets free and
+nothing; the cost sits in the resets. The alternative keeps the resets free and
 instead stops masked values entering the arithmetic in every layer of every step: zero the
 invisible slots' values before the second product (XLA), or hand SDPA zeroed copies of k and v
 (the torch path, whose SDPA cannot be told).
@@ -17,9 +17,9 @@ Measured, temporal stack at the real sizes (7B: bf16, B=4, ring full: offsets at
 every slot random and visible), weights shared by both frameworks (DLPack):
 - step_ms: the jitted JAX step with the Pallas kernels (the GPU default) and with XLA's;
   XLA's again with the alternative's attention patched in; the torch path's step, eager;
-- recycle_ms: reset_slot / reset_rows with the ring clearing (now) against offsets-only ops
-  (before the fix), bump_slot_start; JAX (donated jit, host checks included) and torch;
-- attention_ms: one layer's attention alone, now against the alternative: XLA
+- recycle_ms: reset_slot / reset_rows with the ring clearing against offsets-only ops
+  (no isolation), bump_slot_start; JAX (donated jit, host checks included) and torch;
+- attention_ms: one layer's attention alone, as run and with the alternative: XLA
   `masked_attention` vs the same with v selected to 0 at invisible slots; torch SDPA vs SDPA
   on k, v copies with the invisible slots zeroed.
 Prints the JSON record and writes it to --out. Never run by the tests.
@@ -32,11 +32,9 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +49,7 @@ from torch_bridge import TemporalStreaming
 from torch_bridge.dlpack import to_jax
 
 B = 4
-_masked_attention = jops.masked_attention  # the attention of the code now (the patch below replaces the name)
+_masked_attention = jops.masked_attention  # the step's attention (the patch below replaces the name)
 
 
 def timed(fn, n: int, sync) -> float:
@@ -68,7 +66,7 @@ def timed(fn, n: int, sync) -> float:
 
 
 def masked_attention_values_zeroed(q, k, v, mask):
-    """The rejected alternative: v selected to 0 at slots no query of the row sees, then as now."""
+    """The alternative: v selected to 0 at slots no query of the row sees, then as `masked_attention`."""
     visible = jnp.any(mask, axis=2)[..., None]  # [B, 1, C, 1]
     return _masked_attention(q, k, jnp.where(visible, v, jnp.zeros((), v.dtype)), mask)
 

@@ -4,7 +4,7 @@ Compiles the jitted twin step on abstract arguments (no ring is allocated, so an
 writes, per case, the optimized HLO and a summary: the entry computation's launching instructions
 (fusions, custom calls, copies, the while loop) and those of the loop body.
 
-    python benchmarks/launch_map_gpu.py --out $OUT/launch_map
+    python -m benchmarks.launch_map_gpu --out $OUT/launch_map
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Our torch path against moshi's StreamingTransformer on the GPU, bf16, real sizes (issue 12).
+"""Our torch path against moshi's StreamingTransformer on the GPU, bf16, real sizes.
 
 Builds our stack (ring convention "moshi") and moshi's with the same weights (ours exported in the
 Moshi checkpoint layout and loaded into moshi), steps both --steps times on the same random inputs and
@@ -17,7 +17,7 @@ ways (on the CPU, in float64) first differ from torch's CUDA cos/sin.
                  go through torch.compile / Inductor); distance per step, and each compiled function
                  against its eager self on the same inputs.
 
-    python3 benchmarks/moshi_bf16_gpu.py --out DIR [--part eager|compiled] [--stacks temporal,mimi]
+    python -m benchmarks.moshi_bf16_gpu --out DIR [--part eager|compiled] [--stacks temporal,mimi]
 
 Writes DIR/moshi_bf16_gpu_<part>.json and prints a summary. Not part of the test suite
 (tests/test_torch_vs_moshi_gpu.py is the test).
@@ -34,7 +34,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 BACKENDS = {-1: "error", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
 KERNEL_WORDS = ("fmha", "flash", "attention", "attn", "cudnn", "gemm", "gemv", "nvjet", "cutlass", "xmma",

@@ -1,6 +1,6 @@
 """MRoPE on one GPU: Pallas vs Triton bit identity, then timings at Qwen2.5-VL-7B shapes.
 
-    python3 benchmarks/mrope_gpu.py --out $OUT
+    python -m benchmarks.mrope_gpu --out $OUT
 
 (a) Bit identity on the feature matrix (NeoX/GPT-J x chunked/interleaved/text x full/partial
     rotary x float32/bfloat16 (+ float16 spot checks) x a few token counts): Pallas ``mrope`` and
@@ -33,23 +33,21 @@ import platform
 import re
 import statistics
 import subprocess
-import sys
 import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 import triton
-from cuda_timing import copy_bandwidth, graph_per_call_ms
 from torch.profiler import ProfilerActivity, profile
 
 import kernels_pallas as kp
 import kernels_triton as kt
+from benchmarks.timing import copy_bandwidth, graph_per_call_ms
 from jax_impl import parity
 
 ENGINE_KERNEL_US = {1024: 10.2, 8192: 39.8, 32768: 139.0}  # serving engine's Triton MRoPE kernel

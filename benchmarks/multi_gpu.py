@@ -1,7 +1,7 @@
-"""Two GPUs through jax.sharding (issue 15): the sessions step and the tensor-parallel step, timed.
+"""Two GPUs through jax.sharding: the sessions step and the tensor-parallel step, timed.
 
-    python benchmarks/multi_gpu.py [--out benchmarks/results/multi_gpu.json] [--steps 30]   # 2 GPUs (nvidia-h200-x2)
-    python benchmarks/multi_gpu.py --small [--out /tmp/multi_gpu_small.json]               # CPU smoke run
+    python -m benchmarks.multi_gpu [--out benchmarks/results/multi_gpu.json] [--steps 30]   # 2 GPUs
+    python -m benchmarks.multi_gpu --small [--out /tmp/multi_gpu_small.json]               # CPU smoke run
 
 Temporal stack at the real sizes (7B: dim 4096, 32 layers, context 3000), bf16, T=1, random
 weights (jax_impl.init_params), every ring full (offsets at capacity: each step attends to the
@@ -21,7 +21,7 @@ whole 3000-frame context). Writes a JSON list of records
 
 sync_ms: median of steps each waited for (`block_until_ready`), dispatch included; pipelined_ms:
 steps dispatched back to back, the mean. floor_ms: the bytes one GPU must read per step (its
-weights and its ring) over the copy bandwidth (benchmarks/cuda_timing.copy_bandwidth; --small:
+weights and its ring) over the copy bandwidth (benchmarks/timing.copy_bandwidth; --small:
 a jitted copy on the CPU, meaningless but filled). All steps use layer_loop="python" and
 kernels="auto" (the Pallas kernels where they apply: B=4; at B=64 the ring exceeds int32 indexing
 and XLA's attention runs, on one GPU and sharded alike). NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
@@ -43,25 +43,24 @@ if SMALL:  # two CPU devices; must be set before jax is imported
     os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # grow on demand: the B=64 ring is ~75% of a card
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (shared hosts)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax
 import jax.numpy as jnp
-from host_timing import host_ms, time_step
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_impl as jx
+from benchmarks.timing import host_ms, time_step
 from jax_impl import sharding as sh
 
 TARGETS = {"sessions": 1.15, "tensor_parallel": 0.6, "allreduce_us": 10.0}
 
 
 def copy_bandwidth(small: bool) -> float:
-    """Bytes read + written per second by a device copy (GPU: cuda_timing's 1 GiB copy)."""
+    """Bytes read + written per second by a device copy (GPU: timing's 1 GiB copy)."""
     if not small:
-        from cuda_timing import copy_bandwidth as cuda_copy_bandwidth
+        from benchmarks.timing import copy_bandwidth as cuda_copy_bandwidth
 
         return cuda_copy_bandwidth()
     a = jnp.zeros(1 << 24, jnp.uint8)

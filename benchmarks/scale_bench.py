@@ -1,7 +1,7 @@
-"""Batch scaling of the streaming steps with a full ring (issue 11), in one device call.
+"""Batch scaling of the streaming steps with a full ring, in one process.
 
-    python benchmarks/scale_bench.py --out $OUT               # scale_bench.json + scale_bench.png
-    python benchmarks/scale_bench.py --small --out /tmp/scale  # CPU smoke run (small presets)
+    python -m benchmarks.scale_bench --out $OUT               # scale_bench.json + scale_bench.png
+    python -m benchmarks.scale_bench --small --out /tmp/scale  # CPU smoke run (small presets)
 
 For each stack and batch size (temporal T=1 at --batches, default 1,4,16,64; Mimi T=2 and T=10 at
 --mimi-batches, default 4,16,64), bf16, random weights shared by torch and JAX (DLPack), every
@@ -14,8 +14,8 @@ for the JAX step (`kernels="auto"`, or `--kernels twin`) with the Python layer l
 and with one `lax.scan` over the layers (scan: true) (`--loops`):
 - sync_ms: median of synchronized steps (outputs and state ready before the next step, waited for by
   `jax_impl.until_ready`); sync_block_until_ready_ms: the same waited for by `jax.block_until_ready`
-  (every sync_ms before the fifteenth session); pipelined_ms: the same steps launched back to back
-  (`host_timing.time_step`);
+  (PjRt's ready futures); pipelined_ms: the same steps launched back to back
+  (`timing.time_step`);
 - floor_ms: (weight bytes + ring bytes) / the copy bandwidth measured in the same run;
 - call_floor_sync_ms / call_floor_pipelined_ms: a jitted call with the step's arguments (state
   donated) that only bumps the offsets, timed the same way: the synchronized cost before any kernel work;
@@ -42,7 +42,6 @@ import functools
 import gc
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
@@ -52,16 +51,22 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX
 os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
 if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:  # the deprecated name; both set is an error
     os.environ.setdefault("XLA_CLIENT_MEM_FRACTION", "0.95")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from cuda_timing import copy_bandwidth, cuda_time, kernel_profile, torch_graph
-from host_timing import host_ms, interleaved_medians_us, time_step
 
 import jax_impl
+from benchmarks.timing import (
+    copy_bandwidth,
+    cuda_time,
+    host_ms,
+    interleaved_medians_us,
+    kernel_profile,
+    time_step,
+    torch_graph,
+)
 from jax_impl.config import PRESETS
 from kernels_pallas import twin_attention
 from kernels_pallas.ring_attention import fits_int32, ring_attention
@@ -92,7 +97,7 @@ def full_state(config, B: int, key: int = 1):
 
 def attention_tbps(config, state, kernels: str) -> float | None:
     """k + v bytes of every layer over the ring attention's time, all layers in one jit, ten calls back
-    to back (GPU only; until the thirteenth session one synchronized call: the host's latency counted).
+    to back, so the host's latency is not counted (GPU only).
     kernels="twin": the twin attention; else the Pallas ring attention (None where the ring is too
     large for its int32 offsets)."""
     if not GPU or (kernels != "twin" and not fits_int32(state.k.shape)):
@@ -116,7 +121,7 @@ def attention_tbps(config, state, kernels: str) -> float | None:
 
 
 def profile_step(step, params, state, x, active) -> tuple[int | None, list | None, object]:
-    """(kernels, top_kernels, state) of one donated step (`cuda_timing.kernel_profile`, the 8 costliest
+    """(kernels, top_kernels, state) of one donated step (`timing.kernel_profile`, the 8 costliest
     by name; None, None on the CPU): the state goes in and the step's new state comes back."""
     if not GPU:
         return None, None, state

@@ -1,6 +1,6 @@
 """GPU step benchmark: the JAX step against the torch path, side by side, at the real sizes.
 
-    python3 benchmarks/step_bench.py --out DIR [--stacks temporal,mimi2,mimi10] [--steps N]
+    python -m benchmarks.step_bench --out DIR [--stacks temporal,mimi2,mimi10] [--steps N]
 
 For each stack (temporal 7B T=1; Mimi T=2 and T=10), bf16, B=4, random weights (normal std
 0.02, norms 1, layer scales 0.01), ring at steady state (offsets at capacity, every slot
@@ -24,19 +24,16 @@ import argparse
 import datetime
 import json
 import os
-import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the card
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from cuda_timing import copy_bandwidth, cuda_time, kernel_profile, torch_graph
-from host_timing import host_ms, time_step
 
 import jax_impl
+from benchmarks.timing import copy_bandwidth, cuda_time, host_ms, kernel_profile, time_step, torch_graph
 from jax_impl.config import PRESETS
 from jax_impl.ops import apply_rope, rope_pallas
 from kernels_pallas.ring_attention import ring_attention, ring_attention_native

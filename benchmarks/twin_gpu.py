@@ -1,6 +1,6 @@
 """Twin kernels on the GPU: Pallas vs Triton bits, batch invariance, and kernel times at the real sizes.
 
-    python benchmarks/twin_gpu.py --out $OUT/twin_gpu.json
+    python -m benchmarks.twin_gpu --out $OUT/twin_gpu.json
 
 For each twin kernel (linear with its epilogues, norms, RoPE tables, rotate-and-write, ring
 attention) at the temporal / Mimi sizes in bf16: whether the Pallas kernel (jitted JAX) and the
@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from cuda_timing import cuda_time, run_meta
 
+from benchmarks.timing import cuda_time, run_meta
 from jax_impl.parity import bits
 from jax_impl.tables import rope_freqs
 from kernels_pallas import twin_attention as pa

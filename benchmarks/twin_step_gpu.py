@@ -1,7 +1,7 @@
 """The twin step on the GPU at the real sizes: bits (JAX twin vs torch twin), batch invariance,
-accuracy against float32, speed. One device call:
+accuracy against float32, speed. One process:
 
-    python benchmarks/twin_step_gpu.py --out $OUT/twin_step_gpu.json
+    python -m benchmarks.twin_step_gpu --out $OUT/twin_step_gpu.json
 
 1. bits: temporal (7B sizes) and Mimi, bf16, B=4, random weights shared through DLPack, 300 steps
    with random activity and recycling (reset_slot, the reset_slot + bump_slot_start sacrifice
@@ -10,9 +10,9 @@ accuracy against float32, speed. One device call:
    step compares out, text logits, both rings and the offsets on the device (torch.equal).
 2. batch invariance: a row stepped alone (B=1) and among others (B=4, 16) has the same bits.
 3. accuracy: 120 steps of B=4 against a float32 torch reference run of the same weights and
-   inputs: mean normwise error of out, greedy-token agreement, for the twin step, today's JAX
+   inputs: mean normwise error of out, greedy-token agreement, for the twin step, the default JAX
    step (kernels="auto") and the torch reference path, all bf16.
-4. speed: synchronized and pipelined ms/step of the JAX twin step (and today's JAX step), the
+4. speed: synchronized and pipelined ms/step of the JAX twin step (and the default JAX step), the
    torch twin step eager and under a CUDA graph, kernel launches per step and the kernels that
    take the most GPU time (torch.profiler, which sees JAX's kernels too).
 """
@@ -30,10 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from cuda_timing import kernel_profile, run_meta, torch_graph
-from host_timing import host_ms, time_step
 
 import jax_impl
+from benchmarks.timing import host_ms, kernel_profile, run_meta, time_step, torch_graph
 from jax_impl.config import PRESETS
 from kernels_pallas import common
 from torch_bridge import MimiTransformer, TemporalStreaming
@@ -202,7 +201,7 @@ def accuracy(out, steps=120, B=4):
 
 
 def jax_speed(module, x, rec, with_auto, with_loop):
-    """The JAX twin step's (and, with_auto, today's fastest JAX step's; with_loop, the twin layers in
+    """The JAX twin step's (and, with_auto, the default JAX step's; with_loop, the twin layers in
     a Python loop) times into rec."""
     B = x.shape[0]
     params, state, step = jax_side(module)
@@ -269,7 +268,7 @@ def main():
     parser.add_argument("--out", default="twin_step_gpu.json")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--only", default="bits,invariance,accuracy,speed",
-                        help="parts to run; with speed, 'auto' adds today's JAX step, 'loop' the twin step as a "
+                        help="parts to run; with speed, 'auto' adds the default JAX step, 'loop' the twin step as a "
                              "Python loop, 'torch-only' leaves JAX out")
     parser.add_argument("--small", action="store_true", help="small presets on the CPU (smoke run)")
     parser.add_argument("--stacks", default="mimi,temporal", help="which stacks (comma-separated)")

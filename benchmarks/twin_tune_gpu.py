@@ -1,8 +1,8 @@
-"""Tile sweep of the twin linear (its lane form; the MMA form: `twin_ab_gpu.py`) and attention kernels on
-the GPU: which tiles reach the copy ceiling.
+"""Tile sweep of the twin linear's lane form (float32's and the CPU's; the MMA form's plan is
+`common.twin_mma_plan`) and of the twin attention on the GPU: which tiles reach the copy ceiling.
 
-    python benchmarks/twin_tune_gpu.py --out $OUT/twin_tune.json
-    TRITON_INTERPRET=1 python benchmarks/twin_tune_gpu.py --small --out /tmp/twin_tune.json  # CPU smoke
+    python -m benchmarks.twin_tune_gpu --out $OUT/twin_tune.json
+    TRITON_INTERPRET=1 python -m benchmarks.twin_tune_gpu --small --out /tmp/twin_tune.json  # CPU smoke
 
 The tiles (block_m, block_n, num_warps) change the speed of a twin kernel, never its
 bits; the lanes of a sum (common.TWIN_MAX_BK) and the attention plan (TWIN_ATTENTION_BC /
@@ -34,8 +34,8 @@ import traceback
 import jax
 import numpy as np
 import torch
-from cuda_timing import copy_bandwidth, graph_per_call_ms, run_meta
 
+from benchmarks.timing import copy_bandwidth, graph_per_call_ms, run_meta
 from jax_impl.parity import bits
 from kernels_pallas import common
 from kernels_pallas import twin_attention as pa
@@ -70,7 +70,7 @@ def record(key, value, out):
 
 
 def graph_ms(launch, calls: int) -> float:
-    """ms per launch(i): `cuda_timing.graph_per_call_ms` on the GPU; a host timer when interpreted."""
+    """ms per launch(i): `timing.graph_per_call_ms` on the GPU; a host timer when interpreted."""
     if GPU:
         return graph_per_call_ms(launch, calls)
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Steps over several devices through JAX's own SPMD machinery (`Mesh`, `NamedSharding`, `shard_map`).
 
-Two layouts, one mesh axis each (issue 15):
+Two layouts, one mesh axis each:
 
 Sessions (data parallel, for throughput). The batch of sessions is split over the mesh axis
 "sessions": with n devices each holds B/n rows of the rings and offsets; the weights are

@@ -1,11 +1,11 @@
 """`until_ready(tree)`: `jax.block_until_ready` for a stepping loop, without PjRt's wake-up latency.
 
-A synchronized step (issue 11: the step's outputs ready before the next input exists) ends in a
+A synchronized step (the step's outputs ready before the next input exists) ends in a
 host wait. `jax.block_until_ready` waits on each buffer's ready future, which PjRt fulfils from a
 host callback queued on a stream behind the step (a CUDA host function, then PjRt's callback
 thread, then the waiting thread): on an H200 the thread returned 0.5-0.8 ms after the step's last
 kernel under the profiler, with nothing else running, and a synchronized step took 0.25-0.56 ms
-longer than with `until_ready` (benchmarks/RESULTS.md, fifteenth session): up to 9% of a temporal
+longer than with `until_ready` (benchmarks/RESULTS.md, "scale_bench"): up to 9% of a temporal
 step and 60% of a Mimi step.
 
 `until_ready` waits on the GPU's own order instead: each array's DLPack export with a stream

@@ -180,10 +180,10 @@ TWIN_INTERPRET_MAX_BM = 64
 TWIN_TRITON_LINEAR_STAGES = 4     # software-pipeline depth of the linear's loop over K
 TWIN_TRITON_ATTENTION_STAGES = 1  # ... of the attention's loop over a split's blocks (3: -6% at B=1, +2% at B=4)
 TWIN_TRITON_ATTENTION_WARPS = 2
-TWIN_PALLAS_ATTENTION_WARPS = 2  # warps of the Pallas attention's programs (the JAX twin step's; RESULTS, 13th session)
+TWIN_PALLAS_ATTENTION_WARPS = 2  # warps of the Pallas attention's programs (the JAX twin step's; RESULTS.md, "twin_tune_gpu")
 # ... and where a step has at most TWIN_PALLAS_ATTENTION_FEW_QUERIES queries (B*H*T: the temporal step to B=4),
 # a latency-bound grid: 4 warps took 19.9-20.2 against 20.2-21.3 us a layer at B=1 and 60.4-60.8 against
-# 61.3-62.6 at B=4, in three sessions' ncu sweeps; 2 warps 820 against 871 at B=64 (RESULTS, 13th-16th sessions)
+# 61.3-62.6 at B=4, in three ncu sweeps; 2 warps 820 against 871 at B=64 (RESULTS.md, "twin_tune_gpu")
 TWIN_PALLAS_ATTENTION_FEW_WARPS = 4
 TWIN_PALLAS_ATTENTION_FEW_QUERIES = 128
 TWIN_PALLAS_ATTENTION_STAGES = 3  # ... and the software-pipeline depth of its loop over a split's blocks
@@ -285,7 +285,7 @@ def twin_mma_rows(M: int, column_blocks: int, block_m: int | None = None, who: s
 
     A program of 64 rows loads each weight tile once for all of them and issues a quarter of the
     MMAs: at M=64 on an H200 the temporal projections take 0.6-0.7x the time of 16-row programs, the
-    out projection's 64 programs included (RESULTS.md, fourteenth session). Each output element's
+    out projection's 64 programs included (RESULTS.md, "twin_tune_gpu"). Each output element's
     sum over a K block is the MMA's own whatever its n: the H200 gives the same bits at 16, 32 and
     64 rows (as at mma.sync and wgmma alike), which the GPU tests hold the two twins to."""
     if block_m is not None:
@@ -308,9 +308,9 @@ def twin_mma_plan(M: int, N_out: int, K: int, weight_tiles: int = 1, split: bool
     tile of each half) where its programs run more than TWIN_MMA_ROWS rows: its weight rows a
     program then match the other projections'. On an H200, at the pipeline depth `twin_mma_stages`
     gives each, the gate took 55.7 us a layer at BN 32 against 63.1-71.8 at BN 64 at 64 rows a
-    program (M = 64), and 48.6-49.2 against 47.7-48.2 at 16 (M = 1, 16; RESULTS.md, seventeenth
-    session); in the step at 16 rows, 1540 us against 1570 (B=1) and 1540 against 1559 (B=16) a
-    step (nineteenth session). R: `twin_mma_rows`, of the columns before any halving."""
+    program (M = 64), and 48.6-49.2 against 47.7-48.2 at 16 (M = 1, 16); in the step at 16
+    rows, 1540 us against 1570 (B=1) and 1540 against 1559 (B=16) a step (RESULTS.md, "twin_tune_gpu"). R: `twin_mma_rows`, of the columns before any
+    halving."""
     if split:
         BN, BK = twin_mma_blocks(N_out, K, TWIN_SPLIT_GROUP if block_n is None else block_n)
         if BN != TWIN_SPLIT_GROUP:
@@ -352,8 +352,8 @@ def twin_mma_stages(N_out: int, BN: int, BK: int, weight_tiles: int = 1, itemsiz
     than the SMs do at that depth, shallower, but no shallower than 3: the deepest at which all are
     resident at once, else the deepest at which each SM holds 2 (a program's stages are its shared
     memory; a grid one program over what the SMs hold runs a second, mostly idle wave, and at 2 stages a
-    program waits on each load). On an H200, at the temporal step's calls (RESULTS.md, seventeenth
-    session), 3 stages rather than 4: the gate at M = 1 from 50.3 to 49.0 us (352 programs: 3 an SM
+    program waits on each load). On an H200, at the temporal step's calls (RESULTS.md, "twin_tune_gpu"),
+    3 stages rather than 4: the gate at M = 1 from 50.3 to 49.0 us (352 programs: 3 an SM
     rather than 2), the qkv projection at M = 64 from 43 to 35 us (192 programs: 2 an SM rather than 1),
     the gate at M = 64 (352 programs of BN 32) 55.7 us against 76.7 at 4 stages (1 an SM) and 69.5 at 2
     (all resident)."""
@@ -375,9 +375,9 @@ def twin_mma_stages(N_out: int, BN: int, BK: int, weight_tiles: int = 1, itemsiz
 def twin_fuse_norm(BM: int, interpreted: bool = False) -> bool:
     """Whether the lane form of a linear given `norm=` runs it fused in its own kernel (else the norm
     kernel first; the bits are the same; the MMA form never fuses it: it stalled that form's
-    pipeline, RESULTS.md's fifth session). Fused, every program computes its rows' statistics
+    pipeline, RESULTS.md, "twin_tune_gpu"). Fused, every program computes its rows' statistics
     again: on an H200 that pays at one row a program, is even at 4 and costs 30-77% of the
-    projection at 8 (the fourth session's A/B, RESULTS.md). Interpreted (CPU), the cost is per
+    projection at 8 (RESULTS.md, "twin_tune_gpu"). Interpreted (CPU), the cost is per
     program: fused up to TWIN_INTERPRET_FUSED_NORM_MAX_BM rows (a test lowers it to run the other path)."""
     return BM <= (TWIN_INTERPRET_FUSED_NORM_MAX_BM if interpreted else TWIN_FUSED_NORM_MAX_BM)
 
@@ -387,8 +387,8 @@ def twin_mma_fuse_norm(K: int) -> bool:
     statistics, then normalizes each x block before its product; else the norm kernel first: the
     same bits). A function of K alone. Over K = 4096 (Helium) the normalization in the loop stalled
     the pipelined loads: 42 against 26 us for the qkv projection at B=16 on an H200 (RESULTS.md,
-    fifth session). Over a few blocks (Mimi's K = 512: 4) it saves the norm's launch (16 a Mimi
-    step) for ~1.8 us more a projection than the two kernels take (RESULTS.md, eighth session)."""
+    "twin_tune_gpu"). Over a few blocks (Mimi's K = 512: 4) it saves the norm's launch (16 a Mimi
+    step) for ~1.8 us more a projection than the two kernels take (RESULTS.md, "twin_tune_gpu")."""
     return K // twin_lanes(K) <= TWIN_MMA_FUSED_NORM_MAX_BLOCKS
 
 
@@ -442,7 +442,7 @@ class TwinSplit(NamedTuple):
     and the consuming linear, given `rms=TwinRms(ss, eps)` and x = u, scales its float32
     accumulator by r = 1 / sqrt(eps + tree_sum(ss) * inv_K) before its epilogue. No row statistics
     pass and no normalized copy of x: no norm kernel between the two projections, and nothing done to
-    the consumer's x tiles inside its pipelined loop (the fifth session's stall, RESULTS.md).
+    the consumer's x tiles inside its pipelined loop (the stall measured in RESULTS.md, "twin_tune_gpu").
 
     weight: alpha [L', N_out], read at row min(layer + offset, L' - 1) where layer is the linear's
     own (offset 1: the down-projection makes the next layer's norm; the last layer then makes its
@@ -612,7 +612,7 @@ TWIN_ATTENTION_BC = 64       # slots per block of the twin attention (at most)
 TWIN_ATTENTION_CHUNK = 256   # slots per split (at most)
 TWIN_ATTENTION_MIN_SPLITS = 4  # a ring of a few blocks is still cut into up to this many splits
 # the launch order (speed only, both twins): a query's splits one after another, so the combines spread
-# over the launch (at B=16 on an H200, the step's attention 6584 against 6790 us; RESULTS.md, eighteenth session)
+# over the launch (at B=16 on an H200, the step's attention 6584 against 6790 us; RESULTS.md, "twin_tune_gpu")
 TWIN_ATTENTION_SPLITS_FIRST = True
 
 

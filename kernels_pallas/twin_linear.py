@@ -15,13 +15,13 @@ never of M; both twins pick the same):
   product on the tensor cores in the hardware's own order, with 16, 32 or 64 rows of x a
   program (the MMA's n dimension, `common.twin_mma_rows`: speed only). There is no plain reference
   for these bits: on the H200 the Pallas and Triton kernels give the same bits at every tile and
-  row count tried, with mma.sync and wgmma alike (`benchmarks/twin_mma_gpu.py`, RESULTS.md), and
+  row count tried, with mma.sync and wgmma alike (benchmarks/RESULTS.md, "twin_tune_gpu"), and
   the GPU tests hold them to each other. They differ from the lane form's bits (another order),
   within float32 rounding.
   Each block's product accumulates into acc on the tensor cores (Triton's dot-add combine folds
   the add, on both twins with the H200's compilers). Starting each product from zero and adding
   it apart (`twin_math.mma_add`, as the attention does) took the choice from the compilers but
-  cost 2-4% of the temporal step (RESULTS.md, thirteenth session), so the linears keep the fold.
+  cost 2-4% of the temporal step (RESULTS.md, "twin_tune_gpu"), so the linears keep the fold.
 
 With `norm=TwinNorm(...)` the kernel multiplies the normalized rows instead of x: each program
 computes its rows' statistics (`twin_norm.row_stats`, a pass over x) and normalizes each x block

@@ -1,4 +1,4 @@
-"""Reliability of slot recycling (issue 12): the sacrifice tick, rows with nothing visible,
+"""Reliability of slot recycling: the sacrifice tick, rows with nothing visible,
 session isolation, and the argument checks of the jitted recycle ops.
 
 Oracles. The `moshi` package has `reset_streaming(mask)` (our `reset_rows`) but no

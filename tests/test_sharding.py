@@ -1,4 +1,4 @@
-"""Steps over two devices (issue 15), on two forced CPU devices.
+"""Steps over two devices, on two forced CPU devices.
 
 Run with XLA_FLAGS=--xla_force_host_platform_device_count=2 (`bash run.sh test` sets it); with
 one device the two-device tests skip and say so.

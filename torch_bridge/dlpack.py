@@ -21,10 +21,10 @@ torch's current stream to `array.__dlpack__`, and JAX makes it wait until the ar
 written. Neither blocks the host. `tests/test_bridge_gpu.py` proves it with a long producer.
 `to_jax` sets that order up itself (`_order_for_jax`): torch's own `__dlpack__(stream=)` made
 a CUDA event and looked its streams up at every call, 80-120 of the 250-350 us a step input took
-to cross on an H200 (benchmarks/RESULTS.md, eighth session). It then hands torch's capsule
+to cross on an H200 (benchmarks/RESULTS.md, "dropin_overhead"). It then hands torch's capsule
 (`torch.utils.dlpack.to_dlpack`) to the call `jnp.from_dlpack` makes after its checks
 (`_capsule_import`), having made both sides' checks itself: 25 against 44 us a step input on an
-idle H200 (sixteenth session).
+idle H200 (RESULTS.md, "dropin_overhead").
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def _capsule_import():
     `jnp.from_dlpack` makes after its own checks; None where this jaxlib lacks it (then
     `jnp.from_dlpack`). Private to JAX, so looked up once and called as `jnp.from_dlpack` calls
     it on this version. Why: with `jnp.from_dlpack` and `Tensor.__dlpack__`, `to_jax` took 44 us a
-    step input on an idle H200, with this call and `to_dlpack` 25 (benchmarks/RESULTS.md, sixteenth
-    session); `to_jax` makes their checks itself (the devices and streams once per device)."""
+    step input on an idle H200, with this call and `to_dlpack` 25 (benchmarks/RESULTS.md,
+    "dropin_overhead"); `to_jax` makes their checks itself (the devices and streams once per device)."""
     try:
         from jax._src.lib import _jax, jaxlib_extension_version
     except ImportError:

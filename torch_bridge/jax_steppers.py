@@ -161,7 +161,7 @@ class _JaxBacked:
         The outputs are ordered on torch's current stream (DLPack's protocol): to wait for them, wait
         on that stream (`torch.cuda.current_stream().synchronize()`, or an event), not on the device.
         `torch.cuda.synchronize()` also waits for JAX's own streams, where PjRt queues a host callback
-        behind each step: on an H200 it added 0.01-0.51 ms a step (benchmarks/RESULTS.md, sixteenth session).
+        behind each step: on an H200 it added 0.01-0.51 ms a step (benchmarks/RESULTS.md, "dropin_overhead").
         """
         _, active = self._check_step_inputs(x, active)
         outputs = self._streamer.step(to_jax(x, copy=None), None if active is None else to_jax(active, copy=None))

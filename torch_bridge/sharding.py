@@ -1,4 +1,4 @@
-"""A JAX-backed drop-in's stream split by session over several devices (issue 15).
+"""A JAX-backed drop-in's stream split by session over several devices.
 
     model = JaxTemporalStreaming(...); model.streaming_init(batch_size=8)
     shard_dropin(model, session_mesh())          # the JAX state now split by row over the mesh

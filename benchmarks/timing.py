@@ -1,13 +1,19 @@
-"""CUDA-event timing and the copy ceiling, shared by the GPU benchmark scripts."""
+"""Timing shared by the benchmark scripts: host timing of jitted JAX steps (`host_ms`,
+`interleaved_medians_us`, `time_step`), CUDA-event timing, CUDA graphs, kernel profiles and the
+copy ceiling (`cuda_time`, `torch_graph`, `graph_per_call_ms`, `kernel_profile`, `copy_bandwidth`),
+and what every result file records of its run (`run_meta`). The CUDA helpers need a GPU when called."""
 
 from __future__ import annotations
 
 import datetime
 import statistics
+import time
 
 import jax
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from jax_impl.wait import until_ready
 
 
 def run_meta(device: str | None = None, **extra) -> dict:
@@ -83,3 +89,53 @@ def kernel_profile(fn, top: int = 14) -> tuple[int, list]:
             by_name[e.name] = (t + us, n + 1)
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return sum(n for _, n in by_name.values()), [[name[:80], round(t, 1), n] for name, (t, n) in ranked]
+
+
+def host_ms(fn, n: int) -> float:
+    """Median ms of fn() measured on the host (fn waits for its own result)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def interleaved_medians_us(calls: dict, steps: int, warmup: int = 0) -> dict:
+    """name -> median us of calls[name](), the calls interleaved one by one for `steps` rounds
+    (after `warmup` untimed rounds), so the machine's drift hits each alike."""
+    for _ in range(warmup):
+        for f in calls.values():
+            f()
+    times: dict = {k: [] for k in calls}
+    for _ in range(steps):
+        for k, f in calls.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(1e6 * (time.perf_counter() - t0))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def time_step(step, params, state, x, active, steps: int, wait=until_ready):
+    """(sync_ms, pipelined_ms, state) of a donated step `step(params, state, x, active)`.
+
+    Synchronized: each step's outputs and state are ready before the next is launched (median),
+    waited for by `wait` (`jax_impl.until_ready`, the GPU's stream order; `jax.block_until_ready`
+    waits for PjRt's ready futures instead: a step 0.25-0.56 ms longer on an H200, RESULTS.md,
+    "scale_bench");
+    pipelined: `steps` launches back to back, then one wait (mean). Three warm-up steps first.
+    """
+    holder = {"state": state}
+
+    def one():
+        out, holder["state"] = step(params, holder["state"], x, active)
+        wait((out, holder["state"]))
+
+    for _ in range(3):
+        one()
+    sync = host_ms(one, steps)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        _, holder["state"] = step(params, holder["state"], x, active)
+    jax.block_until_ready(holder["state"])
+    return sync, 1e3 * (time.perf_counter() - t0) / steps, holder["state"]
