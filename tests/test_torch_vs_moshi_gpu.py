@@ -14,7 +14,7 @@ So:
   300 steps from an empty ring and, for temporal, 100 more across the ring's wrap (rings prefilled to 2950);
 - with torch's default backends, Mimi still agrees bit for bit (its cuDNN kernel gave the same bits on
   every call), and temporal stays within the measured bf16 bound below once the two runs part.
-Measurements: benchmarks/RESULTS.md, "Torch path vs moshi on the H200, bf16, real sizes".
+Measurements: benchmarks/RESULTS.md, "moshi_bf16_gpu".
 """
 
 import contextlib
