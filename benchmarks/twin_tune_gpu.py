@@ -40,7 +40,7 @@ from jax_impl.parity import bits
 from kernels_pallas import common
 from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_linear as pli
-from kernels_pallas.common import TwinNorm
+from kernels_pallas.contract.norm import TwinNorm
 from kernels_triton import twin_attention as ta
 from kernels_triton import twin_linear as tli
 from torch_bridge.dlpack import to_jax

@@ -22,7 +22,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-RING_CONVENTIONS = ("personaplex", "moshi")
+from kernels_pallas.contract.rope import RING_CONVENTIONS
+
 MIMI_PREFIXES = ("encoder_transformer", "decoder_transformer")
 
 

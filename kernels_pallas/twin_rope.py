@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.common import check_twin_rope
+from kernels_pallas.contract.rope import check_twin_rope
 
 
 def angle_sincos(pos, freqs, gpu: bool):

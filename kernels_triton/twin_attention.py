@@ -9,17 +9,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas import common
-from kernels_pallas.common import (
-    TWIN_MMA_ROWS,
+from kernels_pallas.contract import attention as contract
+from kernels_pallas.contract.attention import (
     TWIN_TRITON_ATTENTION_STAGES,
     TWIN_TRITON_ATTENTION_WARPS,
+    AttentionBlocks,
     check_twin_attention,
     check_twin_sems,
     twin_attention_form,
-    twin_attention_plan,
     twin_sems_size,
 )
+from kernels_pallas.contract.numerics import TWIN_MMA_ROWS
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -148,7 +148,7 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
               form: str | None = None):
     """The Pallas twin's signature and bits; returns [B, T, H, D] in q's dtype, and sems if given
     (its counters counted on in place and left all 0). form: as the Pallas twin's (None:
-    `common.twin_attention_form`, compiled being not interpreted)."""
+    `contract.attention.twin_attention_form`, compiled being not interpreted)."""
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: torch.zeros(n, dtype=torch.int32, device=q.device))
@@ -158,7 +158,8 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
     for name, t in (("q", q), ("ring_k", ring_k), ("ring_v", ring_v)):
         if not t.is_contiguous():
             raise ValueError(f"attention({name}): must be contiguous, got strides {t.stride()}")
-    BC, chunk, S = twin_attention_plan(C)
+    plan = AttentionBlocks.for_shapes(C)
+    BC, chunk, S = plan.block_slots, plan.chunk, plan.splits
     parts = B * H * T * S
     dev = q.device
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=dev)
@@ -174,6 +175,6 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
         positions.to(torch.int32).contiguous(), q_pos.to(torch.int32).contiguous(), acc, m, l, out, sems,
         float(torch.tensor(1.0 / math.sqrt(D), dtype=torch.float32)), B=B, H=H, T=T, C=C, D=D, CONTEXT=context,
         CHUNK=chunk, BC=BC, S=S, SP=triton.next_power_of_2(S), HB=HB, STAGES=num_stages, MMA=mma,
-        R=TWIN_MMA_ROWS, SPLITS_FIRST=common.TWIN_ATTENTION_SPLITS_FIRST, INTERPRETED=interpreted,
+        R=TWIN_MMA_ROWS, SPLITS_FIRST=contract.TWIN_ATTENTION_SPLITS_FIRST, INTERPRETED=interpreted,
         num_warps=num_warps, enable_fp_fusion=False)
     return (out, sems) if given else out

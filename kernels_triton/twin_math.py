@@ -1,6 +1,7 @@
 """The twin kernels' float32 arithmetic, Triton side: the same operations as `kernels_pallas.twin_math`.
 
-The contract is stated there; this module is its Triton twin, operation for operation (keep the
+The contract is `kernels_pallas.contract.numerics` (framework-free: its constants are read here
+without importing jax); this module is the Pallas one's Triton twin, operation for operation (keep the
 two in step). Products are plain ``a * b``: every twin kernel launches with
 ``enable_fp_fusion=False``, which makes each product a ``mul.rn.f32`` of its own (the Pallas
 twin writes that instruction); the interpreter (numpy) never fuses. The linear kernels' 16-bit
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels_pallas.twin_math import (
+from kernels_pallas.contract.numerics import (
     COS_POLY,
     ERF_ALPHA,
     ERF_BETA,

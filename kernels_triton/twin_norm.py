@@ -8,15 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.common import (
-    TWIN_MMA_ROWS,
+from kernels_pallas.contract.norm import (
     TWIN_NORM_WARPS,
     TWIN_SPLIT_GROUP,
+    NormBlocks,
     check_twin_norm,
-    twin_lanes,
-    twin_norm_rows,
     twin_norm_unroll,
 )
+from kernels_pallas.contract.numerics import TWIN_MMA_ROWS
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -37,7 +36,7 @@ def _term(x_ptr, m, m_ok, mean, k0, D: tl.constexpr, BK: tl.constexpr, SQUARE: t
 def _row_sum(x_ptr, m, m_ok, mean, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SQUARE: tl.constexpr,
              CENTER: tl.constexpr, UNROLL: tl.constexpr):
     """S(.) of the contract over rows m: of x, x*x, or (x - mean)^2; returns [BM]. UNROLL blocks
-    per loop iteration, written out (`common.twin_norm_unroll`; the same additions either way)."""
+    per loop iteration, written out (`contract.norm.twin_norm_unroll`; the same additions either way)."""
     acc = tl.zeros([BM, BK], tl.float32)
     for k0 in tl.range(0, D, BK * UNROLL):
         for j in tl.static_range(UNROLL):  # their loads go out together
@@ -104,7 +103,8 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     M, D = check_twin_norm(x, weight, bias, kind)
     if not x.is_contiguous():
         raise ValueError(f"norm(x): must be contiguous, got strides {x.stride()}")
-    BM, BK = twin_norm_rows(M, block_m, interpreting(_kernel)), twin_lanes(D)
+    blocks = NormBlocks.for_shapes(M, D, block_m, interpreting(_kernel))
+    BM, BK = blocks.block_m, blocks.block_k
     out = torch.empty_like(x)
     _kernel[(triton.cdiv(M, BM),)](
         tm.layer_tensor(layer, weight.shape[0], x.device, "norm"), x, weight, weight if bias is None else bias, out, M,
@@ -115,7 +115,7 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------- the split RMSNorm
-# (`common.TwinSplit`; the Pallas twin's `split_r`, `split_store` and `split`, the same bits)
+# (`contract.norm.TwinSplit`; the Pallas twin's `split_r`, `split_store` and `split`, the same bits)
 _SPLIT_GROUP = tl.constexpr(TWIN_SPLIT_GROUP)
 
 

@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.common import check_twin_rope, next_pow2
+from kernels_pallas.contract.numerics import next_pow2
+from kernels_pallas.contract.rope import check_twin_rope
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 

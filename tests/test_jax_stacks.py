@@ -13,7 +13,7 @@ import pytest
 
 import jax_impl as jx
 from jax_impl.config import PRESETS, CheckpointError, TemporalConfig, with_options
-from kernels_pallas.common import INT32_MAX
+from kernels_pallas.contract.numerics import INT32_MAX
 
 TCFG = PRESETS["temporal-small"]
 MCFG = PRESETS["mimi-small"]
