@@ -30,14 +30,14 @@ def launch(args):
     from cuda_timing import copy_bandwidth, run_meta
     from twin_tune_gpu import attention_case, same, with_contract
 
-    from kernels_pallas import common
     from kernels_pallas import twin_attention as pa
+    from kernels_pallas.contract import attention as contract
     from kernels_triton import twin_attention as ta
     from torch_bridge.dlpack import to_jax
 
     order, equal, copy_TBps = [], {}, copy_bandwidth() / 1e12
     ints = lambda text: [int(v) for v in text.split(",")]
-    orders = args.orders or ("splits" if common.TWIN_ATTENTION_SPLITS_FIRST else "queries")
+    orders = args.orders or ("splits" if contract.TWIN_ATTENTION_SPLITS_FIRST else "queries")
     for B in ints(args.batches):
         q, ring_k, ring_v, positions, q_pos = attention_case(B, H, T, D, C, args.layers)
         jargs = tuple(to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
@@ -102,7 +102,7 @@ def main():
     parser.add_argument("--stages", default="2")
     parser.add_argument("--plans", default="64x256", help="BCxchunk, ... (the contract's plan: other bits, both twins)")
     parser.add_argument("--orders", default=None, help="queries,splits: the launch orders to time (speed only, "
-                        "common.TWIN_ATTENTION_SPLITS_FIRST; default: the step's)")
+                        "contract.TWIN_ATTENTION_SPLITS_FIRST; default: the step's)")
     parser.add_argument("--triton-warps", default="2")
     parser.add_argument("--triton-stages", default="1")
     parser.add_argument("--layers", type=int, default=4)

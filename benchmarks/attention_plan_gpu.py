@@ -4,9 +4,9 @@ ring fastest in the JAX step's kernel (Pallas), and whether the Triton twin stil
 
     python benchmarks/attention_plan_gpu.py --out $OUT/attention_plan.json
 
-`--forms lanes,mma` times the attention's forms (`common.twin_attention_form`: the lane form's trees,
+`--forms lanes,mma` times the attention's forms (`contract.twin_attention_form`: the lane form's trees,
 or the tensor cores' products; other bits, each checked against its Triton twin at B=4).
-The plan is part of the numerics contract (`common.twin_attention_plan`, read by both packages at
+The plan is part of the numerics contract (`contract.AttentionBlocks`, read by both packages at
 call time): another plan gives other bits, the same on both sides. Per plan, warps and B: ms per
 layer of the Pallas kernel (one jit of --calls calls over L stacked layers, larger than the L2, host
 timed, median of 10), the ring bytes per second and their share of the copy rate measured in the
@@ -24,8 +24,8 @@ import torch
 from cuda_timing import copy_bandwidth, run_meta
 from twin_tune_gpu import attention_case, jax_ms, same, with_contract
 
-from kernels_pallas import common
 from kernels_pallas import twin_attention as pa
+from kernels_pallas.contract import attention as contract
 from kernels_triton import twin_attention as ta
 from torch_bridge.dlpack import to_jax
 
@@ -48,7 +48,7 @@ def main():
     L = args.layers
     plans = [tuple(int(v) for v in p_.split("x")) for p_ in args.plans.split(",")]
     ceiling = copy_bandwidth()
-    default = (common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK)
+    default = (contract.TWIN_ATTENTION_BC, contract.TWIN_ATTENTION_CHUNK)
     res = {"meta": run_meta(copy_TBps=ceiling / 1e12, default_plan=default, H=H, D=D, C=C, layers=L,
                             calls=args.calls), "rows": []}
     for B in (int(b) for b in args.batches.split(",")):
@@ -58,11 +58,11 @@ def main():
         for (bc, chunk), form in ((p_, f_) for p_ in plans for f_ in args.forms.split(",")):
             with_contract(TWIN_ATTENTION_BC=bc, TWIN_ATTENTION_CHUNK=chunk)
             for wp in (int(w) for w in args.warps.split(",")):
-                row = {"B": B, "bc": bc, "chunk": chunk, "splits": common.twin_attention_plan(C)[2], "warps": wp,
+                row = {"B": B, "bc": bc, "chunk": chunk, "splits": contract.AttentionBlocks.for_shapes(C).splits, "warps": wp,
                        "form": form}
                 try:
                     def layers(q, k, v, p, qp, wp=wp, B=B, form=form):  # as in the step: one set of counters, carried
-                        sems, outs = jnp.zeros((common.twin_sems_size(B, H, T),), jnp.int32), []
+                        sems, outs = jnp.zeros((contract.twin_sems_size(B, H, T),), jnp.int32), []
                         for i in range(args.calls):
                             o, sems = pa.attention(q, k, v, i % L, p, qp, context=C, sems=sems, num_warps=wp,
                                                    form=form)

@@ -4,7 +4,7 @@
 
 1. `attention_plan_gpu.py --forms mma` over the plans x warps x batches given (us a layer).
 2. The pick: the (plan, warps) whose time, relative to the contract's plan at its warps for each B
-   (`common.TWIN_ATTENTION_BC`, `TWIN_ATTENTION_CHUNK`, `twin_attention._warps`), summed over
+   (`contract.TWIN_ATTENTION_BC`, `TWIN_ATTENTION_CHUNK`, `twin_attention._warps`), summed over
    the batches, is least. The plan is part of the numerics contract, so a new plan needs the step's
    bits checked again: hence
 3. with the pick set (both packages read those constants at call time): `twin_step_gpu.py --only
@@ -22,15 +22,16 @@ import subprocess
 import sys
 import time
 
-from kernels_pallas import common, twin_attention
+from kernels_pallas import twin_attention
+from kernels_pallas.contract import attention as contract
 
 TEMPORAL_HEADS = 32  # the sweep's queries a batch row (T=1)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # a benchmark run with the pick's contract constants set (read at call time by both packages)
-RUN_WITH = ("import runpy, sys; from kernels_pallas import common; "
-            "(common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK, common.TWIN_PALLAS_ATTENTION_WARPS), "
-            "common.TWIN_PALLAS_ATTENTION_FEW_WARPS = {pick}, {pick}[2]; "
+RUN_WITH = ("import runpy, sys; from kernels_pallas.contract import attention as contract; "
+            "(contract.TWIN_ATTENTION_BC, contract.TWIN_ATTENTION_CHUNK, contract.TWIN_PALLAS_ATTENTION_WARPS), "
+            "contract.TWIN_PALLAS_ATTENTION_FEW_WARPS = {pick}, {pick}[2]; "
             "sys.argv = {argv}; runpy.run_path({path!r}, run_name='__main__')")
 
 
@@ -44,14 +45,14 @@ def run(argv: list[str], budget_s: float) -> None:
 
 def pick(rows: list[dict], batches: list[int]) -> dict:
     """The (bc, chunk, warps) of least summed time relative to the contract's, over the batches."""
-    plan = (common.TWIN_ATTENTION_BC, common.TWIN_ATTENTION_CHUNK)
+    plan = (contract.TWIN_ATTENTION_BC, contract.TWIN_ATTENTION_CHUNK)
     default = {B: (*plan, twin_attention._warps(B * TEMPORAL_HEADS)) for B in batches}  # the contract's warps at B
     us = {(r["bc"], r["chunk"], r["warps"], r["B"]): r["us_per_layer"] for r in rows if "us_per_layer" in r}
     base = {B: us[(*default[B], B)] for B in batches if (*default[B], B) in us}  # the batches the sweep reached
     batches = list(base)
     score = {cfg: sum(us[(*cfg, B)] / base[B] for B in batches)
              for cfg in ({k[:3] for k in us} if batches else ()) if all((*cfg, B) in us for B in batches)}
-    best = min(score, key=score.get, default=(*plan, common.TWIN_PALLAS_ATTENTION_WARPS))
+    best = min(score, key=score.get, default=(*plan, contract.TWIN_PALLAS_ATTENTION_WARPS))
     return {"pick": list(best), "default": {B: list(d) for B, d in default.items()}, "batches": batches,
             "relative_sum": {str(k): v for k, v in score.items()}}
 

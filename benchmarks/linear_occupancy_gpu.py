@@ -21,8 +21,8 @@ import torch
 from cuda_timing import run_meta
 from twin_split_gpu import SHAPES, L, device_us, run_cases
 
-from kernels_pallas import common
 from kernels_pallas import twin_linear as pli
+from kernels_pallas.contract import linear, norm
 from kernels_triton import twin_linear as tli
 from torch_bridge.dlpack import to_jax
 
@@ -39,7 +39,7 @@ def inputs(M: int, name: str) -> dict:
     t = {"x": torch.randn(M, K, device=dev).to(torch.bfloat16),
          "w": (torch.randn(L, N, K, device=dev) * 0.02).to(torch.bfloat16)}
     if name in ("qkv", "gate"):  # the consumer of a split norm: per-group sums of squares of x
-        t["ss"] = torch.rand(M, K // common.TWIN_SPLIT_GROUP, device=dev) * 64
+        t["ss"] = torch.rand(M, K // norm.TWIN_SPLIT_GROUP, device=dev) * 64
     else:  # the producer: the residual and the next norm's alpha
         t["r"] = torch.randn(M, n_out, device=dev).to(torch.bfloat16)
         t["alpha"] = torch.rand(L, n_out, device=dev).to(torch.bfloat16)
@@ -59,14 +59,14 @@ def calls(mod, name: str, a: dict, kw: dict, rings=None):
         qs = []
         for i in range(L):
             q, *rings = mod.linear_rope_write(a["x"], a["w"], i, a["cos"], a["sin"], *rings, a["widx"], a["wmask"],
-                                              rms=common.TwinRms(a["ss"], eps), **kw)
+                                              rms=norm.TwinRms(a["ss"], eps), **kw)
             qs.append(q)
         return qs, rings
     if name == "gate":
-        return [mod.linear(a["x"], a["w"], i, act="silu_gate", rms=common.TwinRms(a["ss"], eps), **kw)
+        return [mod.linear(a["x"], a["w"], i, act="silu_gate", rms=norm.TwinRms(a["ss"], eps), **kw)
                 for i in range(L)]
     offset = int(name == "down")
-    return [mod.linear(a["x"], a["w"], i, residual=a["r"], split=common.TwinSplit(a["alpha"], offset), **kw)[0]
+    return [mod.linear(a["x"], a["w"], i, residual=a["r"], split=norm.TwinSplit(a["alpha"], offset), **kw)[0]
             for i in range(L)]
 
 
@@ -77,12 +77,13 @@ def plan(M: int, name: str, block_n: int | None = None, block_m: int | None = No
     tiles = 1 + (act == "silu_gate")
     n_out = N // tiles
     if name == "qkv":
-        BN, BK = common.twin_qkv_plan(N, K, D, "bfloat16", compiled=True, block_n=block_n)[1], common.twin_lanes(K)
-        R = common.twin_mma_rows(M, N // BN, block_m)
+        BN, BK = linear.twin_qkv_plan(N, K, D, "bfloat16", compiled=True, block_n=block_n)[1], linear.twin_lanes(K)
+        R = linear.twin_mma_rows(M, N // BN, block_m)
     else:
-        BN, BK, R = common.twin_mma_plan(M, n_out, K, tiles, name in ("out", "down"), block_m, block_n)
+        blocks = linear.MmaBlocks.for_shapes(M, n_out, K, tiles, name in ("out", "down"), block_m, block_n)
+        BN, BK, R = blocks.block_n, blocks.block_k, blocks.rows
     return {"BN": BN, "BK": BK, "rows": R, "programs": -(-M // R) * (n_out // BN),
-            "default_stages": common.twin_mma_stages(n_out, BN, BK, tiles, rows=R, M=M),
+            "default_stages": linear.twin_mma_stages(n_out, BN, BK, tiles, rows=R, M=M),
             "stage_bytes": (tiles * BN + R) * BK * 2}
 
 

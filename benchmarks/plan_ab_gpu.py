@@ -1,16 +1,16 @@
 """The twin step under two plans (the MMA linears', the kernels' speed constants), in one process:
 one copy rate, one host.
 
-    git show <rev>:kernels_pallas/common.py > candidate_common.py   # the plan to try
-    python benchmarks/plan_ab_gpu.py --candidate candidate_common.py --out $OUT/plan_ab.json
+    git show <rev>:kernels_pallas/contract/linear.py > candidate_linear.py   # the plan to try
+    python benchmarks/plan_ab_gpu.py --candidate candidate_linear.py --out $OUT/plan_ab.json
     python benchmarks/plan_ab_gpu.py --set TWIN_ATTENTION_SPLITS_FIRST=True --out $OUT/order_ab.json
     python benchmarks/plan_ab_gpu.py --xla xla_gpu_enable_pdl=false --out $OUT/xla_pdl_ab.json
     python benchmarks/plan_ab_gpu.py --unroll 2 --out $OUT/unroll_ab.json
-    python benchmarks/plan_ab_gpu.py --candidate kernels_pallas/common.py --small --out /tmp/ab.json  # CPU smoke
+    python benchmarks/plan_ab_gpu.py --candidate kernels_pallas/contract/linear.py --small --out /tmp/ab.json  # CPU smoke
 
-A: this checkout as it is; B: the candidate file's `twin_mma_plan` and `twin_mma_stages` (loaded as
+A: this checkout as it is; B: the candidate file's `MmaBlocks` and `twin_mma_stages` (loaded as
 a module) put into both twins (`kernels_pallas.twin_linear`, `kernels_triton.twin_linear`), and each
-`--set` constant of `kernels_pallas.common` (read by both twins at call time), while B's step traces;
+`--set` constant of `kernels_pallas.contract` (read by both twins at call time), while B's step traces;
 each `--xla` option is B's XLA compiler option (`jax.jit(compiler_options=)`), and `--unroll` B's
 layer loop's unroll factor (`make_step(scan_unroll=)`).
 Two steps timed in two processes differ by each process's copy rate and host (the
@@ -35,19 +35,19 @@ import torch
 from cuda_timing import copy_bandwidth, run_meta
 from host_timing import time_step
 from scale_bench import DEVICE, GPU, full_state, profile_step, release, stack_cases, torch_stack
+from twin_tune_gpu import contract_module
 
 import jax_impl
-from kernels_pallas import common
 from kernels_pallas import twin_linear as pli
 from kernels_triton import twin_linear as tli
 from torch_bridge.dlpack import to_jax
 
-PLAN = ("twin_mma_plan", "twin_mma_stages")
+PLAN = ("MmaBlocks", "twin_mma_stages")
 
 
 def patches(candidate: str | None, sets: list[str]) -> list[tuple]:
     """B's (module, name, value)s: the candidate file's plan in both twins, then each NAME=VALUE
-    (a Python literal) as a constant of `kernels_pallas.common`."""
+    (a Python literal) as a constant of `kernels_pallas.contract`."""
     out = []
     if candidate is not None:
         spec = importlib.util.spec_from_file_location("candidate_plan", candidate)
@@ -56,9 +56,11 @@ def patches(candidate: str | None, sets: list[str]) -> list[tuple]:
         out += [(mod, name, getattr(plan, name)) for mod in (pli, tli) for name in PLAN]
     for item in sets:
         name, _, value = item.partition("=")
-        if not hasattr(common, name):
-            raise SystemExit(f"--set: kernels_pallas.common has no {name!r}")
-        out.append((common, name, ast.literal_eval(value)))
+        try:
+            module = contract_module(name)
+        except KeyError as e:
+            raise SystemExit(f"--set: {e.args[0]}") from None
+        out.append((module, name, ast.literal_eval(value)))
     return out
 
 
@@ -120,9 +122,9 @@ def case(kind: str, T: int, B: int, module, changes, xla: dict, unroll: int, rou
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--candidate", help="a Python file defining twin_mma_plan and twin_mma_stages")
+    parser.add_argument("--candidate", help="a Python file defining MmaBlocks and twin_mma_stages")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="B's value of a kernels_pallas.common constant (repeatable)")
+                        help="B's value of a kernels_pallas.contract constant (repeatable)")
     parser.add_argument("--xla", action="append", default=[], metavar="NAME=VALUE",
                         help="B's XLA compiler option, e.g. xla_gpu_enable_pdl=false (repeatable)")
     parser.add_argument("--unroll", type=int, default=1, help="B's layer loop unroll factor")

@@ -2,7 +2,7 @@
 
     python benchmarks/twin_variants_gpu.py --stacks mimi,temporal --batches 4 --out $OUT/variants.json
 
-A variant is a set of `kernels_pallas.common` constants (speed-only choices: which launches are
+A variant is a set of `kernels_pallas.contract.linear` constants (speed-only choices: which launches are
 fused) and the scan's unroll. Each variant's step is traced and compiled with its constants set
 (the kernels read them at trace time), then the constants go back; the steps then run round-robin,
 `--rounds` times `--steps` synchronized and pipelined steps each (`host_timing.time_step`), so
@@ -29,12 +29,12 @@ from scale_bench import full_state
 from twin_step_gpu import build
 
 import jax_impl
-from kernels_pallas import common
+from kernels_pallas.contract import linear as contract
 from torch_bridge.dlpack import to_jax
 
-VARIANTS = {  # name -> ({common constant: value}, scan_unroll; None: all the layers)
-    "fused_unrolled": ({"TWIN_MMA_FUSED_NORM_MAX_BLOCKS": common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS}, None),
-    "fused_rolled": ({"TWIN_MMA_FUSED_NORM_MAX_BLOCKS": common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS}, 1),
+VARIANTS = {  # name -> ({contract constant: value}, scan_unroll; None: all the layers)
+    "fused_unrolled": ({"TWIN_MMA_FUSED_NORM_MAX_BLOCKS": contract.TWIN_MMA_FUSED_NORM_MAX_BLOCKS}, None),
+    "fused_rolled": ({"TWIN_MMA_FUSED_NORM_MAX_BLOCKS": contract.TWIN_MMA_FUSED_NORM_MAX_BLOCKS}, 1),
     "unfused_unrolled": ({"TWIN_MMA_FUSED_NORM_MAX_BLOCKS": 0}, None),
     "unfused_rolled": ({"TWIN_MMA_FUSED_NORM_MAX_BLOCKS": 0}, 1),
 }
@@ -43,9 +43,9 @@ VARIANTS = {  # name -> ({common constant: value}, scan_unroll; None: all the la
 def compiled(module, constants: dict, scan_unroll, params, state, x):
     """The variant's jitted step (state donated), traced and run once with its constants set; returns
     (step, its outputs, the state after that call)."""
-    saved = {k: getattr(common, k) for k in constants}
+    saved = {k: getattr(contract, k) for k in constants}
     for k, v in constants.items():
-        setattr(common, k, v)
+        setattr(contract, k, v)
     try:
         fn = jax_impl.step_fn(module.config, kernels="twin", scan_unroll=scan_unroll or module.config.num_layers,
                               rope_freqs=module.rope_freqs())
@@ -53,7 +53,7 @@ def compiled(module, constants: dict, scan_unroll, params, state, x):
         out, state = jax.block_until_ready(step(params, state, x, None))
     finally:
         for k, v in saved.items():
-            setattr(common, k, v)
+            setattr(contract, k, v)
     return step, out, state
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+from kernels_pallas.contract import numerics
 from kernels_pallas.contract.norm import (
     TWIN_SPLIT_GROUP,
     TwinNorm,
@@ -20,7 +21,6 @@ from kernels_pallas.contract.norm import (
 )
 from kernels_pallas.contract.numerics import (
     SIXTEEN_BIT,
-    TWIN_INTERPRET_MAX_BM,
     TWIN_MMA_ROWS,
     choose_form,
     largest_pow2_divisor,
@@ -204,7 +204,7 @@ class LinearBlocks:
         The defaults are the fastest tiles of `benchmarks/twin_tune_gpu.py` on an H200 (RESULTS.md).
         masked_n: the kernel masks columns past N, so block_n need not divide N (Triton's).
         """
-        max_bn, max_bm = (TWIN_INTERPRET_MAX_BN, TWIN_INTERPRET_MAX_BM) if interpreted else (TWIN_MAX_BN, TWIN_MAX_BM)
+        max_bn, max_bm = (TWIN_INTERPRET_MAX_BN, numerics.TWIN_INTERPRET_MAX_BM) if interpreted else (TWIN_MAX_BN, TWIN_MAX_BM)
         BM = min(max_bm, next_pow2(M)) if block_m is None else block_m
         BN = largest_pow2_divisor(N, max_bn) if block_n is None else block_n
         for name, v, total in (("block_m", BM, None), ("block_n", BN, None if masked_n else N)):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+from kernels_pallas.contract import numerics
 from kernels_pallas.contract.numerics import (
-    TWIN_INTERPRET_MAX_BM,
     largest_pow2_divisor,
     next_pow2,
     twin_lanes,
@@ -40,7 +40,7 @@ class NormBlocks:
         if block_m is not None and (block_m <= 0 or block_m & (block_m - 1)):
             raise ValueError(f"norm(block_m): must be a power of two, got {block_m}")
         if block_m is None:
-            block_m = min(TWIN_INTERPRET_MAX_BM, next_pow2(M)) if interpreted else 1
+            block_m = min(numerics.TWIN_INTERPRET_MAX_BM, next_pow2(M)) if interpreted else 1
         return cls(block_m, twin_lanes(D))
 
 
