@@ -2,7 +2,7 @@
 
     params = {"params": {"layers": {name: [L, ...]}, "out_norm_alpha": [dim], "text_linear": [V, dim]}}
 
-Every parameter is declared once, from `config.weight_specs`, stacked `[L, ...]` under
+Every parameter is declared once, from `checkpoint.weight_specs`, stacked `[L, ...]` under
 "layers" (the torch buffer names and layout; the top-level `out_norm_alpha`, `text_linear`
 exist for the temporal stack only). A layer is a pure function of its weight slices,
 `carry = (x [B, T, dim], ring_k, ring_v)` with the whole stacked rings, the layer index and
@@ -25,7 +25,8 @@ from kernels_pallas import twin_attention, twin_entry, twin_linear, twin_norm
 from kernels_pallas.contract.linear import twin_split_norm
 from kernels_pallas.contract.norm import TwinNorm, TwinRms, TwinSplit
 
-from .config import MimiConfig, StackConfig, TemporalConfig, weight_specs
+from .checkpoint import weight_specs
+from .config import MimiConfig, StackConfig, TemporalConfig
 from .ops import layer_norm, linear, ring_attention, rms_norm_f32
 from .state import StreamState
 from .tables import StepTables, rope_freqs, step_tables, visible_mask

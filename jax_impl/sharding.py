@@ -62,7 +62,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import state as st
-from .config import StackConfig, TemporalConfig, check_fit, describe
+from .checkpoint import check_fit
+from .config import StackConfig, TemporalConfig, describe
 from .model import run_layers
 from .ops import _acc_dtype, attend, linear, pick_kernels, rms_norm_f32
 from .snapshot import check_snapshot_layout

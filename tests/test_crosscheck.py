@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import torch_bridge.crosscheck as cc
-from jax_impl.config import PRESETS, CheckpointError
+from jax_impl.checkpoint import CheckpointError
+from jax_impl.config import PRESETS
 from torch_bridge.cli import main
 from torch_bridge.crosscheck import CrosscheckReport, TensorRecord, crosscheck
 

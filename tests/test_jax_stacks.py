@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jax_impl as jx
-from jax_impl.config import PRESETS, CheckpointError, TemporalConfig, with_options
+from jax_impl.checkpoint import CheckpointError
+from jax_impl.config import PRESETS, TemporalConfig, with_options
 from kernels_pallas.contract.numerics import INT32_MAX
 
 TCFG = PRESETS["temporal-small"]
