@@ -23,7 +23,7 @@ from cuda_timing import run_meta
 from host_timing import host_ms
 from jax._src.lib import _jax  # the capsule import jax.dlpack.from_dlpack calls (private: diagnosis only)
 
-from torch_bridge.dlpack import _jax_device_for, _order_for_jax, to_jax
+from torch_bridge.dlpack import _order_for_jax, jax_device_for, to_jax
 
 
 class _Ordered:
@@ -60,7 +60,7 @@ def main():
     parts = {
         "to_jax": lambda: to_jax(x),
         "to_jax_before_s16": lambda: (_order_for_jax(x, dev), jnp.from_dlpack(_Ordered(x))),
-        "to_jax_device_lookup": lambda: _jax_device_for(x),
+        "to_jax_device_lookup": lambda: jax_device_for(x),
         "to_jax_order": lambda: _order_for_jax(x, dev),
         "torch_current_stream": lambda: torch.cuda.current_stream(x.device).cuda_stream,
         "torch_current_raw_stream": lambda: torch._C._cuda_getCurrentRawStream(0),

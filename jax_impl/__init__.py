@@ -18,7 +18,7 @@ Names are imported on first use: the torch path reads `jax_impl.config`, `jax_im
 without importing jax.
 """
 
-from kernels_pallas._lazy import lazy_exports
+from kernels_pallas.lazy import lazy_exports
 
 _EXPORTS = {
     **dict.fromkeys(["MimiConfig", "PRESETS", "StackConfig", "TemporalConfig", "with_options"], "config"),

@@ -8,7 +8,7 @@ and checks, standard library only) is read by `kernels_triton` and `jax_impl.con
 importing jax.
 """
 
-from kernels_pallas._lazy import lazy_exports
+from kernels_pallas.lazy import lazy_exports
 
 _EXPORTS = {
     "mrope": "rotary_mrope", "mrope_native": "rotary_mrope",

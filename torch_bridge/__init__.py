@@ -8,7 +8,7 @@
 Names are imported on first use: the torch path alone does not import jax.
 """
 
-from kernels_pallas._lazy import lazy_exports
+from kernels_pallas.lazy import lazy_exports
 
 _EXPORTS = {
     **dict.fromkeys(["MimiTransformer", "TemporalStreaming"], "stacks"),
