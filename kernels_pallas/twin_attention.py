@@ -295,3 +295,6 @@ def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int
     per_h = jax.vmap(per_t, in_axes=(0, 0, 0, None, None))                      # over h
     per_b = jax.vmap(per_h, in_axes=(0, 0, 0, 0, 0))                            # over b
     return per_b(q.astype(tm.F32), k, v, pos, q_pos.astype(jnp.int32)).transpose(0, 2, 1, 3)
+
+
+__all__ = ["attention", "attention_native"]

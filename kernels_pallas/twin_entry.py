@@ -183,3 +183,6 @@ def entry_native(offset, start_offset, active, x, freqs, *, capacity: int, conve
     cos, sin = twin_rope.tables_native(offset, T, freqs)
     return Entry(end_offset, cos, sin, q_pos, write_index, write_mask.astype(jnp.int32), positions,
                  jnp.zeros((twin_sems_size(B, num_heads, T),), jnp.int32), x)
+
+
+__all__ = ["Entry", "entry", "entry_native"]

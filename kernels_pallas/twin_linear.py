@@ -450,3 +450,6 @@ def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm
         acc = (acc[:, :N_out], acc[:, N_out:])
     s = None if scale is None else lax.dynamic_index_in_dim(scale, layer, keepdims=False)[None, :]
     return _epilogue(acc, x.dtype, act, s, residual, False)
+
+
+__all__ = ["linear", "linear_native", "linear_rope_write", "linear_rope_write_native"]

@@ -226,3 +226,6 @@ def norm_native(x, weight, bias=None, layer=None, *, kind: str = "rms", eps: flo
     w = lax.dynamic_index_in_dim(weight, layer, keepdims=False).astype(tm.F32)[None, :]
     b = lax.dynamic_index_in_dim(bias, layer, keepdims=False).astype(tm.F32)[None, :]
     return tm.to_dtype(normalize(xf, w, b, stats, kind, False), x.dtype)
+
+
+__all__ = ["norm", "norm_native", "split", "split_native"]

@@ -178,3 +178,6 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
         R=TWIN_MMA_ROWS, SPLITS_FIRST=contract.TWIN_ATTENTION_SPLITS_FIRST, INTERPRETED=interpreted,
         num_warps=num_warps, enable_fp_fusion=False)
     return (out, sems) if given else out
+
+
+__all__ = ["attention", "attention_native"]

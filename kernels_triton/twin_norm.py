@@ -15,7 +15,7 @@ from kernels_pallas.contract.norm import (
     check_twin_norm,
     twin_norm_unroll,
 )
-from kernels_pallas.contract.numerics import TWIN_MMA_ROWS
+from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, twin_lanes
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -168,3 +168,49 @@ def split(x: torch.Tensor, weight: torch.Tensor, layer=None):
         tm.layer_tensor(layer, weight.shape[0], x.device, "split"), x, weight, u, ss, M, D=D, R=TWIN_MMA_ROWS,
         G=TWIN_SPLIT_GROUP, INTERPRETED=interpreting(_split_kernel), num_warps=TWIN_NORM_WARPS, enable_fp_fusion=False)
     return u, ss
+
+# ------------------------------------------------------------------------------- the plain references
+def _layer_index(layer) -> int:
+    return int(layer) if isinstance(layer, torch.Tensor) else layer
+
+
+def row_stats_native(xf: torch.Tensor, D: int, kind: str, eps: float) -> tuple[torch.Tensor, ...]:
+    """The contract's row statistics of xf float32 [M, D] in plain torch: (r,) for rms, (mean, r) for
+    layer, each [M, 1] (the kernels' `row_stats`)."""
+    BK, inv_d = twin_lanes(D), 1.0 / D
+    if kind == "rms":
+        return (1.0 / torch.sqrt(eps + tm.lanes_sum_native(xf * xf, BK) * inv_d),)
+    mean = tm.lanes_sum_native(xf, BK) * inv_d
+    c = xf - mean
+    var = tm.lanes_sum_native(c * c, BK) * inv_d
+    return mean, 1.0 / torch.sqrt(var + eps)
+
+
+def norm_native(x, weight, bias=None, layer=None, *, kind: str = "rms", eps: float, **_):
+    """The plain torch reference of `norm`: the same signature and bits, without Triton."""
+    if layer is None:
+        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
+    _, D = check_twin_norm(x, weight, bias, kind)
+    xf = x.float()
+    stats = row_stats_native(xf, D, kind, eps)
+    w = weight[_layer_index(layer)].float()[None, :]
+    if kind == "rms":
+        return (xf * (w * stats[0])).to(x.dtype)
+    mean, r = stats
+    return (((xf - mean) * r) * w + bias[_layer_index(layer)].float()[None, :]).to(x.dtype)
+
+
+def split_native(x, weight, layer=None, **_):
+    """The plain torch reference of `split`: (u, ss), the same signature and bits, without Triton."""
+    if layer is None:
+        weight, layer = weight[None], 0
+    M, D = check_twin_norm(x, weight, None, "rms")
+    if D % TWIN_SPLIT_GROUP:
+        raise ValueError(f"split(x): D={D} must be a multiple of {TWIN_SPLIT_GROUP}")
+    xf = x.float()
+    alpha = weight[_layer_index(layer)].float()[None, :]
+    ss = tm.tree_sum_native((xf * xf).reshape(M, D // TWIN_SPLIT_GROUP, TWIN_SPLIT_GROUP))[..., 0]
+    return (xf * alpha).to(x.dtype), ss
+
+
+__all__ = ["norm", "norm_native", "split", "split_native"]

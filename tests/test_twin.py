@@ -523,8 +523,9 @@ def test_split_norm_producer_has_the_bits_of_linear_then_split(layer, offset):
     assert_same(y, pli.linear(J(a), J(w), layer, residual=J(r), form="mma"), what="pallas y")
     assert_same(ty, tli.linear(T_(a), T_(w), layer, residual=T_(r), form="mma"), what="triton y")
     u_ref, ss_ref = pn.split_native(y, J(alpha), row)
-    for name, got in (("u", (u, tn.split(ty, T_(alpha), row)[0], pn.split(y, J(alpha), row)[0], tu)),
-                      ("ss", (ss, tn.split(ty, T_(alpha), row)[1], pn.split(y, J(alpha), row)[1], tss))):
+    for i, name in enumerate(("u", "ss")):
+        got = (u if i == 0 else ss, tn.split(ty, T_(alpha), row)[i], pn.split(y, J(alpha), row)[i],
+               tu if i == 0 else tss, tn.split_native(ty, T_(alpha), row)[i])
         assert_same(u_ref if name == "u" else ss_ref, *got, what=f"split {name}")
     assert ss.dtype == jnp.float32 and ss.shape == (M, N // cn.TWIN_SPLIT_GROUP)
 
@@ -687,7 +688,8 @@ def test_norm_twins_same_bits(kind, M, D, dtype):
     y_p = jax.jit(lambda x, w, b: pn.norm(x, w, b, jnp.int32(1), kind=kind, eps=eps))(x, w, b)
     y_n = jax.jit(lambda x, w, b: pn.norm_native(x, w, b, jnp.int32(1), kind=kind, eps=eps))(x, w, b)
     y_t = tn.norm(to_torch(x), to_torch(w), None if b is None else to_torch(b), 1, kind=kind, eps=eps)
-    assert_same(y_p, y_n, y_t, what=kind)
+    y_tn = tn.norm_native(to_torch(x), to_torch(w), None if b is None else to_torch(b), 1, kind=kind, eps=eps)
+    assert_same(y_p, y_n, y_t, y_tn, what=kind)
     # one row a program, the compiled default: the tiles change the speed, never the bits
     y_p1 = pn.norm(x, w, b, 1, kind=kind, eps=eps, block_m=1)
     y_t1 = tn.norm(to_torch(x), to_torch(w), None if b is None else to_torch(b), 1, kind=kind, eps=eps, block_m=1)
@@ -727,8 +729,11 @@ def _check_entry(B, T, H, D, C, dtype, convention, device):
         assert_same(a, n, what=f"{name}, active None")  # None: every row, as all True
     t = (lambda a: torch.from_numpy(a).to(device))
     c_t, s_t = tr.tables(t(offset), T, t(freqs))
-    assert_same(e.cos, c_t.cpu(), what="cos")
-    assert_same(e.sin, s_t.cpu(), what="sin")
+    c_tn, s_tn = tr.tables_native(t(offset), T, t(freqs))
+    c_p, s_p = jax.jit(pr.tables, static_argnums=1)(offset, T, freqs)
+    c_n, s_n = pr.tables_native(jnp.asarray(offset), T, jnp.asarray(freqs))
+    assert_same(e.cos, c_t.cpu(), c_tn.cpu(), c_p, c_n, what="cos")
+    assert_same(e.sin, s_t.cpu(), s_tn.cpu(), s_p, s_n, what="sin")
     want = build_torch_tables(*map(t, (offset, start, active)), T, capacity=C, context=C,
                               head_dim=D, max_period=10000.0, convention=convention)
     for name in ("q_pos", "write_index", "positions", "end_offset", "write_mask"):  # torch's: int64, bool
@@ -756,8 +761,11 @@ def test_entry_tables_and_rope_write_twins_same_bits(B, T, H, D, C, dtype, conve
     out_n = jax.jit(pr.rope_write_native)(qkv, c_p, s_p, ring_k, ring_v, jnp.int32(1), slots, written)
     rk, rv = to_torch(ring_k).clone(), to_torch(ring_v).clone()
     out_t = tr.rope_write(to_torch(qkv), c_t, s_t, rk, rv, 1, torch.from_numpy(slots), torch.from_numpy(written))
-    for a, b_, c in zip(out_p, out_n, out_t):
-        assert_same(a, b_, c, what="rope_write")
+    rk, rv = to_torch(ring_k).clone(), to_torch(ring_v).clone()
+    out_tn = tr.rope_write_native(to_torch(qkv), c_t, s_t, rk, rv, 1, torch.from_numpy(slots),
+                                  torch.from_numpy(written))
+    for a, b_, c, d in zip(out_p, out_n, out_t, out_tn):
+        assert_same(a, b_, c, d, what="rope_write")
     assert_same(np.asarray(out_p[1])[0], ring_k[0], what="layer 0 untouched")
     for b in range(B):
         for t in range(T):
