@@ -452,4 +452,13 @@ def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm
     return _epilogue(acc, x.dtype, act, s, residual, False)
 
 
+def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, *, norm=None, form=None,
+                             **_):
+    """The plain jax.numpy reference of `linear_rope_write`'s lane form: `linear_native` then
+    `twin_rope.rope_write_native`, the same signature and bits (the MMA form's bits are the tensor cores')."""
+    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
+    qkv = linear_native(x, w, layer, norm=norm, form=form).reshape(B, T, 3, H, D)
+    return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
+
+
 __all__ = ["linear", "linear_native", "linear_rope_write", "linear_rope_write_native"]

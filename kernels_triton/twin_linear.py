@@ -382,5 +382,40 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
         enable_fp_fusion=False)
     return q, ring_k, ring_v
 
+# ------------------------------------------------------------------------------- the plain references
+def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm=None, form=None, **_):
+    """The plain torch reference of the lane form: the same signature and bits, without Triton (the
+    MMA form's bits are the tensor cores': no plain reference has them)."""
+    if form not in (None, "lanes"):
+        raise ValueError(f"linear_native(form): the reference computes the lane form only, got {form!r}")
+    w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
+    _, K, _, N_out = check_twin_linear(x, w, act, scale, residual, norm)
+    layer = int(layer) if isinstance(layer, torch.Tensor) else layer
+    if norm is not None:
+        x = twin_norm.norm_native(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps)
+    dtype, f32 = x.dtype, torch.float32
+    acc = tm.lanes_sum_native(x.to(f32)[:, None, :] * w[layer].to(f32)[None], twin_lanes(K))[..., 0]  # [M, N]
+    if act == "silu_gate":
+        a, b = acc[:, :N_out].to(dtype).to(f32), acc[:, N_out:].to(dtype).to(f32)
+        y = (tm.silu_native(a).to(dtype).to(f32) * b).to(dtype)
+    else:
+        y = acc.to(dtype)
+        if act == "gelu":
+            y = tm.gelu_native(y.to(f32)).to(dtype)
+    if scale is not None:
+        y = (scale[layer].to(f32)[None, :] * y.to(f32)).to(dtype)
+    if residual is not None:
+        y = (residual.to(f32) + y.to(f32)).to(dtype)
+    return y
+
+
+def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, *, norm=None, form=None,
+                             **_):
+    """The plain torch reference of `linear_rope_write`'s lane form: `linear_native` then
+    `twin_rope.rope_write_native` (the rings written in place), the same signature and bits."""
+    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
+    qkv = linear_native(x, w, layer, norm=norm, form=form).reshape(B, T, 3, H, D)
+    return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
+
 
 __all__ = ["linear", "linear_native", "linear_rope_write", "linear_rope_write_native"]

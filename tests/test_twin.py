@@ -208,7 +208,8 @@ def test_linear_twins_same_bits_and_batch_invariant(M, N, K, L, act, scale, res,
     y_n = jax.jit(lambda x, w, s, r, i: pli.linear_native(x, w, i, scale=s, residual=r, **kw))(x, w, s, r,
                                                                                               jnp.int32(L - 1))
     y_t = tli.linear(T(x), T(w), L - 1, scale=T(s), residual=T(r), **kw)
-    assert_same(y_p, y_n, y_t, what="linear")
+    y_tn = tli.linear_native(T(x), T(w), L - 1, scale=T(s), residual=T(r), **kw)
+    assert_same(y_p, y_n, y_t, y_tn, what="linear")
     # other tiles and pipeline depths: the speed changes, never the bits
     y_p2 = pli.linear(x, w, L - 1, scale=s, residual=r, block_n=16, **kw)
     y_t2 = tli.linear(T(x), T(w), L - 1, scale=T(s), residual=T(r), block_n=16, num_stages=1, **kw)
@@ -429,6 +430,26 @@ def _qkv_case(B, T, H, D, C, L, K, seed=0):
     write_mask = rng.random((B, T)) < 0.7
     norm = TwinNorm("rms", (1 + 0.1 * rng.standard_normal((L, K))).astype(b16), None, 1e-5)
     return x, w, cos, sin, ring_k, ring_v, write_index, write_mask, norm
+
+
+def test_qkv_rope_write_lane_form_and_references_same_bits():
+    """linear_rope_write's lane form (the CPU's: linear then rope_write) on both sides, and the plain
+    references beside it, with a fused norm and unwritten rows."""
+    B, T, H, D, C, L, K = 3, 2, 2, 16, 8, 2, 64
+    x, w, cos, sin, ring_k, ring_v, wi, wm, norm = _qkv_case(B, T, H, D, C, L, K)
+    p = jax.jit(lambda *a: pli.linear_rope_write(*a[:2], L - 1, *a[2:], norm=norm))(x, w, cos, sin, ring_k, ring_v,
+                                                                                    wi, wm)
+    n = jax.jit(lambda *a: pli.linear_rope_write_native(*a[:2], L - 1, *a[2:], norm=norm))(x, w, cos, sin, ring_k,
+                                                                                           ring_v, wi, wm)
+    T_ = to_torch
+    tnorm = TwinNorm("rms", T_(norm.weight), None, norm.eps)
+    outs = []
+    for fn in (tli.linear_rope_write, tli.linear_rope_write_native):
+        tk, tv = T_(ring_k).clone(), T_(ring_v).clone()
+        outs.append(fn(T_(x), T_(w), L - 1, T_(cos), T_(sin), tk, tv, T_(wi), T_(wm), norm=tnorm))
+    for i, name in enumerate(("q", "ring_k", "ring_v")):
+        assert_same(p[i], n[i], outs[0][i], outs[1][i], what=name)
+    assert not np.array_equal(np.asarray(p[1]), ring_k), "the ring was written"
 
 
 def test_qkv_rope_write_mma_form_has_the_bits_of_linear_then_rope_write():
@@ -820,7 +841,9 @@ def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T,
     o_n = jax.jit(lambda *a: pa.attention_native(*a, context=C))(*args)
     o_t = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
                        torch.from_numpy(q_pos), context=C)
-    assert_same(o_p, o_n, o_t, what="attention")
+    o_tn = ta.attention_native(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
+                               torch.from_numpy(q_pos), context=C)
+    assert_same(o_p, o_n, o_t, o_tn, what="attention")
     o_t2 = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
                         torch.from_numpy(q_pos), context=C, num_warps=4, num_stages=2)
     assert_same(o_t, o_t2, what="attention, other launch")
