@@ -3,8 +3,8 @@ the layer loop's first carry in one launch; plain reference `entry_native` besid
 
 Each of these was a launch of its own on an H200 (an XLA fusion or two for the integer tables, the
 RoPE tables kernel, a memset of the counters, a copy of x into the loop's carry, a copy of the
-offsets before the fusion that overwrote them): 5 to 8 of a step's launches, issue 10's bounds are
-200 (Helium) and 50 (Mimi). The torch twin step builds the same tables with torch operations and
+offsets before the fusion that overwrote them): 5 to 8 of a step's launches, against a bound of
+200 launches a step (Helium) and 50 (Mimi). The torch twin step builds the same tables with torch operations and
 `kernels_triton.twin_rope.tables` (its launches cost nothing under a CUDA graph).
 
 Program b (one per row) writes, for that row:
