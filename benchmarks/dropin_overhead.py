@@ -28,7 +28,7 @@ from benchmarks.timing import interleaved_medians_us
 from jax_impl.config import PRESETS
 from jax_impl.wait import until_ready
 from torch_bridge import MimiTransformer, TemporalStreaming
-from torch_bridge.dlpack import _import, _jax_device_for, _order_for_jax, to_jax, to_torch
+from torch_bridge.dlpack import _import, _order_for_jax, jax_device_for, to_jax, to_torch
 from torch_bridge.jax_steppers import from_torch
 
 
@@ -92,11 +92,11 @@ def measure(kind: str, real: bool, steps: int, B: int = 4, kernels: str = "auto"
     def streamer_step():
         until_ready(dropin._streamer.step(xj))
 
-    jax_device = _jax_device_for(x)
+    jax_device = jax_device_for(x)
     parts = {"part_check_inputs_us": lambda: dropin._check_step_inputs(x, None),
              "part_to_jax_x_us": lambda: to_jax(x, copy=None),
              # to_jax's own parts: the device lookup, the stream order, the import (order included), the address check
-             "part_to_jax_device_us": lambda: _jax_device_for(x),
+             "part_to_jax_device_us": lambda: jax_device_for(x),
              "part_to_jax_order_us": lambda: _order_for_jax(x, jax_device) if x.is_cuda else None,
              "part_to_jax_import_us": lambda: _import(x, jax_device),
              "part_unsafe_buffer_pointer_us": lambda: xj.unsafe_buffer_pointer(),

@@ -34,7 +34,7 @@ import torch
 import jax_impl
 from benchmarks.timing import host_ms, kernel_profile, run_meta, time_step, torch_graph
 from jax_impl.config import PRESETS
-from kernels_pallas import common
+from kernels_pallas.contract import linear as contract
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.dlpack import to_jax, to_torch
 
@@ -276,17 +276,17 @@ def main():
     parser.add_argument("--bits-batch", type=int, default=4, help="the batch size of the bit run")
     parser.add_argument("--scan-unroll", type=int, default=1, help="the scan's unroll factor (make_step's default: 1)")
     parser.add_argument("--mma-fused-norm-blocks", type=int, default=None,
-                        help="common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS for this run (0: the MMA form never fuses its norm)")
+                        help="contract.TWIN_MMA_FUSED_NORM_MAX_BLOCKS for this run (0: the MMA form never fuses its norm)")
     args = parser.parse_args()
     global DEVICE, SIZE, SCAN_UNROLL
     SCAN_UNROLL = args.scan_unroll
-    if args.mma_fused_norm_blocks is not None:  # read by common.twin_mma_fuse_norm at each call, both sides
-        common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS = args.mma_fused_norm_blocks
+    if args.mma_fused_norm_blocks is not None:  # read by contract.twin_mma_fuse_norm at each call, both sides
+        contract.TWIN_MMA_FUSED_NORM_MAX_BLOCKS = args.mma_fused_norm_blocks
     jax.config.update("jax_compilation_cache_dir", "/tmp/jax_cache")  # the same step twice compiles once
     if args.small:
         DEVICE, SIZE = "cpu", "-small"
     RESULTS["meta"] = run_meta(device=None if DEVICE == "cuda" else "cpu", dtype="bfloat16", scan_unroll=SCAN_UNROLL,
-                                 mma_fused_norm_max_blocks=common.TWIN_MMA_FUSED_NORM_MAX_BLOCKS)
+                                 mma_fused_norm_max_blocks=contract.TWIN_MMA_FUSED_NORM_MAX_BLOCKS)
     jobs = []
     only = args.only.split(",")
     stacks = args.stacks.split(",")

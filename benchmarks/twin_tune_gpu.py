@@ -1,13 +1,13 @@
 """Tile sweep of the twin linear's lane form (float32's and the CPU's; the MMA form's plan is
-`common.twin_mma_plan`) and of the twin attention on the GPU: which tiles reach the copy ceiling.
+`kernels_pallas.contract.linear.MmaBlocks`) and of the twin attention on the GPU: which tiles reach the copy ceiling.
 
     python -m benchmarks.twin_tune_gpu --out $OUT/twin_tune.json
     TRITON_INTERPRET=1 python -m benchmarks.twin_tune_gpu --small --out /tmp/twin_tune.json  # CPU smoke
 
 The tiles (block_m, block_n, num_warps) change the speed of a twin kernel, never its
-bits; the lanes of a sum (common.TWIN_MAX_BK) and the attention plan (TWIN_ATTENTION_BC /
+bits; the lanes of a sum (numerics.TWIN_MAX_BK) and the attention plan (TWIN_ATTENTION_BC /
 _CHUNK) are part of the numerics contract: they change the bits, the same way on both sides.
-This script varies both (the contract constants by patching `kernels_pallas.common`, which both
+This script varies both (the contract constants by patching `kernels_pallas.contract`, which both
 packages read at call time) and reports, per shape and configuration:
 
 - ms per call of the Triton kernel, from a CUDA graph of 2 x L launches over L stacked layers
@@ -37,10 +37,10 @@ import torch
 
 from benchmarks.timing import copy_bandwidth, graph_per_call_ms, run_meta
 from jax_impl.parity import bits
-from kernels_pallas import common
 from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_linear as pli
-from kernels_pallas.common import TwinNorm
+from kernels_pallas.contract import attention, linear, norm, numerics
+from kernels_pallas.contract.norm import TwinNorm
 from kernels_triton import twin_attention as ta
 from kernels_triton import twin_linear as tli
 from torch_bridge.dlpack import to_jax
@@ -110,17 +110,25 @@ def same(a, b) -> bool:
 
 
 def with_contract(**constants):
-    """Set contract constants of kernels_pallas.common (both packages read them at call time)."""
+    """Set contract constants of kernels_pallas.contract (both packages read them at call time)."""
     for k, v in constants.items():
-        setattr(common, k, v)
+        setattr(contract_module(k), k, v)
+
+
+def contract_module(name: str):
+    """The module of kernels_pallas.contract that declares the constant `name` (the one to set)."""
+    for module in (numerics, norm, attention, linear):
+        if hasattr(module, name):
+            return module
+    raise KeyError(f"kernels_pallas.contract has no constant {name!r}")
 
 
 LANES_STAGE = False  # --lanes: also time half and twice the contract's lanes
 STAGES = (None,)     # --stages: the Triton loops' pipeline depths to sweep (None: the default)
 PALLAS = True        # --no-pallas-sweep: time the Pallas linear at its default tile only
 TRITON = True        # --no-triton-sweep: time the Triton linear at its default tile only
-PREFETCH = (common.TWIN_PALLAS_PREFETCH,)  # --prefetch: the Pallas linear's prefetch depths to sweep
-DEFAULTS = {k: getattr(common, k) for k in ("TWIN_MAX_BK", "TWIN_ATTENTION_BC", "TWIN_ATTENTION_CHUNK")}
+PREFETCH = (linear.TWIN_PALLAS_PREFETCH,)  # --prefetch: the Pallas linear's prefetch depths to sweep
+DEFAULTS = {k: getattr(contract_module(k), k) for k in ("TWIN_MAX_BK", "TWIN_ATTENTION_BC", "TWIN_ATTENTION_CHUNK")}
 
 
 def tune_linear(name, shape, out, ceiling, small):
@@ -138,7 +146,7 @@ def tune_linear(name, shape, out, ceiling, small):
     def run(cfg):
         with_contract(TWIN_MAX_BK=cfg["lanes"])
         kw = {"act": act, "residual": r, "norm": tnorm, "block_m": cfg["bm"], "block_n": cfg["bn"], "form": "lanes",
-              "num_warps": cfg["warps"], "num_stages": cfg.get("stages") or common.TWIN_TRITON_LINEAR_STAGES}
+              "num_warps": cfg["warps"], "num_stages": cfg.get("stages") or linear.TWIN_TRITON_LINEAR_STAGES}
         try:
             y = tli.linear(x, w, L - 1, **kw)
             ms = graph_ms(lambda i: tli.linear(x, w, i % L, **kw), 2 * L)
@@ -202,7 +210,7 @@ def tune_attention(out, ceiling, small):
     rows, refs = [], {}
     plans = [(64, 256), (32, 256), (64, 512)]
     warps = (2, 4, 8)
-    stages = [st for st in STAGES if st is not None] or [common.TWIN_TRITON_ATTENTION_STAGES]
+    stages = [st for st in STAGES if st is not None] or [attention.TWIN_TRITON_ATTENTION_STAGES]
     if small:
         plans, warps = plans[:2], warps[:1]
     for bc, chunk in plans:
@@ -236,7 +244,7 @@ def tune_attention(out, ceiling, small):
                                                           for i in range(2 * L)])
             yj = f1(jq, jk, jv, jp, jqp)
             yt = ta.attention(q, ring_k, ring_v, L - 1, positions, q_pos, context=C, num_warps=cfg["warps"],
-                              num_stages=cfg.get("stages") or common.TWIN_TRITON_ATTENTION_STAGES)
+                              num_stages=cfg.get("stages") or attention.TWIN_TRITON_ATTENTION_STAGES)
             ms = jax_ms(fn, (jq, jk, jv, jp, jqp), 2 * L)
             pallas.append({"config": label, "bc": cfg["bc"], "chunk": cfg["chunk"], "warps": cfg["warps"], "ms": ms,
                            "TBps": rbytes / (ms * 1e-3) / 1e12, "pallas_equals_triton": same(yj, yt)})

@@ -7,22 +7,22 @@
     step = jx.make_step(cfg)                                 # jitted, state donated
     (out, logits), state = step(params, state, x, active)
 
-Modules, along the data path: `config` (framework-neutral configs and the Moshi checkpoint
-layout) -> `tables` (the per-step RoPE / ring tables) -> `state` (the ring state and the
+Modules, along the data path: `config` (the framework-neutral configs) and `checkpoint` (the Moshi
+checkpoint layout and its IO, framework-neutral) -> `tables` (the per-step RoPE / ring tables) -> `state` (the ring state and the
 recycle ops) -> `ops` (one layer's operations) -> `model` (layers, the layer driver, the Flax
 stacks) -> `step` (the jitted step, `Streamer`); `weights` (parameters in and out) and
 `parity` (bit / ULP distances) beside them; `snapshot` (the stream snapshot format, shared
 with torch, framework-neutral) and `stream_io` (a `StreamState` to a snapshot / file and back);
 `wait` (`until_ready`: a synchronized loop's wait on the GPU's stream order).
-Names are imported on first use: the torch path reads `jax_impl.config` and `jax_impl.snapshot`
+Names are imported on first use: the torch path reads `jax_impl.config`, `jax_impl.checkpoint` and `jax_impl.snapshot`
 without importing jax.
 """
 
-from kernels_pallas._lazy import lazy_exports
+from kernels_pallas.lazy import lazy_exports
 
 _EXPORTS = {
-    **dict.fromkeys(["CheckpointError", "MimiConfig", "PRESETS", "StackConfig", "TemporalConfig", "infer_config",
-                     "with_options"], "config"),
+    **dict.fromkeys(["MimiConfig", "PRESETS", "StackConfig", "TemporalConfig", "with_options"], "config"),
+    **dict.fromkeys(["CheckpointError", "check_checkpoint", "infer_config", "weight_specs"], "checkpoint"),
     **dict.fromkeys(["StepTables", "step_tables"], "tables"),
     **dict.fromkeys(["StreamState", "bump_slot_start", "check_headroom", "init_state", "reset_rows",
                      "reset_slot", "reset_streaming"], "state"),

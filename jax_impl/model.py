@@ -2,7 +2,7 @@
 
     params = {"params": {"layers": {name: [L, ...]}, "out_norm_alpha": [dim], "text_linear": [V, dim]}}
 
-Every parameter is declared once, from `config.weight_specs`, stacked `[L, ...]` under
+Every parameter is declared once, from `checkpoint.weight_specs`, stacked `[L, ...]` under
 "layers" (the torch buffer names and layout; the top-level `out_norm_alpha`, `text_linear`
 exist for the temporal stack only). A layer is a pure function of its weight slices,
 `carry = (x [B, T, dim], ring_k, ring_v)` with the whole stacked rings, the layer index and
@@ -22,9 +22,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import twin_attention, twin_entry, twin_linear, twin_norm
-from kernels_pallas.common import TwinNorm, TwinRms, TwinSplit, twin_split_norm
+from kernels_pallas.contract.linear import twin_split_norm
+from kernels_pallas.contract.norm import TwinNorm, TwinRms, TwinSplit
 
-from .config import MimiConfig, StackConfig, TemporalConfig, weight_specs
+from .checkpoint import weight_specs
+from .config import MimiConfig, StackConfig, TemporalConfig
 from .ops import layer_norm, linear, ring_attention, rms_norm_f32
 from .state import StreamState
 from .tables import StepTables, rope_freqs, step_tables, visible_mask
@@ -67,7 +69,7 @@ def mimi_layer(c: MimiConfig, w: dict, carry, layer, tables: StepTables, active,
 # [L, ...] and the rings in place at `layer` (an int, or traced under lax.scan). The carry is
 # (x, ring_k, ring_v, sems[, u, ss]): sems, the int32 counters of the kernels that finish in their
 # last program (`twin_attention.attention(sems=)`), made once a step and handed on all 0; u, ss: the
-# Helium layer's first norm, split (`common.TwinSplit`, where `common.twin_split_norm` says), made
+# Helium layer's first norm, split (`contract.norm.TwinSplit`, where `contract.linear.twin_split_norm` says), made
 # by the layer before (the first layer's by `twin_norm.split`, before the loop).
 def _twin_attention(c: StackConfig, x2, norm: TwinNorm | None, w: dict, layer, ring_k, ring_v, sems,
                     tables: StepTables, B: int, T: int, rms: TwinRms | None = None):

@@ -28,20 +28,20 @@ from .tables import StepTables
 KERNELS = ("auto", "xla", "pallas", "twin")
 
 
-def _acc_dtype(dtype):
+def acc_dtype(dtype):
     """Accumulation / norm dtype: float32 for bf16/f16/f32, float64 stays float64."""
     return jnp.promote_types(dtype, jnp.float32)
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w.T (F.linear), accumulated in at least float32, returned in x's dtype."""
-    y = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=_acc_dtype(x.dtype))
+    y = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=acc_dtype(x.dtype))
     return y.astype(x.dtype)
 
 
 def rms_norm_f32(x: jax.Array, alpha: jax.Array, eps: float) -> jax.Array:
     """Moshi's rms_norm_f32: var = eps + mean(x^2) in float32, y = x * (alpha * rsqrt(var))."""
-    acc = _acc_dtype(x.dtype)
+    acc = acc_dtype(x.dtype)
     xf = x.astype(acc)
     var = eps + jnp.mean(xf**2, axis=-1, keepdims=True)
     return (xf * (alpha.astype(acc) * lax.rsqrt(var))).astype(x.dtype)
@@ -49,7 +49,7 @@ def rms_norm_f32(x: jax.Array, alpha: jax.Array, eps: float) -> jax.Array:
 
 def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
     """F.layer_norm over the last dim (biased variance), computed in float32."""
-    acc = _acc_dtype(x.dtype)
+    acc = acc_dtype(x.dtype)
     xf = x.astype(acc)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     xc = xf - mean
@@ -112,7 +112,7 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     wrote) gets exactly +0, as torch's SDPA returns for an all-False mask row: selected, not
     computed, so whatever the masked slots hold (even NaN) and the sign of 0 * v cannot show.
     """
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1])
     s = jnp.einsum("bhtd,bhcd->bhtc", q, k, preferred_element_type=acc) * jnp.asarray(scale, acc)
     s = jnp.where(mask, s, -jnp.inf)

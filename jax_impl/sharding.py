@@ -62,12 +62,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import state as st
-from .config import StackConfig, TemporalConfig, check_fit, describe
+from .checkpoint import check_fit
+from .config import StackConfig, TemporalConfig, describe
 from .model import run_layers
-from .ops import _acc_dtype, attend, linear, pick_kernels, rms_norm_f32
+from .ops import acc_dtype, attend, linear, pick_kernels, rms_norm_f32
 from .snapshot import check_snapshot_layout
 from .state import StreamState
-from .step import _KEEP, Streamer, check_step_inputs, step_fn
+from .step import KEEP, Streamer, check_step_inputs, step_fn
 from .stream_io import state_from_snapshot, state_snapshot
 from .tables import StepTables, step_tables
 from .weights import check_params
@@ -114,7 +115,7 @@ def check_divisible(where: str, name: str, size: int, n: int, axis: str, fix: st
                          f"(each device holds {name}/{n}); {fix}")
 
 
-def _check_sessions(where: str, batch_size: int, mesh: Mesh, axis: str) -> int:
+def check_sessions(where: str, batch_size: int, mesh: Mesh, axis: str) -> int:
     n = axis_size(mesh, axis, where.split("(")[0])
     check_divisible(where, "batch_size B", batch_size, n, axis,
                     f"pad the batch to a multiple of {n} with idle rows (active=False)")
@@ -173,7 +174,7 @@ def shard_sessions(params, state: StreamState, mesh: Mesh, axis: str = SESSIONS)
     """
     if not isinstance(state, StreamState):
         raise TypeError(f"shard_sessions(state): expected a jax_impl.StreamState, got {type(state).__name__}")
-    _check_sessions("shard_sessions(state)", state.batch_size, mesh, axis)
+    check_sessions("shard_sessions(state)", state.batch_size, mesh, axis)
     return jax.device_put(params, NamedSharding(mesh, P())), jax.device_put(state, session_shardings(mesh, axis))
 
 
@@ -244,7 +245,7 @@ def make_sharded_step(config: StackConfig, mesh: Mesh, axis: str = SESSIONS, *, 
 
     def step(params, state, x, active):
         check_step_inputs(config, params, state, x, active)  # global shapes, at trace time
-        _check_sessions("step(state)", state.batch_size, mesh, axis)
+        check_sessions("step(state)", state.batch_size, mesh, axis)
         return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, row, row), out_specs=(row, specs))(
             params, state, x, active)
 
@@ -326,7 +327,7 @@ class ShardedStreamer(Streamer):
                  axis: str = SESSIONS, output_device=None, layer_loop: str = "scan", exact_rope: bool = True,
                  rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto"):
         mesh = session_mesh(axis=axis) if mesh is None else mesh
-        _check_sessions("ShardedStreamer(batch_size)", batch_size, mesh, axis)
+        check_sessions("ShardedStreamer(batch_size)", batch_size, mesh, axis)
         super().__init__(config, params, batch_size, dtype, layer_loop=layer_loop, exact_rope=exact_rope,
                          rope_freqs=rope_freqs, device=session_shardings(mesh, axis),  # made split by row
                          kernels=kernels)
@@ -340,7 +341,7 @@ class ShardedStreamer(Streamer):
         if not isinstance(streamer, Streamer):
             raise TypeError(f"from_streamer(streamer): expected a jax_impl.Streamer, got {type(streamer).__name__}")
         mesh = session_mesh(axis=axis) if mesh is None else mesh
-        _check_sessions("from_streamer(streamer)", streamer.batch_size, mesh, axis)
+        check_sessions("from_streamer(streamer)", streamer.batch_size, mesh, axis)
         new = cls.__new__(cls)
         new.__dict__.update(streamer.__dict__)
         new._adopt(mesh, axis, output_device)
@@ -366,12 +367,12 @@ class ShardedStreamer(Streamer):
         """As `Streamer.restore`, the restored state placed by row on this mesh; a snapshot whose
         batch size does not split over the mesh is refused (ValueError), nothing changed."""
         layout = check_snapshot_layout(self.config, snapshot, "restore(snapshot)")
-        _check_sessions("restore(snapshot)", layout.batch_size, self.mesh, self.axis)
+        check_sessions("restore(snapshot)", layout.batch_size, self.mesh, self.axis)
         state = state_from_snapshot(self.config, snapshot, self.state.k.dtype,  # made split by row
                                     session_shardings(self.mesh, self.axis))
         self.state, self.offset_bound = state, int(np.max(np.asarray(state.offset)))
 
-    def convert(self, params, *, device=None, rope_freqs=_KEEP) -> None:
+    def convert(self, params, *, device=None, rope_freqs=KEEP) -> None:
         """As `Streamer.convert` (dtype widening, new params / rope table); the stream stays on this
         mesh, placed by row, and `device` (if given) becomes the `output_device`."""
         dtype, options = self._convert_plan(params, rope_freqs)
@@ -482,7 +483,7 @@ def _tp_layer(axis: str, reduce_dtype):
     """The temporal layer on one device's shard (`model.temporal_layer`, split as the module says)."""
 
     def reduce(a, w):  # the partial product a @ w.T over this device's columns, then the all-reduce
-        acc = lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())), preferred_element_type=_acc_dtype(a.dtype))
+        acc = lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())), preferred_element_type=acc_dtype(a.dtype))
         return lax.psum(acc.astype(reduce_dtype or a.dtype), axis).astype(a.dtype)
 
     def layer_fn(c, w, carry, layer, tables, active, exact_rope, kernels):

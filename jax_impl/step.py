@@ -166,7 +166,7 @@ def jit_reset_rows(state: StreamState, mask) -> StreamState:
     return _jit_reset_rows(state, mask)
 
 
-_KEEP = object()  # Streamer.convert: keep the step's rope_freqs
+KEEP = object()  # Streamer.convert: keep the step's rope_freqs
 
 
 class Streamer:
@@ -267,11 +267,11 @@ class Streamer:
                             f"{dtype} would round the stream's history (refused, nothing changed): start a "
                             f"new stream in {dtype}")
         options = dict(self._step_options)
-        if rope_freqs is not _KEEP:
+        if rope_freqs is not KEEP:
             options["rope_freqs"] = rope_freqs
         return dtype, options
 
-    def convert(self, params, *, device=None, rope_freqs=_KEEP) -> None:
+    def convert(self, params, *, device=None, rope_freqs=KEEP) -> None:
         """Go on with `params` of another dtype and/or on another device (the drop-ins' `.to()`).
 
         params: this config's variables, all of one dtype. The state moves to `device` (None: the

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl.config import RING_CONVENTIONS, StackConfig
+from jax_impl.config import StackConfig
+from kernels_pallas.twin_entry import row_tables
 
 
 class StepTables(NamedTuple):
@@ -70,30 +71,6 @@ def rope_tables(offset: jax.Array, T: int, head_dim: int, max_period: float,
     ts = offset.astype(jnp.float32)[:, None] + jnp.arange(T, dtype=jnp.float32)  # [B, T]
     angles = freqs * ts[:, None, :, None]
     return jnp.cos(angles), jnp.sin(angles)
-
-
-def row_tables(offset, start_offset, active, t, slots, *, T: int, capacity: int, convention: str):
-    """The integer tables of rows offset, start_offset int [R], active [R] (bool, or int 0/1) at
-    query indexes t [Tq] and ring slots [S] (`build_step_tables`: arange(T), arange(C); the twin
-    entry kernel, `kernels_pallas.twin_entry`: one row's padded power-of-two tiles, so both compute
-    these with the same expressions). Returns (q_pos [R, Tq], write_index [R, Tq], write_mask bool
-    [R, Tq], end_offset [R], positions [R, S]: the position each slot holds after this step's
-    write, or -1), in offset's dtype."""
-    if convention not in RING_CONVENTIONS:
-        raise ValueError(f"ring_convention must be one of {RING_CONVENTIONS}, got {convention!r}")
-    idx = offset.dtype
-    on = active.astype(idx)
-    q_pos = offset[:, None] + t.astype(idx)[None, :]
-    write_mask = (on[:, None] != 0) & (q_pos >= start_offset[:, None])
-    end_offset = offset + T * on
-    ref = (end_offset if convention == "personaplex" else offset + (T - 1))[:, None]
-    slots = slots.astype(idx)[None, :]
-    delta = slots - ref % capacity
-    # `delta <= 0`, not `< 0`: see torch_bridge/ring.py (slot `end` belongs to this lap).
-    pos = jnp.where(delta <= 0, ref + delta, ref + delta - capacity)
-    invisible = (slots >= end_offset[:, None]) | (pos < start_offset[:, None])
-    positions = jnp.where(invisible, jnp.asarray(-1, idx), pos)
-    return q_pos, q_pos % capacity, write_mask, end_offset, positions
 
 
 def visible_mask(q_pos, positions, context: int) -> jax.Array:

@@ -1,7 +1,7 @@
 """Parameters of a stack: from the Moshi checkpoint layout, from the torch stacks' buffers, and back.
 
 The Flax variables of a stack are `{"params": {"layers": {name: [L, ...]}, name: [...]}}`
-with the names of `jax_impl.config.weight_specs` (per-layer buffers under "layers",
+with the names of `jax_impl.checkpoint.weight_specs` (per-layer buffers under "layers",
 `out_norm_alpha` and `text_linear` of the temporal stack at the top). Arrays may be numpy
 arrays, jax arrays, or anything with `__dlpack__` / `__array__` (torch CPU tensors included:
 torch is never imported here); they are copied, so later in-place changes on the source side
@@ -18,19 +18,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl.config import (
+from jax_impl.checkpoint import (
     LOADABLE_DTYPES,
     CheckpointError,
-    StackConfig,
     check_checkpoint,
     check_fit,
     checkpoint_keys,
-    describe,
     read_safetensors,
     read_safetensors_shapes,
     weight_dtype_problem,
     weight_specs,
 )
+from jax_impl.config import StackConfig, describe
 
 
 def copy_to_jax(x) -> jax.Array:

@@ -3,11 +3,12 @@
     import kernels_pallas as kp
     q, k = kp.mrope(q, k, cos, sin, [16, 24, 24], 128, 128)      # MRoPE (Qwen2/2.5/3-VL)
 
-Lazy: names are imported on first use (`common`, the twins' framework-neutral checks and tile
-plans, is read by `kernels_triton` without importing jax).
+Lazy: names are imported on first use. `contract` (the twin kernels' numerics contract, tile plans
+and checks, standard library only) is read by `kernels_triton` and `jax_impl.config` without
+importing jax.
 """
 
-from kernels_pallas._lazy import lazy_exports
+from kernels_pallas.lazy import lazy_exports
 
 _EXPORTS = {
     "mrope": "rotary_mrope", "mrope_native": "rotary_mrope",

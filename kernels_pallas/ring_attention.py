@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas.common import INT32_MAX
+from kernels_pallas.contract.numerics import INT32_MAX
 
 MIN_QUERIES = 16  # tensor-core tiles need at least 16 rows
 TARGET_PROGRAMS = 2048  # default splits: about this many programs in all (best measured for the 7B ring)

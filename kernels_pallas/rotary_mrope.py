@@ -37,8 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas.common import (
-    INT32_MAX,
+from kernels_pallas.contract.mrope import (
     check_blocks,
     check_cache_shapes,
     check_dtype,
@@ -49,9 +48,9 @@ from kernels_pallas.common import (
     check_tables,
     default_blocks,
     default_num_warps,
-    next_pow2,
     stream_index,
 )
+from kernels_pallas.contract.numerics import INT32_MAX, next_pow2
 
 __all__ = ["default_blocks", "mrope", "mrope_from_cache", "mrope_from_cache_native", "mrope_native"]
 

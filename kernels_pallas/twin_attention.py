@@ -4,7 +4,7 @@ combine); Triton twins in `kernels_triton.twin_attention`, plain reference `atte
 Contract (beside `twin_math`'s), for each query (b, h, t), in float32. Slot c is visible iff
 `positions[b, c] >= 0 and 0 <= q_pos[b, t] - positions[b, c] < context` (the stacks' mask). The
 C slots are cut into S splits of `chunk` slots and each split into blocks of BC slots
-(`common.twin_attention_plan(C)`: a function of C alone). A split scans its blocks in order:
+(`contract.attention.AttentionBlocks.for_shapes(C)`: a function of C alone). A split scans its blocks in order:
 
     s   = tree_sum(q * k) * scale        (-inf where not visible)       [BC]
     m'  = max(m, max(s));  m0 = m' where finite, else 0
@@ -15,7 +15,7 @@ C slots are cut into S splits of `chunk` slots and each split into blocks of BC 
 starting from m = -inf, l = 0, acc = 0; after the split's last block, l = tree_sum(l). (A sum per
 lane costs a multiply-add a slot; a block's sum was a tree of six layout changes in every block,
 the costliest part of a latency-bound block.) That is the "lanes" form (CUDA cores; every backend, the
-only form interpreted on the CPU). The "mma" form (`common.twin_attention_form`: compiled for the GPU,
+only form interpreted on the CPU). The "mma" form (`contract.attention.twin_attention_form`: compiled for the GPU,
 16-bit q and ring) computes the two sums on the tensor cores, as the linears' MMA form does, with
 everything else as above:
 
@@ -46,16 +46,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas import common
 from kernels_pallas import twin_math as tm
-from kernels_pallas.common import (
-    TWIN_MMA_ROWS,
+from kernels_pallas.contract import attention as contract
+from kernels_pallas.contract.attention import (
+    AttentionBlocks,
     check_twin_attention,
     check_twin_sems,
     twin_attention_form,
-    twin_attention_plan,
     twin_sems_size,
 )
+from kernels_pallas.contract.numerics import TWIN_MMA_ROWS
 
 NEG_INF = float("-inf")
 
@@ -178,7 +178,7 @@ def _split_kernel(layer_ref, q_ref, k_ref, v_ref, pos_ref, qpos_ref, *refs,
 
 def _program(pid, queries: int, S: int, splits_first: bool):
     """(query, split) of program pid of the 1-D grid of queries * S programs, CUDA's launch order.
-    splits_first (`common.TWIN_ATTENTION_SPLITS_FIRST`; speed only): a query's S splits start one
+    splits_first (`contract.attention.TWIN_ATTENTION_SPLITS_FIRST`; speed only): a query's S splits start one
     after the other, so its combine (its last split's) runs while other queries' splits stream;
     else split s of every query starts before split s + 1 of any, and every combine waits for the
     grid's last wave."""
@@ -212,8 +212,8 @@ def _store_out(o_ref, out, bht, H, T, D):
 
 def _warps(queries: int) -> int:
     """The Pallas attention's warps a program for a step of `queries` queries (speed only)."""
-    few = queries <= common.TWIN_PALLAS_ATTENTION_FEW_QUERIES
-    return common.TWIN_PALLAS_ATTENTION_FEW_WARPS if few else common.TWIN_PALLAS_ATTENTION_WARPS
+    few = queries <= contract.TWIN_PALLAS_ATTENTION_FEW_QUERIES
+    return contract.TWIN_PALLAS_ATTENTION_FEW_WARPS if few else contract.TWIN_PALLAS_ATTENTION_WARPS
 
 
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
@@ -223,25 +223,26 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
 
     q: [B, H, T, D]; ring_k, ring_v: [L, B, H, C, D] in q's dtype; layer: int or int32 scalar
     (may be traced); positions: int [B, C] (-1: invisible); q_pos: int [B, T].
-    sems: int32 [n >= B*H*T], all 0 (`common.twin_sems_size`): the counters the combine counts on,
+    sems: int32 [n >= B*H*T], all 0 (`contract.attention.twin_sems_size`): the counters the combine counts on,
     returned all 0 again, so one buffer serves every call of a step (carry it through the layer
     loop: a buffer made inside each call costs a kernel a call). None: made here.
-    form: "lanes" or "mma" (None: `common.twin_attention_form`'s choice; the two give other bits).
-    num_warps, num_stages: speed only (None: `common.TWIN_PALLAS_ATTENTION_WARPS`, or `_FEW_WARPS` for
+    form: "lanes" or "mma" (None: `contract.attention.twin_attention_form`'s choice; the two give other bits).
+    num_warps, num_stages: speed only (None: `contract.attention.TWIN_PALLAS_ATTENTION_WARPS`, or `_FEW_WARPS` for
     at most `_FEW_QUERIES` queries B*H*T, and `_STAGES`, read at call time).
     Returns [B, T, H, D] in q's dtype (the layout the out-projection reads), and sems if given.
     """
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: jnp.zeros((n,), jnp.int32))
-    BC, chunk, S = twin_attention_plan(C)
+    plan = AttentionBlocks.for_shapes(C)
+    BC, chunk, S = plan.block_slots, plan.chunk, plan.splits
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     gpu = not interpret
     mma = twin_attention_form(D, BC, q.dtype, compiled=gpu, form=form) == "mma"
     kernel = functools.partial(_split_kernel, B=B, H=H, T=T, C=C, D=D, context=context, chunk=chunk, BC=BC,
                                S=S, scale=1.0 / math.sqrt(D), gpu=gpu, mma=mma,
-                               splits_first=common.TWIN_ATTENTION_SPLITS_FIRST)
+                               splits_first=contract.TWIN_ATTENTION_SPLITS_FIRST)
     parts = B * H * T * S
     out_flat = jax.ShapeDtypeStruct((B * T * H * D,), q.dtype)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1, C, D),
@@ -256,7 +257,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(parts,), input_output_aliases=aliases, interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps or _warps(B * H * T),
-                                                num_stages=num_stages or common.TWIN_PALLAS_ATTENTION_STAGES),
+                                                num_stages=num_stages or contract.TWIN_PALLAS_ATTENTION_STAGES),
         name="twin_attention",
     )(*operands)
     out = outs[0 if S == 1 else 3].reshape(B, T, H, D)
@@ -268,7 +269,8 @@ def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int
     """The plain jax.numpy reference of `attention`'s lane form (same signature and bits; the MMA
     form's bits are the tensor cores', held to the Triton twin's on the GPU)."""
     _B, _H, _T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
-    BC, chunk, S = twin_attention_plan(C)
+    plan = AttentionBlocks.for_shapes(C)
+    BC, chunk, S = plan.block_slots, plan.chunk, plan.splits
     pad = S * chunk - C
     k = jnp.pad(lax.dynamic_index_in_dim(ring_k, layer, keepdims=False).astype(tm.F32),
                 ((0, 0), (0, 0), (0, pad), (0, 0)))
@@ -293,3 +295,6 @@ def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int
     per_h = jax.vmap(per_t, in_axes=(0, 0, 0, None, None))                      # over h
     per_b = jax.vmap(per_h, in_axes=(0, 0, 0, 0, 0))                            # over b
     return per_b(q.astype(tm.F32), k, v, pos, q_pos.astype(jnp.int32)).transpose(0, 2, 1, 3)
+
+
+__all__ = ["attention", "attention_native"]

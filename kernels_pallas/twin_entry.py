@@ -4,15 +4,16 @@ the layer loop's first carry in one launch; plain reference `entry_native` besid
 Each of these was a launch of its own on an H200 (an XLA fusion or two for the integer tables, the
 RoPE tables kernel, a memset of the counters, a copy of x into the loop's carry, a copy of the
 offsets before the fusion that overwrote them): 5 to 8 launches, of the 197 (Helium) and 50 (Mimi)
-a whole step launches with this kernel (benchmarks/RESULTS.md, "launch_map_gpu"). The torch twin step builds the same tables with torch operations and
-`kernels_triton.twin_rope.tables` (its launches cost nothing under a CUDA graph).
+a whole step launches with this kernel (benchmarks/RESULTS.md, "launch_map_gpu"). The torch twin step
+builds the same tables with torch operations and `kernels_triton.twin_rope.tables` (its launches cost
+nothing under a CUDA graph).
 
 Program b (one per row) writes, for that row:
 
     cos, sin [T, D/2]    twin_rope's contract: angle = (float32(offset) + t) * freqs, `twin_math.sincos`
     q_pos, write_index, write_mask, end_offset [T] / [1], positions [C]
-                         `jax_impl.tables.row_tables` on the row's tiles: the expressions of the
-                         jax.numpy tables, integers, exact
+                         `row_tables` on the row's tiles: the expressions of the jax.numpy
+                         tables (`jax_impl.tables`), integers, exact
     sems [H*T] = 0       the counters of the step's attention kernels (`twin_attention.attention(sems=)`)
     x [T, dim]           a copy of the step's input: the layer loop's carry starts in a buffer a kernel
                          wrote (XLA copies a caller's x into the loop otherwise)
@@ -32,9 +33,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jax_impl.tables import row_tables
 from kernels_pallas import twin_rope
-from kernels_pallas.common import next_pow2, twin_sems_size
+from kernels_pallas.contract.attention import twin_sems_size
+from kernels_pallas.contract.numerics import next_pow2
+from kernels_pallas.contract.rope import RING_CONVENTIONS
 
 TILE = 1024  # elements of positions and of x a program handles at a time (a loop over tiles)
 
@@ -51,6 +53,30 @@ class Entry(NamedTuple):
     positions: jax.Array    # [B, C]     the position each slot holds after the write, or -1
     sems: jax.Array         # int32 [B * H * T] zeros
     x: jax.Array            # [B, T, dim] a copy of x
+
+
+def row_tables(offset, start_offset, active, t, slots, *, T: int, capacity: int, convention: str):
+    """The integer tables of rows offset, start_offset int [R], active [R] (bool, or int 0/1) at
+    query indexes t [Tq] and ring slots [S] (`jax_impl.tables.build_step_tables`: arange(T), arange(C);
+    the entry kernel here: one row's padded power-of-two tiles, so both compute these with the same
+    expressions). Returns (q_pos [R, Tq], write_index [R, Tq], write_mask bool
+    [R, Tq], end_offset [R], positions [R, S]: the position each slot holds after this step's
+    write, or -1), in offset's dtype."""
+    if convention not in RING_CONVENTIONS:
+        raise ValueError(f"ring_convention must be one of {RING_CONVENTIONS}, got {convention!r}")
+    idx = offset.dtype
+    on = active.astype(idx)
+    q_pos = offset[:, None] + t.astype(idx)[None, :]
+    write_mask = (on[:, None] != 0) & (q_pos >= start_offset[:, None])
+    end_offset = offset + T * on
+    ref = (end_offset if convention == "personaplex" else offset + (T - 1))[:, None]
+    slots = slots.astype(idx)[None, :]
+    delta = slots - ref % capacity
+    # `delta <= 0`, not `< 0`: see torch_bridge/ring.py (slot `end` belongs to this lap).
+    pos = jnp.where(delta <= 0, ref + delta, ref + delta - capacity)
+    invisible = (slots >= end_offset[:, None]) | (pos < start_offset[:, None])
+    positions = jnp.where(invisible, jnp.asarray(-1, idx), pos)
+    return q_pos, q_pos % capacity, write_mask, end_offset, positions
 
 
 def _entry_kernel(*refs, T, C, HT, X, convention, all_active, gpu):
@@ -120,8 +146,8 @@ def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array | None, 
     offset, start_offset: int [B] (one dtype); active: bool [B], or None: every row (known when the
     step is traced, so not an operand: a [B] array of ones made in the step is a launch on a GPU);
     x: [B, T, dim]; freqs: float32 [D/2];
-    capacity: the ring's slots C; convention: the ring convention (`jax_impl.config.RING_CONVENTIONS`);
-    num_heads: H (the counters are `common.twin_sems_size(B, H, T)`).
+    capacity: the ring's slots C; convention: the ring convention (`contract.rope.RING_CONVENTIONS`);
+    num_heads: H (the counters are `contract.attention.twin_sems_size(B, H, T)`).
     """
     B, T, half = _check(offset, start_offset, active, x, freqs)
     if interpret is None:
@@ -158,3 +184,6 @@ def entry_native(offset, start_offset, active, x, freqs, *, capacity: int, conve
     cos, sin = twin_rope.tables_native(offset, T, freqs)
     return Entry(end_offset, cos, sin, q_pos, write_index, write_mask.astype(jnp.int32), positions,
                  jnp.zeros((twin_sems_size(B, num_heads, T),), jnp.int32), x)
+
+
+__all__ = ["Entry", "entry", "entry_native"]

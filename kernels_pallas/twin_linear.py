@@ -3,17 +3,17 @@
 
 Contract (beside `twin_math`'s). Each output row is computed on its own, so its bits depend
 neither on the batch nor on the tiles of M and N. The float32 accumulator of an output element
-is one of two forms (`common.twin_linear_form`, a function of N, K, the dtype and the backend,
+is one of two forms (`contract.linear.twin_linear_form`, a function of N, K, the dtype and the backend,
 never of M; both twins pick the same):
 
 * "lanes" (CUDA cores; every backend, the only form interpreted on the CPU): lane l holds the
   sequential float32 sum, over the K blocks in order, of its products x[m, kb*BK + l] *
   w[n, kb*BK + l] (`twin_math.mac`: each rounded, or fused where that gives the same bits);
-  the BK lanes are then added by `tree_sum`. BK depends on K alone (`common.twin_blocks`).
+  the BK lanes are then added by `tree_sum`. BK depends on K alone (`contract.linear.LinearBlocks`).
 * "mma" (tensor cores; compiled for the GPU with 16-bit x and w): `acc += dot(w_block, x_block^T)`
   over the K blocks of BK = `twin_lanes(K)` in order, each block a float32-accumulating matrix
   product on the tensor cores in the hardware's own order, with 16, 32 or 64 rows of x a
-  program (the MMA's n dimension, `common.twin_mma_rows`: speed only). There is no plain reference
+  program (the MMA's n dimension, `contract.linear.twin_mma_rows`: speed only). There is no plain reference
   for these bits: on the H200 the Pallas and Triton kernels give the same bits at every tile and
   row count tried, with mma.sync and wgmma alike (benchmarks/RESULTS.md, "twin_tune_gpu"), and
   the GPU tests hold them to each other. They differ from the lane form's bits (another order),
@@ -27,7 +27,7 @@ With `norm=TwinNorm(...)` the kernel multiplies the normalized rows instead of x
 computes its rows' statistics (`twin_norm.row_stats`, a pass over x) and normalizes each x block
 as it loads it, rounded to x's dtype: the bits of `twin_norm.norm` then `linear`, one launch
 instead of two. Where that does not pay (the lane form's programs of many rows,
-`common.twin_fuse_norm`; the MMA form over many K blocks, `common.twin_mma_fuse_norm`), `linear`
+`contract.linear.twin_fuse_norm`; the MMA form over many K blocks, `contract.linear.twin_mma_fuse_norm`), `linear`
 runs the norm kernel first: the same bits. Then, in order (each step
 rounded to x's dtype, as the reference rounds):
 
@@ -58,28 +58,30 @@ from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
 from kernels_pallas import twin_norm, twin_rope
-from kernels_pallas.common import (
+from kernels_pallas.contract.linear import (
     TWIN_PALLAS_PREFETCH,
+    LinearBlocks,
+    MmaBlocks,
+    check_twin_linear,
+    check_twin_qkv,
+    stack_one_layer,
+    twin_fuse_norm,
+    twin_linear_form,
+    twin_mma_fuse_norm,
+    twin_mma_rows,
+    twin_mma_stages,
+    twin_qkv_plan,
+)
+from kernels_pallas.contract.norm import (
     TWIN_SPLIT_GROUP,
     TwinNorm,
     TwinRms,
     TwinSplit,
-    check_twin_linear,
-    check_twin_qkv,
     check_twin_split,
     split_one_layer,
-    stack_one_layer,
-    twin_blocks,
-    twin_fuse_norm,
-    twin_lanes,
-    twin_linear_form,
-    twin_mma_fuse_norm,
-    twin_mma_plan,
-    twin_mma_rows,
-    twin_mma_stages,
     twin_norm_unroll,
-    twin_qkv_plan,
 )
+from kernels_pallas.contract.numerics import twin_lanes
 
 
 def _epilogue(acc, dtype, act, scale, residual, gpu):
@@ -150,7 +152,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, norm, eps, ha
 
 def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, R, BN, BK, N_out, act, norm, eps, has_scale, has_res, rms,
                 split, gpu):
-    """Program (i, j): columns j*BN.. of rows i*R.. (R: `common.twin_mma_rows`), the MMA form: acc [BN, R]
+    """Program (i, j): columns j*BN.. of rows i*R.. (R: `contract.linear.twin_mma_rows`), the MMA form: acc [BN, R]
     += w_block [BN, BK] @ x_block^T over the K blocks in order (module docstring); norm: the fused
     norm's kind (`_mma_accumulate`), its weight and bias refs first in refs; rms (the split norm's
     eps, or None): the rows' ss ref next, the sums scaled by `twin_norm.split_r`; split (the split
@@ -198,12 +200,12 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     traced) or [N, K] (layer=None), in x's dtype; scale: [L, N_out] or [N_out] (indexed like w);
     residual: [M, N_out]; norm: a `TwinNorm` to fuse (None: x as it is). N_out = N/2 for
     act="silu_gate", else N. Returns [M, N_out] in x's dtype.
-    form: "lanes" or "mma" (None: `common.twin_linear_form`'s choice; the two give other bits).
+    form: "lanes" or "mma" (None: `contract.linear.twin_linear_form`'s choice; the two give other bits).
     block_m, block_n: output tile (the MMA form's block_m: 16, 32 or 64 rows, None:
-    `common.twin_mma_rows`); num_stages: the pipeline depth (None: the MMA form's
-    `common.twin_mma_stages`, the lane form's 2); prefetch: weight blocks the lane form loads ahead
+    `contract.linear.twin_mma_rows`); num_stages: the pipeline depth (None: the MMA form's
+    `contract.linear.twin_mma_stages`, the lane form's 2); prefetch: weight blocks the lane form loads ahead
     itself. These change the speed, never the bits.
-    split, rms (MMA form only): the split RMSNorm (`common.TwinSplit`); with split the call returns
+    split, rms (MMA form only): the split RMSNorm (`contract.norm.TwinSplit`); with split the call returns
     (y, u [M, N_out], ss float32 [M, N_out/G]); with rms, x is the split norm's u.
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
@@ -218,7 +220,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     if chosen == "mma":
         return _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms, block_m, block_n,
                            num_warps, num_stages, interpret)
-    BM, BN, BK = twin_blocks(M, N_out, K, block_m, block_n, interpreted=interpret)
+    blocks = LinearBlocks.for_shapes(M, N_out, K, block_m, block_n, interpreted=interpret)
+    BM, BN, BK = blocks.block_m, blocks.block_n, blocks.block_k
     if norm is not None and not twin_fuse_norm(BM, interpret):  # the norm kernel first: the same bits
         x = _norm_first(x, norm, layer, interpret)
         norm = None
@@ -262,8 +265,9 @@ def _norm_first(x, norm: TwinNorm | None, layer, interpret: bool):
 def _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms, block_m, block_n, num_warps,
                 num_stages, interpret):
     """The MMA form (`_mma_kernel`): the norm fused over a few K blocks, else its kernel first
-    (`common.twin_mma_fuse_norm`: the same bits); split, rms: the split norm's halves."""
-    BN, BK, R = twin_mma_plan(M, N_out, K, 1 + (act == "silu_gate"), split is not None, block_m, block_n)
+    (`contract.linear.twin_mma_fuse_norm`: the same bits); split, rms: the split norm's halves."""
+    blocks = MmaBlocks.for_shapes(M, N_out, K, 1 + (act == "silu_gate"), split is not None, block_m, block_n)
+    BN, BK, R = blocks.block_n, blocks.block_k, blocks.rows
     norm, (x, *norm_refs) = _mma_norm(x, norm, layer, K, interpret)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w, *norm_refs]
     operands += [t for t in (None if rms is None else rms.ss, scale, residual) if t is not None]
@@ -319,7 +323,7 @@ def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, norm=None,
 
     if norm is not None:
         kind, eps, nw_ref, nb_ref = norm
-        # every block's load at once (a few: `common.twin_mma_fuse_norm`), one round trip a pass over x
+        # every block's load at once (a few: `contract.linear.twin_mma_fuse_norm`), one round trip a pass over x
         stats = twin_norm.row_stats(lambda kb: load_x(kb).astype(tm.F32), K, BK, kind, eps, gpu)
 
     def body(kb, accs):
@@ -379,9 +383,9 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: ja
 
     x: [B*T, K]; w: [L, 3*H*D, K] (layer may be traced); cos, sin: float32 [B, T, D/2]; ring_k,
     ring_v: [L, B, H, C, D] in x's dtype (aliased to the outputs); write_index, write_mask: [B, T].
-    rms: the split RMSNorm's (`common.TwinSplit`; x is its u; the MMA form only).
+    rms: the split RMSNorm's (`contract.norm.TwinSplit`; x is its u; the MMA form only).
     Returns (q [B, H, T, D], ring_k, ring_v). The MMA form runs it as one kernel after the norm's
-    (`common.twin_qkv_plan`); the lane form as `linear` then `rope_write`, the same bits as ever.
+    (`contract.linear.twin_qkv_plan`); the lane form as `linear` then `rope_write`, the same bits as ever.
     block_m, block_n, num_warps, num_stages: speed only, as in `linear`.
     """
     B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
@@ -434,7 +438,7 @@ def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm
     M, K, N, N_out = check_twin_linear(x, w, act, scale, residual, norm)
     if norm is not None:
         x = twin_norm.norm_native(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps)
-    _, _, BK = twin_blocks(M, N_out, K)
+    BK = twin_lanes(K)
     wl = lax.dynamic_index_in_dim(w, layer, keepdims=False).astype(tm.F32)  # [N, K]
     p = tm.mul(x.astype(tm.F32)[:, None, :], wl[None], False)                # [M, N, K]
     lanes = p.reshape(M, N, K // BK, BK)
@@ -446,3 +450,15 @@ def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm
         acc = (acc[:, :N_out], acc[:, N_out:])
     s = None if scale is None else lax.dynamic_index_in_dim(scale, layer, keepdims=False)[None, :]
     return _epilogue(acc, x.dtype, act, s, residual, False)
+
+
+def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, *, norm=None, form=None,
+                             **_):
+    """The plain jax.numpy reference of `linear_rope_write`'s lane form: `linear_native` then
+    `twin_rope.rope_write_native`, the same signature and bits (the MMA form's bits are the tensor cores')."""
+    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
+    qkv = linear_native(x, w, layer, norm=norm, form=form).reshape(B, T, 3, H, D)
+    return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
+
+
+__all__ = ["linear", "linear_native", "linear_rope_write", "linear_rope_write_native"]

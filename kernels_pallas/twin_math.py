@@ -1,27 +1,11 @@
 """The twin kernels' float32 arithmetic, Pallas side: every operation with one fixed rounding.
 
-The numerics contract of the twin kernels (`kernels_pallas.twin_*` and `kernels_triton.twin_*`
-compute the same bits, on the GPU and on the CPU):
-
-* Values are upcast to float32 on load (exact); every result is rounded once, to nearest even,
-  where the contract names it (`to_dtype`).
-* A product is rounded on its own, never fused with the add that follows (`mul`): compiled for
-  the GPU it is one ``mul.rn.f32`` (inline PTX); interpreted (CPU), ``where(isnan(p), nan, p)``
-  stands between the product and the add, which XLA cannot contract through. The Triton twin
-  launches with ``enable_fp_fusion=False``.
-* One exception, the linear kernels' products of two 16-bit values (`mac`): such a product is
-  exact in float32 (8 + 8 or 11 + 11 significant bits), so rounding it first or fusing it into
-  the add gives the same bits, and the GPU kernels fuse (``fma.rn.f32``; Triton's ``tl.fma``):
-  half the instructions. The CPU paths round first. The one caveat: a product that leaves
-  float32's normal range (under 2**-126, an activation times a weight below ~1e-38, or past
-  3e38) is not exact, and there a GPU result may differ from a CPU one. The two GPU twins
-  always agree with each other, as do the two CPU twins.
-* Division and square root are correctly rounded (``div.rn`` / ``sqrt.rn``; IEEE on the CPU).
-* A sum over an axis is `tree_sum`: the halves ``x[..., :n/2] + x[..., n/2:]``, halved again
-  until one element is left. The order is a fixed function of the axis length, so it does not
-  depend on the batch size, the tile layout or the backend.
-* Transcendentals are polynomials written here with the operations above (`exp`, `sincos`,
-  `erf`), not the backend's: the same formula on both sides gives the same bits.
+The numerics contract these operations implement is `kernels_pallas.contract.numerics` (its
+docstring states it; its constants are the polynomials' coefficients); `kernels_triton.twin_math` is
+this module's Triton twin, operation for operation (keep the two in step). Compiled for the GPU, a
+rounding is one PTX instruction written inline (``mul.rn.f32``, ``fma.rn.f32``, ``div.rn.f32``,
+``sqrt.rn.f32``); interpreted (CPU), ``where(isnan(p), nan, p)`` hides a product from XLA's FMA
+contraction and an optimization barrier keeps a division a division.
 
 Each function takes `gpu` (static): True when the kernel is compiled for the GPU, False when
 it runs interpreted or as plain jax.numpy (the references call these functions too).
@@ -34,20 +18,21 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas.contract.numerics import (
+    COS_POLY,
+    ERF_ALPHA,
+    ERF_BETA,
+    EXP_POLY,
+    LN2_HI,
+    LN2_LO,
+    LOG2E,
+    PIO2,
+    SIN_POLY,
+    SQRT1_2,
+    TWO_OVER_PI,
+)
+
 F32 = jnp.float32
-LOG2E = 1.44269504088896341
-LN2_HI, LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split so that n * LN2_HI is exact
-EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
-            5.0000001201e-1)
-TWO_OVER_PI = 0.636619772367581343
-PIO2 = (1.5703125, 4.837512969970703125e-4, 7.54978995489188216e-8)  # pi/2 in three parts
-SIN_POLY = (-1.9515295891e-4, 8.3321608736e-3, -1.6666654611e-1)
-COS_POLY = (2.443315711809948e-5, -1.388731625493765e-3, 4.166664568298827e-2)
-ERF_ALPHA = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
-             -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
-ERF_BETA = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
-            -1.42647390514189e-02)
-SQRT1_2 = 0.707106781186547524
 
 
 def _asm(op: str, gpu_args, nargs: int):

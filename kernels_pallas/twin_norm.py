@@ -2,7 +2,7 @@
 `kernels_triton.twin_norm`, plain reference `norm_native` beside it.
 
 Contract (beside `twin_math`'s), per row x [D] in float32, with sums S(.) over D taken as
-`twin_linear` takes them (BK = `common.twin_lanes(D)` lanes, sequential over the D / BK blocks,
+`twin_linear` takes them (BK = `contract.numerics.twin_lanes(D)` lanes, sequential over the D / BK blocks,
 then `tree_sum`):
 
     rms:   var = eps + S(x * x) * inv_D;           y = to_dtype(x * (weight * (1 / sqrt(var))))
@@ -27,22 +27,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.common import (
-    TWIN_MMA_ROWS,
+from kernels_pallas.contract.norm import (
     TWIN_NORM_WARPS,
     TWIN_SPLIT_GROUP,
+    NormBlocks,
     check_twin_norm,
-    twin_lanes,
-    twin_norm_rows,
     twin_norm_unroll,
 )
+from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, twin_lanes
 
 
 def _row_sum(load, D, BK, unroll):
     """S(.) of the contract: lanes over the D / BK blocks in order from +0, then the tree;
     load(kb) -> [BM, BK] (kb may be traced); returns [BM, 1].
 
-    unroll: blocks written out per loop iteration (`common.twin_norm_unroll`); their loads are
+    unroll: blocks written out per loop iteration (`contract.norm.twin_norm_unroll`); their loads are
     independent and go out together, where a loop of one block waits for each in turn (22 us a
     norm of one row on an H200).
     """
@@ -119,7 +118,7 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
     BK = twin_lanes(D)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    BM = twin_norm_rows(M, block_m, interpret)
+    BM = NormBlocks.for_shapes(M, D, block_m, interpret).block_m
     Mp = -(-M // BM) * BM
     rows = pl.BlockSpec((BM, D), lambda i: (i, 0))
     whole = pl.BlockSpec(weight.shape, lambda i: (0, 0))
@@ -137,10 +136,10 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
 
 
 # ------------------------------------------------------------------------------- the split RMSNorm
-# (`common.TwinSplit`): the producer's and the consumer's halves, which the MMA linears run in their
+# (`contract.norm.TwinSplit`): the producer's and the consumer's halves, which the MMA linears run in their
 # epilogue and before it, and `split`, the producer's half on its own (a step's first norm).
 def split_r(ss_ref, rows, ok, K, eps, gpu):
-    """r [R, 1] of the split norm (`common.TwinSplit`) from the partial sums ss [M, K/G] of the
+    """r [R, 1] of the split norm (`contract.norm.TwinSplit`) from the partial sums ss [M, K/G] of the
     rows [R, 1]."""
     G = K // TWIN_SPLIT_GROUP
     ss = pltriton.load(ss_ref.at[rows, jnp.arange(G, dtype=jnp.int32)[None, :]],
@@ -149,7 +148,7 @@ def split_r(ss_ref, rows, ok, K, eps, gpu):
 
 
 def split_store(y, alpha_ref, split_layer, n0, m, ok, u_ref, ss_ref, gpu):
-    """The producer's half of the split norm (`common.TwinSplit`) for its output tile y [R, BN] at
+    """The producer's half of the split norm (`contract.norm.TwinSplit`) for its output tile y [R, BN] at
     columns n0.. (BN = TWIN_SPLIT_GROUP: one partial sum a program and row)."""
     yf = y.astype(tm.F32)
     BN = y.shape[1]
@@ -172,7 +171,7 @@ def _split_kernel(layer_ref, x_ref, w_ref, u_ref, ss_ref, *, M, gpu):
 
 
 def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None = None):
-    """The producer's half of the split RMSNorm (`common.TwinSplit`) of x [M, D] itself: (u [M, D] in
+    """The producer's half of the split RMSNorm (`contract.norm.TwinSplit`) of x [M, D] itself: (u [M, D] in
     x's dtype, ss float32 [M, D / TWIN_SPLIT_GROUP]); weight: alpha [L, D] at `layer` (int or
     traced), or [D] with layer=None. The bits of a linear's `split=` epilogue on output rows x."""
     weight, _, layer = _stacked(weight, None, layer, "rms")
@@ -227,3 +226,6 @@ def norm_native(x, weight, bias=None, layer=None, *, kind: str = "rms", eps: flo
     w = lax.dynamic_index_in_dim(weight, layer, keepdims=False).astype(tm.F32)[None, :]
     b = lax.dynamic_index_in_dim(bias, layer, keepdims=False).astype(tm.F32)[None, :]
     return tm.to_dtype(normalize(xf, w, b, stats, kind, False), x.dtype)
+
+
+__all__ = ["norm", "norm_native", "split", "split_native"]

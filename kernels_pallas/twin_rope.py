@@ -25,7 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.common import check_twin_rope
+from kernels_pallas.contract.numerics import next_pow2
+from kernels_pallas.contract.rope import check_twin_rope
 
 
 def angle_sincos(pos, freqs, gpu: bool):
@@ -36,9 +37,42 @@ def angle_sincos(pos, freqs, gpu: bool):
     return cos, sin
 
 
+def _tables_kernel(offset_ref, freqs_ref, cos_ref, sin_ref, *, gpu):
+    """Program b: the tables [TP, D/2] of row b (TP: T rounded up to a power of two)."""
+    b = pl.program_id(0)
+    TP = cos_ref.shape[1]
+    pos = pltriton.load(offset_ref.at[b + jnp.arange(1, dtype=jnp.int32)]).astype(tm.F32)  # [1]
+    cos, sin = angle_sincos(pos + jnp.arange(TP, dtype=jnp.int32).astype(tm.F32), freqs_ref[...], gpu)
+    cos_ref[0], sin_ref[0] = cos, sin
+
+
+def tables(offset: jax.Array, T: int, freqs: jax.Array, *, interpret: bool | None = None):
+    """(cos, sin) float32 [B, T, D/2] for positions offset[b] + t (the contract's tables), one program a
+    row. The JAX twin step makes them in its entry kernel (`twin_entry`) with the rest of its tables;
+    this is the tables alone, the twin of `kernels_triton.twin_rope.tables`."""
+    B, half = offset.shape[0], freqs.shape[0]
+    if half & (half - 1):
+        raise ValueError(f"tables(freqs): D/2 must be a power of two, got {half}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    Tp = next_pow2(T)
+    out = jax.ShapeDtypeStruct((B, Tp, half), tm.F32)
+    cos, sin = pl.pallas_call(
+        functools.partial(_tables_kernel, gpu=not interpret),
+        out_shape=(out, out),
+        grid=(B,),
+        in_specs=[pl.BlockSpec(offset.shape, lambda b: (0,)), pl.BlockSpec((half,), lambda b: (0,))],
+        out_specs=(pl.BlockSpec((1, Tp, half), lambda b: (b, 0, 0)),) * 2,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(),  # Triton, not whatever the default backend is
+        name="twin_rope_tables",
+    )(offset, freqs.astype(tm.F32))
+    return cos[:, :T], sin[:, :T]
+
+
 def tables_native(offset, T: int, freqs):
     """(cos, sin) float32 [B, T, D/2] for positions offset[b] + t: the plain jax.numpy reference of
-    the tables `twin_entry.entry` makes (and of `kernels_triton.twin_rope.tables`)."""
+    `tables` (and of the tables `twin_entry.entry` makes)."""
     return angle_sincos(offset.astype(tm.F32)[:, None] + jnp.arange(T, dtype=tm.F32), freqs.astype(tm.F32), False)
 
 
@@ -125,3 +159,6 @@ def rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_m
     ring_k = ring_k.at[layer, bi, hi, slot[:, None, :]].set(k, mode="drop")
     ring_v = ring_v.at[layer, bi, hi, slot[:, None, :]].set(v, mode="drop")
     return q, ring_k, ring_v
+
+
+__all__ = ["rope_write", "rope_write_native", "tables", "tables_native"]

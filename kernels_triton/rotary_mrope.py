@@ -37,8 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.common import (
-    INT32_MAX,
+from kernels_pallas.contract.mrope import (
     check_blocks,
     check_cache_shapes,
     check_dtype,
@@ -49,8 +48,8 @@ from kernels_pallas.common import (
     check_tables,
     default_blocks,
     default_num_warps,
-    next_pow2,
 )
+from kernels_pallas.contract.numerics import INT32_MAX, next_pow2
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -552,7 +551,7 @@ class _Rotate(torch.autograd.Function):
 
 
 def _stream_index(mrope_section, rotary_dim, mrope_interleaved, device):
-    """`kernels_pallas.common.stream_index` as a tensor built on the device (no host-to-device copy, so
+    """`contract.mrope.stream_index` as a tensor built on the device (no host-to-device copy, so
     the reference can be CUDA-graph captured)."""
     t, h, w = mrope_section
     i = torch.arange(rotary_dim // 2, device=device)

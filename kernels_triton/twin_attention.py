@@ -9,17 +9,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas import common
-from kernels_pallas.common import (
-    TWIN_MMA_ROWS,
+from kernels_pallas.contract import attention as contract
+from kernels_pallas.contract.attention import (
     TWIN_TRITON_ATTENTION_STAGES,
     TWIN_TRITON_ATTENTION_WARPS,
+    AttentionBlocks,
     check_twin_attention,
     check_twin_sems,
     twin_attention_form,
-    twin_attention_plan,
     twin_sems_size,
 )
+from kernels_pallas.contract.numerics import TWIN_MMA_ROWS
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -148,7 +148,7 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
               form: str | None = None):
     """The Pallas twin's signature and bits; returns [B, T, H, D] in q's dtype, and sems if given
     (its counters counted on in place and left all 0). form: as the Pallas twin's (None:
-    `common.twin_attention_form`, compiled being not interpreted)."""
+    `contract.attention.twin_attention_form`, compiled being not interpreted)."""
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: torch.zeros(n, dtype=torch.int32, device=q.device))
@@ -158,7 +158,8 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
     for name, t in (("q", q), ("ring_k", ring_k), ("ring_v", ring_v)):
         if not t.is_contiguous():
             raise ValueError(f"attention({name}): must be contiguous, got strides {t.stride()}")
-    BC, chunk, S = twin_attention_plan(C)
+    plan = AttentionBlocks.for_shapes(C)
+    BC, chunk, S = plan.block_slots, plan.chunk, plan.splits
     parts = B * H * T * S
     dev = q.device
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=dev)
@@ -174,6 +175,54 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
         positions.to(torch.int32).contiguous(), q_pos.to(torch.int32).contiguous(), acc, m, l, out, sems,
         float(torch.tensor(1.0 / math.sqrt(D), dtype=torch.float32)), B=B, H=H, T=T, C=C, D=D, CONTEXT=context,
         CHUNK=chunk, BC=BC, S=S, SP=triton.next_power_of_2(S), HB=HB, STAGES=num_stages, MMA=mma,
-        R=TWIN_MMA_ROWS, SPLITS_FIRST=common.TWIN_ATTENTION_SPLITS_FIRST, INTERPRETED=interpreted,
+        R=TWIN_MMA_ROWS, SPLITS_FIRST=contract.TWIN_ATTENTION_SPLITS_FIRST, INTERPRETED=interpreted,
         num_warps=num_warps, enable_fp_fusion=False)
     return (out, sems) if given else out
+
+# ------------------------------------------------------------------------------- the plain reference
+def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, **_):
+    """The plain torch reference of `attention`'s lane form (same signature and bits; the MMA form's
+    bits are the tensor cores'): every query at once, split by split and block by block in the
+    contract's order (`kernels_pallas.twin_attention`'s docstring)."""
+    B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
+    plan = AttentionBlocks.for_shapes(C)
+    BC, chunk, S = plan.block_slots, plan.chunk, plan.splits
+    f32, pad = torch.float32, S * chunk - C
+    layer = int(layer) if isinstance(layer, torch.Tensor) else layer
+    k, v = (torch.nn.functional.pad(r[layer].to(f32), (0, 0, 0, pad)) for r in (ring_k, ring_v))  # [B, H, S*chunk, D]
+    pos = torch.nn.functional.pad(positions.long(), (0, pad), value=-1)                            # [B, S*chunk]
+    delta = q_pos.long()[:, :, None] - pos[:, None, :]                                            # [B, T, S*chunk]
+    visible = ((pos[:, None, :] >= 0) & (delta >= 0) & (delta < context))[:, None]               # [B, 1, T, S*chunk]
+    qf, scale = q.to(f32)[:, :, :, None, :], 1.0 / math.sqrt(D)                                   # [B, H, T, 1, D]
+    parts = []
+    for s in range(S):
+        m = torch.full((B, H, T, 1), -math.inf, dtype=f32, device=q.device)
+        l, acc = torch.zeros((B, H, T, BC), dtype=f32, device=q.device), torch.zeros_like(qf[..., 0, :])
+        for i in range(chunk // BC):
+            c = slice(s * chunk + i * BC, s * chunk + (i + 1) * BC)
+            vis = visible[..., c]
+            scores = tm.tree_sum_native(qf * k[:, :, None, c])[..., 0] * scale                    # [B, H, T, BC]
+            scores = torch.where(vis, scores, -math.inf)
+            m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+            m0 = torch.where(m_new == -math.inf, 0.0, m_new)
+            a = tm.exp_native(m - m0)
+            p = torch.where(vis, tm.exp_native(scores - m0), 0.0)
+            l = l * a + p
+            pv = p[..., None] * torch.where(vis[..., None], v[:, :, None, c], 0.0)                # [B, H, T, BC, D]
+            acc = acc * a + tm.tree_sum_native(pv.transpose(-1, -2))[..., 0]
+            m = m_new
+        parts.append((m, tm.tree_sum_native(l), acc))
+    m0 = parts[0][0]
+    for m, _, _ in parts[1:]:
+        m0 = torch.maximum(m0, m)
+    m0 = torch.where(m0 == -math.inf, 0.0, m0)
+    L, O = torch.zeros_like(m0), torch.zeros_like(parts[0][2])
+    for m, l, acc in parts:
+        w = tm.exp_native(m - m0)
+        L = L + l * w
+        O = O + acc * w
+    out = torch.where(L > 0, O / torch.where(L > 0, L, 1.0), 0.0)
+    return out.to(q.dtype).transpose(1, 2).contiguous()                                          # [B, T, H, D]
+
+
+__all__ = ["attention", "attention_native"]

@@ -12,29 +12,31 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.common import (
+from kernels_pallas.contract.linear import (
     TWIN_INTERPRET_MAX_BN,
-    TWIN_SPLIT_GROUP,
     TWIN_TRITON_LINEAR_STAGES,
+    LinearBlocks,
+    MmaBlocks,
+    check_twin_linear,
+    check_twin_qkv,
+    stack_one_layer,
+    twin_fuse_norm,
+    twin_linear_form,
+    twin_mma_fuse_norm,
+    twin_mma_rows,
+    twin_mma_stages,
+    twin_qkv_plan,
+)
+from kernels_pallas.contract.norm import (
+    TWIN_SPLIT_GROUP,
     TwinNorm,
     TwinRms,
     TwinSplit,
-    check_twin_linear,
-    check_twin_qkv,
     check_twin_split,
     split_one_layer,
-    stack_one_layer,
-    twin_blocks,
-    twin_fuse_norm,
-    twin_lanes,
-    twin_linear_form,
-    twin_mma_fuse_norm,
-    twin_mma_plan,
-    twin_mma_rows,
-    twin_mma_stages,
     twin_norm_unroll,
-    twin_qkv_plan,
 )
+from kernels_pallas.contract.numerics import twin_lanes
 from kernels_triton import twin_math as tm
 from kernels_triton import twin_norm, twin_rope
 from kernels_triton.twin_math import interpreting
@@ -164,10 +166,10 @@ def _mma_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, scale_ptr, res_
                 RMS: tl.constexpr, RMS_INV_K: tl.constexpr, SPLIT: tl.constexpr, SPLIT_OFFSET: tl.constexpr,
                 SPLIT_L: tl.constexpr, STAGES: tl.constexpr,
                 INTERPRETED: tl.constexpr):
-    """Program (i, j): columns j*BN .. of rows i*R .. (R: `common.twin_mma_rows`), the MMA form of the
+    """Program (i, j): columns j*BN .. of rows i*R .. (R: `contract.linear.twin_mma_rows`), the MMA form of the
     contract: acc [BN, R] += w_block @ x_block^T over the K blocks in order; ACT "", "gelu" or
     "silu_gate" (columns n and n + N_OUT in two accumulators, the gate in the epilogue); NORM: the
-    fused norm (`_mma_accumulate`); RMS, SPLIT: the split norm's halves (`common.TwinSplit`)."""
+    fused norm (`_mma_accumulate`); RMS, SPLIT: the split norm's halves (`contract.norm.TwinSplit`)."""
     layer = tl.load(layer_ptr).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     m = tl.program_id(0) * R + tl.arange(0, R)
@@ -204,8 +206,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
     """y = epilogue(norm(x) @ w[layer].T), batch-invariant; the signature and bits of the Pallas twin.
 
     x: [M, K]; w: [L, N, K] with layer an int or int tensor, or [N, K] with layer=None; norm: a
-    `TwinNorm` to fuse, or None; form: "lanes", "mma" or None (`common.twin_linear_form`).
-    block_m (the MMA form's: 16, 32 or 64 rows, `common.twin_mma_rows`), block_n, num_warps,
+    `TwinNorm` to fuse, or None; form: "lanes", "mma" or None (`contract.linear.twin_linear_form`).
+    block_m (the MMA form's: 16, 32 or 64 rows, `contract.linear.twin_mma_rows`), block_n, num_warps,
     num_stages (of the pipelined loop over K; None: the form's default): speed only, never the bits.
     split, rms: the split RMSNorm (the Pallas twin's).
     """
@@ -228,7 +230,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
                            num_warps, num_stages, interpreted)
     if interpreted and block_n is None:  # one program per row block: the interpreter's cost is per program
         block_n = min(triton.next_power_of_2(N), TWIN_INTERPRET_MAX_BN)
-    BM, BN, BK = twin_blocks(M, N, K, block_m, block_n, interpreted=interpreted, masked_n=interpreted)
+    blocks = LinearBlocks.for_shapes(M, N, K, block_m, block_n, interpreted=interpreted, masked_n=interpreted)
+    BM, BN, BK = blocks.block_m, blocks.block_n, blocks.block_k
     if norm is not None and not twin_fuse_norm(BM, interpreted):  # the norm kernel first: the same bits
         x = _norm_first(x, norm, layer_t)
         norm = nw = nb = None
@@ -265,8 +268,9 @@ def _norm_first(x, norm: TwinNorm | None, layer_t):
 def _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, split, rms, block_m, block_n, num_warps,
                 num_stages, interpreted):
     """The MMA form (`_mma_kernel`): one launch with the gate, the norm fused or its kernel first (as
-    the Pallas twin, `common.twin_mma_fuse_norm`); split, rms: the split norm's halves."""
-    BN, BK, R = twin_mma_plan(M, N_out, K, 1 + (act == "silu_gate"), split is not None, block_m, block_n)
+    the Pallas twin, `contract.linear.twin_mma_fuse_norm`); split, rms: the split norm's halves."""
+    blocks = MmaBlocks.for_shapes(M, N_out, K, 1 + (act == "silu_gate"), split is not None, block_m, block_n)
+    BN, BK, R = blocks.block_n, blocks.block_k, blocks.rows
     x, (nw, nb, eps), norm_consts = _mma_norm(x, norm, layer_t, K)
     out = torch.empty((M, N_out), dtype=x.dtype, device=x.device)
     u, ss_out = out, out  # unread where split is None (as the other absent operands)
@@ -288,7 +292,7 @@ def _linear_mma(x, w, layer_t, M, K, N, N_out, act, scale, residual, norm, split
 
 def _mma_norm(x, norm: TwinNorm | None, layer_t, K: int):
     """(x or norm(x), (weight, bias, eps), the NORM constants) for an MMA kernel: the norm fused where
-    `common.twin_mma_fuse_norm` says, else its kernel first (and the norm arguments unread)."""
+    `contract.linear.twin_mma_fuse_norm` says, else its kernel first (and the norm arguments unread)."""
     if norm is None or not twin_mma_fuse_norm(K):
         x = _norm_first(x, norm, layer_t)
         return x, (x, x, 0.0), {"NORM": "", "INV_K": 1.0, "NORM_UNROLL": 1}
@@ -377,3 +381,41 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
         STAGES=num_stages or twin_mma_stages(N, BN, BK, rows=R, M=M), INTERPRETED=interpreted, num_warps=num_warps,
         enable_fp_fusion=False)
     return q, ring_k, ring_v
+
+# ------------------------------------------------------------------------------- the plain references
+def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm=None, form=None, **_):
+    """The plain torch reference of the lane form: the same signature and bits, without Triton (the
+    MMA form's bits are the tensor cores': no plain reference has them)."""
+    if form not in (None, "lanes"):
+        raise ValueError(f"linear_native(form): the reference computes the lane form only, got {form!r}")
+    w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
+    _, K, _, N_out = check_twin_linear(x, w, act, scale, residual, norm)
+    layer = int(layer) if isinstance(layer, torch.Tensor) else layer
+    if norm is not None:
+        x = twin_norm.norm_native(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps)
+    dtype, f32 = x.dtype, torch.float32
+    acc = tm.lanes_sum_native(x.to(f32)[:, None, :] * w[layer].to(f32)[None], twin_lanes(K))[..., 0]  # [M, N]
+    if act == "silu_gate":
+        a, b = acc[:, :N_out].to(dtype).to(f32), acc[:, N_out:].to(dtype).to(f32)
+        y = (tm.silu_native(a).to(dtype).to(f32) * b).to(dtype)
+    else:
+        y = acc.to(dtype)
+        if act == "gelu":
+            y = tm.gelu_native(y.to(f32)).to(dtype)
+    if scale is not None:
+        y = (scale[layer].to(f32)[None, :] * y.to(f32)).to(dtype)
+    if residual is not None:
+        y = (residual.to(f32) + y.to(f32)).to(dtype)
+    return y
+
+
+def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, *, norm=None, form=None,
+                             **_):
+    """The plain torch reference of `linear_rope_write`'s lane form: `linear_native` then
+    `twin_rope.rope_write_native` (the rings written in place), the same signature and bits."""
+    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
+    qkv = linear_native(x, w, layer, norm=norm, form=form).reshape(B, T, 3, H, D)
+    return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
+
+
+__all__ = ["linear", "linear_native", "linear_rope_write", "linear_rope_write_native"]

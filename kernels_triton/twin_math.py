@@ -1,6 +1,7 @@
 """The twin kernels' float32 arithmetic, Triton side: the same operations as `kernels_pallas.twin_math`.
 
-The contract is stated there; this module is its Triton twin, operation for operation (keep the
+The contract is `kernels_pallas.contract.numerics` (framework-free: its constants are read here
+without importing jax); this module is the Pallas one's Triton twin, operation for operation (keep the
 two in step). Products are plain ``a * b``: every twin kernel launches with
 ``enable_fp_fusion=False``, which makes each product a ``mul.rn.f32`` of its own (the Pallas
 twin writes that instruction); the interpreter (numpy) never fuses. The linear kernels' 16-bit
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels_pallas.twin_math import (
+from kernels_pallas.contract.numerics import (
     COS_POLY,
     ERF_ALPHA,
     ERF_BETA,
@@ -186,3 +187,75 @@ def silu(x):
 @triton.jit
 def gelu(x):
     return (x * 0.5) * (1.0 + erf(x * _SQRT1_2))
+
+
+# ------------------------------------------------------------------ the plain torch operations
+# The contract's operations as plain torch (CPU or GPU tensors), for the references (`*_native`) beside
+# the Triton kernels: each torch operation is one IEEE operation rounded on its own (torch never
+# contracts a product into a later add), float32 throughout; a Python constant is rounded to float32
+# where it meets a float32 tensor, as the kernels' constants are.
+def tree_sum_native(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis (a power of two long) in the contract's halving order; keeps the axis."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"tree_sum: the axis length must be a power of two, got {n}")
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
+def lanes_sum_native(x: torch.Tensor, lanes: int) -> torch.Tensor:
+    """The contract's sum of x [..., K] over its last axis in `lanes` lanes: each lane adds its K / lanes
+    blocks in order from +0, then the lanes' tree; keeps the axis."""
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // lanes, lanes)
+    acc = torch.zeros_like(blocks[..., 0, :])
+    for kb in range(blocks.shape[-2]):
+        acc = acc + blocks[..., kb, :]
+    return tree_sum_native(acc)
+
+
+def _horner_native(x, coefs):
+    y = torch.full_like(x, coefs[0])
+    for c in coefs[1:]:
+        y = y * x + c
+    return y
+
+
+def exp_native(x: torch.Tensor) -> torch.Tensor:
+    """e**x, the formula of `exp` (the contract's Cephes expf)."""
+    n = torch.clamp(torch.floor(x * LOG2E + 0.5), -126.0, 127.0)
+    r = (x - n * LN2_HI) - n * LN2_LO
+    p = _horner_native(r, EXP_POLY) * (r * r) + r + 1.0
+    y = p * ((n.to(torch.int32) + 127) * (1 << 23)).view(torch.float32)
+    y = torch.where(x < -87.3, 0.0, y)
+    y = torch.where(x > 88.7, float("inf"), y)
+    return torch.where(torch.isnan(x), x, y)
+
+
+def sincos_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sin x, cos x), the formula of `sincos`."""
+    k = torch.floor(x * TWO_OVER_PI + 0.5)
+    r = ((x - k * PIO2[0]) - k * PIO2[1]) - k * PIO2[2]
+    z = r * r
+    s = (_horner_native(z, SIN_POLY) * z) * r + r
+    c = ((_horner_native(z, COS_POLY) * z) * z - 0.5 * z) + 1.0
+    q = k.to(torch.int32) & 3
+    sin = torch.where(q == 0, s, torch.where(q == 1, c, torch.where(q == 2, -s, -c)))
+    cos = torch.where(q == 0, c, torch.where(q == 1, -s, torch.where(q == 2, -c, s)))
+    return sin, cos
+
+
+def erf_native(x: torch.Tensor) -> torch.Tensor:
+    """erf(x), the formula of `erf`."""
+    x = torch.clamp(x, -4.0, 4.0)
+    x2 = x * x
+    return (x * _horner_native(x2, ERF_ALPHA)) / _horner_native(x2, ERF_BETA)
+
+
+def silu_native(x: torch.Tensor) -> torch.Tensor:
+    return x / (1.0 + exp_native(-x))
+
+
+def gelu_native(x: torch.Tensor) -> torch.Tensor:
+    return (x * 0.5) * (1.0 + erf_native(x * SQRT1_2))

@@ -8,15 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.common import (
-    TWIN_MMA_ROWS,
+from kernels_pallas.contract.norm import (
     TWIN_NORM_WARPS,
     TWIN_SPLIT_GROUP,
+    NormBlocks,
     check_twin_norm,
-    twin_lanes,
-    twin_norm_rows,
     twin_norm_unroll,
 )
+from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, twin_lanes
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -37,7 +36,7 @@ def _term(x_ptr, m, m_ok, mean, k0, D: tl.constexpr, BK: tl.constexpr, SQUARE: t
 def _row_sum(x_ptr, m, m_ok, mean, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SQUARE: tl.constexpr,
              CENTER: tl.constexpr, UNROLL: tl.constexpr):
     """S(.) of the contract over rows m: of x, x*x, or (x - mean)^2; returns [BM]. UNROLL blocks
-    per loop iteration, written out (`common.twin_norm_unroll`; the same additions either way)."""
+    per loop iteration, written out (`contract.norm.twin_norm_unroll`; the same additions either way)."""
     acc = tl.zeros([BM, BK], tl.float32)
     for k0 in tl.range(0, D, BK * UNROLL):
         for j in tl.static_range(UNROLL):  # their loads go out together
@@ -104,7 +103,8 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     M, D = check_twin_norm(x, weight, bias, kind)
     if not x.is_contiguous():
         raise ValueError(f"norm(x): must be contiguous, got strides {x.stride()}")
-    BM, BK = twin_norm_rows(M, block_m, interpreting(_kernel)), twin_lanes(D)
+    blocks = NormBlocks.for_shapes(M, D, block_m, interpreting(_kernel))
+    BM, BK = blocks.block_m, blocks.block_k
     out = torch.empty_like(x)
     _kernel[(triton.cdiv(M, BM),)](
         tm.layer_tensor(layer, weight.shape[0], x.device, "norm"), x, weight, weight if bias is None else bias, out, M,
@@ -115,7 +115,7 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------- the split RMSNorm
-# (`common.TwinSplit`; the Pallas twin's `split_r`, `split_store` and `split`, the same bits)
+# (`contract.norm.TwinSplit`; the Pallas twin's `split_r`, `split_store` and `split`, the same bits)
 _SPLIT_GROUP = tl.constexpr(TWIN_SPLIT_GROUP)
 
 
@@ -168,3 +168,49 @@ def split(x: torch.Tensor, weight: torch.Tensor, layer=None):
         tm.layer_tensor(layer, weight.shape[0], x.device, "split"), x, weight, u, ss, M, D=D, R=TWIN_MMA_ROWS,
         G=TWIN_SPLIT_GROUP, INTERPRETED=interpreting(_split_kernel), num_warps=TWIN_NORM_WARPS, enable_fp_fusion=False)
     return u, ss
+
+# ------------------------------------------------------------------------------- the plain references
+def _layer_index(layer) -> int:
+    return int(layer) if isinstance(layer, torch.Tensor) else layer
+
+
+def row_stats_native(xf: torch.Tensor, D: int, kind: str, eps: float) -> tuple[torch.Tensor, ...]:
+    """The contract's row statistics of xf float32 [M, D] in plain torch: (r,) for rms, (mean, r) for
+    layer, each [M, 1] (the kernels' `row_stats`)."""
+    BK, inv_d = twin_lanes(D), 1.0 / D
+    if kind == "rms":
+        return (1.0 / torch.sqrt(eps + tm.lanes_sum_native(xf * xf, BK) * inv_d),)
+    mean = tm.lanes_sum_native(xf, BK) * inv_d
+    c = xf - mean
+    var = tm.lanes_sum_native(c * c, BK) * inv_d
+    return mean, 1.0 / torch.sqrt(var + eps)
+
+
+def norm_native(x, weight, bias=None, layer=None, *, kind: str = "rms", eps: float, **_):
+    """The plain torch reference of `norm`: the same signature and bits, without Triton."""
+    if layer is None:
+        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
+    _, D = check_twin_norm(x, weight, bias, kind)
+    xf = x.float()
+    stats = row_stats_native(xf, D, kind, eps)
+    w = weight[_layer_index(layer)].float()[None, :]
+    if kind == "rms":
+        return (xf * (w * stats[0])).to(x.dtype)
+    mean, r = stats
+    return (((xf - mean) * r) * w + bias[_layer_index(layer)].float()[None, :]).to(x.dtype)
+
+
+def split_native(x, weight, layer=None, **_):
+    """The plain torch reference of `split`: (u, ss), the same signature and bits, without Triton."""
+    if layer is None:
+        weight, layer = weight[None], 0
+    M, D = check_twin_norm(x, weight, None, "rms")
+    if D % TWIN_SPLIT_GROUP:
+        raise ValueError(f"split(x): D={D} must be a multiple of {TWIN_SPLIT_GROUP}")
+    xf = x.float()
+    alpha = weight[_layer_index(layer)].float()[None, :]
+    ss = tm.tree_sum_native((xf * xf).reshape(M, D // TWIN_SPLIT_GROUP, TWIN_SPLIT_GROUP))[..., 0]
+    return (xf * alpha).to(x.dtype), ss
+
+
+__all__ = ["norm", "norm_native", "split", "split_native"]

@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.common import check_twin_rope, next_pow2
+from kernels_pallas.contract.numerics import next_pow2
+from kernels_pallas.contract.rope import check_twin_rope
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -92,3 +93,34 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ring_k: 
         write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, B=B, T=T, H=H, C=C, D=D, HB=HB,
         INTERPRETED=interpreting(_write_kernel), enable_fp_fusion=False)
     return q, ring_k, ring_v
+
+# ------------------------------------------------------------------------------- the plain references
+def tables_native(offset, T: int, freqs):
+    """(cos, sin) float32 [B, T, D/2] for positions offset[b] + t: the plain torch reference of `tables`."""
+    pos = offset.float()[:, None] + torch.arange(T, dtype=torch.float32, device=offset.device)  # [B, T]
+    sin, cos = tm.sincos_native(pos[..., None] * freqs.float())
+    return cos, sin
+
+
+def rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, **_):
+    """The plain torch reference of `rope_write`: the same signature and bits (the rings written in
+    place where write_mask says; returns (q [B, H, T, D], ring_k, ring_v)), without Triton."""
+    B, T, H, D, _ = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
+    x = qkv.float().reshape(B, T, 3, H, D // 2, 2)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+
+    def rotate(p):  # the contract's rotation of q (p=0) or k (p=1), [B, H, T, D] in qkv's dtype
+        r, i = x[:, :, p, :, :, 0], x[:, :, p, :, :, 1]
+        pairs = torch.stack(((r * c - i * s).to(qkv.dtype), (r * s + i * c).to(qkv.dtype)), -1)
+        return pairs.reshape(B, T, H, D).transpose(1, 2)
+
+    q, k, v = rotate(0), rotate(1), qkv[:, :, 2].transpose(1, 2)
+    layer = int(layer) if isinstance(layer, torch.Tensor) else layer
+    b, t = torch.nonzero(write_mask.bool(), as_tuple=True)
+    slots = write_index[b, t].long()
+    ring_k[layer, b, :, slots] = k[b, :, t]
+    ring_v[layer, b, :, slots] = v[b, :, t]
+    return q.contiguous(), ring_k, ring_v
+
+
+__all__ = ["rope_write", "rope_write_native", "tables", "tables_native"]

@@ -16,7 +16,8 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file as save_torch
 
 import jax_impl as jx
-from jax_impl.config import PRESETS, CheckpointError, check_checkpoint, infer_config, with_options
+from jax_impl.checkpoint import CheckpointError, check_checkpoint, infer_config
+from jax_impl.config import PRESETS, with_options
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.cli import main
 

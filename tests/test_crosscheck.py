@@ -8,9 +8,12 @@ import pytest
 import torch
 
 import torch_bridge.crosscheck as cc
-from jax_impl.config import PRESETS, CheckpointError
+import torch_bridge.report as rp
+from jax_impl.checkpoint import CheckpointError
+from jax_impl.config import PRESETS
 from torch_bridge.cli import main
-from torch_bridge.crosscheck import CrosscheckReport, TensorRecord, crosscheck
+from torch_bridge.crosscheck import crosscheck
+from torch_bridge.report import CrosscheckReport, TensorRecord
 
 INTEGER_TABLES = ("write_index", "positions", "mask", "end_offset", "offset", "start_offset")
 
@@ -266,13 +269,13 @@ def test_verdict_and_levels():
 
 
 def test_argmax_record_counts_near_ties_and_fails_real_differences():
-    record = cc.ArgmaxRecord("text_logits", tie_tol=1e-4)
+    record = rp.ArgmaxRecord("text_logits", tie_tol=1e-4)
     torch_logits = np.array([[1.0, 0.99999, -1.0], [1.0, 0.5, -1.0]], np.float32)  # row 0: a near tie
     record.add(0, torch_logits, torch_logits[:, [1, 0, 2]])  # both rows' argmax flipped
     assert record.per_step_agree == [0] and record.near_ties == 1 and record.unexplained == 1
     assert record.first_unexplained == (0, (1,))
     assert "differ without a near tie at 1 places (first: step 0 at [1])" in record.failure()
-    ok = cc.ArgmaxRecord("text_logits", tie_tol=1e-4)
+    ok = rp.ArgmaxRecord("text_logits", tie_tol=1e-4)
     ok.add(0, torch_logits, torch_logits * 1.000001)
     assert ok.per_step_agree == [2] and ok.failure() is None
 
@@ -281,4 +284,4 @@ def test_cli_require_help_states_the_bounds_in_force(capsys):
     with pytest.raises(SystemExit):
         main(["crosscheck", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert f"max rel {cc.CLOSE_MAX_REL['float32']:g} (float32) / {cc.CLOSE_MAX_REL['bfloat16']:g} (bfloat16)" in text
+    assert f"max rel {rp.CLOSE_MAX_REL['float32']:g} (float32) / {rp.CLOSE_MAX_REL['bfloat16']:g} (bfloat16)" in text

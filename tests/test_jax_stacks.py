@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import jax_impl as jx
-from jax_impl.config import PRESETS, CheckpointError, TemporalConfig, with_options
-from kernels_pallas.common import INT32_MAX
+from jax_impl.checkpoint import CheckpointError
+from jax_impl.config import PRESETS, TemporalConfig, with_options
+from kernels_pallas.contract.numerics import INT32_MAX
 
 TCFG = PRESETS["temporal-small"]
 MCFG = PRESETS["mimi-small"]

@@ -21,7 +21,7 @@ import torch
 
 import jax_impl as jx
 from jax_impl.config import PRESETS, with_options
-from kernels_pallas.common import INT32_MAX
+from kernels_pallas.contract.numerics import INT32_MAX
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.dlpack import to_jax, to_torch
 from torch_bridge.jax_steppers import JaxMimiTransformer, JaxTemporalStreaming

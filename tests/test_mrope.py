@@ -217,7 +217,7 @@ def test_many_tokens():
 
 
 def test_default_tile_plan():
-    # one tile plan (kernels_pallas.common.default_blocks) serves both packages
+    # one tile plan (kernels_pallas.contract.mrope.default_blocks) serves both packages
     assert kp_mod.default_blocks is kt_mod.default_blocks
     fn = kp_mod.default_blocks
     assert fn(1024, 28, 4, 128) == (1, 32)  # Qwen2.5-VL-7B: one token and all its heads per program

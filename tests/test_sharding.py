@@ -27,7 +27,8 @@ import torch
 
 import jax_impl as jx
 from jax_impl import sharding as sh
-from jax_impl.config import CheckpointError, with_options
+from jax_impl.checkpoint import CheckpointError
+from jax_impl.config import with_options
 from jax_impl.parity import bits
 from torch_bridge import TemporalStreaming
 from torch_bridge.jax_steppers import from_torch

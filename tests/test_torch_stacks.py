@@ -6,7 +6,8 @@ import copy
 import pytest
 import torch
 
-from jax_impl.config import PRESETS, CheckpointError, with_options
+from jax_impl.checkpoint import CheckpointError
+from jax_impl.config import PRESETS, with_options
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.crosscheck import layer_tables
 

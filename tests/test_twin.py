@@ -25,14 +25,16 @@ import jax_impl as jx
 from jax_impl.config import with_options
 from jax_impl.parity import bits
 from jax_impl.tables import rope_freqs
-from kernels_pallas import common
 from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_entry as pe
 from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_math as pm
 from kernels_pallas import twin_norm as pn
 from kernels_pallas import twin_rope as pr
-from kernels_pallas.common import TwinNorm, TwinRms, TwinSplit
+from kernels_pallas.contract import attention as ca
+from kernels_pallas.contract import linear as cl
+from kernels_pallas.contract import norm as cn
+from kernels_pallas.contract.norm import TwinNorm, TwinRms, TwinSplit
 from kernels_triton import twin_attention as ta
 from kernels_triton import twin_linear as tli
 from kernels_triton import twin_math as ttm
@@ -206,7 +208,8 @@ def test_linear_twins_same_bits_and_batch_invariant(M, N, K, L, act, scale, res,
     y_n = jax.jit(lambda x, w, s, r, i: pli.linear_native(x, w, i, scale=s, residual=r, **kw))(x, w, s, r,
                                                                                               jnp.int32(L - 1))
     y_t = tli.linear(T(x), T(w), L - 1, scale=T(s), residual=T(r), **kw)
-    assert_same(y_p, y_n, y_t, what="linear")
+    y_tn = tli.linear_native(T(x), T(w), L - 1, scale=T(s), residual=T(r), **kw)
+    assert_same(y_p, y_n, y_t, y_tn, what="linear")
     # other tiles and pipeline depths: the speed changes, never the bits
     y_p2 = pli.linear(x, w, L - 1, scale=s, residual=r, block_n=16, **kw)
     y_t2 = tli.linear(T(x), T(w), L - 1, scale=T(s), residual=T(r), block_n=16, num_stages=1, **kw)
@@ -238,7 +241,7 @@ def test_linear_with_fused_norm_has_the_bits_of_norm_then_linear(kind, act, dtyp
     """norm=TwinNorm(...): the bits of twin_norm.norm followed by linear, on both sides, whatever
     the tiles and the prefetch depth, and batch-invariant; in one kernel up to the fused-norm row
     limit (lowered here to the GPU's 4 rows a program: M <= 4 fused), else the norm kernel first."""
-    monkeypatch.setattr(common, "TWIN_INTERPRET_FUSED_NORM_MAX_BM", common.TWIN_FUSED_NORM_MAX_BM)
+    monkeypatch.setattr(cl, "TWIN_INTERPRET_FUSED_NORM_MAX_BM", cl.TWIN_FUSED_NORM_MAX_BM)
     N, K, L, eps = 64, 192, 2, 1e-5  # K: three blocks of 64 lanes
     rng = np.random.default_rng(K + len(kind))
     x = (rng.standard_normal((M, K)) * 3).astype(NP[dtype])
@@ -252,7 +255,7 @@ def test_linear_with_fused_norm_has_the_bits_of_norm_then_linear(kind, act, dtyp
     fused = jax.jit(lambda x, w, nw, nb, i: pli.linear(x, w, i, act=act, norm=TwinNorm(kind, nw, nb, eps)))
     y_p = fused(x, w, nw, nb, i)
     launches = str(jax.make_jaxpr(fused)(x, w, nw, nb, i)).count("pallas_call[")
-    assert launches == (1 if M <= common.TWIN_FUSED_NORM_MAX_BM else 2), launches
+    assert launches == (1 if M <= cl.TWIN_FUSED_NORM_MAX_BM else 2), launches
     y_n = jax.jit(lambda x, w, nw, nb: pli.linear_native(x, w, L - 1, act=act, norm=TwinNorm(kind, nw, nb, eps)))(
         x, w, nw, nb)
     y_p2 = jax.jit(lambda x, w, nw, nb: pli.linear(x, w, L - 1, act=act, norm=TwinNorm(kind, nw, nb, eps), block_n=16,
@@ -306,7 +309,7 @@ def _mma_case(M, N, K, L, act, scale, res, kind):
 
 @pytest.mark.parametrize("M,N,K,L,act,scale,res,kind", MMA)
 def test_linear_mma_form_interpreted_agrees_with_the_lane_form(M, N, K, L, act, scale, res, kind):
-    """form="mma" (what runs compiled on the GPU for 16-bit operands, `common.twin_linear_form`),
+    """form="mma" (what runs compiled on the GPU for 16-bit operands, `cl.twin_linear_form`),
     interpreted: its sums run in another order than the lane form's (interpreted: XLA's and
     numpy's matrix products; compiled: the tensor cores', which the GPU test holds the twins to
     bit for bit), so both twins are held to the lane form's reference within bf16 rounding (two
@@ -333,16 +336,16 @@ def test_linear_mma_form_interpreted_agrees_with_the_lane_form(M, N, K, L, act, 
 
 
 def test_mma_rows_a_program_never_change_the_bits():
-    """The MMA linears' rows a program (`block_m` 16, 32 or 64, `common.twin_mma_rows`: speed only),
+    """The MMA linears' rows a program (`block_m` 16, 32 or 64, `cl.twin_mma_rows`: speed only),
     interpreted: the same bits at each, on both twins, for a projection with a residual and the split
     norm's consumer half at 40 rows (the last block partial), and for the fused qkv kernel at 18 rows;
     the policy takes the most rows M fills while the grid keeps TWIN_MMA_MIN_PROGRAMS programs, the
     gate half the columns at 16 rows, and the pipeline depth that keeps the grid in one wave
-    (`common.twin_mma_stages`); a bad block_m is refused, naming the argument. (Compiled, the GPU
+    (`cl.twin_mma_stages`); a bad block_m is refused, naming the argument. (Compiled, the GPU
     test holds the tensor cores to the same.)"""
     M, N, K, L = 40, 64, 128, 2
     x, w, _, r, _ = _mma_case(M, N, K, L, None, False, True, None)
-    rms = TwinRms(np.abs(np.random.default_rng(1).standard_normal((M, K // common.TWIN_SPLIT_GROUP))).astype(np.float32),
+    rms = TwinRms(np.abs(np.random.default_rng(1).standard_normal((M, K // cn.TWIN_SPLIT_GROUP))).astype(np.float32),
                   1e-5)
     trms = TwinRms(to_torch(rms.ss), rms.eps)
     mma = jax.jit(lambda x, w, r, ss, R: pli.linear(x, w, L - 1, residual=r, rms=TwinRms(ss, 1e-5), form="mma",
@@ -359,20 +362,23 @@ def test_mma_rows_a_program_never_change_the_bits():
                                                         for R in (16, 32))):
         assert_same(a, b, what=f"fused {name}, 16 and 32 rows a program")
     # the policy: the most rows M fills, as long as the grid keeps TWIN_MMA_MIN_PROGRAMS (64) programs
-    rows = common.twin_mma_rows
+    rows = cl.twin_mma_rows
     assert [rows(M, 192) for M in (1, 16, 17, 32, 33, 64, 640)] == [16, 16, 32, 32, 64, 64, 64]
     assert [rows(M, 24) for M in (16, 64, 128, 640)] == [16, 16, 32, 64]  # few column blocks: more row blocks
     assert rows(64, 8) == 16
     # the columns: BN 64, halved for the gate (two weight tiles) at more than 16 rows; a given block_n kept
-    plan = common.twin_mma_plan
+    def plan(*args, **kwargs):  # (BN, BK, R)
+        blocks = cl.MmaBlocks.for_shapes(*args, **kwargs)
+        return blocks.block_n, blocks.block_k, blocks.rows
+
     assert [plan(M, 11264, 4096, 2)[::2] for M in (1, 16, 17, 64)] == [(64, 16), (64, 16), (32, 32), (32, 64)]
     assert [plan(M, 12288, 4096)[::2] for M in (1, 64)] == [(64, 16), (64, 64)]
     assert plan(1, 11264, 4096, 2, block_n=64)[0] == 64 and plan(1, 48, 512, 2)[0] == 16
-    assert plan(1, 4096, 4096, split=True)[0] == common.TWIN_SPLIT_GROUP
+    assert plan(1, 4096, 4096, split=True)[0] == cn.TWIN_SPLIT_GROUP
     # the depth: the default (4; 8 under one column block an SM, capped by the shared memory) unless the
     # grid then overflows what the SMs hold at once: then the deepest (>= 3) that fits it in one wave,
     # else the deepest (>= 3) at which each SM holds 2 programs, else the default
-    stages = common.twin_mma_stages
+    stages = cl.twin_mma_stages
     assert [stages(11264, 32, 128, 2, rows=16, M=M) for M in (1, 16)] == [3, 3]    # gate: 352 programs, 3 an SM
     assert [stages(12288, 64, 128, rows=R, M=M) for R, M in ((16, 1), (64, 64))] == [4, 3]  # qkv: 192 programs
     assert stages(11264, 32, 128, 2, rows=64, M=64) == 3     # gate: 352 programs of 64 rows, 2 an SM
@@ -391,11 +397,11 @@ def test_linear_form_is_chosen_by_shape_dtype_and_backend_never_by_batch(monkeyp
     module holds a tt.dot), float32 the lane form (none), at M=1 and M=16 alike; form="mma" where
     it cannot run is refused, naming the argument."""
     b16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)  # as the kernels pass them: x.dtype
-    assert common.twin_linear_form(4096, 4096, b16, compiled=True) == "mma"
-    assert common.twin_linear_form(4096, 4096, torch.float16, compiled=True) == "mma"
-    assert common.twin_linear_form(4096, 4096, b16, compiled=False) == "lanes"
-    assert common.twin_linear_form(4096, 4096, f32, compiled=True) == "lanes"
-    assert common.twin_linear_form(4096, 4104, b16, compiled=True) == "lanes"  # K: 8 lanes
+    assert cl.twin_linear_form(4096, 4096, b16, compiled=True) == "mma"
+    assert cl.twin_linear_form(4096, 4096, torch.float16, compiled=True) == "mma"
+    assert cl.twin_linear_form(4096, 4096, b16, compiled=False) == "lanes"
+    assert cl.twin_linear_form(4096, 4096, f32, compiled=True) == "lanes"
+    assert cl.twin_linear_form(4096, 4104, b16, compiled=True) == "lanes"  # K: 8 lanes
     S = jax.ShapeDtypeStruct
     for M in (1, 16):
         for dtype, dot in ((jnp.bfloat16, True), (jnp.float32, False)):
@@ -424,6 +430,26 @@ def _qkv_case(B, T, H, D, C, L, K, seed=0):
     write_mask = rng.random((B, T)) < 0.7
     norm = TwinNorm("rms", (1 + 0.1 * rng.standard_normal((L, K))).astype(b16), None, 1e-5)
     return x, w, cos, sin, ring_k, ring_v, write_index, write_mask, norm
+
+
+def test_qkv_rope_write_lane_form_and_references_same_bits():
+    """linear_rope_write's lane form (the CPU's: linear then rope_write) on both sides, and the plain
+    references beside it, with a fused norm and unwritten rows."""
+    B, T, H, D, C, L, K = 3, 2, 2, 16, 8, 2, 64
+    x, w, cos, sin, ring_k, ring_v, wi, wm, norm = _qkv_case(B, T, H, D, C, L, K)
+    p = jax.jit(lambda *a: pli.linear_rope_write(*a[:2], L - 1, *a[2:], norm=norm))(x, w, cos, sin, ring_k, ring_v,
+                                                                                    wi, wm)
+    n = jax.jit(lambda *a: pli.linear_rope_write_native(*a[:2], L - 1, *a[2:], norm=norm))(x, w, cos, sin, ring_k,
+                                                                                           ring_v, wi, wm)
+    T_ = to_torch
+    tnorm = TwinNorm("rms", T_(norm.weight), None, norm.eps)
+    outs = []
+    for fn in (tli.linear_rope_write, tli.linear_rope_write_native):
+        tk, tv = T_(ring_k).clone(), T_(ring_v).clone()
+        outs.append(fn(T_(x), T_(w), L - 1, T_(cos), T_(sin), tk, tv, T_(wi), T_(wm), norm=tnorm))
+    for i, name in enumerate(("q", "ring_k", "ring_v")):
+        assert_same(p[i], n[i], outs[0][i], outs[1][i], what=name)
+    assert not np.array_equal(np.asarray(p[1]), ring_k), "the ring was written"
 
 
 def test_qkv_rope_write_mma_form_has_the_bits_of_linear_then_rope_write():
@@ -461,10 +487,10 @@ def test_mma_form_fuses_its_norm_over_few_blocks_with_the_bits_of_the_norm_kerne
     (Mimi's 512: one launch fewer a norm), else runs the norm kernel first (Helium's 4096; here
     the bound lowered to 0). Either way, interpreted, `linear(norm=)` and `linear_rope_write(norm=)`
     have the bits of the norm kernel then the unnormalized call, on each side; 17 rows (two row blocks)."""
-    assert [common.twin_mma_fuse_norm(k) for k in (64, 512, 640, 4096)] == [True, True, False, False]
+    assert [cl.twin_mma_fuse_norm(k) for k in (64, 512, 640, 4096)] == [True, True, False, False]
     if not fuses:
-        monkeypatch.setattr(common, "TWIN_MMA_FUSED_NORM_MAX_BLOCKS", 0)
-    assert common.twin_mma_fuse_norm(K) == fuses
+        monkeypatch.setattr(cl, "TWIN_MMA_FUSED_NORM_MAX_BLOCKS", 0)
+    assert cl.twin_mma_fuse_norm(K) == fuses
     M, N, L = 17, 32, 2
     x, w, s, r, norm = _mma_case(M, N, K, L, act, act == "gelu", True, kind)
     h = pn.norm(x, norm.weight, norm.bias, L - 1, kind=kind, eps=norm.eps)
@@ -518,10 +544,11 @@ def test_split_norm_producer_has_the_bits_of_linear_then_split(layer, offset):
     assert_same(y, pli.linear(J(a), J(w), layer, residual=J(r), form="mma"), what="pallas y")
     assert_same(ty, tli.linear(T_(a), T_(w), layer, residual=T_(r), form="mma"), what="triton y")
     u_ref, ss_ref = pn.split_native(y, J(alpha), row)
-    for name, got in (("u", (u, tn.split(ty, T_(alpha), row)[0], pn.split(y, J(alpha), row)[0], tu)),
-                      ("ss", (ss, tn.split(ty, T_(alpha), row)[1], pn.split(y, J(alpha), row)[1], tss))):
+    for i, name in enumerate(("u", "ss")):
+        got = (u if i == 0 else ss, tn.split(ty, T_(alpha), row)[i], pn.split(y, J(alpha), row)[i],
+               tu if i == 0 else tss, tn.split_native(ty, T_(alpha), row)[i])
         assert_same(u_ref if name == "u" else ss_ref, *got, what=f"split {name}")
-    assert ss.dtype == jnp.float32 and ss.shape == (M, N // common.TWIN_SPLIT_GROUP)
+    assert ss.dtype == jnp.float32 and ss.shape == (M, N // cn.TWIN_SPLIT_GROUP)
 
 
 @pytest.mark.parametrize("act", [None, "silu_gate"])
@@ -532,7 +559,7 @@ def test_split_norm_consumer_scales_its_sums_by_r(act):
     float64 RMSNorm-then-linear's within bf16 rounding; both sides give the same bits."""
     M, N, K, L = 5, 128, 128, 2
     a, w, _, alpha = _split_case(M, N, K, L, seed=1)
-    G = K // common.TWIN_SPLIT_GROUP
+    G = K // cn.TWIN_SPLIT_GROUP
     r = np.array([1, 2, 4, 1, 2], np.float32)
     ss = np.repeat((K / G / r ** 2)[:, None], G, axis=1).astype(np.float32)  # var = 1 / r^2 with eps = 0
     J, T_ = jnp.asarray, to_torch
@@ -561,7 +588,7 @@ def test_split_norm_qkv_consumer_with_r_one_is_the_plain_projection():
     """linear_rope_write(rms=) with r = 1 exactly gives the plain kernel's q and ring writes."""
     B, T, H, D, C, L, K = 2, 1, 2, 16, 6, 2, 128
     x, w, cos, sin, ring_k, ring_v, wi, wm, _ = _qkv_case(B, T, H, D, C, L, K)
-    G = K // common.TWIN_SPLIT_GROUP
+    G = K // cn.TWIN_SPLIT_GROUP
     ss = np.full((B * T, G), K / G, np.float32)
     J = jnp.asarray
     args = (J(cos), J(sin), J(ring_k), J(ring_v), J(wi), J(wm))
@@ -578,7 +605,7 @@ def test_split_norm_refusals_name_the_argument():
     M, N, K, L = 3, 128, 128, 2
     a, w, _, alpha = _split_case(M, N, K, L)
     J = jnp.asarray
-    ss = J(np.zeros((M, K // common.TWIN_SPLIT_GROUP), np.float32))
+    ss = J(np.zeros((M, K // cn.TWIN_SPLIT_GROUP), np.float32))
     with pytest.raises(ValueError, match=r"linear\(split, rms\): the split RMSNorm runs in the MMA form only"):
         pli.linear(J(a), J(w), 0, rms=TwinRms(ss, 1e-5), form="lanes")
     with pytest.raises(ValueError, match=r"linear\(rms.ss\)"):
@@ -597,11 +624,11 @@ def test_split_norm_refusals_name_the_argument():
 
 def test_split_norm_is_chosen_for_helium_on_the_gpu_only():
     """Both stacks split where the projections run in the MMA form without fusing their norm."""
-    assert common.twin_split_norm(4096, "bfloat16", compiled=True)
-    assert not common.twin_split_norm(4096, "bfloat16", compiled=False)  # the lane form, interpreted
-    assert not common.twin_split_norm(4096, "float32", compiled=True)
-    assert not common.twin_split_norm(512, "bfloat16", compiled=True)   # Mimi's: fused into the MMA form
-    assert not common.twin_split_norm(64 * 3 * 16, "bfloat16", compiled=True)  # a group count not a power of two
+    assert cl.twin_split_norm(4096, "bfloat16", compiled=True)
+    assert not cl.twin_split_norm(4096, "bfloat16", compiled=False)  # the lane form, interpreted
+    assert not cl.twin_split_norm(4096, "float32", compiled=True)
+    assert not cl.twin_split_norm(512, "bfloat16", compiled=True)   # Mimi's: fused into the MMA form
+    assert not cl.twin_split_norm(64 * 3 * 16, "bfloat16", compiled=True)  # a group count not a power of two
 
 
 mma_on_gpu = pytest.mark.skipif(
@@ -617,7 +644,7 @@ def test_linear_mma_form_gpu_twins_same_bits_and_batch_invariant(M, N, K, L, act
     """Compiled on the GPU: the Pallas and Triton MMA forms give the same bits, at other tiles and
     16, 32 or 64 rows a program (the MMA's n) too, and a row alone has the bits it has among the others
     (the last case: the gate at 64 rows and 32 columns a program, and alone at 16 rows and 64 columns:
-    `common.twin_mma_plan`)."""
+    `MmaBlocks`)."""
     x, w, s, r, norm = _mma_case(M, N, K, L, act, scale, res, kind)
     C = (lambda a: None if a is None else to_torch(a).cuda())
     tnorm = None if norm is None else TwinNorm(kind, C(norm.weight), C(norm.bias), norm.eps)
@@ -682,7 +709,8 @@ def test_norm_twins_same_bits(kind, M, D, dtype):
     y_p = jax.jit(lambda x, w, b: pn.norm(x, w, b, jnp.int32(1), kind=kind, eps=eps))(x, w, b)
     y_n = jax.jit(lambda x, w, b: pn.norm_native(x, w, b, jnp.int32(1), kind=kind, eps=eps))(x, w, b)
     y_t = tn.norm(to_torch(x), to_torch(w), None if b is None else to_torch(b), 1, kind=kind, eps=eps)
-    assert_same(y_p, y_n, y_t, what=kind)
+    y_tn = tn.norm_native(to_torch(x), to_torch(w), None if b is None else to_torch(b), 1, kind=kind, eps=eps)
+    assert_same(y_p, y_n, y_t, y_tn, what=kind)
     # one row a program, the compiled default: the tiles change the speed, never the bits
     y_p1 = pn.norm(x, w, b, 1, kind=kind, eps=eps, block_m=1)
     y_t1 = tn.norm(to_torch(x), to_torch(w), None if b is None else to_torch(b), 1, kind=kind, eps=eps, block_m=1)
@@ -722,8 +750,11 @@ def _check_entry(B, T, H, D, C, dtype, convention, device):
         assert_same(a, n, what=f"{name}, active None")  # None: every row, as all True
     t = (lambda a: torch.from_numpy(a).to(device))
     c_t, s_t = tr.tables(t(offset), T, t(freqs))
-    assert_same(e.cos, c_t.cpu(), what="cos")
-    assert_same(e.sin, s_t.cpu(), what="sin")
+    c_tn, s_tn = tr.tables_native(t(offset), T, t(freqs))
+    c_p, s_p = jax.jit(pr.tables, static_argnums=1)(offset, T, freqs)
+    c_n, s_n = pr.tables_native(jnp.asarray(offset), T, jnp.asarray(freqs))
+    assert_same(e.cos, c_t.cpu(), c_tn.cpu(), c_p, c_n, what="cos")
+    assert_same(e.sin, s_t.cpu(), s_tn.cpu(), s_p, s_n, what="sin")
     want = build_torch_tables(*map(t, (offset, start, active)), T, capacity=C, context=C,
                               head_dim=D, max_period=10000.0, convention=convention)
     for name in ("q_pos", "write_index", "positions", "end_offset", "write_mask"):  # torch's: int64, bool
@@ -732,7 +763,7 @@ def _check_entry(B, T, H, D, C, dtype, convention, device):
     assert pos[1].max() >= 5 * C and ((pos[1] == -1) | (pos[1] >= start[1])).all()
     if B == 3:
         assert (pos[1] == -1).any() and (pos[2] >= 0).all()
-    assert not np.asarray(e.sems).any() and e.sems.shape == (common.twin_sems_size(B, H, T),)
+    assert not np.asarray(e.sems).any() and e.sems.shape == (ca.twin_sems_size(B, H, T),)
     assert_same(e.x, x, what="x")
     # the contract's float32 angle (one rounded product), then cos in float64: a few ulp of 1
     angle = (offset[:, None, None].astype(np.float32) + np.arange(T, dtype=np.float32)[None, :, None]) * freqs
@@ -751,8 +782,11 @@ def test_entry_tables_and_rope_write_twins_same_bits(B, T, H, D, C, dtype, conve
     out_n = jax.jit(pr.rope_write_native)(qkv, c_p, s_p, ring_k, ring_v, jnp.int32(1), slots, written)
     rk, rv = to_torch(ring_k).clone(), to_torch(ring_v).clone()
     out_t = tr.rope_write(to_torch(qkv), c_t, s_t, rk, rv, 1, torch.from_numpy(slots), torch.from_numpy(written))
-    for a, b_, c in zip(out_p, out_n, out_t):
-        assert_same(a, b_, c, what="rope_write")
+    rk, rv = to_torch(ring_k).clone(), to_torch(ring_v).clone()
+    out_tn = tr.rope_write_native(to_torch(qkv), c_t, s_t, rk, rv, 1, torch.from_numpy(slots),
+                                  torch.from_numpy(written))
+    for a, b_, c, d in zip(out_p, out_n, out_t, out_tn):
+        assert_same(a, b_, c, d, what="rope_write")
     assert_same(np.asarray(out_p[1])[0], ring_k[0], what="layer 0 untouched")
     for b in range(B):
         for t in range(T):
@@ -807,12 +841,14 @@ def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T,
     o_n = jax.jit(lambda *a: pa.attention_native(*a, context=C))(*args)
     o_t = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
                        torch.from_numpy(q_pos), context=C)
-    assert_same(o_p, o_n, o_t, what="attention")
+    o_tn = ta.attention_native(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
+                               torch.from_numpy(q_pos), context=C)
+    assert_same(o_p, o_n, o_t, o_tn, what="attention")
     o_t2 = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
                         torch.from_numpy(q_pos), context=C, num_warps=4, num_stages=2)
     assert_same(o_t, o_t2, what="attention, other launch")
     # the other launch order (speed only): the same bits, whichever split program combines
-    monkeypatch.setattr(common, "TWIN_ATTENTION_SPLITS_FIRST", not common.TWIN_ATTENTION_SPLITS_FIRST)
+    monkeypatch.setattr(ca, "TWIN_ATTENTION_SPLITS_FIRST", not ca.TWIN_ATTENTION_SPLITS_FIRST)
     o_p3 = jax.jit(lambda *a: pa.attention(*a, context=C))(*args)
     o_t3 = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
                         torch.from_numpy(q_pos), context=C)
@@ -838,7 +874,7 @@ def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T,
                             "ignore:invalid value encountered in matmul:RuntimeWarning")
 @pytest.mark.parametrize("B,H,T,D,C", [(2, 2, 2, 16, 24), (2, 2, 1, 32, 300)])
 def test_attention_mma_form_interpreted_agrees_with_float64(B, H, T, D, C):
-    """form="mma" (what runs compiled on the GPU for 16-bit operands, `common.twin_attention_form`),
+    """form="mma" (what runs compiled on the GPU for 16-bit operands, `ca.twin_attention_form`),
     interpreted: its sums are XLA's and numpy's matrix products here (the tensor cores' compiled,
     which the GPU test holds the twins to bit for bit), so both twins are held to float64 within
     bf16 rounding; the masking, the online softmax, the split combine and p's two 16-bit parts are
@@ -857,11 +893,11 @@ def test_attention_form_is_chosen_by_shape_dtype_and_backend_never_by_batch(monk
     lowered module holds a tt.dot), float32 the lane form (none), at B=1 and B=16 alike; form="mma"
     where it cannot run is refused, naming the argument."""
     b16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
-    assert common.twin_attention_form(128, 64, b16, compiled=True) == "mma"
-    assert common.twin_attention_form(64, 64, torch.bfloat16, compiled=True) == "mma"
-    assert common.twin_attention_form(128, 64, b16, compiled=False) == "lanes"
-    assert common.twin_attention_form(128, 64, f32, compiled=True) == "lanes"
-    assert common.twin_attention_form(8, 16, b16, compiled=True) == "lanes"  # D: 8
+    assert ca.twin_attention_form(128, 64, b16, compiled=True) == "mma"
+    assert ca.twin_attention_form(64, 64, torch.bfloat16, compiled=True) == "mma"
+    assert ca.twin_attention_form(128, 64, b16, compiled=False) == "lanes"
+    assert ca.twin_attention_form(128, 64, f32, compiled=True) == "lanes"
+    assert ca.twin_attention_form(8, 16, b16, compiled=True) == "lanes"  # D: 8
     S = jax.ShapeDtypeStruct
     C, D, H = 300, 64, 2
     for B in (1, 16):
@@ -885,7 +921,7 @@ def test_attention_mma_form_gpu_twins_same_bits_and_batch_invariant(B, H, T, D, 
     Triton MMA forms give the same bits, another launch of the Triton twin too, a row alone has the
     bits it has among the others, and the output is within bf16 rounding of float64."""
     q, ring_k, ring_v, positions, q_pos = case = _attention_case(B, H, T, D, C, "bfloat16")
-    assert common.twin_attention_form(D, common.twin_attention_plan(C)[0], jnp.dtype(jnp.bfloat16), True) == "mma"
+    assert ca.twin_attention_form(D, ca.AttentionBlocks.for_shapes(C).block_slots, jnp.dtype(jnp.bfloat16), True) == "mma"
     G = (lambda a: to_torch(a).cuda())
     o_p = jax.jit(lambda *a: pa.attention(*a, context=C))(*(jnp.asarray(a) for a in (q, ring_k, ring_v)), 1,
                                                           jnp.asarray(positions), jnp.asarray(q_pos))
@@ -893,7 +929,7 @@ def test_attention_mma_form_gpu_twins_same_bits_and_batch_invariant(B, H, T, D, 
     o_t2 = ta.attention(G(q), G(ring_k), G(ring_v), 1, G(positions), G(q_pos), context=C, num_warps=4, num_stages=2)
     assert_same(np.asarray(o_p), o_t.cpu(), o_t2.cpu(), what="attention mma form, GPU")
     with pytest.MonkeyPatch.context() as patch:  # the other launch order (speed only): the same bits
-        patch.setattr(common, "TWIN_ATTENTION_SPLITS_FIRST", not common.TWIN_ATTENTION_SPLITS_FIRST)
+        patch.setattr(ca, "TWIN_ATTENTION_SPLITS_FIRST", not ca.TWIN_ATTENTION_SPLITS_FIRST)
         o_p3 = jax.jit(lambda *a: pa.attention(*a, context=C))(*(jnp.asarray(a) for a in (q, ring_k, ring_v)), 1,
                                                                jnp.asarray(positions), jnp.asarray(q_pos))
         o_t3 = ta.attention(G(q), G(ring_k), G(ring_v), 1, G(positions), G(q_pos), context=C)

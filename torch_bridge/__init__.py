@@ -3,17 +3,19 @@
     from torch_bridge import TemporalStreaming, MimiTransformer        # the torch path (reference)
     from torch_bridge import to_jax, to_torch                          # zero-copy DLPack handoff
     from torch_bridge import JaxTemporalStreaming, JaxMimiTransformer, from_torch   # stepped by JAX
+    from torch_bridge.crosscheck import crosscheck                      # the two paths side by side
 
 Names are imported on first use: the torch path alone does not import jax.
 """
 
-from kernels_pallas._lazy import lazy_exports
+from kernels_pallas.lazy import lazy_exports
 
 _EXPORTS = {
     **dict.fromkeys(["MimiTransformer", "TemporalStreaming"], "stacks"),
     "StreamState": "streaming",
     **dict.fromkeys(["BridgeCopyWarning", "to_jax", "to_torch"], "dlpack"),
     **dict.fromkeys(["JaxMimiTransformer", "JaxTemporalStreaming", "from_torch"], "jax_steppers"),
+    **dict.fromkeys(["ArgmaxRecord", "CrosscheckReport", "TensorRecord"], "report"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = [*_EXPORTS]  # noqa: PLE0604 (the names of the lazy export table)

@@ -22,7 +22,8 @@ import os
 import sys
 import time
 
-from jax_impl.config import RING_CONVENTIONS, CheckpointError
+from jax_impl.checkpoint import CheckpointError
+from jax_impl.config import RING_CONVENTIONS
 
 REQUIREMENT_NOT_MET = 3  # exit status of `crosscheck --require` when the run does not meet it
 
@@ -193,7 +194,8 @@ def _crosscheck_config(args, size: str):
     --config value that differs is an error), then the flags, then --config, then the preset
     (`size`: "full", "small", or "auto" for crosscheck's default for the device).
     """
-    from jax_impl.config import PRESETS, infer_config, read_safetensors_shapes, with_options
+    from jax_impl.checkpoint import infer_config, read_safetensors_shapes
+    from jax_impl.config import PRESETS, with_options
 
     from .crosscheck import STACKS, default_config, resolve_device
 

@@ -21,7 +21,7 @@ import torch
 import jax_impl
 from jax_impl.snapshot import ARRAY_KEYS, check_ring_cast, check_snapshot_layout, dtype_name
 
-from .dlpack import _jax_device_for, to_jax, to_torch
+from .dlpack import jax_device_for, to_jax, to_torch
 from .stacks import MimiTransformer, TemporalStreaming, _StreamingStack
 from .streaming import StreamState
 
@@ -108,7 +108,7 @@ class _JaxBacked:
             return super()._apply(fn, recurse)
         probe = self._conversion_target(fn)
         try:
-            device = _jax_device_for(probe)
+            device = jax_device_for(probe)
         except ValueError:
             raise ValueError(f"cannot move a streaming {type(self).__name__} to {probe.device}: its state "
                              f"lives in JAX, which has no such device (JAX devices: {jax.devices()}); nothing was "

@@ -23,9 +23,9 @@ on the module's device first.
 
 from __future__ import annotations
 
-from jax_impl.sharding import SESSIONS, ShardedStreamer, _check_sessions, session_mesh
+from jax_impl.sharding import SESSIONS, ShardedStreamer, check_sessions, session_mesh
 
-from .dlpack import _jax_device_for
+from .dlpack import jax_device_for
 from .jax_steppers import _JaxBacked
 
 
@@ -41,11 +41,11 @@ def shard_dropin(module: _JaxBacked, mesh=None, axis: str = SESSIONS, *, batch_s
     if not isinstance(module, _JaxBacked):
         raise TypeError(f"shard_dropin(module): expected a JAX-backed drop-in (JaxTemporalStreaming, "
                         f"JaxMimiTransformer, from_torch(...)), got {type(module).__name__}")
-    device = _jax_device_for(next(iter(module.weights().values())))
+    device = jax_device_for(next(iter(module.weights().values())))
     mesh = session_mesh(axis=axis) if mesh is None else mesh
     if batch_size is not None:
         module._check_batch_size(batch_size)
-        _check_sessions("shard_dropin(batch_size)", batch_size, mesh, axis)
+        check_sessions("shard_dropin(batch_size)", batch_size, mesh, axis)
         module._streamer = None  # the old stream goes before the new one is made
         module._streamer = module._new_streamer(batch_size, ShardedStreamer, mesh=mesh, axis=axis,
                                                 output_device=device)

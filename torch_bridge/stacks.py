@@ -16,12 +16,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from jax_impl.config import (
+from jax_impl.checkpoint import (
     WIDENINGS,
     CheckpointError,
-    MimiConfig,
-    StackConfig,
-    TemporalConfig,
     WeightSpec,
     check_checkpoint,
     checkpoint_keys,
@@ -30,6 +27,7 @@ from jax_impl.config import (
     weight_dtype_problem,
     weight_specs,
 )
+from jax_impl.config import MimiConfig, StackConfig, TemporalConfig
 from jax_impl.snapshot import (
     ARRAY_KEYS,
     check_ring_cast,
@@ -50,7 +48,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # "reference": torch ops, bit-exact with moshi; "twin": the Triton twin kernels, bit-identical with
 # the JAX step's kernels="twin" (torch_bridge/twin_layers.py; imports triton on first use).
 KERNELS = ("reference", "twin")
-# The exact widenings (jax_impl.config.WIDENINGS: bf16/f16 -> f32) as torch dtype pairs.
+# The exact widenings (jax_impl.checkpoint.WIDENINGS: bf16/f16 -> f32) as torch dtype pairs.
 _LOSSLESS = {(getattr(torch, a), getattr(torch, b)) for a, b in WIDENINGS}
 
 

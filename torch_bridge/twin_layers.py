@@ -16,8 +16,8 @@ projection after it, which fuses it (the lane form, up to 4 rows a program) or r
 first (the MMA form: the GPU's for 16-bit weights); the qkv projection, rotation and ring write are
 one kernel in the MMA form, a linear then `rope_write` in the lane form; the same bits either way.)
 
-Where `common.twin_split_norm` says (Helium on the GPU), the temporal layer's RMSNorms run split
-(`common.TwinSplit`), as the JAX layer runs them: the out-projection makes the second norm's u and
+Where `contract.linear.twin_split_norm` says (Helium on the GPU), the temporal layer's RMSNorms run split
+(`contract.norm.TwinSplit`), as the JAX layer runs them: the out-projection makes the second norm's u and
 ss, the down-projection the next layer's first (from w["following_norm1_alpha"], which the stack
 adds), and the layer hands (x, u, ss) to the next; the first layer splits its x itself.
 """
@@ -26,14 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels_pallas.common import (
-    TwinNorm,
-    TwinRms,
-    TwinSplit,
-    stack_one_layer,
-    twin_sems_size,
-    twin_split_norm,
-)
+from kernels_pallas.contract.attention import twin_sems_size
+from kernels_pallas.contract.linear import stack_one_layer, twin_split_norm
+from kernels_pallas.contract.norm import TwinNorm, TwinRms, TwinSplit
 from kernels_triton import twin_attention, twin_linear, twin_norm, twin_rope
 from kernels_triton.twin_math import interpreting
 
@@ -55,7 +50,7 @@ def _attention(x2, norm: TwinNorm | None, w, ring_k, ring_v, tables: StepTables,
 
 
 def split_norms(dim: int, dtype) -> bool:
-    """Whether the twin temporal layers run their norms split here (`common.twin_split_norm`)."""
+    """Whether the twin temporal layers run their norms split here (`contract.linear.twin_split_norm`)."""
     return twin_split_norm(dim, dtype, compiled=not interpreting(twin_linear._mma_kernel))
 
 

@@ -1,7 +1,7 @@
 """Lazy package exports (PEP 562), shared by `kernels_pallas`, `jax_impl` and `torch_bridge`.
 
 A package lists `name -> submodule`; a name is imported on first use, so importing the
-package costs nothing: `kernels_triton` reads `kernels_pallas.common` and the torch
+package costs nothing: `kernels_triton` reads `kernels_pallas.contract` and the torch
 path reads `jax_impl.config` without importing jax. Standard library only.
 """
 

@@ -1,0 +1,16 @@
+"""The twin kernels' contract, framework-free: what `kernels_pallas.twin_*` (JAX) and
+`kernels_triton.twin_*` (torch) both read, so that each package stays free of the other's framework.
+
+    numerics   the numerics contract (its text), the polynomial constants, the lanes of a sum, the forms
+    linear     the linears' tile plans (`LinearBlocks`, `MmaBlocks`), launch constants and checks
+    norm       the norms' plan (`NormBlocks`), the fused and split norms (`TwinNorm`, `TwinSplit`,
+               `TwinRms`) and their checks
+    rope       the ring conventions and the rotate-and-write's checks
+    attention  the attention's plan (`AttentionBlocks`), launch constants, counters and checks
+    mrope      the MRoPE kernels' checks and tile plan
+
+Standard library only: arrays are asked for `shape`, `ndim` and `dtype`, never computed on. The
+plans are functions of the shapes (and the backend) alone: both twins choose the same tiles, and the
+tiles that fix a result's bits (the lanes of a sum, the attention's blocks) depend on no batch size.
+A plan's constants are read at call time, so a benchmark may set them (both twins follow).
+"""
