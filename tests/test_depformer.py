@@ -248,3 +248,18 @@ def test_bad_inputs_raise_clear_errors():
         Depformer.from_config(cfg, dtype=torch.float64)
     with pytest.raises(ValueError, match="kernels must be one of"):
         Depformer.from_config(cfg, kernels="fast")
+
+
+def test_sampled_frame_is_deterministic_and_greedy_at_top1():
+    cfg = SMALL["personaplex"]
+    dep = random_depformer(cfg, torch.float32)
+    text, out = frame_inputs(cfg, torch.float32)
+    seeds = torch.tensor([3, 4, 5])
+    a = dep(text, out, temperature=0.9, top_k=10, seeds=seeds, counter=7)
+    assert torch.equal(a, dep(text, out, temperature=0.9, top_k=10, seeds=seeds, counter=7))
+    assert not torch.equal(a, dep(text, out, temperature=0.9, top_k=10, seeds=seeds, counter=8))
+    assert torch.equal(dep(text, out, temperature=0.9, top_k=1, seeds=seeds), dep(text, out))
+    with pytest.raises(ValueError, match="needs seeds \\[3\\]"):
+        dep(text, out, temperature=0.9)
+    with pytest.raises(ValueError, match="top_k must be an int in 0..40"):
+        dep(text, out, temperature=0.9, top_k=41, seeds=seeds)

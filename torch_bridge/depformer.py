@@ -10,7 +10,8 @@ step k-1 (`emb[(k-1) % weight_sets]`), each added to `depformer_in[set](transfor
 layers attend causally over the frame's inner steps only (a K/V cache of dep_q slots, rebuilt
 every frame, no positional embedding); `linears[set]` gives the step's logits. Step k runs weight
 set `k % weight_sets`, read in place: a 16-step PersonaPlex depformer stores its 8 sets once.
-Greedy (moshi's `use_sampling=False`).
+Greedy by default (moshi's `use_sampling=False`); `temperature > 0` samples with the
+explicit-randomness sampler of `torch_bridge.sampling` (the same tokens as `jax_impl.sampling`).
 Teacher forcing (`audio_tokens`, `audio_provided`) overrides the next step's input token, as
 PersonaPlex's `LMGen.depformer_step` does; the returned codes are the chosen ones.
 """
@@ -26,8 +27,10 @@ from torch import nn
 
 from jax_impl.config import CheckpointError, weight_dtype_problem
 from jax_impl.depformer_config import DEPFORMER_PREFIXES, DepformerConfig, buffer_shapes, load_plan
+from jax_impl.sampling_config import check_sampling
 
 from .layers import rms_norm_f32
+from .sampling import sample
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNELS = ("reference",)
@@ -211,18 +214,24 @@ class Depformer(nn.Module):
 
     @torch.no_grad()
     def forward(self, text_token: torch.Tensor, transformer_out: torch.Tensor, audio_tokens: torch.Tensor | None = None,
-                audio_provided: torch.Tensor | None = None, return_logits: bool = False):
+                audio_provided: torch.Tensor | None = None, return_logits: bool = False, *,
+                temperature: float = 0.0, top_k: int = 0, seeds: torch.Tensor | None = None, counter=0):
         """One frame's audio tokens.
 
         text_token [B] int: the frame's text token (0..text_card, or -1: no token).
         transformer_out [B, 1, temporal_dim]: the temporal stack's output (the depformer's dtype).
         audio_tokens [B, dep_q] int, audio_provided [B, dep_q] bool: where provided, audio_tokens[:, k]
         (0..card or -1) is step k+1's input instead of the chosen token.
+        temperature, top_k, seeds [B] int, counter (int or [B] int): sampling (`torch_bridge.sampling`;
+        step k draws at counter * dep_q + k); temperature 0 (the default): greedy.
         Returns codes [B, dep_q] int64, and with return_logits the float32 logits [B, dep_q, card].
         """
         self._check_inputs(text_token, transformer_out, audio_tokens, audio_provided)
         c = self.config
         B = transformer_out.shape[0]
+        check_sampling(temperature, top_k, c.card)
+        if temperature and (not isinstance(seeds, torch.Tensor) or tuple(seeds.shape) != (B,)):
+            raise ValueError(f"sampling (temperature > 0) needs seeds [{B}]: the randomness is an explicit input")
         shape = (c.num_layers, B, c.num_heads, c.dep_q, c.head_dim)
         cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         cache_v = torch.zeros_like(cache_k)
@@ -236,7 +245,7 @@ class Depformer(nn.Module):
             for layer in range(c.num_layers):
                 x = self._layer(x, layer, s, step, cache_k[layer], cache_v[layer], mask)
             logits = F.linear(x, self.linears[s])[:, 0].float()  # [B, card]
-            token = logits.argmax(dim=-1)
+            token = sample(logits, seeds, counter * c.dep_q + step, temperature=temperature, top_k=top_k)
             codes.append(token)
             logits_all.append(logits)
             prev = token if audio_tokens is None else torch.where(audio_provided[:, step], audio_tokens[:, step].long(),
