@@ -10,8 +10,24 @@ weight set stored once, `[L, weight_sets, ...]`; step k reads set `step_sets[k]`
 traced index (an array of the step -> set map scanned with the steps). The scan's carry is the
 frame's state: the previous token and the K/V cache `[L, B, H, dep_q, head_dim]` (zeros at the
 frame's start, slot k written at step k, slots 0..k attended: causal over the inner steps, no
-positional embedding). The same operations as the torch reference, in its order; the floats
-differ from it by the matmuls' summation order (XLA's, not oneDNN's), the codes agree.
+positional embedding). The same operations as the torch reference, in its order.
+
+`kernels` picks who computes the floats:
+
+- "reference": jax.numpy, the torch reference's operations in its order; the floats differ from
+  it by the matmuls' summation order (XLA's, not oneDNN's), the codes agree.
+- "twin": every float operation in a Pallas twin kernel (`kernels_pallas.twin_*`), the torch
+  `Depformer(kernels="twin")`'s Triton twins in the same order: the same bits (codes and logits),
+  and a row's bits do not depend on the batch. Per layer: RMSNorm (`twin_norm`), the qkv
+  projection (`twin_linear`), the K/V write (a copy), the attention over the frame's cache
+  (`twin_attention`, the cache as a ring whose slot c holds position c, queried at the step
+  index: slots 0..k visible, no positional embedding), the out-projection with the residual in its
+  epilogue, RMSNorm, the gated in-projection (`act="silu_gate"`), the down-projection with the
+  residual; `depformer_in` with the token's embedding as its residual, the head a twin linear.
+  The weight sets are read in place at the traced index `layer * weight_sets + set` of the
+  buffers viewed as `[L * weight_sets, N, K]` (a reshape, no copy). The embedding lookup and the
+  sampler are exact (a gather, integer and compare work; the sampler's few float operations are
+  rounded one by one on both sides, `jax_impl.sampling`).
 """
 
 from __future__ import annotations
@@ -24,11 +40,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kernels_pallas import twin_attention, twin_linear, twin_norm
+
 from .depformer_config import DepformerConfig, buffer_shapes
 from .sampling import sample
 from .sampling_config import check_sampling
 
-KERNELS = ("reference",)
+KERNELS = ("reference", "twin")
 F32 = jnp.float32
 
 
@@ -84,14 +102,42 @@ def _layer(cfg: DepformerConfig, p, x, layer: int, s, step, cache_k, cache_v):
         cache_k, cache_v
 
 
+def _per_set(w, cfg: DepformerConfig):
+    """A per-set buffer [L, weight_sets, N, K] as the twin linears' stack [L * weight_sets, N, K] (a reshape)."""
+    return w.reshape(cfg.num_layers * cfg.weight_sets, *w.shape[2:])
+
+
+def _twin_layer(cfg: DepformerConfig, p, x, layer: int, s, step, cache_k, cache_v):
+    """One layer at inner step `step` with weight set `s` (both traced) on the Pallas twins (module
+    docstring). x [B, dim]; cache_k, cache_v [L, B, H, dep_q, head_dim]."""
+    B = x.shape[0]
+    H, D, eps = cfg.num_heads, cfg.head_dim, cfg.norm_eps
+    at = layer * cfg.weight_sets + s
+    h = twin_norm.norm(x, p["norm1_alpha"], None, layer, kind="rms", eps=eps)
+    qkv = twin_linear.linear(h, _per_set(p["in_proj"], cfg), at).reshape(B, 3, H, D)
+    cache_k = cache_k.at[layer, :, :, step].set(qkv[:, 1])
+    cache_v = cache_v.at[layer, :, :, step].set(qkv[:, 2])
+    positions = jnp.broadcast_to(jnp.arange(cfg.dep_q, dtype=jnp.int32), (B, cfg.dep_q))
+    q_pos = jnp.full((B, 1), step, jnp.int32)
+    att = twin_attention.attention(qkv[:, 0, :, None], cache_k, cache_v, layer, positions, q_pos, context=cfg.dep_q)
+    x = twin_linear.linear(att.reshape(B, cfg.dim), _per_set(p["out_proj"], cfg), at, residual=x)
+    h = twin_norm.norm(x, p["norm2_alpha"], None, layer, kind="rms", eps=eps)
+    gated = twin_linear.linear(h, _per_set(p["linear_in"], cfg), at, act="silu_gate")
+    return twin_linear.linear(gated, _per_set(p["linear_out"], cfg), at, residual=x), cache_k, cache_v
+
+
 def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, audio_tokens=None, audio_provided=None,
-                    seeds=None, counter=0, *, temperature: float = 0.0, top_k: int = 0):
+                    seeds=None, counter=0, *, temperature: float = 0.0, top_k: int = 0, kernels: str = "reference"):
     """One frame (traceable): codes [B, dep_q] int32 and logits [B, dep_q, card] float32.
 
     text_token [B] int; transformer_out [B, 1, temporal_dim] (the params' dtype); audio_tokens
     [B, dep_q] int and audio_provided [B, dep_q] bool (teacher forcing) or None; seeds [B],
     counter: sampling (`jax_impl.sampling`, step k at counter * dep_q + k) when temperature > 0.
+    kernels: "reference" or "twin" (module docstring).
     """
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    twin = kernels == "twin"
     B = transformer_out.shape[0]
     dtype = params["in_proj"].dtype
     x_in = transformer_out[:, 0]
@@ -106,10 +152,13 @@ def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, a
         prev, cache_k, cache_v = carry
         k, s, table, forced, provided = xs_k
         token_in = jnp.where(k == 0, _embed(params["text_emb"], prev), _embed(params["emb"][table], prev))
-        x = _linear(x_in, params["depformer_in"][s]) + token_in
+        if twin:
+            x = twin_linear.linear(x_in, params["depformer_in"], s, residual=token_in)
+        else:
+            x = _linear(x_in, params["depformer_in"][s]) + token_in
         for layer in range(cfg.num_layers):
-            x, cache_k, cache_v = _layer(cfg, params, x, layer, s, k, cache_k, cache_v)
-        logits = _linear(x, params["linears"][s]).astype(F32)
+            x, cache_k, cache_v = (_twin_layer if twin else _layer)(cfg, params, x, layer, s, k, cache_k, cache_v)
+        logits = (twin_linear.linear(x, params["linears"], s) if twin else _linear(x, params["linears"][s])).astype(F32)
         draw_counter = jnp.asarray(counter, jnp.uint32) * jnp.uint32(cfg.dep_q) + k.astype(jnp.uint32)
         token = sample(logits, seeds, draw_counter, temperature=temperature, top_k=top_k)
         return (jnp.where(provided, forced, token), cache_k, cache_v), (token, logits)
@@ -130,14 +179,15 @@ def make_depformer_step(cfg: DepformerConfig, kernels: str = "reference", *, tem
     seeds=None, counter=0) -> (codes [B, dep_q] int32, logits [B, dep_q, card] float32).
 
     The arguments are checked (shapes, dtypes, token ids: 0..text_card / 0..card or -1) before
-    anything runs. temperature, top_k: the sampler's (static; temperature 0: greedy).
+    anything runs. kernels: "reference" or "twin" (module docstring). temperature, top_k: the
+    sampler's (static; temperature 0: greedy).
     """
     if not isinstance(cfg, DepformerConfig):
         raise TypeError(f"cfg must be a DepformerConfig, got {type(cfg).__name__}")
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     check_sampling(temperature, top_k, cfg.card)
-    frame = jax.jit(functools.partial(depformer_frame, cfg, temperature=temperature, top_k=top_k))
+    frame = jax.jit(functools.partial(depformer_frame, cfg, temperature=temperature, top_k=top_k, kernels=kernels))
 
     def step(params, text_token, transformer_out, audio_tokens=None, audio_provided=None, seeds=None, counter=0):
         dtype = params["in_proj"].dtype

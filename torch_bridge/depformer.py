@@ -14,6 +14,9 @@ Greedy by default (moshi's `use_sampling=False`); `temperature > 0` samples with
 explicit-randomness sampler of `torch_bridge.sampling` (the same tokens as `jax_impl.sampling`).
 Teacher forcing (`audio_tokens`, `audio_provided`) overrides the next step's input token, as
 PersonaPlex's `LMGen.depformer_step` does; the returned codes are the chosen ones.
+
+`kernels="twin"` runs every float operation on the Triton twin kernels (`twin_depformer`): the bits
+of `jax_impl.make_depformer_step(cfg, kernels="twin")`, and a row's bits do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from .layers import rms_norm_f32
 from .sampling import sample
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-KERNELS = ("reference",)
+# "reference": torch ops, bit-exact with moshi; "twin": the Triton twin kernels (`twin_depformer`, imported
+# on first use), bit-identical with the JAX depformer's kernels="twin"
+KERNELS = ("reference", "twin")
 
 
 def _as_source(key: str, value, dtype: torch.dtype) -> tuple[torch.Tensor | None, str | None]:
@@ -238,13 +243,22 @@ class Depformer(nn.Module):
         slots = torch.arange(c.dep_q, device=self.device)
         prev = text_token.long()
         codes, logits_all = [], []
+        if self.kernels == "twin":
+            from . import twin_depformer
         for step, s in enumerate(c.step_sets):
             table = self.text_emb if step == 0 else self.emb[c.step_tables[step - 1]]
-            x = F.linear(transformer_out, self.depformer_in[s]) + self._embed(table, prev[:, None])
-            mask = (slots <= step).expand(B, 1, 1, c.dep_q)
-            for layer in range(c.num_layers):
-                x = self._layer(x, layer, s, step, cache_k[layer], cache_v[layer], mask)
-            logits = F.linear(x, self.linears[s])[:, 0].float()  # [B, card]
+            token_emb = self._embed(table, prev[:, None])
+            if self.kernels == "twin":
+                x = twin_depformer.step_input(self.depformer_in, s, transformer_out[:, 0].contiguous(), token_emb[:, 0])
+                for layer in range(c.num_layers):
+                    x = twin_depformer.layer(c, self.weights(), x, layer, s, step, cache_k, cache_v)
+                logits = twin_depformer.head(self.linears, s, x).float()  # [B, card]
+            else:
+                x = F.linear(transformer_out, self.depformer_in[s]) + token_emb
+                mask = (slots <= step).expand(B, 1, 1, c.dep_q)
+                for layer in range(c.num_layers):
+                    x = self._layer(x, layer, s, step, cache_k[layer], cache_v[layer], mask)
+                logits = F.linear(x, self.linears[s])[:, 0].float()  # [B, card]
             token = sample(logits, seeds, counter * c.dep_q + step, temperature=temperature, top_k=top_k)
             codes.append(token)
             logits_all.append(logits)
