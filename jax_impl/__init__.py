@@ -34,6 +34,8 @@ _EXPORTS = {
     **dict.fromkeys(["SnapshotError", "check_snapshot_layout"], "snapshot"),
     **dict.fromkeys(["read_stream", "state_from_snapshot", "state_snapshot", "write_stream"], "stream_io"),
     "until_ready": "wait",
+    **dict.fromkeys(["DEPFORMER_PRESETS", "DepformerConfig"], "depformer_config"),
+    **dict.fromkeys(["check_depformer_params", "depformer_frame", "make_depformer_step"], "depformer"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = [*_EXPORTS]  # noqa: PLE0604 (the names of the lazy export table)

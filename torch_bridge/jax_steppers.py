@@ -21,7 +21,9 @@ import torch
 import jax_impl
 from jax_impl.snapshot import ARRAY_KEYS, check_ring_cast, check_snapshot_layout, dtype_name
 
+from .depformer import Depformer
 from .dlpack import jax_device_for, to_jax, to_torch
+from .jax_depformer import JaxDepformer
 from .stacks import MimiTransformer, TemporalStreaming, _StreamingStack
 from .streaming import StreamState
 
@@ -177,12 +179,16 @@ class JaxMimiTransformer(_JaxBacked, MimiTransformer):
     """`MimiTransformer`, stepped by JAX. step(x [B,T,dim], active [B]) -> [B,T,dim] torch tensor."""
 
 
-def from_torch(module: _StreamingStack, *, layer_loop: str = "python", kernels: str = "auto") -> _JaxBacked:
-    """A JAX-backed stepper on the very same weight buffers as `module` (no copy)."""
+def from_torch(module: _StreamingStack | Depformer, *, layer_loop: str = "python",
+               kernels: str = "auto") -> _JaxBacked | JaxDepformer:
+    """A JAX-backed stepper on the very same weight buffers as `module` (no copy). A `Depformer`
+    gives a `JaxDepformer` (kernels "auto": the module's own; layer_loop unused)."""
+    if isinstance(module, Depformer):
+        return JaxDepformer.from_torch(module, None if kernels == "auto" else kernels)
     if isinstance(module, _JaxBacked):
         raise TypeError("from_torch(module): module is already JAX-backed")
     if not isinstance(module, (TemporalStreaming, MimiTransformer)):
-        raise TypeError(f"from_torch(module): expected TemporalStreaming or MimiTransformer, "
+        raise TypeError(f"from_torch(module): expected TemporalStreaming, MimiTransformer or Depformer, "
                         f"got {type(module).__name__}")
     cls = JaxTemporalStreaming if isinstance(module, TemporalStreaming) else JaxMimiTransformer
     stepper = cls.from_config(module.config, dtype=module.dtype, device="meta", layer_loop=layer_loop,

@@ -1,0 +1,214 @@
+"""The depformer, JAX side: one frame's dep_q inner steps as a `lax.scan`, functional.
+
+    params = jx.depformer.check_depformer_params(cfg, {k: to_jax(v) for k, v in dep.weights().items()})
+    step = jx.make_depformer_step(cfg)                       # jitted
+    codes, logits = step(params, text_token, transformer_out)    # [B] int, [B, 1, temporal_dim]
+    # -> codes [B, dep_q] int32, logits [B, dep_q, card] float32
+
+The parameters are the torch `Depformer`'s buffers under the same names (`buffer_shapes`): each
+weight set stored once, `[L, weight_sets, ...]`; step k reads set `step_sets[k]` in place, by a
+traced index (an array of the step -> set map scanned with the steps). The scan's carry is the
+frame's state: the previous token and the K/V cache `[L, B, H, dep_q, head_dim]` (zeros at the
+frame's start, slot k written at step k, slots 0..k attended: causal over the inner steps, no
+positional embedding). The same operations as the torch reference, in its order.
+
+`kernels` picks who computes the floats:
+
+- "reference": jax.numpy, the torch reference's operations in its order; the floats differ from
+  it by the matmuls' summation order (XLA's, not oneDNN's), the codes agree.
+- "twin": every float operation in a Pallas twin kernel (`kernels_pallas.twin_*`), the torch
+  `Depformer(kernels="twin")`'s Triton twins in the same order: the same bits (codes and logits),
+  and a row's bits do not depend on the batch. Per layer: RMSNorm (`twin_norm`), the qkv
+  projection (`twin_linear`), the K/V write (a copy), the attention over the frame's cache
+  (`twin_attention`, the cache as a ring whose slot c holds position c, queried at the step
+  index: slots 0..k visible, no positional embedding), the out-projection with the residual in its
+  epilogue, RMSNorm, the gated in-projection (`act="silu_gate"`), the down-projection with the
+  residual; `depformer_in` with the token's embedding as its residual, the head a twin linear.
+  The weight sets are read in place at the traced index `layer * weight_sets + set` of the
+  buffers viewed as `[L * weight_sets, N, K]` (a reshape, no copy). The embedding lookup and the
+  sampler are exact (a gather, integer and compare work; the sampler's few float operations are
+  rounded one by one on both sides, `jax_impl.sampling`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kernels_pallas import twin_attention, twin_linear, twin_norm
+
+from .depformer_config import DepformerConfig, buffer_shapes
+from .sampling import sample
+from .sampling_config import check_sampling
+
+KERNELS = ("reference", "twin")
+F32 = jnp.float32
+
+
+def check_depformer_params(cfg: DepformerConfig, params: Mapping) -> dict[str, jax.Array]:
+    """The parameter dict (jax arrays) after checking its names, shapes and one float dtype."""
+    want = buffer_shapes(cfg)
+    if set(params) != set(want):
+        raise ValueError(f"params: expected the buffers {sorted(want)}, got {sorted(params)} "
+                         f"(missing {sorted(set(want) - set(params))}, unexpected {sorted(set(params) - set(want))})")
+    out = {k: jnp.asarray(v) for k, v in params.items()}
+    bad = [f"{k}: expected {list(want[k])}, got {list(v.shape)}" for k, v in out.items() if v.shape != want[k]]
+    if bad:
+        raise ValueError("params: wrong shapes: " + "; ".join(bad))
+    dtypes = {v.dtype for v in out.values()}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"params: every buffer must have one float dtype (float32, bfloat16, float16), got {dtypes}")
+    return out
+
+
+def _rms_norm_f32(x, alpha, eps):
+    """moshi's `rms_norm_f32`: in float32, var = eps + mean(x^2), y = x * (alpha * rsqrt(var))."""
+    xf = x.astype(F32)
+    var = eps + jnp.mean(xf * xf, axis=-1, keepdims=True)
+    return (xf * (alpha.astype(F32) * lax.rsqrt(var))).astype(x.dtype)
+
+
+def _linear(x, w):
+    """x [B, K] @ w[N, K].T -> [B, N] in x's dtype (float32 accumulation)."""
+    return jnp.einsum("bk,nk->bn", x, w, preferred_element_type=F32).astype(x.dtype)
+
+
+def _embed(table, ids):
+    """moshi's `ScaledEmbedding`: ids [B] -> [B, dim]; id -1 gives the zero vector."""
+    y = jnp.take(table, jnp.clip(ids, 0, table.shape[0] - 1), axis=0)
+    return jnp.where((ids == -1)[:, None], jnp.zeros((), y.dtype), y)
+
+
+def _layer(cfg: DepformerConfig, p, x, layer: int, s, step, cache_k, cache_v):
+    """One layer at inner step `step` (traced) with weight set `s` (traced). x [B, dim]."""
+    B = x.shape[0]
+    H, D = cfg.num_heads, cfg.head_dim
+    h = _rms_norm_f32(x, p["norm1_alpha"][layer], cfg.norm_eps)
+    q, k, v = jnp.moveaxis(_linear(h, p["in_proj"][layer, s]).reshape(B, 3, H, D), 1, 0)
+    cache_k = cache_k.at[layer, :, :, step].set(k)
+    cache_v = cache_v.at[layer, :, :, step].set(v)
+    scores = jnp.einsum("bhd,bhcd->bhc", q, cache_k[layer], preferred_element_type=F32) / np.sqrt(D).astype(np.float32)
+    scores = jnp.where(jnp.arange(cfg.dep_q) <= step, scores, -jnp.inf)
+    att = jnp.einsum("bhc,bhcd->bhd", jax.nn.softmax(scores, axis=-1), cache_v[layer].astype(F32)).astype(x.dtype)
+    x = x + _linear(att.reshape(B, cfg.dim), p["out_proj"][layer, s])
+    h = _rms_norm_f32(x, p["norm2_alpha"][layer], cfg.norm_eps)
+    gate = _linear(h, p["linear_in"][layer, s])
+    return x + _linear(jax.nn.silu(gate[:, :cfg.hidden]) * gate[:, cfg.hidden:], p["linear_out"][layer, s]), \
+        cache_k, cache_v
+
+
+def _per_set(w, cfg: DepformerConfig):
+    """A per-set buffer [L, weight_sets, N, K] as the twin linears' stack [L * weight_sets, N, K] (a reshape)."""
+    return w.reshape(cfg.num_layers * cfg.weight_sets, *w.shape[2:])
+
+
+def _twin_layer(cfg: DepformerConfig, p, x, layer: int, s, step, cache_k, cache_v):
+    """One layer at inner step `step` with weight set `s` (both traced) on the Pallas twins (module
+    docstring). x [B, dim]; cache_k, cache_v [L, B, H, dep_q, head_dim]."""
+    B = x.shape[0]
+    H, D, eps = cfg.num_heads, cfg.head_dim, cfg.norm_eps
+    at = layer * cfg.weight_sets + s
+    h = twin_norm.norm(x, p["norm1_alpha"], None, layer, kind="rms", eps=eps)
+    qkv = twin_linear.linear(h, _per_set(p["in_proj"], cfg), at).reshape(B, 3, H, D)
+    cache_k = cache_k.at[layer, :, :, step].set(qkv[:, 1])
+    cache_v = cache_v.at[layer, :, :, step].set(qkv[:, 2])
+    positions = jnp.broadcast_to(jnp.arange(cfg.dep_q, dtype=jnp.int32), (B, cfg.dep_q))
+    q_pos = jnp.full((B, 1), step, jnp.int32)
+    att = twin_attention.attention(qkv[:, 0, :, None], cache_k, cache_v, layer, positions, q_pos, context=cfg.dep_q)
+    x = twin_linear.linear(att.reshape(B, cfg.dim), _per_set(p["out_proj"], cfg), at, residual=x)
+    h = twin_norm.norm(x, p["norm2_alpha"], None, layer, kind="rms", eps=eps)
+    gated = twin_linear.linear(h, _per_set(p["linear_in"], cfg), at, act="silu_gate")
+    return twin_linear.linear(gated, _per_set(p["linear_out"], cfg), at, residual=x), cache_k, cache_v
+
+
+def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, audio_tokens=None, audio_provided=None,
+                    seeds=None, counter=0, *, temperature: float = 0.0, top_k: int = 0, kernels: str = "reference"):
+    """One frame (traceable): codes [B, dep_q] int32 and logits [B, dep_q, card] float32.
+
+    text_token [B] int; transformer_out [B, 1, temporal_dim] (the params' dtype); audio_tokens
+    [B, dep_q] int and audio_provided [B, dep_q] bool (teacher forcing) or None; seeds [B],
+    counter: sampling (`jax_impl.sampling`, step k at counter * dep_q + k) when temperature > 0.
+    kernels: "reference" or "twin" (module docstring).
+    """
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    twin = kernels == "twin"
+    B = transformer_out.shape[0]
+    dtype = params["in_proj"].dtype
+    x_in = transformer_out[:, 0]
+    if audio_tokens is None:
+        audio_tokens = jnp.zeros((B, cfg.dep_q), jnp.int32)
+        audio_provided = jnp.zeros((B, cfg.dep_q), bool)
+    cache = jnp.zeros((cfg.num_layers, B, cfg.num_heads, cfg.dep_q, cfg.head_dim), dtype)
+    xs = (jnp.arange(cfg.dep_q), jnp.asarray(cfg.step_sets, jnp.int32), jnp.asarray((0, *cfg.step_tables), jnp.int32),
+          audio_tokens.T.astype(jnp.int32), audio_provided.T)
+
+    def step(carry, xs_k):
+        prev, cache_k, cache_v = carry
+        k, s, table, forced, provided = xs_k
+        token_in = jnp.where(k == 0, _embed(params["text_emb"], prev), _embed(params["emb"][table], prev))
+        if twin:
+            x = twin_linear.linear(x_in, params["depformer_in"], s, residual=token_in)
+        else:
+            x = _linear(x_in, params["depformer_in"][s]) + token_in
+        for layer in range(cfg.num_layers):
+            x, cache_k, cache_v = (_twin_layer if twin else _layer)(cfg, params, x, layer, s, k, cache_k, cache_v)
+        logits = (twin_linear.linear(x, params["linears"], s) if twin else _linear(x, params["linears"][s])).astype(F32)
+        draw_counter = jnp.asarray(counter, jnp.uint32) * jnp.uint32(cfg.dep_q) + k.astype(jnp.uint32)
+        token = sample(logits, seeds, draw_counter, temperature=temperature, top_k=top_k)
+        return (jnp.where(provided, forced, token), cache_k, cache_v), (token, logits)
+
+    carry = (text_token.astype(jnp.int32), cache, cache)
+    _, (codes, logits) = lax.scan(step, carry, xs)
+    return codes.T, jnp.swapaxes(logits, 0, 1)
+
+
+def _check_ids(name: str, ids, high: int) -> None:
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < -1 or ids.max() > high):
+        raise ValueError(f"{name} must hold token ids in 0..{high} or -1 (no token), got {ids[(ids < -1) | (ids > high)][0]}")
+
+
+def make_depformer_step(cfg: DepformerConfig, kernels: str = "reference", *, temperature: float = 0.0, top_k: int = 0):
+    """A jitted frame: step(params, text_token, transformer_out, audio_tokens=None, audio_provided=None,
+    seeds=None, counter=0) -> (codes [B, dep_q] int32, logits [B, dep_q, card] float32).
+
+    The arguments are checked (shapes, dtypes, token ids: 0..text_card / 0..card or -1) before
+    anything runs. kernels: "reference" or "twin" (module docstring). temperature, top_k: the
+    sampler's (static; temperature 0: greedy).
+    """
+    if not isinstance(cfg, DepformerConfig):
+        raise TypeError(f"cfg must be a DepformerConfig, got {type(cfg).__name__}")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    check_sampling(temperature, top_k, cfg.card)
+    frame = jax.jit(functools.partial(depformer_frame, cfg, temperature=temperature, top_k=top_k, kernels=kernels))
+
+    def step(params, text_token, transformer_out, audio_tokens=None, audio_provided=None, seeds=None, counter=0):
+        dtype = params["in_proj"].dtype
+        if jnp.ndim(transformer_out) != 3 or jnp.shape(transformer_out)[1:] != (1, cfg.temporal_dim):
+            raise ValueError(f"transformer_out must have shape [B, 1, {cfg.temporal_dim}], got "
+                             f"{list(jnp.shape(transformer_out))}")
+        if transformer_out.dtype != dtype:
+            raise ValueError(f"transformer_out must be {dtype} (the params'), got {transformer_out.dtype}")
+        B = transformer_out.shape[0]
+        if jnp.shape(text_token) != (B,) or not jnp.issubdtype(text_token.dtype, jnp.integer):
+            raise ValueError(f"text_token must be an integer array [{B}], got {text_token.dtype} {list(jnp.shape(text_token))}")
+        _check_ids("text_token", text_token, cfg.text_card)
+        if (audio_tokens is None) != (audio_provided is None):
+            raise ValueError("audio_tokens and audio_provided go together: pass both or neither")
+        if audio_tokens is not None:
+            if jnp.shape(audio_tokens) != (B, cfg.dep_q) or jnp.shape(audio_provided) != (B, cfg.dep_q) \
+                    or audio_provided.dtype != jnp.bool_ or not jnp.issubdtype(audio_tokens.dtype, jnp.integer):
+                raise ValueError(f"audio_tokens (int) and audio_provided (bool) must have shape [{B}, {cfg.dep_q}]")
+            _check_ids("audio_tokens (where provided)", np.asarray(audio_tokens)[np.asarray(audio_provided)], cfg.card)
+        if temperature and (seeds is None or jnp.shape(seeds) != (B,)):
+            raise ValueError(f"sampling (temperature > 0) needs seeds [{B}]: the randomness is an explicit input")
+        return frame(params, text_token, transformer_out, audio_tokens, audio_provided, seeds, counter)
+
+    return step
