@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from jax_impl.config import CheckpointError
+from jax_impl.checkpoint import CheckpointError
 from jax_impl.depformer_config import DEPFORMER_PRESETS, DepformerConfig
 from torch_bridge.depformer import Depformer
 
