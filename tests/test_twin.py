@@ -1127,3 +1127,21 @@ def test_twin_step_propagates_a_nan_as_the_reference_step(convention, window):
     for _ in range(2):
         nan_ref, nan_twin = step(torch.randn(2, 1, cfg.dim, generator=gen))
         assert not nan_ref.any() and not nan_twin.any(), "after the recycle"
+
+
+def test_twin_step_takes_a_strided_x_with_the_bits_of_a_contiguous_one():
+    """A non-contiguous x (padded rows, every other column of a wider tensor) steps the torch
+    twin stacks as its contiguous copy does, bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    for stack, cls in (("temporal-small", TemporalStreaming), ("mimi-small", MimiTransformer)):
+        cfg = jx.PRESETS[stack]
+        a, b = (cls.from_config(cfg, kernels="twin") for _ in range(2))
+        for m in (a, b):
+            m.init_weights(generator=torch.Generator().manual_seed(8))
+            m.streaming_init(2)
+        T = 1 if stack.startswith("temporal") else 2
+        for strided in (torch.randn(2, T, cfg.dim + 3, generator=gen)[..., :cfg.dim],
+                        torch.randn(2, T, 2 * cfg.dim, generator=gen)[..., ::2]):
+            assert not strided.is_contiguous()
+            for x, y in zip(jax.tree.leaves(a.step(strided)), jax.tree.leaves(b.step(strided.contiguous()))):
+                assert torch.equal(x, y), stack

@@ -440,6 +440,8 @@ class _StreamingStack(nn.Module):
         if active is None:
             active = torch.ones(state.batch_size, dtype=torch.bool, device=self.device)
         x = x.to(self.dtype)  # an exact widening (checked), or x itself
+        if self.kernels == "twin":
+            x = x.contiguous()  # the twin kernels read dense rows: a strided x is copied (the same bits)
         c = self.config
         tables = self.step_tables(state.offset, state.start_offset, active, x.shape[1])
         for layer in range(c.num_layers):
