@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -488,6 +490,23 @@ def test_a_streamer_file_restores_on_the_torch_path(tparams, tmp_path):
     assert model.state.offset.tolist() == [9, 9, 9] and model.state.offset.dtype == torch.long
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         model.load_stream(tmp_path / "missing.safetensors")
+
+
+def test_writing_a_stream_file_where_it_cannot_go_names_the_path(tparams, tmp_path):
+    """A missing directory or a directory at the path: one ValueError naming the target path (the
+    type reading raises), from the torch stack, the Streamer and write_stream; nothing written."""
+    s = jx.Streamer(TCFG, tparams, B)
+    model = TemporalStreaming.from_config(TCFG)
+    model.streaming_init(B)
+    missing = tmp_path / "no" / "such" / "s.safetensors"
+    writers = (model.save_stream, s.save_stream, lambda path: jx.write_stream(TCFG, s.state, path))
+    for write in writers:
+        with pytest.raises(ValueError, match=rf"cannot write the stream file {re.escape(str(missing))}: the "
+                                             rf"directory {re.escape(str(missing.parent))} does not exist"):
+            write(missing)
+        with pytest.raises(ValueError, match=rf"cannot write the stream file {re.escape(str(tmp_path))}: "):
+            write(tmp_path)
+    assert not (tmp_path / "no").exists() and not list(tmp_path.iterdir())
 
 
 # ============================================================================ 3. drop-in reset_rows masks
