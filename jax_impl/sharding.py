@@ -208,9 +208,10 @@ class PlacedStep:
             raise TypeError(f"step(state): expected a jax_impl.StreamState, got {type(state).__name__}")
         _check_placed("step(params)", params, self._param_sharding, self._fix)
         _check_placed("step(state)", state, self._state_sharding, self._fix)
+        B = state.batch_size
         if active is None:
-            active = np.ones((state.batch_size,), bool)
-        if getattr(x, "ndim", None) != 3 or np.ndim(active) != 1:  # let the step's own checks name them
+            active = np.ones((B,), bool)
+        if np.shape(x)[:1] != (B,) or np.shape(active) != (B,):  # let the step's own checks name them
             return params, state, x, active
         return params, state, jax.device_put(x, self._row), jax.device_put(active, self._row)
 
