@@ -67,7 +67,7 @@ from .model import run_layers
 from .ops import _acc_dtype, attend, linear, pick_kernels, rms_norm_f32
 from .snapshot import check_snapshot_layout
 from .state import StreamState
-from .step import _KEEP, Streamer, check_step_inputs, step_fn
+from .step import _KEEP, Streamer, check_host_x, check_step_inputs, step_fn
 from .stream_io import state_from_snapshot, state_snapshot
 from .tables import StepTables, step_tables
 from .weights import check_params
@@ -213,6 +213,7 @@ class PlacedStep:
             active = np.ones((B,), bool)
         if np.shape(x)[:1] != (B,) or np.shape(active) != (B,):  # let the step's own checks name them
             return params, state, x, active
+        check_host_x(state, x)  # before device_put, which would narrow a numpy float64 x
         return params, state, jax.device_put(x, self._row), jax.device_put(active, self._row)
 
     def __call__(self, params, state, x, active=None):

@@ -591,6 +591,26 @@ def test_jax_step_widens_x_exactly_and_refuses_narrowing(tparams):
         jax.jit(step)(p16, s16, x.astype(jnp.float16), None)
 
 
+def test_jitted_steps_refuse_a_float64_x_that_jit_would_narrow(tparams):
+    """jit narrows a numpy float64 x to float32 (x64 off) before the step's own check sees it: make_step
+    and the Streamer check x on the host first and refuse that rounding (the state not donated); an
+    exact cast (bfloat16 x into a float32 stack) still steps, with the bits of the float32 x."""
+    step = jx.make_step(TCFG)
+    x = np.asarray(jax.random.normal(jax.random.key(4), (B, 1, TCFG.dim)), np.float64)
+    state = jx.init_state(TCFG, B)
+    streamer = jx.Streamer(TCFG, tparams, B)
+    for run in (lambda: step(tparams, state, x), lambda: step.lower(tparams, state, x),
+                lambda: streamer.step(x)):
+        with pytest.raises(TypeError, match=r"step\(x\): x has dtype float64; the stack's state holds float32\. "
+                                            r"Only an exact cast.*float64 -> float32 would round x"):
+            run()
+    assert not state.k.is_deleted() and streamer.offset_bound == 0
+    x16 = x.astype(jnp.bfloat16)
+    (out_b, _), _ = step(tparams, jx.init_state(TCFG, B), x16)
+    (out_f, _), _ = step(tparams, jx.init_state(TCFG, B), x16.astype(np.float32))
+    assert jnp.array_equal(out_b, out_f)
+
+
 def test_check_headroom_takes_a_state_or_a_bound():
     state = jx.init_state(TCFG, 2)
     jx.check_headroom(state, TCFG.capacity)

@@ -145,6 +145,8 @@ def test_sessions_refusals_name_the_argument():
         step(params, state, x)
     with pytest.raises(ValueError, match=r"step\(x\): x must have shape \[B=4, T, dim=64\]"):
         step(sparams, state, x[:, :, :8])
+    with pytest.raises(TypeError, match=r"step\(x\): x has dtype float64; .*float64 -> float32 would round x"):
+        step(sparams, state, x.astype(np.float64))  # refused before device_put narrows it
     for rows in (3, 5):  # rows that do not split over the mesh: the step's message, not the placement's
         with pytest.raises(ValueError, match=rf"step\(x\): x must have shape \[B=4, T, dim=64\], got \[{rows}, 1, 64\]"):
             step(sparams, state, np.zeros((rows, 1, config.dim), np.float32))
