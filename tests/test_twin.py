@@ -1145,3 +1145,23 @@ def test_twin_step_takes_a_strided_x_with_the_bits_of_a_contiguous_one():
             assert not strided.is_contiguous()
             for x, y in zip(jax.tree.leaves(a.step(strided)), jax.tree.leaves(b.step(strided.contiguous()))):
                 assert torch.equal(x, y), stack
+
+
+def test_jax_twin_step_on_dlpack_params_compiles_once():
+    """Params shared with a torch stack through DLPack are committed to their device, so the step
+    returns its state committed; a fresh `init_state` is committed too, so the second call has the
+    first one's signature and runs the executable compiled by the first (jit's cache: one entry)."""
+    from torch_bridge.jax_steppers import from_torch
+
+    cfg = jx.PRESETS["temporal-small"]
+    module = TemporalStreaming.from_config(cfg, kernels="twin")
+    params = from_torch(module, kernels="twin").jax_params()  # to_jax views of the torch weights
+    assert all(a.committed for a in jax.tree.leaves(params))
+    step = jx.make_step(cfg, kernels="twin", rope_freqs=module.rope_freqs())
+    state = jx.init_state(cfg, 2)
+    x = jnp.ones((2, 1, cfg.dim))
+    _, state = step(params, state, x)
+    compiled = step.jitted._cache_size()
+    for _ in range(2):
+        _, state = step(params, state, x)
+        assert step.jitted._cache_size() == compiled, "the step compiled again"
