@@ -322,4 +322,5 @@ class Streamer:
         self.params, self.state, self._step_options, self._step = params, state, options, step
 
 
-__all__ = ["HostCheckedStep", "Streamer", "check_host_x", "check_step_inputs", "check_x_dtype", "make_step", "step_fn"]
+__all__ = ["HostCheckedStep", "Streamer", "check_host_x", "check_step_inputs", "check_x_dtype", "make_step",
+           "step_fn"]
