@@ -121,7 +121,7 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     p = jnp.exp(s - m)  # exactly 0 where masked
     l = jnp.sum(p, axis=-1, keepdims=True)
     out = jnp.einsum("bhtc,bhcd->bhtd", p.astype(v.dtype), v, preferred_element_type=acc)
-    seen = l > 0
+    seen = l != 0  # 0: nothing visible; NaN (a visible NaN) propagates, as in torch's SDPA
     return jnp.where(seen, out / jnp.where(seen, l, 1.0), 0.0).astype(q.dtype)
 
 

@@ -68,7 +68,7 @@ from .model import run_layers
 from .ops import acc_dtype, attend, linear, pick_kernels, rms_norm_f32
 from .snapshot import check_snapshot_layout
 from .state import StreamState
-from .step import KEEP, Streamer, check_step_inputs, step_fn
+from .step import KEEP, Streamer, check_host_x, check_step_inputs, step_fn
 from .stream_io import state_from_snapshot, state_snapshot
 from .tables import StepTables, step_tables
 from .weights import check_params
@@ -209,10 +209,12 @@ class PlacedStep:
             raise TypeError(f"step(state): expected a jax_impl.StreamState, got {type(state).__name__}")
         _check_placed("step(params)", params, self._param_sharding, self._fix)
         _check_placed("step(state)", state, self._state_sharding, self._fix)
+        B = state.batch_size
         if active is None:
-            active = np.ones((state.batch_size,), bool)
-        if getattr(x, "ndim", None) != 3 or np.ndim(active) != 1:  # let the step's own checks name them
+            active = np.ones((B,), bool)
+        if np.shape(x)[:1] != (B,) or np.shape(active) != (B,):  # let the step's own checks name them
             return params, state, x, active
+        check_host_x(state, x)  # before device_put, which would narrow a numpy float64 x
         return params, state, jax.device_put(x, self._row), jax.device_put(active, self._row)
 
     def __call__(self, params, state, x, active=None):

@@ -200,5 +200,28 @@ def read_stream_file(path, framework: str) -> dict:
     return {**snap, "metadata": meta}
 
 
+def write_stream_file(path, arrays: Mapping, metadata: Mapping[str, str], framework: str) -> None:
+    """Write a stream file: `arrays` (numpy arrays for framework "numpy", CPU torch tensors for
+    "pt") as its tensors, `metadata` in its header; ValueError naming the path where it cannot be
+    written (a missing directory, a directory at the path, ...), as `read_stream_file` names it."""
+    import os
+
+    from safetensors import SafetensorError
+
+    if framework == "pt":
+        from safetensors.torch import save_file
+    else:
+        from safetensors.numpy import save_file
+    target = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write the stream file {target}: the directory {folder} does not exist")
+    try:
+        save_file(dict(arrays), target, metadata=dict(metadata))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"cannot write the stream file {target}: {err}") from None
+
+
 __all__ = ["FORMAT", "KEYS", "SnapshotError", "SnapshotLayout", "check_ring_cast", "check_snapshot_layout",
-           "check_snapshot_values", "dtype_name", "exact_float_cast", "read_stream_file", "snapshot_metadata"]
+           "check_snapshot_values", "dtype_name", "exact_float_cast", "read_stream_file", "snapshot_metadata",
+           "write_stream_file"]

@@ -76,8 +76,9 @@ def state_shapes(config: StackConfig, batch_size: int) -> tuple[int, ...]:
 def init_state(config: StackConfig, batch_size: int, dtype=jnp.float32, *, device=None) -> StreamState:
     """A fresh state: zero rings, offsets at 0.
 
-    device: where it lives (default: JAX's default device): a `jax.Device`, a `jax.sharding.Sharding`,
-    or a StreamState of Shardings (e.g. `sharding.session_shardings(mesh)`, split by row). Each array
+    device: where it lives (default: JAX's default device, committed there as a step's state is), a
+    `jax.Device`, a `jax.sharding.Sharding` or a StreamState of Shardings (e.g.
+    `sharding.session_shardings(mesh)`, split by row). Each array
     is made in place there, never made on the default device and copied: at B=64 a ring is 50 GB,
     which the default device may not have room for next to its own.
     """
@@ -94,13 +95,23 @@ def init_state(config: StackConfig, batch_size: int, dtype=jnp.float32, *, devic
                            offset=jnp.zeros((batch_size,), idx), start_offset=jnp.zeros((batch_size,), idx))
 
     if device is None:
-        return make()
+        return _committed(make())
     if isinstance(device, jax.Device):
         device = jax.sharding.SingleDeviceSharding(device)
     elif not isinstance(device, (jax.sharding.Sharding, StreamState)):
         raise TypeError(f"init_state(device): expected a jax.Device, a Sharding or a StreamState of Shardings, "
                         f"got {type(device).__name__}")
     return jax.jit(make, out_shardings=device)()
+
+
+def _committed(state: StreamState) -> StreamState:
+    """`state` committed to the device its arrays are on (JAX's default: `jax.default_device` or the
+    first device), in place: no copy. A jitted step returns its state committed whenever an input
+    is (DLPack-shared params are), and jit keys its cache on whether each argument is committed: an
+    uncommitted fresh state would make the second call compile the step again. Traced: as it is."""
+    if isinstance(state.k, jax.core.Tracer):
+        return state
+    return jax.device_put(state, jax.tree.map(lambda a: a.sharding, state))
 
 
 def _is_concrete(x) -> bool:

@@ -57,12 +57,7 @@ def check_step_inputs(config: StackConfig, params, state: StreamState, x, active
         raise ValueError(f"step(x): x must have shape [B={B}, T, dim={c.dim}], got {list(shape)}")
     if not 1 <= shape[1] <= c.capacity:
         raise ValueError(f"step(x): T = x.shape[1] must be in 1..capacity={c.capacity}, got {shape[1]}")
-    x_dtype = jnp.dtype(getattr(x, "dtype", None))
-    if x_dtype != dtype and not exact_float_cast(x_dtype.name, jnp.dtype(dtype).name):
-        raise TypeError(f"step(x): x has dtype {x_dtype}; the stack's state holds {dtype}. Only an exact "
-                        f"cast of x is applied (a widening: bfloat16/float16 x into a float32 stack); "
-                        f"{x_dtype} -> {dtype} would round x, so it is refused: pass "
-                        f"x.astype(jnp.{jnp.dtype(dtype).name}) if that rounding is what you want")
+    check_x_dtype(x, dtype)
     if active is None:
         return None
     a_dtype = getattr(active, "dtype", None)
@@ -71,6 +66,44 @@ def check_step_inputs(config: StackConfig, params, state: StreamState, x, active
     if tuple(active.shape) != (B,):
         raise ValueError(f"step(active): active must have shape [{B}], got {list(active.shape)}")
     return active
+
+
+def check_x_dtype(x, dtype) -> None:
+    """TypeError unless x's dtype is `dtype` (the state's) or casts to it exactly (bf16/f16 x into a
+    float32 stack), the torch side's rule. A jitted step also runs it on the host before the call
+    (`HostCheckedStep`): jit narrows a numpy float64 x to float32 (x64 off) before tracing, where
+    the step's own check would see float32."""
+    x_dtype = jnp.dtype(getattr(x, "dtype", None))
+    if x_dtype != dtype and not exact_float_cast(x_dtype.name, jnp.dtype(dtype).name):
+        raise TypeError(f"step(x): x has dtype {x_dtype}; the stack's state holds {dtype}. Only an exact "
+                        f"cast of x is applied (a widening: bfloat16/float16 x into a float32 stack); "
+                        f"{x_dtype} -> {dtype} would round x, so it is refused: pass "
+                        f"x.astype(jnp.{jnp.dtype(dtype).name}) if that rounding is what you want")
+
+
+def check_host_x(state, x) -> None:
+    """`check_x_dtype` of a step's x on the host, before a jitted call (`HostCheckedStep` says why);
+    an x or state the step cannot take otherwise passes, for the step's own checks to name."""
+    dtype = getattr(getattr(state, "k", None), "dtype", None)
+    if dtype is not None and getattr(x, "dtype", None) is not None:
+        check_x_dtype(x, dtype)
+
+
+class HostCheckedStep:
+    """A jitted step (`jitted`) whose x is checked on the host first (`check_host_x`): a numpy
+    float64 x would reach the step as float32, narrowed by jit. `lower(...)` lowers the jitted
+    function on the same arguments."""
+
+    def __init__(self, jitted: Callable):
+        self.jitted = jitted
+
+    def __call__(self, params, state, x, active=None):
+        check_host_x(state, x)
+        return self.jitted(params, state, x, active)
+
+    def lower(self, params, state, x, active=None):
+        check_host_x(state, x)
+        return self.jitted.lower(params, state, x, active)
 
 
 def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True,
@@ -106,15 +139,16 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int =
 @functools.cache
 def make_step(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True,
               donate: bool = True, rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto",
-              capture: tuple[str, ...] = ()) -> Callable:
-    """`jax.jit(step_fn(config, ...))` with the state donated (rings updated in place).
+              capture: tuple[str, ...] = ()) -> HostCheckedStep:
+    """`jax.jit(step_fn(config, ...))` with the state donated (rings updated in place), x's dtype
+    checked on the host first (`HostCheckedStep`; `.jitted` is the jax.jit function).
 
     Cached per arguments, so every caller shares one compiled function per shape and dtype.
     After a donated call the state passed in is invalid: keep only the returned one.
     """
     fn = step_fn(config, layer_loop=layer_loop, scan_unroll=scan_unroll, exact_rope=exact_rope,
                  rope_freqs=rope_freqs, kernels=kernels, capture=capture)
-    return jax.jit(fn, donate_argnums=(1,) if donate else ())
+    return HostCheckedStep(jax.jit(fn, donate_argnums=(1,) if donate else ()))
 
 
 # Recycling, jitted once each (b / mask traced), state donated so the rings are not copied.
@@ -288,4 +322,5 @@ class Streamer:
         self.params, self.state, self._step_options, self._step = params, state, options, step
 
 
-__all__ = ["Streamer", "check_step_inputs", "make_step", "step_fn"]
+__all__ = ["HostCheckedStep", "Streamer", "check_host_x", "check_step_inputs", "check_x_dtype", "make_step",
+           "step_fn"]

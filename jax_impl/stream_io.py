@@ -24,6 +24,7 @@ from .snapshot import (
     check_snapshot_values,
     read_stream_file,
     snapshot_metadata,
+    write_stream_file,
 )
 from .state import StreamState, index_dtype, index_max
 
@@ -98,12 +99,11 @@ def _fresh(a, dtype, device) -> jax.Array:
 
 
 def write_stream(config: StackConfig, state: StreamState, path: str | os.PathLike) -> None:
-    """Write a snapshot of `state` to a safetensors file (arrays as tensors, metadata in the header)."""
-    from safetensors.numpy import save_file
-
+    """Write a snapshot of `state` to a safetensors file (arrays as tensors, metadata in the header);
+    ValueError naming `path` where it cannot be written."""
     state = _check_state("write_stream(state)", state)
     meta = snapshot_metadata(config, jnp.dtype(state.k.dtype).name, state.batch_size)
-    save_file({key: np.asarray(getattr(state, key)) for key in ARRAY_KEYS}, os.fspath(path), metadata=meta)
+    write_stream_file(path, {key: np.asarray(getattr(state, key)) for key in ARRAY_KEYS}, meta, "numpy")
 
 
 def read_stream(path: str | os.PathLike) -> dict:

@@ -155,7 +155,7 @@ def combine(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     w = jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all))  # 0 for splits that saw nothing
     total = jnp.sum(l * w, axis=-2)
     out = jnp.sum(acc * w[..., None], axis=-3)
-    seen = (total > 0)[..., None]
+    seen = (total != 0)[..., None]  # 0: nothing visible; a NaN total (a visible NaN) propagates
     return jnp.where(seen, out / jnp.where(seen, total[..., None], 1.0), 0.0)
 
 
@@ -172,5 +172,5 @@ def ring_attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context
     p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     total = jnp.sum(p, axis=-1, keepdims=True)
     out = jnp.einsum("bhtc,bhcd->bhtd", p, v.astype(jnp.float32), precision=exact)
-    seen = total > 0
+    seen = total != 0
     return jnp.where(seen, out / jnp.where(seen, total, 1.0), 0.0).astype(q.dtype)

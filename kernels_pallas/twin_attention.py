@@ -26,12 +26,13 @@ each dot from a zero accumulator, each add rounded on its own (`twin_math.mma_ad
 
 Its bits have no plain reference; the GPU tests hold the Pallas and Triton twins to each other. The combine then takes the S partials in order:
 M = max_s m_s, w_s = exp(m_s - M0), L = sum_s l_s * w_s, O = sum_s acc_s * w_s (sequential sums),
-and out = to_dtype(O / L), or 0 when L == 0 (a query that sees no slot: what torch's SDPA gives,
-never NaN). The combine runs in the same launch: with one split (S == 1: rings of one block) in the
-split's program; with several, in the query's last split program to finish (`sems`: an int32
-counter per query, counted up by each split program after its partials are stored, with
-acquire-release order, and set back to 0 by the last one), which loads the S partials in order:
-the same bits whichever program is last. Masked slots never enter the arithmetic (k, v of a recycled or never-written slot may
+and out = to_dtype(O / L), or 0 when L == 0 (a query that sees no slot: what torch's SDPA gives).
+A NaN L (a visible slot's score or value NaN) takes O / L, NaN: as on the reference path, a NaN
+that a query sees reaches its output. The combine runs in the same launch: with one split
+(S == 1: rings of one block) in the split's program; with several, in the query's last split
+program to finish (`sems`: an int32 counter per query, counted up by each split program after
+its partials are stored, with acquire-release order, and set back to 0 by the last one), which
+loads the S partials in order: the same bits whichever program is last. Masked slots never enter the arithmetic (k, v of a recycled or never-written slot may
 hold anything, NaN included). The ring is read in place at a layer index that may be traced.
 """
 
@@ -200,7 +201,8 @@ def _combine(load, S: int, dtype, gpu):
         w = tm.exp(m - m0, gpu)
         L = L + tm.mul(l, w, gpu)
         O = O + tm.mul(acc, w, gpu)
-    out = jnp.where(L > 0, tm.div(O, jnp.where(L > 0, L, tm.F32(1.0)), gpu), tm.F32(0.0))
+    seen = L != 0  # L == 0: no slot visible; a NaN L (a NaN score or value) is seen, and propagates
+    out = jnp.where(seen, tm.div(O, jnp.where(seen, L, tm.F32(1.0)), gpu), tm.F32(0.0))
     return tm.to_dtype(out, dtype)
 
 

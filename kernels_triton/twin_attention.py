@@ -117,8 +117,9 @@ def _split_kernel(layer_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, acc_ptr, m_
 
 @triton.jit
 def _store_out(o_ptr, L, O, b, t, h, d, H: tl.constexpr, T: tl.constexpr, INTERPRETED: tl.constexpr):
-    """out = O / L (0 where L == 0) of heads h [HB] of query (b, t), into o [B, T, H, D]."""
-    out = tl.where(L[:, None] > 0, tl.math.div_rn(O, tl.where(L > 0, L, 1.0)[:, None]), 0.0)
+    """out = O / L (0 where L == 0, NaN where L is NaN) of heads h [HB] of query (b, t), into o [B, T, H, D]."""
+    seen = L != 0  # L == 0: no slot visible; a NaN L (a NaN score or value) is seen, and propagates
+    out = tl.where(seen[:, None], tl.math.div_rn(O, tl.where(seen, L, 1.0)[:, None]), 0.0)
     tl.store(o_ptr + ((b * T + t) * H + h[:, None]) * d.shape[0] + d[None, :],
              tm.to_dtype(out, o_ptr.dtype.element_ty, INTERPRETED))
 

@@ -1,6 +1,7 @@
 """The cross-check tool (`torch_bridge.crosscheck`) and its command line."""
 
 import json
+import sys
 from dataclasses import asdict
 
 import numpy as np
@@ -128,6 +129,32 @@ def test_cli_bad_arguments_one_line_error(argv, message, capsys, monkeypatch):
 
 def _must_not_run(*args, **kwargs):
     raise AssertionError("the run started although an argument is bad")
+
+
+def test_cli_plot_without_matplotlib_fails_before_the_run(tmp_path, capsys, monkeypatch):
+    """matplotlib is the `plot` extra (declared in pyproject.toml): without it --plot is refused up
+    front, saying how to install it, and nothing is written."""
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert any(req.startswith("matplotlib") for req in pyproject["project"]["optional-dependencies"]["plot"])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setattr(cc, "crosscheck", _must_not_run)
+    assert main(["crosscheck", "--plot", str(tmp_path / "r.png")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("personaplex-jax: error: --plot: matplotlib is not installed; "
+                   "pip install personaplex-jax[plot] (or drop --plot)")
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_config_not_utf8_names_the_file(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "c.json"
+    config.write_bytes(b'{"context": 12, "note": "\xff"}')
+    monkeypatch.setattr(cc, "crosscheck", _must_not_run)
+    assert main(["crosscheck", "--config", str(config)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"personaplex-jax: error: --config {config}: not UTF-8 text (JSON is): byte 0xff at offset 25"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch build without CUDA")

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -490,6 +492,23 @@ def test_a_streamer_file_restores_on_the_torch_path(tparams, tmp_path):
         model.load_stream(tmp_path / "missing.safetensors")
 
 
+def test_writing_a_stream_file_where_it_cannot_go_names_the_path(tparams, tmp_path):
+    """A missing directory or a directory at the path: one ValueError naming the target path (the
+    type reading raises), from the torch stack, the Streamer and write_stream; nothing written."""
+    s = jx.Streamer(TCFG, tparams, B)
+    model = TemporalStreaming.from_config(TCFG)
+    model.streaming_init(B)
+    missing = tmp_path / "no" / "such" / "s.safetensors"
+    writers = (model.save_stream, s.save_stream, lambda path: jx.write_stream(TCFG, s.state, path))
+    for write in writers:
+        with pytest.raises(ValueError, match=rf"cannot write the stream file {re.escape(str(missing))}: the "
+                                             rf"directory {re.escape(str(missing.parent))} does not exist"):
+            write(missing)
+        with pytest.raises(ValueError, match=rf"cannot write the stream file {re.escape(str(tmp_path))}: "):
+            write(tmp_path)
+    assert not (tmp_path / "no").exists() and not list(tmp_path.iterdir())
+
+
 # ============================================================================ 3. drop-in reset_rows masks
 def test_drop_in_reset_rows_takes_every_mask_the_torch_path_takes():
     masks = [
@@ -570,6 +589,26 @@ def test_jax_step_widens_x_exactly_and_refuses_narrowing(tparams):
         step(p16, s16, x.astype(jnp.float32), None)
     with pytest.raises(TypeError, match="float16 -> bfloat16 would round x"):
         jax.jit(step)(p16, s16, x.astype(jnp.float16), None)
+
+
+def test_jitted_steps_refuse_a_float64_x_that_jit_would_narrow(tparams):
+    """jit narrows a numpy float64 x to float32 (x64 off) before the step's own check sees it: make_step
+    and the Streamer check x on the host first and refuse that rounding (the state not donated); an
+    exact cast (bfloat16 x into a float32 stack) still steps, with the bits of the float32 x."""
+    step = jx.make_step(TCFG)
+    x = np.asarray(jax.random.normal(jax.random.key(4), (B, 1, TCFG.dim)), np.float64)
+    state = jx.init_state(TCFG, B)
+    streamer = jx.Streamer(TCFG, tparams, B)
+    for run in (lambda: step(tparams, state, x), lambda: step.lower(tparams, state, x),
+                lambda: streamer.step(x)):
+        with pytest.raises(TypeError, match=r"step\(x\): x has dtype float64; the stack's state holds float32\. "
+                                            r"Only an exact cast.*float64 -> float32 would round x"):
+            run()
+    assert not state.k.is_deleted() and streamer.offset_bound == 0
+    x16 = x.astype(jnp.bfloat16)
+    (out_b, _), _ = step(tparams, jx.init_state(TCFG, B), x16)
+    (out_f, _), _ = step(tparams, jx.init_state(TCFG, B), x16.astype(np.float32))
+    assert jnp.array_equal(out_b, out_f)
 
 
 def test_check_headroom_takes_a_state_or_a_bound():

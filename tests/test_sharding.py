@@ -146,6 +146,13 @@ def test_sessions_refusals_name_the_argument():
         step(params, state, x)
     with pytest.raises(ValueError, match=r"step\(x\): x must have shape \[B=4, T, dim=64\]"):
         step(sparams, state, x[:, :, :8])
+    with pytest.raises(TypeError, match=r"step\(x\): x has dtype float64; .*float64 -> float32 would round x"):
+        step(sparams, state, x.astype(np.float64))  # refused before device_put narrows it
+    for rows in (3, 5):  # rows that do not split over the mesh: the step's message, not the placement's
+        with pytest.raises(ValueError, match=rf"step\(x\): x must have shape \[B=4, T, dim=64\], got \[{rows}, 1, 64\]"):
+            step(sparams, state, np.zeros((rows, 1, config.dim), np.float32))
+        with pytest.raises(ValueError, match=rf"step\(active\): active must have shape \[4\], got \[{rows}\]"):
+            step(sparams, state, x, np.ones(rows, bool))
     with pytest.raises(ValueError, match=r"reset_slot\(state\): the state is not sharded by session"):
         sh.sharded_reset_slot(jx.init_state(config, B), 0)
     with pytest.raises(IndexError, match=r"reset_slot\(b\): b=4 is out of range for batch_size 4"):
@@ -214,6 +221,9 @@ def test_dropin_on_sharded_state_bit_identical():
         shard_dropin(other)
     assert shard_dropin(got) is got
     mesh = got._streamer.mesh
+    with pytest.raises(RuntimeError, match=r"state: this JaxTemporalStreaming's stream is split over 2 devices "
+                                           r"\(shard_dropin\).*use snapshot\(\)"):
+        got.state  # noqa: B018 (the property's refusal is what is tested)
     assert_sessions_layout(got.jax_state, mesh)
     split = shard_dropin(from_torch(torch_stack), mesh, batch_size=B)  # a fresh stream made split: no streaming_init
     assert_sessions_layout(split.jax_state, mesh)

@@ -869,6 +869,51 @@ def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T,
     assert _attention_distance(o_p, *case) <= (1e-6 if dtype == "float32" else 1e-2)
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype,form", [("float32", "lanes"), ("bfloat16", "mma")])
+def test_attention_propagates_a_visible_nan_and_only_it(dtype, form):
+    """A NaN in a visible slot (k of row 1, head 0) makes exactly the queries that see it NaN, in
+    both twins (each form, interpreted), the twins' jax.numpy reference and the JAX paths' other
+    attentions (`_other_attentions`); the masked slot's NaN and Inf reach no twin output, and a row
+    that sees nothing is still +0."""
+    B, H, T, D, C = 3, 2, 2, 16, 24
+    q, ring_k, ring_v, positions, q_pos = _attention_case(B, H, T, D, C, dtype)
+    positions[1, 5] = C - 2  # visible to both queries of row 1 (q_pos C, C + 1)
+    ring_k[1, 1, 0, 5] = np.nan
+    want = np.zeros((B, T, H, D), bool)
+    want[1, :, 0] = True
+    args = (q, ring_k, ring_v, jnp.int32(1), positions, q_pos)
+    outs = {"pallas": jax.jit(lambda *a: pa.attention(*a, context=C, form=form))(*args),
+            "triton": ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
+                                   torch.from_numpy(q_pos), context=C, form=form).float().numpy()}
+    if form == "lanes":
+        outs["native"] = jax.jit(lambda *a: pa.attention_native(*a, context=C))(*args)
+        assert_same(outs["pallas"], outs["native"], outs["triton"], what="attention with a visible NaN")
+        outs.update(_other_attentions(q, ring_k, ring_v, positions, q_pos, C))
+    for name, o in outs.items():
+        o = np.asarray(o, np.float32)
+        np.testing.assert_array_equal(np.isnan(o), want, err_msg=name)
+        assert not o[0].any() and np.isfinite(o[~want]).all(), name
+
+
+def _other_attentions(q, ring_k, ring_v, positions, q_pos, C):
+    """The JAX paths' other attentions of layer 1 (the ring kernel, its reference, the XLA one) as
+    [B, T, H, D]. They multiply a masked slot's v by an exact 0, as torch's SDPA does, so the
+    masked slot's NaN is zeroed here first (what `reset_slot` does to a recycled slot)."""
+    from jax_impl.ops import masked_attention
+    from kernels_pallas.ring_attention import ring_attention, ring_attention_native
+
+    ring_v = np.where(positions[None, :, None, :, None] < 0, 0, ring_v).astype(ring_v.dtype)
+    k, v = jnp.asarray(ring_k[1]), jnp.asarray(ring_v[1])
+    mask = (positions[:, None, None] >= 0) & (q_pos[:, None, :, None] - positions[:, None, None] >= 0) & (
+        q_pos[:, None, :, None] - positions[:, None, None] < C)
+    args = (q, ring_k, ring_v, jnp.int32(1), positions, q_pos)
+    return {"ring": jax.jit(lambda *a: ring_attention(*a, context=C, block_c=8))(*args).transpose(0, 2, 1, 3),
+            "ring_native": jax.jit(lambda *a: ring_attention_native(*a, context=C))(*args).transpose(0, 2, 1, 3),
+            "xla": jax.jit(masked_attention)(q, k, v, mask).transpose(0, 2, 1, 3)}
+
+
 # the masked slot's Inf in k makes NaN scores there (masked after), which the interpreter's numpy warns about
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning",
                             "ignore:invalid value encountered in matmul:RuntimeWarning")
@@ -1070,3 +1115,89 @@ def test_dropin_with_twin_kernels_gives_the_torch_twin_bits():
         assert isinstance(b, torch.Tensor) and torch.equal(a, b)
     with pytest.raises(ValueError, match="kernels must be one of"):
         JaxMimiTransformer.from_config(cfg, kernels="fast")
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+@pytest.mark.parametrize("convention,window", [("personaplex", 4), ("moshi", 6)])
+def test_twin_step_propagates_a_nan_as_the_reference_step(convention, window):
+    """A NaN frame (row 0 of 2) reaches the outputs of the twin steps (torch and the JAX drop-in,
+    bit-identical, NaNs included) exactly where it reaches the reference step's, for as long as the
+    frame or what it made is visible (`window` steps after it: context 4, 2 layers), and no further
+    (a masked slot never enters the twin arithmetic; under "personaplex" the reference's SDPA
+    still multiplies the labelled-E slot by 0 for two more steps); after a recycle of the row the
+    outputs are finite again. The other row stays finite throughout."""
+    from torch_bridge import JaxTemporalStreaming
+
+    cfg = jx.with_options(jx.PRESETS["temporal-small"], num_heads=2, context=4, ring_convention=convention)
+    ref = TemporalStreaming.from_config(cfg)
+    ref.init_weights(generator=torch.Generator().manual_seed(5))
+    twin = TemporalStreaming.from_config(cfg, kernels="twin")
+    dropin = JaxTemporalStreaming.from_config(cfg, kernels="twin")
+    for m in (twin, dropin):
+        m.load_weights(ref.export_weights())
+    stacks = (ref, twin, dropin)
+    for m in stacks:
+        m.streaming_init(2)
+    gen = torch.Generator().manual_seed(6)
+    nan_frame = torch.randn(2, 1, cfg.dim, generator=gen)
+    nan_frame[0] = float("nan")
+
+    def step(x):
+        (o_ref, _), (o_twin, l_twin), (o_dropin, l_dropin) = (m.step(x) for m in stacks)
+        assert_same(o_twin, o_dropin, what="out, torch twin vs JAX twin")
+        assert_same(l_twin, l_dropin, what="text logits, torch twin vs JAX twin")
+        return o_ref.isnan(), o_twin.isnan()
+
+    step(nan_frame)
+    for i in range(1, window + 3):
+        nan_ref, nan_twin = step(torch.randn(2, 1, cfg.dim, generator=gen))
+        if i <= window:
+            assert nan_twin[0].all() and torch.equal(nan_twin, nan_ref), f"step {i} after the NaN frame"
+        else:
+            assert not nan_twin.any(), f"step {i} after the NaN frame: past the window"
+    step(nan_frame)
+    assert torch.equal(*step(torch.randn(2, 1, cfg.dim, generator=gen)))  # visible again
+    for m in stacks:
+        m.reset_slot(0)
+        m.bump_slot_start(0)
+    for _ in range(2):
+        nan_ref, nan_twin = step(torch.randn(2, 1, cfg.dim, generator=gen))
+        assert not nan_ref.any() and not nan_twin.any(), "after the recycle"
+
+
+def test_twin_step_takes_a_strided_x_with_the_bits_of_a_contiguous_one():
+    """A non-contiguous x (padded rows, every other column of a wider tensor) steps the torch
+    twin stacks as its contiguous copy does, bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    for stack, cls in (("temporal-small", TemporalStreaming), ("mimi-small", MimiTransformer)):
+        cfg = jx.PRESETS[stack]
+        a, b = (cls.from_config(cfg, kernels="twin") for _ in range(2))
+        for m in (a, b):
+            m.init_weights(generator=torch.Generator().manual_seed(8))
+            m.streaming_init(2)
+        T = 1 if stack.startswith("temporal") else 2
+        for strided in (torch.randn(2, T, cfg.dim + 3, generator=gen)[..., :cfg.dim],
+                        torch.randn(2, T, 2 * cfg.dim, generator=gen)[..., ::2]):
+            assert not strided.is_contiguous()
+            for x, y in zip(jax.tree.leaves(a.step(strided)), jax.tree.leaves(b.step(strided.contiguous()))):
+                assert torch.equal(x, y), stack
+
+
+def test_jax_twin_step_on_dlpack_params_compiles_once():
+    """Params shared with a torch stack through DLPack are committed to their device, so the step
+    returns its state committed; a fresh `init_state` is committed too, so the second call has the
+    first one's signature and runs the executable compiled by the first (jit's cache: one entry)."""
+    from torch_bridge.jax_steppers import from_torch
+
+    cfg = jx.PRESETS["temporal-small"]
+    module = TemporalStreaming.from_config(cfg, kernels="twin")
+    params = from_torch(module, kernels="twin").jax_params()  # to_jax views of the torch weights
+    assert all(a.committed for a in jax.tree.leaves(params))
+    step = jx.make_step(cfg, kernels="twin", rope_freqs=module.rope_freqs())
+    state = jx.init_state(cfg, 2)
+    x = jnp.ones((2, 1, cfg.dim))
+    _, state = step(params, state, x)
+    compiled = step.jitted._cache_size()
+    for _ in range(2):
+        _, state = step(params, state, x)
+        assert step.jitted._cache_size() == compiled, "the step compiled again"

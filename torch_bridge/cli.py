@@ -117,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
                          "every step; 'close': integer tensors identical, float tensors within max rel "
                          "1e-05 (float32) / 0.05 (bfloat16), greedy tokens equal but at near ties")
     cc.add_argument("--json", metavar="FILE", help="write the full report as JSON")
-    cc.add_argument("--plot", metavar="FILE.png", help="plot per-step differences and ms/step")
+    cc.add_argument("--plot", metavar="FILE.png",
+                    help="plot per-step differences and ms/step (needs matplotlib: pip install personaplex-jax[plot])")
     cc.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     st = sub.add_parser("stream", help="stream frames through the torch stacks, print ms/step")
     st.add_argument("--steps", type=_positive_int, default=300,
@@ -137,6 +138,8 @@ def _crosscheck(args) -> int:
         raise ValueError(f"--checkpoint: no such file: {args.checkpoint}")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ValueError(f"--plot: expected a .png file name, got {args.plot}")
+    if args.plot:
+        _require_matplotlib()
     resolved = resolve_device(device, "--device")  # a one-line error now, not torch's AssertionError mid-run
     if args.kernels == "twin" and resolved == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton runs on the CPU only interpreted
@@ -169,6 +172,16 @@ def _crosscheck(args) -> int:
               f"{'; '.join(report.failures(args.require))}", file=sys.stderr)
         return REQUIREMENT_NOT_MET
     return 0
+
+
+def _require_matplotlib() -> None:
+    """--plot draws with matplotlib, an optional dependency (the package's `plot` extra): refused
+    before the run, not after minutes of it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot: matplotlib is not installed; pip install personaplex-jax[plot] "
+                         "(or drop --plot)") from None
 
 
 def _check_writable(flag: str, path: str) -> None:
@@ -241,10 +254,13 @@ def _read_config_json(path: str, kind: str) -> dict:
 
     cls = TemporalConfig if kind == "temporal" else MimiConfig
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except OSError as err:
         raise ValueError(f"--config: cannot read {path}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--config {path}: not UTF-8 text (JSON is): byte {err.object[err.start]:#04x} "
+                         f"at offset {err.start}") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"--config {path}: not JSON: {err}") from None
     fields = [f.name for f in dataclasses.fields(cls) if f.name != "ring_convention"]

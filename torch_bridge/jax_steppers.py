@@ -56,10 +56,19 @@ class _JaxBacked:
         """Torch views (DLPack, no copy) of the JAX state; offsets are int32 unless jax x64 is on.
 
         While a view is alive the next step cannot donate that buffer and copies it instead:
-        look, then let the views go (or `.clone()` what you keep).
+        look, then let the views go (or `.clone()` what you keep). A stream split over devices
+        (`torch_bridge.sharding.shard_dropin`) has no single buffer to view: RuntimeError, pointing
+        to `snapshot()` (torch copies on the module's device).
         """
         s = self.jax_state
-        return None if s is None else StreamState(*(to_torch(a) for a in (s.k, s.v, s.offset, s.start_offset)))
+        if s is None:
+            return None
+        devices = s.k.sharding.device_set
+        if len(devices) > 1:
+            raise RuntimeError(f"state: this {type(self).__name__}'s stream is split over {len(devices)} devices "
+                               f"(shard_dropin), so no single buffer holds it to view as torch tensors; use "
+                               f"snapshot() (torch copies on the module's device)")
+        return StreamState(*(to_torch(a) for a in (s.k, s.v, s.offset, s.start_offset)))
 
     def _require_state(self, op: str):
         if self._streamer is None:

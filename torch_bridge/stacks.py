@@ -37,6 +37,7 @@ from jax_impl.snapshot import (
     exact_float_cast,
     read_stream_file,
     snapshot_metadata,
+    write_stream_file,
 )
 
 from .layers import mimi_layer, rms_norm_f32, temporal_layer
@@ -381,12 +382,11 @@ class _StreamingStack(nn.Module):
         self._state = StreamState(**ring, **idx)
 
     def save_stream(self, path: str | os.PathLike) -> None:
-        """Write `snapshot()` to a safetensors file: the four arrays as tensors, "metadata" in the header."""
-        from safetensors.torch import save_file
-
+        """Write `snapshot()` to a safetensors file: the four arrays as tensors, "metadata" in the header;
+        ValueError naming `path` where it cannot be written."""
         snap = self.snapshot()
         meta = snap.pop("metadata")
-        save_file({key: v.contiguous().cpu() for key, v in snap.items()}, os.fspath(path), metadata=meta)
+        write_stream_file(path, {key: v.contiguous().cpu() for key, v in snap.items()}, meta, "pt")
 
     def load_stream(self, path: str | os.PathLike) -> None:
         """`restore` the stream that `save_stream` (of either path) wrote to `path`."""
@@ -438,6 +438,8 @@ class _StreamingStack(nn.Module):
         if active is None:
             active = torch.ones(state.batch_size, dtype=torch.bool, device=self.device)
         x = x.to(self.dtype)  # an exact widening (checked), or x itself
+        if self.kernels == "twin":
+            x = x.contiguous()  # the twin kernels read dense rows: a strided x is copied (the same bits)
         c = self.config
         tables = self.step_tables(state.offset, state.start_offset, active, x.shape[1])
         for layer in range(c.num_layers):
