@@ -215,7 +215,8 @@ class Depformer(nn.Module):
     @torch.no_grad()
     def forward(self, text_token: torch.Tensor, transformer_out: torch.Tensor, audio_tokens: torch.Tensor | None = None,
                 audio_provided: torch.Tensor | None = None, return_logits: bool = False, *,
-                temperature: float = 0.0, top_k: int = 0, seeds: torch.Tensor | None = None, counter=0):
+                temperature: float = 0.0, top_k: int = 0, seeds: torch.Tensor | None = None, counter=0,
+                steps: int | None = None):
         """One frame's audio tokens.
 
         text_token [B] int: the frame's text token (0..text_card, or -1: no token).
@@ -224,12 +225,15 @@ class Depformer(nn.Module):
         (0..card or -1) is step k+1's input instead of the chosen token.
         temperature, top_k, seeds [B] int, counter (int or [B] int): sampling (`torch_bridge.sampling`;
         step k draws at counter * dep_q + k); temperature 0 (the default): greedy.
+        steps: run the first `steps` inner steps only (1..dep_q; None: all): codes [B, steps].
         Returns codes [B, dep_q] int64, and with return_logits the float32 logits [B, dep_q, card].
         """
         self._check_inputs(text_token, transformer_out, audio_tokens, audio_provided)
         c = self.config
         B = transformer_out.shape[0]
         check_sampling(temperature, top_k, c.card)
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= c.dep_q):
+            raise ValueError(f"steps must be an int in 1..{c.dep_q} or None, got {steps!r}")
         if temperature and (not isinstance(seeds, torch.Tensor) or tuple(seeds.shape) != (B,)):
             raise ValueError(f"sampling (temperature > 0) needs seeds [{B}]: the randomness is an explicit input")
         shape = (c.num_layers, B, c.num_heads, c.dep_q, c.head_dim)
@@ -238,7 +242,7 @@ class Depformer(nn.Module):
         slots = torch.arange(c.dep_q, device=self.device)
         prev = text_token.long()
         codes, logits_all = [], []
-        for step, s in enumerate(c.step_sets):
+        for step, s in enumerate(c.step_sets[:steps]):
             table = self.text_emb if step == 0 else self.emb[c.step_tables[step - 1]]
             x = F.linear(transformer_out, self.depformer_in[s]) + self._embed(table, prev[:, None])
             mask = (slots <= step).expand(B, 1, 1, c.dep_q)
