@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from jax_impl.config import CheckpointError
 from jax_impl.frame_config import FRAME_PRESETS, UNGENERATED_TOKEN
 from torch_bridge.frame import LMFrame
 
@@ -138,3 +139,77 @@ def test_jax_frame_equals_torch_frame():
         assert np.array_equal(np.asarray(state.temporal.offset), frame.temporal.state.offset.numpy())
         assert np.array_equal(np.asarray(state.temporal.start_offset), frame.temporal.state.start_offset.numpy())
     assert int(jnp.max(state.temporal.offset)) > cfg.temporal.context  # the ring wrapped
+
+
+@pytest.mark.parametrize("preset", ["moshi-small", "personaplex-small"])
+def test_load_weights_from_moshi_state_dict(preset):
+    """A moshi LMModel's state_dict() (moshi's module names, PersonaPlex's copied sets) loads back into
+    a fresh frame exactly; a missing or mis-shaped weight is refused with every problem named, nothing written."""
+    cfg = moshi_convention(FRAME_PRESETS[preset])
+    frame = random_frame(cfg)
+    _, model = moshi_lm(cfg, frame)
+    state_dict = model.state_dict()
+    other = random_frame(cfg, seed=9)
+    before = {k: v.clone() for k, v in other.export_weights().items()}
+    bad = dict(state_dict)
+    del bad["emb.3.weight"], bad["transformer.layers.1.norm2.alpha"]
+    bad["depformer_in.0.weight"] = bad["depformer_in.0.weight"][:, :-1]
+    with pytest.raises(CheckpointError) as err:
+        other.load_weights(bad, source="lm")
+    for key in ("missing: emb.3.weight", "missing: transformer.layers.1.norm2.alpha", "depformer_in.0.weight"):
+        assert key in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in other.export_weights().items()), "a refused load wrote"
+    other.load_weights(state_dict)
+    assert all(torch.equal(v, frame.export_weights()[k]) for k, v in other.export_weights().items())
+
+
+def test_bad_input_is_refused_and_changes_nothing():
+    from jax_impl import frame as jf
+    from torch_bridge.frame import jax_frame_params
+
+    cfg = FRAME_PRESETS["moshi-small"]
+    frame = random_frame(cfg)
+    frame.streaming_init(B)
+    user = torch.zeros(B, cfg.user_codebooks, dtype=torch.long)
+    frame.step(user)
+    saved = [t.clone() for t in (frame.token_cache, frame.frame_offset, frame.temporal.state.k,
+                                 frame.temporal.state.offset)]
+    out_of_range = user.clone()
+    out_of_range[1, 2] = cfg.card + 1
+    cases = [
+        ({"user_tokens": out_of_range}, ValueError, "user_tokens must hold token ids in 0..40"),
+        ({"user_tokens": user[:, :3]}, ValueError, "user_tokens must have shape"),
+        ({"user_tokens": user.float()}, TypeError, "user_tokens must be an integer"),
+        ({"user_tokens": user, "active": torch.ones(B + 1, dtype=torch.bool)}, ValueError, "step(active)"),
+        ({"user_tokens": user, "dep_q_exit": 0}, ValueError, "dep_q_exit must be an int in 1..8"),
+        ({"user_tokens": user, "dep_q_exit": 9}, ValueError, "dep_q_exit must be an int in 1..8"),
+        ({"user_tokens": user, "dep_q_exit": 5}, ValueError, "replace_audio must be given exactly"),
+        ({"user_tokens": user, "dep_q_exit": 5, "replace_audio": torch.full((B, 3), -3)}, ValueError,
+         "replace_audio must hold token ids"),
+        ({"user_tokens": user, "temperature": 0.5}, ValueError, "seeds must be an integer"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+            frame.step(**kwargs)
+    with pytest.raises(IndexError, match="reset_slot"):
+        frame.reset_slot(B)
+    assert all(torch.equal(a, b) for a, b in zip(saved, (frame.token_cache, frame.frame_offset,
+                                                           frame.temporal.state.k, frame.temporal.state.offset)))
+
+    params = jax_frame_params(frame)
+    state = jf.init_frame_state(cfg, B)
+    with pytest.raises(ValueError, match="dep_q_exit must be an int in 1..8"):
+        jf.make_frame_step(cfg, dep_q_exit=0)
+    step = jf.make_frame_step(cfg, dep_q_exit=5)
+    n = user.numpy()
+    for args, message in [((out_of_range.numpy(), None, np.zeros((B, 3), np.int32)), "user_tokens must hold"),
+                          ((n, None, None), "replace_audio must be given exactly"),
+                          ((n, None, np.full((B, 3), cfg.card + 1, np.int32)), "replace_audio must hold"),
+                          ((n, np.ones(B, np.int32), np.zeros((B, 3), np.int32)), "active must be a bool")]:
+        with pytest.raises(ValueError, match=message):
+            step(params, state, *args)
+    with pytest.raises(IndexError, match="reset_slot"):
+        jf.jit_reset_slot(state, B)
+    out, state = step(params, state, n, None, np.zeros((B, 3), np.int32))  # the state is still valid
+    assert np.array_equal(np.asarray(state.frame_offset), [1, 1, 1])
+    assert np.array_equal(np.asarray(out.audio[:, 5:]), np.zeros((B, 3)))
