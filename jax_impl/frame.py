@@ -16,7 +16,6 @@ torch's by the matmuls' summation order (XLA's, not oneDNN's); the tokens agree.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -248,6 +247,16 @@ def _recycle(op: str, state, arg):
     return _jitted[op](state, jnp.asarray(arg))
 
 
-jit_reset_slot = functools.partial(_recycle, "reset_slot")
-jit_bump_slot_start = functools.partial(_recycle, "bump_slot_start")
-jit_reset_rows = functools.partial(_recycle, "reset_rows")
+def jit_reset_slot(state: FrameState, b) -> FrameState:
+    """`reset_slot` jitted once for every row (b traced), state donated; a concrete b checked first."""
+    return _recycle("reset_slot", state, b)
+
+
+def jit_bump_slot_start(state: FrameState, b) -> FrameState:
+    """`bump_slot_start` jitted once for every row, state donated; a concrete b checked first."""
+    return _recycle("bump_slot_start", state, b)
+
+
+def jit_reset_rows(state: FrameState, mask) -> FrameState:
+    """`reset_rows` jitted, state donated; mask (bool [B]) checked first."""
+    return _recycle("reset_rows", state, mask)
