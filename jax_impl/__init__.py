@@ -36,6 +36,8 @@ _EXPORTS = {
     "until_ready": "wait",
     **dict.fromkeys(["DEPFORMER_PRESETS", "DepformerConfig"], "depformer_config"),
     **dict.fromkeys(["check_depformer_params", "depformer_frame", "make_depformer_step"], "depformer"),
+    **dict.fromkeys(["FRAME_PRESETS", "FrameConfig", "FrameOutput"], "frame_config"),
+    **dict.fromkeys(["FrameState", "check_frame_params", "init_frame_state", "make_frame_step"], "frame"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = [*_EXPORTS]  # noqa: PLE0604 (the names of the lazy export table)

@@ -127,13 +127,15 @@ def _twin_layer(cfg: DepformerConfig, p, x, layer: int, s, step, cache_k, cache_
 
 
 def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, audio_tokens=None, audio_provided=None,
-                    seeds=None, counter=0, *, temperature: float = 0.0, top_k: int = 0, kernels: str = "reference"):
+                    seeds=None, counter=0, *, temperature: float = 0.0, top_k: int = 0, kernels: str = "reference",
+                    steps: int | None = None):
     """One frame (traceable): codes [B, dep_q] int32 and logits [B, dep_q, card] float32.
 
     text_token [B] int; transformer_out [B, 1, temporal_dim] (the params' dtype); audio_tokens
     [B, dep_q] int and audio_provided [B, dep_q] bool (teacher forcing) or None; seeds [B],
     counter: sampling (`jax_impl.sampling`, step k at counter * dep_q + k) when temperature > 0.
     kernels: "reference" or "twin" (module docstring).
+    steps (static): run the first `steps` inner steps only (None: all); codes [B, steps].
     """
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
@@ -147,6 +149,7 @@ def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, a
     cache = jnp.zeros((cfg.num_layers, B, cfg.num_heads, cfg.dep_q, cfg.head_dim), dtype)
     xs = (jnp.arange(cfg.dep_q), jnp.asarray(cfg.step_sets, jnp.int32), jnp.asarray((0, *cfg.step_tables), jnp.int32),
           audio_tokens.T.astype(jnp.int32), audio_provided.T)
+    xs = tuple(a[:steps] for a in xs)
 
     def step(carry, xs_k):
         prev, cache_k, cache_v = carry

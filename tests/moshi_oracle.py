@@ -88,3 +88,16 @@ def prefill_rings(ours, theirs, offset: int, generator=None) -> None:
         mha.kv_cache.end_offset.fill_(offset)
         mha.offset.fill_(offset)
     theirs._streaming_state.offsets.fill_(offset)
+
+
+def moshi_lm_module():
+    """moshi's `models.lm` (LMModel, LMGen) without running `moshi/__init__.py` or
+    `moshi/models/__init__.py` (they import sentencepiece, huggingface_hub, ...)."""
+    _import_moshi_transformer()
+    if "moshi.models" not in sys.modules:
+        package = types.ModuleType("moshi.models")
+        package.__path__ = [os.path.join(sys.modules["moshi"].__path__[0], "models")]
+        sys.modules["moshi.models"] = package
+    from moshi.models import lm
+
+    return lm

@@ -21,6 +21,11 @@ def test_dropin_on_the_twins_is_identical():
     jcodes, jlogits = dropin(text, out, audio, provided, return_logits=True, **sampling)
     assert jcodes.dtype == torch.int64 and jlogits.dtype == torch.float32
     assert torch.equal(jcodes, codes) and torch.equal(jlogits, logits)
+    # an early exit after the first codebooks: the first steps' bits, as the torch module's
+    early, early_logits = dropin(text, out, audio, provided, return_logits=True, steps=3, **sampling)
+    assert torch.equal(early, codes[:, :3]) and torch.equal(early_logits, logits[:, :3])
+    with pytest.raises(ValueError, match="steps must be an int in 1..8"):
+        dropin(text, out, steps=9)
 
 
 @pytest.mark.parametrize("convention", ["personaplex", "moshi"])

@@ -18,6 +18,7 @@ _EXPORTS = {
     **dict.fromkeys(["ArgmaxRecord", "CrosscheckReport", "TensorRecord"], "report"),
     "Depformer": "depformer",
     "JaxDepformer": "jax_depformer",
+    "LMFrame": "frame",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = [*_EXPORTS]  # noqa: PLE0604 (the names of the lazy export table)

@@ -66,8 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                         description="Run the torch path and the JAX path side by side on one schedule of "
                                     "inputs, active masks and recycle operations, and report for each tensor "
                                     "whether the two are bit-identical.")
-    cc.add_argument("--stack", choices=["temporal", "mimi-encoder", "mimi-decoder"], default="temporal",
-                    help="which stack (default: %(default)s)")
+    cc.add_argument("--stack", choices=["temporal", "mimi-encoder", "mimi-decoder", "depformer", "frame"],
+                    default="temporal", help="which stack; depformer and frame: the language model's depformer "
+                    "and whole frame (PersonaPlex sizes, small on the CPU; reference kernels) (default: %(default)s)")
     cc.add_argument("--steps", type=_positive_int, default=300, help="steps to run (default: %(default)s)")
     cc.add_argument("--batch", type=_positive_int, default=4, help="rows (sessions) (default: %(default)s)")
     cc.add_argument("--frames", type=_positive_int, default=None,
@@ -101,10 +102,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="RoPE max period (default: --config, else the preset)")
     cc.add_argument("--norm-eps", type=_positive_float, default=None,
                     help="RMSNorm / LayerNorm epsilon (default: --config, else the preset)")
-    cc.add_argument("--kernels", choices=["twin", "reference"], default="twin",
+    cc.add_argument("--kernels", choices=["twin", "reference"], default=None,
                     help="twin: both paths on the twin kernels (Triton for torch, Pallas for JAX), bit-identical "
                          "and batch-invariant; reference: the torch reference path (bit-exact with moshi) against "
-                         "the JAX step's fastest kernels, close but not bit-identical (default: %(default)s)")
+                         "the JAX step's fastest kernels, close but not bit-identical (default: twin; reference for depformer "
+                         "and frame)")
     cc.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     cc.add_argument("--seed", type=_non_negative_int, default=0,
                     help="seed of the schedule and weights, >= 0 (default: 0)")
@@ -129,6 +131,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _crosscheck(args) -> int:
     from .crosscheck import crosscheck, resolve_device
+
+    if args.stack in ("depformer", "frame"):
+        return _crosscheck_lm(args)
+    args.kernels = args.kernels or "twin"
 
     device = args.device
     size = args.size
@@ -182,6 +188,35 @@ def _require_matplotlib() -> None:
     except ImportError:
         raise ValueError("--plot: matplotlib is not installed; pip install personaplex-jax[plot] "
                          "(or drop --plot)") from None
+
+
+def _crosscheck_lm(args) -> int:
+    """`crosscheck --stack depformer|frame` (`crosscheck_lm`): the flags of a stack's config do not apply."""
+    from .crosscheck_lm import crosscheck_lm
+
+    given = [flag for flag, value in (("--checkpoint", args.checkpoint), ("--config", args.config_json),
+                                      ("--frames", args.frames), ("--num-heads", args.num_heads),
+                                      ("--context", args.context), ("--max-period", args.max_period),
+                                      ("--norm-eps", args.norm_eps)) if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: not taken by --stack {args.stack} (it runs PersonaPlex's sizes, "
+                         f"small on the CPU)")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            _check_writable(flag, path)
+    report = crosscheck_lm(args.stack, steps=args.steps, batch=args.batch, dtype=args.dtype, device=args.device,
+                           seed=args.seed, recycle=not args.no_recycle, threads=args.threads or 1,
+                           kernels=args.kernels or "reference")
+    print(report.summary())
+    if args.json:
+        report.write_json(args.json)
+    if args.plot:
+        report.plot(args.plot)
+    if args.require and not report.holds(args.require):
+        print(f"personaplex-jax: --require {args.require} does not hold: "
+              f"{'; '.join(report.failures(args.require))}", file=sys.stderr)
+        return REQUIREMENT_NOT_MET
+    return 0
 
 
 def _check_writable(flag: str, path: str) -> None:

@@ -174,6 +174,12 @@ class Depformer(nn.Module):
         return rows.to(device=self.device, dtype=self.dtype).reshape(dst.shape)
 
     # ----------------------------------------------------------------------------- one frame
+    def _check_steps(self, steps) -> None:
+        """`steps` (run the first `steps` inner steps only): None or an int in 1..dep_q."""
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool)
+                                  or not 1 <= steps <= self.config.dep_q):
+            raise ValueError(f"steps must be an int in 1..{self.config.dep_q} or None, got {steps!r}")
+
     def _check_inputs(self, text_token, transformer_out, audio_tokens, audio_provided):
         c = self.config
         if not isinstance(transformer_out, torch.Tensor):
@@ -220,7 +226,8 @@ class Depformer(nn.Module):
     @torch.no_grad()
     def forward(self, text_token: torch.Tensor, transformer_out: torch.Tensor, audio_tokens: torch.Tensor | None = None,
                 audio_provided: torch.Tensor | None = None, return_logits: bool = False, *,
-                temperature: float = 0.0, top_k: int = 0, seeds: torch.Tensor | None = None, counter=0):
+                temperature: float = 0.0, top_k: int = 0, seeds: torch.Tensor | None = None, counter=0,
+                steps: int | None = None):
         """One frame's audio tokens.
 
         text_token [B] int: the frame's text token (0..text_card, or -1: no token).
@@ -229,12 +236,14 @@ class Depformer(nn.Module):
         (0..card or -1) is step k+1's input instead of the chosen token.
         temperature, top_k, seeds [B] int, counter (int or [B] int): sampling (`torch_bridge.sampling`;
         step k draws at counter * dep_q + k); temperature 0 (the default): greedy.
+        steps: run the first `steps` inner steps only (1..dep_q; None: all): codes [B, steps].
         Returns codes [B, dep_q] int64, and with return_logits the float32 logits [B, dep_q, card].
         """
         self._check_inputs(text_token, transformer_out, audio_tokens, audio_provided)
         c = self.config
         B = transformer_out.shape[0]
         check_sampling(temperature, top_k, c.card)
+        self._check_steps(steps)
         if temperature and (not isinstance(seeds, torch.Tensor) or tuple(seeds.shape) != (B,)):
             raise ValueError(f"sampling (temperature > 0) needs seeds [{B}]: the randomness is an explicit input")
         shape = (c.num_layers, B, c.num_heads, c.dep_q, c.head_dim)
@@ -247,7 +256,7 @@ class Depformer(nn.Module):
             from . import twin_depformer
 
             weights = self.weights()
-        for step, s in enumerate(c.step_sets):
+        for step, s in enumerate(c.step_sets[:steps]):
             table = self.text_emb if step == 0 else self.emb[c.step_tables[step - 1]]
             token_emb = self._embed(table, prev[:, None])
             if self.kernels == "twin":

@@ -62,19 +62,22 @@ class JaxDepformer(Depformer):
             self._views = identity, {name: to_jax(w) for name, w in weights.items()}
         return self._views[1]
 
-    def _frame(self, temperature: float, top_k: int):
-        """The jitted frame of a sampler setting (static in it), made once."""
-        if (temperature, top_k) not in self._frames:
-            self._frames[temperature, top_k] = jax.jit(functools.partial(
-                depformer_frame, self.config, temperature=temperature, top_k=top_k, kernels=self.kernels))
-        return self._frames[temperature, top_k]
+    def _frame(self, temperature: float, top_k: int, steps: int | None):
+        """The jitted frame of a sampler setting and step count (static in it), made once."""
+        if (temperature, top_k, steps) not in self._frames:
+            self._frames[temperature, top_k, steps] = jax.jit(functools.partial(
+                depformer_frame, self.config, temperature=temperature, top_k=top_k, kernels=self.kernels,
+                steps=steps))
+        return self._frames[temperature, top_k, steps]
 
     @torch.no_grad()
     def forward(self, text_token: torch.Tensor, transformer_out: torch.Tensor, audio_tokens: torch.Tensor | None = None,
                 audio_provided: torch.Tensor | None = None, return_logits: bool = False, *,
-                temperature: float = 0.0, top_k: int = 0, seeds: torch.Tensor | None = None, counter=0):
+                temperature: float = 0.0, top_k: int = 0, seeds: torch.Tensor | None = None, counter=0,
+                steps: int | None = None):
         """`Depformer.forward`'s arguments, checks and results (there), computed by JAX."""
         self._check_inputs(text_token, transformer_out, audio_tokens, audio_provided)
+        self._check_steps(steps)
         c = self.config
         B = transformer_out.shape[0]
         check_sampling(temperature, top_k, c.card)
@@ -95,7 +98,7 @@ class JaxDepformer(Depformer):
             audio_tokens = torch.where(audio_provided, audio_tokens, 0).to(torch.int32)
         seeds = None if not temperature else to_jax(_uint32_bits(seeds.to(self.device)))
         inputs = (text_token.to(torch.int32), transformer_out, audio_tokens, audio_provided)
-        codes, logits = self._frame(float(temperature), top_k)(
+        codes, logits = self._frame(float(temperature), top_k, steps)(
             self.jax_params(), *(to_jax(t, copy=None) for t in inputs), seeds, counter)
         codes = to_torch(codes).long()
         return (codes, to_torch(logits)) if return_logits else codes

@@ -1,0 +1,262 @@
+"""The whole language-model frame, JAX side: one jitted step, all state one pytree.
+
+    params = check_frame_params(cfg, {"temporal": variables, "depformer": dep_params, "text_emb": ..., "emb": ...})
+    state = init_frame_state(cfg, batch_size=4)
+    step = make_frame_step(cfg)                               # jitted, state donated
+    out, state = step(params, state, user_tokens, active)     # FrameOutput (jax arrays), the new state
+    state = jit_reset_slot(state, 2)                          # recycle a row, no recompile
+
+What a frame computes, the token ids, the early exit and the sampling counters: the torch
+reference (`torch_bridge.frame`, bit-exact with moshi's `LMGen.step`) and
+`jax_impl.frame_config`; this is the same frame, operation for operation: embeddings of the
+cached tokens (with the delays) -> the temporal step (`step_fn`) -> text sampling -> the
+depformer (`depformer_frame`, its first dep_q_exit steps) -> the cache. The floats differ from
+torch's by the matmuls' summation order (XLA's, not oneDNN's); the tokens agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import state as st
+from .depformer import check_depformer_params, depformer_frame
+from .frame_config import TEXT_COUNTER_BASE, UNGENERATED_TOKEN, FrameConfig, FrameOutput, embedding_shapes
+from .sampling import sample
+from .sampling_config import check_sampling
+from .state import StreamState
+from .step import step_fn
+from .weights import check_params
+
+KERNELS = ("reference",)
+F32, I32, U32 = jnp.float32, jnp.int32, jnp.uint32
+
+
+class FrameState(NamedTuple):
+    """temporal: the temporal stack's rings and offsets; token_cache int32 [B, 1 + n_q, cache_len]
+    (moshi's `_LMGenState.cache`); frame_offset [B] (frames since each row's session began)."""
+
+    temporal: StreamState
+    token_cache: jax.Array
+    frame_offset: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.frame_offset.shape[0]
+
+
+def init_frame_state(cfg: FrameConfig, batch_size: int, dtype=jnp.float32, *, device=None) -> FrameState:
+    """A fresh state on `device` (default: JAX's first device): rings zeroed, caches 'not generated'
+    (-2), offsets 0. Committed to the device, as the step's outputs are: the second step does not
+    compile again."""
+    device = device or jax.devices()[0]
+    temporal = st.init_state(cfg.temporal, batch_size, dtype, device=device)
+    cache = jnp.full((batch_size, cfg.num_codebooks, cfg.cache_len), UNGENERATED_TOKEN, I32, device=device)
+    return FrameState(temporal, cache, jnp.zeros((batch_size,), temporal.offset.dtype, device=device))
+
+
+def check_frame_params(cfg: FrameConfig, params: Mapping) -> dict:
+    """The frame's parameters after checking them: {"temporal": the temporal stack's Flax variables,
+    "depformer": the depformer's buffers, "text_emb", "emb": the input tables}, one float dtype."""
+    want = {"temporal", "depformer", *embedding_shapes(cfg)}
+    if not isinstance(params, Mapping) or set(params) != want:
+        raise ValueError(f"params: expected the keys {sorted(want)}, got "
+                         f"{sorted(params) if isinstance(params, Mapping) else type(params).__name__}")
+    dep = check_depformer_params(cfg.depformer, params["depformer"])
+    dtype = dep["in_proj"].dtype
+    check_params(cfg.temporal, params["temporal"], dtype=dtype, argname="params['temporal']")
+    out = {"temporal": params["temporal"], "depformer": dep}
+    for name, shape in embedding_shapes(cfg).items():
+        out[name] = jnp.asarray(params[name])
+        if out[name].shape != shape or out[name].dtype != dtype:
+            raise ValueError(f"params[{name!r}] must be {jnp.dtype(dtype).name}{list(shape)} (the depformer's dtype), "
+                             f"got {out[name].dtype}{list(out[name].shape)}")
+    return out
+
+
+def embed(table, ids):
+    """moshi's `ScaledEmbedding`: ids [B] -> [B, dim]; id -1 gives the zero vector."""
+    y = jnp.take(table, jnp.clip(ids, 0, table.shape[0] - 1), axis=0)
+    return jnp.where((ids == -1)[:, None], jnp.zeros((), y.dtype), y)
+
+
+def frame_fn(cfg: FrameConfig, *, dep_q_exit: int | None = None, temperature: float = 0.0, top_k: int = 0,
+             text_temperature: float = 0.0, text_top_k: int = 0, rope_freqs: tuple[float, ...] | None = None):
+    """The pure frame `(params, state, user_tokens, active, replace_audio, seeds) -> (FrameOutput, state)`.
+
+    user_tokens int [B, n_q - dep_q]; active bool [B]; replace_audio int [B, dep_q - dep_q_exit] (or
+    None when dep_q_exit is dep_q); seeds int [B] or None (greedy). Arguments are not checked here
+    (`make_frame_step` checks them).
+    """
+    D, K, CT = cfg.dep_q, cfg.num_codebooks, cfg.cache_len
+    n = D if dep_q_exit is None else dep_q_exit
+    delays = np.asarray(cfg.delays, np.int32)
+    initial = np.asarray(cfg.initial_tokens, np.int32)
+    temporal_step = step_fn(cfg.temporal, rope_freqs=rope_freqs, kernels="xla")
+
+    def fn(params, state: FrameState, user_tokens, active, replace_audio, seeds):
+        cache, offset = state.token_cache, state.frame_offset
+        rows = jnp.arange(offset.shape[0])[:, None]
+        run = active[:, None]
+        if cfg.user_codebooks:  # the caller's codebooks, written delay frames ahead
+            cbs, pos = np.arange(D + 1, K)[None], (offset[:, None] + delays[D + 1:]) % CT
+            cache = cache.at[rows, cbs, pos].set(jnp.where(run, user_tokens.astype(I32), cache[rows, cbs, pos]))
+        is_init = (offset[:, None] <= delays) | ~run
+        tokens_in = jnp.where(is_init, initial, cache[rows, np.arange(K)[None], (offset % CT)[:, None]])
+        x = embed(params["emb"][0], tokens_in[:, 1])  # moshi's order: the audio tables, then the text's
+        for k in range(1, cfg.n_q):
+            x = x + embed(params["emb"][k], tokens_in[:, 1 + k])
+        x = x + embed(params["text_emb"], tokens_in[:, 0])
+
+        (out, text_logits), temporal = temporal_step(params["temporal"], state.temporal, x[:, None], active)
+        text_logits = text_logits[:, 0, 0].astype(F32)
+        text = sample(text_logits, seeds, offset.astype(U32) + U32(TEXT_COUNTER_BASE), temperature=text_temperature,
+                      top_k=text_top_k)
+        codes, audio_logits = depformer_frame(cfg.depformer, params["depformer"], text, out, seeds=seeds,
+                                              counter=offset, temperature=temperature, top_k=top_k, steps=n)
+        audio = codes if n == D else jnp.concatenate([codes, replace_audio.astype(I32)], axis=1)
+
+        offset = jnp.where(active, offset + 1, offset)
+        cbs, pos = np.arange(1 + D)[None], (offset % CT)[:, None]
+        new = jnp.concatenate([text[:, None], audio], axis=1)
+        cache = cache.at[rows, cbs, pos].set(jnp.where(run, new, cache[rows, cbs, pos]))
+        tokens = cache[rows, cbs, (offset[:, None] - cfg.max_delay + delays[:1 + D]) % CT]
+        not_ready = ((offset <= cfg.max_delay) | ~active)[:, None]
+        outputs = FrameOutput(tokens=jnp.where(not_ready, UNGENERATED_TOKEN, tokens),
+                              text=jnp.where(active, text, UNGENERATED_TOKEN),
+                              audio=jnp.where(run, audio, UNGENERATED_TOKEN),
+                              text_logits=text_logits, audio_logits=audio_logits, transformer_out=out)
+        return outputs, FrameState(temporal, cache, offset)
+
+    return fn
+
+
+def _int_array(name: str, x, shape: tuple[int, ...], high: int) -> np.ndarray:
+    """x on the host after checking its dtype, shape and token ids (0..high or -1)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got {dtype or type(x).__name__}")
+    if tuple(jnp.shape(x)) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(jnp.shape(x))}")
+    host = np.asarray(x)
+    bad = (host < -1) | (host > high)
+    if bad.any():
+        raise ValueError(f"{name} must hold token ids in 0..{high} or -1 (the zero token), got {host[bad][0]}")
+    return host
+
+
+def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit: int | None = None,
+                    temperature: float = 0.0, top_k: int = 0, text_temperature: float = 0.0, text_top_k: int = 0,
+                    rope_freqs: tuple[float, ...] | None = None, donate: bool = True):
+    """A jitted frame: step(params, state, user_tokens=None, active=None, replace_audio=None, seeds=None)
+    -> (FrameOutput, new_state); the state is donated (keep only the returned one).
+
+    dep_q_exit (static): the depformer's steps (1..dep_q; None: dep_q); the caller then gives
+    replace_audio [B, dep_q - dep_q_exit]. temperature/top_k (audio), text_temperature/text_top_k:
+    the sampler's (static; 0: greedy), seeds int [B] then. rope_freqs: the torch stack's RoPE table
+    (`TemporalStreaming.rope_freqs()`), shared bit for bit. Every argument is checked on the host
+    before the call (shapes, dtypes, token ids), so a refused call leaves the state valid.
+    """
+    if not isinstance(cfg, FrameConfig):
+        raise TypeError(f"cfg must be a FrameConfig, got {type(cfg).__name__}")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    D = cfg.dep_q
+    if dep_q_exit is not None and (not isinstance(dep_q_exit, int) or isinstance(dep_q_exit, bool)
+                                   or not 1 <= dep_q_exit <= D):
+        raise ValueError(f"dep_q_exit must be an int in 1..{D} (None: {D}), got {dep_q_exit!r}")
+    n = D if dep_q_exit is None else dep_q_exit
+    check_sampling(text_temperature, text_top_k, cfg.text_card)
+    check_sampling(temperature, top_k, cfg.card)
+    fn = frame_fn(cfg, dep_q_exit=n, temperature=temperature, top_k=top_k, text_temperature=text_temperature,
+                  text_top_k=text_top_k, rope_freqs=rope_freqs)
+    jitted = jax.jit(fn, donate_argnums=(1,) if donate else ())
+
+    def step(params, state: FrameState, user_tokens=None, active=None, replace_audio=None, seeds=None):
+        if not isinstance(state, FrameState):
+            raise TypeError(f"state must be a jax_impl.frame.FrameState, got {type(state).__name__}")
+        B = state.batch_size
+        if tuple(state.token_cache.shape) != (B, cfg.num_codebooks, cfg.cache_len):
+            raise ValueError(f"state.token_cache must have shape {[B, cfg.num_codebooks, cfg.cache_len]}, got "
+                             f"{list(state.token_cache.shape)}")
+        if user_tokens is None and not cfg.user_codebooks:
+            user_tokens = jnp.zeros((B, 0), I32)
+        _int_array("user_tokens", user_tokens, (B, cfg.user_codebooks), cfg.card)
+        if active is None:
+            active = jnp.ones((B,), bool)
+        elif getattr(active, "dtype", None) != jnp.bool_ or tuple(jnp.shape(active)) != (B,):
+            raise ValueError(f"active must be a bool array of shape [{B}], got {getattr(active, 'dtype', None)} "
+                             f"{list(jnp.shape(active))}")
+        if (replace_audio is None) != (n == D):
+            raise ValueError(f"replace_audio must be given exactly when dep_q_exit < dep_q ({D}): dep_q_exit {n}, "
+                             f"replace_audio {'None' if replace_audio is None else 'given'}")
+        if replace_audio is not None:
+            _int_array("replace_audio", replace_audio, (B, D - n), cfg.card)
+        if temperature or text_temperature:
+            if seeds is None or not jnp.issubdtype(getattr(seeds, "dtype", np.float32), jnp.integer) \
+                    or tuple(jnp.shape(seeds)) != (B,):
+                raise ValueError(f"seeds must be an integer array [{B}] when a temperature is > 0: the randomness "
+                                 f"is an explicit input")
+        else:
+            seeds = None
+        return jitted(params, state, jnp.asarray(user_tokens), jnp.asarray(active),
+                      None if replace_audio is None else jnp.asarray(replace_audio), seeds)
+
+    return step
+
+
+# ----------------------------------------------------------------------------- recycling
+def reset_slot(state: FrameState, b) -> FrameState:
+    """Row b starts a new session: the temporal `reset_slot` (ring zeroed, positions keep counting),
+    its frame offset back to 0, its token cache 'not generated'."""
+    row = jnp.arange(state.batch_size) == b
+    return FrameState(st.reset_slot(state.temporal, b), jnp.where(row[:, None, None], UNGENERATED_TOKEN,
+                                                                   state.token_cache),
+                      jnp.where(row, 0, state.frame_offset))
+
+
+def bump_slot_start(state: FrameState, b) -> FrameState:
+    """The temporal `bump_slot_start(b)` (after `reset_slot(b)`: the sacrifice tick)."""
+    return state._replace(temporal=st.bump_slot_start(state.temporal, b))
+
+
+def reset_rows(state: FrameState, mask) -> FrameState:
+    """Rows where mask [B] is True start a fresh stream, positions from 0 (moshi's `reset_streaming(mask)`)."""
+    return FrameState(st.reset_rows(state.temporal, mask),
+                      jnp.where(mask[:, None, None], UNGENERATED_TOKEN, state.token_cache),
+                      jnp.where(mask, 0, state.frame_offset))
+
+
+_jitted = {op.__name__: jax.jit(op, donate_argnums=(0,)) for op in (reset_slot, bump_slot_start, reset_rows)}
+
+
+def _recycle(op: str, state, arg):
+    """Check on the host (the state stays valid on a refusal), then run the jitted op, state donated."""
+    if not isinstance(state, FrameState):
+        raise TypeError(f"{op}(state): expected a jax_impl.frame.FrameState, got {type(state).__name__}")
+    if op == "reset_rows":
+        if getattr(arg, "dtype", None) != jnp.bool_ or tuple(jnp.shape(arg)) != (state.batch_size,):
+            raise ValueError(f"reset_rows(mask): mask must be a bool array of shape [{state.batch_size}], got "
+                             f"{getattr(arg, 'dtype', type(arg).__name__)} {list(jnp.shape(arg))}")
+    else:
+        st.check_row(op, state.temporal, arg)
+    return _jitted[op](state, jnp.asarray(arg))
+
+
+def jit_reset_slot(state: FrameState, b) -> FrameState:
+    """`reset_slot` jitted once for every row (b traced), state donated; a concrete b checked first."""
+    return _recycle("reset_slot", state, b)
+
+
+def jit_bump_slot_start(state: FrameState, b) -> FrameState:
+    """`bump_slot_start` jitted once for every row, state donated; a concrete b checked first."""
+    return _recycle("bump_slot_start", state, b)
+
+
+def jit_reset_rows(state: FrameState, mask) -> FrameState:
+    """`reset_rows` jitted, state donated; mask (bool [B]) checked first."""
+    return _recycle("reset_rows", state, mask)
