@@ -24,10 +24,10 @@ from jax_impl.frame import init_frame_state, jit_reset_rows, jit_reset_slot, mak
 from jax_impl.frame_config import FRAME_PRESETS
 
 from .crosscheck import DTYPES, resolve_device
-from .report import TIE_TOL, ArgmaxRecord, CrosscheckReport, TensorRecord
 from .depformer import Depformer
 from .dlpack import to_jax
 from .frame import LMFrame, jax_frame_params
+from .report import TIE_TOL, ArgmaxRecord, CrosscheckReport, TensorRecord
 
 LM_STACKS = ("depformer", "frame")
 
