@@ -22,6 +22,7 @@ import numpy as np
 
 from . import state as st
 from .config import StackConfig
+from .kernel_choice import JAX_KERNELS, check_kernels
 from .model import stack_module
 from .ops import pick_kernels
 from .snapshot import exact_float_cast
@@ -84,10 +85,12 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int =
     scan_unroll: `lax.scan`'s unroll factor when layer_loop="scan" (`model.stack_module` says why 1).
     rope_freqs: a [D/2] RoPE frequency table (tuple of floats) instead of `tables.rope_freqs`;
     the torch bridge passes the torch path's own table so both share its exact bits.
-    kernels: "xla", "pallas" (Pallas RoPE + ring attention) or "auto" (Pallas on a GPU).
+    kernels: "auto" (default), "reference", "pallas" or "twin" (`kernel_choice`: the one vocabulary
+    of the torch stacks, the drop-ins and these steps).
     capture: Flax collections the stack sows into (e.g. ("intermediates",): the `StepTables`
     the layers used); when given, the step returns (outputs, new_state, captured).
     """
+    check_kernels("step_fn(kernels)", kernels, JAX_KERNELS)
 
     def step(params, state, x, active=None):
         active = check_step_inputs(config, params, state, x, active)
@@ -139,7 +142,7 @@ def _check_recycle_args(op: str, state, b=None, mask=None) -> None:
     if b is not None and st._is_concrete(b):
         st.check_row(op, state, b)  # a concrete b: an in-range integer (reads a jax scalar on the host)
     if mask is not None:
-        st._check_mask(op, state, mask)  # dtype and shape: static, also for a traced mask
+        st.check_mask(op, state, mask)  # dtype and shape: static, also for a traced mask
 
 
 def jit_reset_slot(state: StreamState, b) -> StreamState:
@@ -166,7 +169,7 @@ def jit_reset_rows(state: StreamState, mask) -> StreamState:
     return _jit_reset_rows(state, mask)
 
 
-_KEEP = object()  # Streamer.convert: keep the step's rope_freqs
+KEEP = object()  # Streamer.convert: keep the step's rope_freqs
 
 
 class Streamer:
@@ -185,12 +188,13 @@ class Streamer:
                  layer_loop: str = "scan", exact_rope: bool = True, rope_freqs: tuple[float, ...] | None = None,
                  device=None, kernels: str = "auto"):
         self.config = config
+        check_kernels("Streamer(kernels)", kernels, JAX_KERNELS)
         check_params(config, params, dtype=jnp.dtype(dtype))
         self.params = params
         self.state = st.init_state(config, batch_size, dtype, device=device)  # made where it lives
         self.offset_bound = 0
         if kernels == "auto" and next(iter(self.state.k.devices())).platform != "gpu":
-            kernels = "xla"  # the state is on the CPU (even on a GPU host): no compiled Pallas there
+            kernels = "reference"  # the state is on the CPU (even on a GPU host): no compiled Pallas there
         self._step_options = {"layer_loop": layer_loop, "exact_rope": exact_rope, "rope_freqs": rope_freqs,
                               "kernels": kernels}
         self._step = make_step(config, **self._step_options)
@@ -267,11 +271,11 @@ class Streamer:
                             f"{dtype} would round the stream's history (refused, nothing changed): start a "
                             f"new stream in {dtype}")
         options = dict(self._step_options)
-        if rope_freqs is not _KEEP:
+        if rope_freqs is not KEEP:
             options["rope_freqs"] = rope_freqs
         return dtype, options
 
-    def convert(self, params, *, device=None, rope_freqs=_KEEP) -> None:
+    def convert(self, params, *, device=None, rope_freqs=KEEP) -> None:
         """Go on with `params` of another dtype and/or on another device (the drop-ins' `.to()`).
 
         params: this config's variables, all of one dtype. The state moves to `device` (None: the

@@ -1,6 +1,6 @@
 """Per-step tables shared by every layer: RoPE cos/sin, ring write slots, positions, mask.
 
-Same convention and names as `torch_bridge/ring.py` (its module docstring is the spec):
+Same convention and names as `torch_bridge/tables.py` (its module docstring is the spec):
 a row has written positions 0 .. E-1 (E = offset + T * active after the write), position p
 lives in slot p % C, and slot c is labelled
 
@@ -24,7 +24,7 @@ from jax_impl.config import RING_CONVENTIONS, StackConfig
 
 
 class StepTables(NamedTuple):
-    """Everything one step shares across layers (see torch_bridge.ring.StepTables).
+    """Everything one step shares across layers (see torch_bridge.TorchStepTables).
 
     cos, sin:    float32 [B, 1, T, D/2]
     write_index: int [B, T]      slot written by query t: (offset[b] + t) % C
@@ -89,7 +89,7 @@ def row_tables(offset, start_offset, active, t, slots, *, T: int, capacity: int,
     ref = (end_offset if convention == "personaplex" else offset + (T - 1))[:, None]
     slots = slots.astype(idx)[None, :]
     delta = slots - ref % capacity
-    # `delta <= 0`, not `< 0`: see torch_bridge/ring.py (slot `end` belongs to this lap).
+    # `delta <= 0`, not `< 0`: see torch_bridge/tables.py (slot `end` belongs to this lap).
     pos = jnp.where(delta <= 0, ref + delta, ref + delta - capacity)
     invisible = (slots >= end_offset[:, None]) | (pos < start_offset[:, None])
     positions = jnp.where(invisible, jnp.asarray(-1, idx), pos)

@@ -38,7 +38,7 @@ def test_to_jax_shares_through_either_import(path, monkeypatch):
     t = torch.arange(12.0).view(3, 4).to(torch.bfloat16)
     a = to_jax(t)
     assert a.unsafe_buffer_pointer() == t.data_ptr() and a.dtype == jnp.bfloat16 and a.shape == (3, 4)
-    assert a.committed and a.devices() == {dlpack._jax_device_for(t)}
+    assert a.committed and a.devices() == {dlpack.jax_device_for(t)}
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), t.float().numpy())
 
 
@@ -200,7 +200,7 @@ def test_drop_in_streaming_init_allocates_no_torch_ring(cls, monkeypatch):
     config = PRESETS["temporal-small" if cls is JaxTemporalStreaming else "mimi-small"]
     module = cls.from_config(config)
     allocated = []
-    monkeypatch.setattr("torch_bridge.stacks.StreamState.zeros", lambda *a, **k: allocated.append(a))
+    monkeypatch.setattr("torch_bridge.model.TorchStreamState.zeros", lambda *a, **k: allocated.append(a))
     module.streaming_init(3)
     assert allocated == []
     assert module.jax_state.k.shape[1] == 3

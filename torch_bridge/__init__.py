@@ -10,8 +10,9 @@ Names are imported on first use: the torch path alone does not import jax.
 from kernels_pallas._lazy import lazy_exports
 
 _EXPORTS = {
-    **dict.fromkeys(["MimiTransformer", "TemporalStreaming"], "stacks"),
-    "StreamState": "streaming",
+    **dict.fromkeys(["MimiTransformer", "TemporalStreaming", "read_torch_stream"], "model"),
+    "TorchStreamState": "state",
+    "TorchStepTables": "tables",
     **dict.fromkeys(["BridgeCopyWarning", "to_jax", "to_torch"], "dlpack"),
     **dict.fromkeys(["JaxMimiTransformer", "JaxTemporalStreaming", "from_torch"], "jax_steppers"),
 }

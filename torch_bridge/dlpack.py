@@ -54,7 +54,7 @@ def _refuse_or_copy(copy: bool | None, why: str, fix: str) -> None:
         warnings.warn(f"to_jax copied the tensor: {why}", BridgeCopyWarning, stacklevel=3)
 
 
-def _jax_device_for(tensor: torch.Tensor):
+def jax_device_for(tensor: torch.Tensor):
     """The JAX device matching `tensor`'s (ValueError where JAX has none)."""
     return _jax_device(tensor.device.type, tensor.device.index)
 
@@ -150,7 +150,7 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = False) -> jax.Array:
                         f"(torch.strided: call .to_dense())")
     if tensor.requires_grad:
         tensor = tensor.detach()
-    device = _jax_device_for(tensor)
+    device = jax_device_for(tensor)
     if tensor.dtype == torch.int64 and not jax.config.jax_enable_x64:
         _refuse_or_copy(bool(copy), "int64 needs jax x64 mode (jax.config.update('jax_enable_x64', True))",
                         "Enable x64")

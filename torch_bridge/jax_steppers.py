@@ -19,25 +19,26 @@ import jax
 import torch
 
 import jax_impl
+from jax_impl.kernel_choice import JAX_KERNELS, check_kernels
 from jax_impl.snapshot import ARRAY_KEYS, check_ring_cast, check_snapshot_layout, dtype_name
 
-from .dlpack import _jax_device_for, to_jax, to_torch
-from .stacks import MimiTransformer, TemporalStreaming, _StreamingStack
-from .streaming import StreamState
+from .dlpack import jax_device_for, to_jax, to_torch
+from .model import MimiTransformer, StreamingStack, TemporalStreaming
+from .state import TorchStreamState
 
 
-class _JaxBacked:
+class JaxBacked:
     """Mixin over a torch stack: the state lives in a `jax_impl.Streamer` (jitted step, state
     donated, host-side overflow guard); inputs and outputs cross through DLPack."""
 
     def __init__(self, *args, layer_loop: str = "python", kernels: str = "auto", **kwargs):
-        """kernels: the JAX step's ("auto", "xla", "pallas", or "twin": the Pallas twin kernels, the
-        bits of the torch stack built with kernels="twin"); layer_loop: "python" or "scan"."""
-        if kernels not in jax_impl.ops.KERNELS:
-            raise ValueError(f"kernels must be one of {jax_impl.ops.KERNELS}, got {kernels!r}")
+        """kernels: the JAX step's, in the one vocabulary (`jax_impl.kernel_choice`): "auto",
+        "reference", "pallas", or "twin" (the Pallas twins: the bits of the torch stack built with
+        kernels="twin"); `self.kernels` says it. layer_loop: "python" or "scan"."""
+        check_kernels(f"{type(self).__name__}(kernels)", kernels, JAX_KERNELS)
         super().__init__(*args, **kwargs)
+        self.kernels = kernels  # what steps this module: the JAX step's kernels
         self._layer_loop = layer_loop
-        self._jax_kernels = kernels
         self._streamer: jax_impl.Streamer | None = None
 
     def jax_params(self) -> dict:
@@ -50,14 +51,14 @@ class _JaxBacked:
         return None if self._streamer is None else self._streamer.state
 
     @property
-    def state(self) -> StreamState | None:
+    def state(self) -> TorchStreamState | None:
         """Torch views (DLPack, no copy) of the JAX state; offsets are int32 unless jax x64 is on.
 
         While a view is alive the next step cannot donate that buffer and copies it instead:
         look, then let the views go (or `.clone()` what you keep).
         """
         s = self.jax_state
-        return None if s is None else StreamState(*(to_torch(a) for a in (s.k, s.v, s.offset, s.start_offset)))
+        return None if s is None else TorchStreamState(*(to_torch(a) for a in (s.k, s.v, s.offset, s.start_offset)))
 
     def _require_state(self, op: str):
         if self._streamer is None:
@@ -78,7 +79,7 @@ class _JaxBacked:
         params = self.jax_params()
         in_proj = params["params"]["layers"]["in_proj"]
         return cls(self.config, params, batch_size, in_proj.dtype, layer_loop=self._layer_loop,
-                   rope_freqs=self.rope_freqs(), kernels=self._jax_kernels,
+                   rope_freqs=self.rope_freqs(), kernels=self.kernels,
                    **(placement or {"device": in_proj.devices().pop()}))
 
     def streaming_end(self) -> None:
@@ -97,7 +98,7 @@ class _JaxBacked:
 
     def _apply(self, fn, recurse=True):
         """The torch stack's conversions (`.to()`, `.float()`, `.cpu()`, `.share_memory()`, ...; see
-        `_StreamingStack._apply`: the same refusals), with the JAX side following while streaming:
+        `StreamingStack._apply`: the same refusals), with the JAX side following while streaming:
         the params become views of the new buffers again (DLPack, no copy), and the JAX state
         moves to the matching JAX device with its rings widened exactly (`Streamer.convert`;
         offsets stay int32/int64 as they were). A device JAX does not have (e.g. "meta") is
@@ -108,7 +109,7 @@ class _JaxBacked:
             return super()._apply(fn, recurse)
         probe = self._conversion_target(fn)
         try:
-            device = _jax_device_for(probe)
+            device = jax_device_for(probe)
         except ValueError:
             raise ValueError(f"cannot move a streaming {type(self).__name__} to {probe.device}: its state "
                              f"lives in JAX, which has no such device (JAX devices: {jax.devices()}); nothing was "
@@ -168,18 +169,18 @@ class _JaxBacked:
         return jax.tree_util.tree_map(to_torch, outputs)
 
 
-class JaxTemporalStreaming(_JaxBacked, TemporalStreaming):
+class JaxTemporalStreaming(JaxBacked, TemporalStreaming):
     """`TemporalStreaming`, stepped by JAX. step(frame_embedding [B,T,dim], active [B]) ->
     (out [B,T,dim], text_logits [B,1,T,text_card]) as torch tensors."""
 
 
-class JaxMimiTransformer(_JaxBacked, MimiTransformer):
+class JaxMimiTransformer(JaxBacked, MimiTransformer):
     """`MimiTransformer`, stepped by JAX. step(x [B,T,dim], active [B]) -> [B,T,dim] torch tensor."""
 
 
-def from_torch(module: _StreamingStack, *, layer_loop: str = "python", kernels: str = "auto") -> _JaxBacked:
+def from_torch(module: StreamingStack, *, layer_loop: str = "python", kernels: str = "auto") -> JaxBacked:
     """A JAX-backed stepper on the very same weight buffers as `module` (no copy)."""
-    if isinstance(module, _JaxBacked):
+    if isinstance(module, JaxBacked):
         raise TypeError("from_torch(module): module is already JAX-backed")
     if not isinstance(module, (TemporalStreaming, MimiTransformer)):
         raise TypeError(f"from_torch(module): expected TemporalStreaming or MimiTransformer, "

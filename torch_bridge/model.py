@@ -2,13 +2,13 @@
 
 Weights are stored stacked per kind (`in_proj [L, 3*dim, dim]`, `norm1_alpha [L, dim]`, ...),
 one buffer per kind, so the JAX side can view these very buffers through DLPack.
-Each `step()` builds the RoPE tables, write indexes, positions and mask once (`StepTables`)
-and every layer uses them.
+Each `step()` builds the RoPE tables, write indexes, positions and mask once (`TorchStepTables`)
+and every layer uses them: the reference layers (`layers.py`, bit-exact with moshi) or, with
+kernels="twin", the twin layer programs (`jax_impl.twin_layers`) on the Triton twins.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable, Mapping
 
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from jax_impl import twin_layers
 from jax_impl.config import (
     WIDENINGS,
     CheckpointError,
@@ -30,6 +31,7 @@ from jax_impl.config import (
     weight_dtype_problem,
     weight_specs,
 )
+from jax_impl.kernel_choice import TORCH_KERNELS, check_kernels
 from jax_impl.snapshot import (
     ARRAY_KEYS,
     check_ring_cast,
@@ -40,16 +42,13 @@ from jax_impl.snapshot import (
     read_stream_file,
     snapshot_metadata,
 )
+from kernels_pallas.common import twin_sems_size
 
-from .layers import mimi_layer, rms_norm_f32, temporal_layer
-from .ring import StepTables, build_step_tables
-from .rope import rope_freqs
-from .streaming import StreamState
+from .layers import mimi_layer, rms_norm_f32, temporal_layer, triton_twins
+from .state import TorchStreamState
+from .tables import TorchStepTables, build_step_tables, rope_freqs, twin_tables
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# "reference": torch ops, bit-exact with moshi; "twin": the Triton twin kernels, bit-identical with
-# the JAX step's kernels="twin" (torch_bridge/twin_layers.py; imports triton on first use).
-KERNELS = ("reference", "twin")
 # The exact widenings (jax_impl.config.WIDENINGS: bf16/f16 -> f32) as torch dtype pairs.
 _LOSSLESS = {(getattr(torch, a), getattr(torch, b)) for a, b in WIDENINGS}
 
@@ -90,7 +89,7 @@ def _as_tensor(value) -> torch.Tensor:
     return torch.from_numpy(np.array(value))
 
 
-def read_stream(path: str | os.PathLike) -> dict:
+def read_torch_stream(path: str | os.PathLike) -> dict:
     """The snapshot dict a `save_stream` wrote (torch tensors on the CPU, "metadata" from the header)."""
     return read_stream_file(path, "pt")
 
@@ -106,23 +105,23 @@ def _as_torch(where: str, key: str, x) -> torch.Tensor:
                         f"{err}; pass a torch tensor") from None
 
 
-class _StreamingStack(nn.Module):
+class StreamingStack(nn.Module):
     """Shared machinery: stacked weights, streaming state, validation, checkpoint I/O."""
 
     def __init__(self, config: StackConfig, dtype, device, layer_fn: Callable, kernels: str = "reference"):
+        """layer_fn: the reference layer (`layers.temporal_layer` / `mimi_layer`); kernels: "reference"
+        or "twin" (`jax_impl.kernel_choice`: the Triton twins, the bits of the JAX step's "twin")."""
         super().__init__()
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
-        if kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        check_kernels(f"{type(self).__name__}(kernels)", kernels, TORCH_KERNELS)
         self.config = config
         self.kernels = kernels
-        if kernels == "twin":  # the Triton twins: the bits of the JAX step with kernels="twin"
-            from . import twin_layers
-
-            layer_fn = functools.partial(twin_layers.TWIN_LAYERS[layer_fn.__name__], context=config.context)
-        self._layer_fn = layer_fn
-        self._state: StreamState | None = None
+        self._reference_layer = layer_fn
+        # (triton's kernels, compiled): imported on first use, as triton is
+        self._twins = triton_twins() if kernels == "twin" else None
+        self._layer_fn: Callable = self._run_layer  # carry, layer, tables, active -> carry (hooks wrap it)
+        self._state: TorchStreamState | None = None
         for spec in weight_specs(config):
             shape = spec.stacked_shape(config.num_layers)
             self.register_buffer(spec.name, torch.empty(shape, dtype=dtype, device=device))
@@ -156,10 +155,7 @@ class _StreamingStack(nn.Module):
                 w.fill_(1.0)
 
     def _layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
-        w = {s.name: getattr(self, s.name)[layer] for s in weight_specs(self.config) if s.per_layer}
-        if self.kernels == "twin" and "norm1_alpha" in w:  # the split norms' next alpha (twin_layers)
-            w["following_norm1_alpha"] = self.norm1_alpha[min(layer + 1, self.config.num_layers - 1)]
-        return w
+        return {s.name: getattr(self, s.name)[layer] for s in weight_specs(self.config) if s.per_layer}
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, torch.Tensor | np.ndarray], prefix: str | None = None, *,
@@ -219,7 +215,7 @@ class _StreamingStack(nn.Module):
 
     # ----------------------------------------------------------------------------- streaming
     @property
-    def state(self) -> StreamState | None:
+    def state(self) -> TorchStreamState | None:
         """The streaming state (None before `streaming_init`)."""
         return self._state
 
@@ -233,7 +229,7 @@ class _StreamingStack(nn.Module):
         self._check_batch_size(batch_size)
         c = self.config
         self._state = None  # the old rings go before the new ones are allocated (one ring at a time)
-        self._state = StreamState.zeros(c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim,
+        self._state = TorchStreamState.zeros(c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim,
                                        self.dtype, self.device)
 
     def _require_state(self, op: str):
@@ -249,7 +245,7 @@ class _StreamingStack(nn.Module):
             raise IndexError(f"{op}(b): b={b} is out of range for batch_size {state.batch_size}")
         return b
 
-    def _check_row_mask(self, name: str, mask, state: StreamState) -> torch.Tensor:
+    def _check_row_mask(self, name: str, mask, state: TorchStreamState) -> torch.Tensor:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
             raise TypeError(f"{name} must be a torch.bool tensor, got "
                             f"{getattr(mask, 'dtype', type(mask).__name__)}")
@@ -260,7 +256,7 @@ class _StreamingStack(nn.Module):
         return mask
 
     def _state_op(self, op: str, *args) -> None:
-        """Run a validated state operation (`StreamState.<op>`); the JAX steppers override this.
+        """Run a validated state operation (`TorchStreamState.<op>`); the JAX steppers override this.
 
         (Not `_apply`: that name is `nn.Module`'s conversion hook, see `_apply` below.)
         """
@@ -275,7 +271,7 @@ class _StreamingStack(nn.Module):
         """Row b forgets all it has written (start_offset[b] = offset[b]); positions keep counting.
 
         Its ring rows are zeroed, so nothing of the old session stays in a masked slot
-        (session isolation, see `streaming.py`).
+        (session isolation, see `state.py`).
         """
         self._state_op("reset_slot", self._check_row("reset_slot", b))
 
@@ -344,7 +340,7 @@ class _StreamingStack(nn.Module):
         """
         self._conversion_target(fn)
         s = self._state
-        state = None if s is None else StreamState(*(fn(t) for t in (s.k, s.v, s.offset, s.start_offset)))
+        state = None if s is None else TorchStreamState(*(fn(t) for t in (s.k, s.v, s.offset, s.start_offset)))
         super()._apply(fn, recurse)
         self._state = state
         return self
@@ -380,7 +376,7 @@ class _StreamingStack(nn.Module):
         ring = {key: t[key].to(device=self.device, dtype=self.dtype, copy=True) for key in ("k", "v")}
         idx = {key: t[key].to(device=self.device, dtype=torch.long, copy=True)
                for key in ("offset", "start_offset")}
-        self._state = StreamState(**ring, **idx)
+        self._state = TorchStreamState(**ring, **idx)
 
     def save_stream(self, path: str | os.PathLike) -> None:
         """Write `snapshot()` to a safetensors file: the four arrays as tensors, "metadata" in the header."""
@@ -392,10 +388,10 @@ class _StreamingStack(nn.Module):
 
     def load_stream(self, path: str | os.PathLike) -> None:
         """`restore` the stream that `save_stream` (of either path) wrote to `path`."""
-        self.restore(read_stream(path))
+        self.restore(read_torch_stream(path))
 
     # ----------------------------------------------------------------------------- step
-    def _check_step_inputs(self, x, active) -> tuple[StreamState, torch.Tensor | None]:
+    def _check_step_inputs(self, x, active) -> tuple[TorchStreamState, torch.Tensor | None]:
         """(state, active) after checking step's arguments; active stays None when not given."""
         state = self._require_state("step")
         c = self.config
@@ -419,16 +415,32 @@ class _StreamingStack(nn.Module):
         """This stack's RoPE frequency table, computed on its device (the JAX path can share it)."""
         return tuple(rope_freqs(self.config.head_dim, self.config.max_period, self.device).tolist())
 
-    def step_tables(self, offset, start_offset, active, T: int) -> StepTables:
+    def step_tables(self, offset, start_offset, active, T: int) -> TorchStepTables:
+        """The step's tables, made once and read by every layer (the twin kernels' form for "twin")."""
         c = self.config
         tables = build_step_tables(offset, start_offset, active, T, capacity=c.capacity, context=c.context,
                                    head_dim=c.head_dim, max_period=c.max_period, convention=c.ring_convention)
         if self.kernels == "twin":
-            from . import twin_layers
-
-            tables = twin_layers.twin_tables(tables, offset, T, rope_freqs(c.head_dim, c.max_period, offset.device),
-                                             c.num_heads)
+            tables = twin_tables(tables, offset, T, rope_freqs(c.head_dim, c.max_period, offset.device))
         return tables
+
+    def _first_carry(self, x: torch.Tensor, state: TorchStreamState) -> tuple:
+        """The layer loop's first carry: (x, k, v), the stacked rings; for "twin" also the kernels'
+        counters (all 0) and, where the norms run split, the first layer's (`twin_layers.first_carry`)."""
+        if self.kernels != "twin":
+            return x, state.k, state.v
+        B, T, _ = x.shape
+        sems = torch.zeros(twin_sems_size(B, self.config.num_heads, T), dtype=torch.int32, device=x.device)
+        kernels, compiled = self._twins
+        return twin_layers.first_carry(kernels, self.config, self.weights(), x, state.k, state.v, sems,
+                                       compiled=compiled)
+
+    def _run_layer(self, carry: tuple, layer: int, tables: TorchStepTables, active: torch.Tensor) -> tuple:
+        """One layer: carry -> next carry; the reference layer, or the twin layer program."""
+        if self.kernels == "twin":
+            program = twin_layers.layer_program(self.config)
+            return program(self._twins[0], self.config, self.weights(), carry, layer, tables)
+        return self._reference_layer(self.config, self._layer_weights(layer), carry, layer, tables, active)
 
     @torch.no_grad()
     def step(self, x: torch.Tensor, active: torch.Tensor | None = None):
@@ -442,17 +454,17 @@ class _StreamingStack(nn.Module):
         x = x.to(self.dtype)  # an exact widening (checked), or x itself
         c = self.config
         tables = self.step_tables(state.offset, state.start_offset, active, x.shape[1])
+        carry = self._first_carry(x, state)
         for layer in range(c.num_layers):
-            x = self._layer_fn(x, self._layer_weights(layer), c.num_heads, c.norm_eps,
-                               state.k[layer], state.v[layer], tables, active)
+            carry = self._layer_fn(carry, layer, tables, active)
         state.offset.copy_(tables.end_offset)
-        return self._head(x)
+        return self._head(carry[0])
 
     def _head(self, x: torch.Tensor):
         return x
 
 
-class TemporalStreaming(_StreamingStack):
+class TemporalStreaming(StreamingStack):
     """Helium temporal transformer, stepping T frames (T=1 in PersonaPlex) per call."""
 
     def __init__(self, dim: int = 4096, num_layers: int = 32, num_heads: int = 32, hidden: int = 11264,
@@ -478,14 +490,12 @@ class TemporalStreaming(_StreamingStack):
 
     def _head(self, x: torch.Tensor):
         if self.kernels == "twin":
-            from . import twin_layers
-
-            return twin_layers.temporal_head(x, self.out_norm_alpha, self.text_linear, self.config.norm_eps)
+            return twin_layers.temporal_head(self._twins[0], self.config, self.weights(), x)
         out = rms_norm_f32(x, self.out_norm_alpha, self.config.norm_eps)
         return out, torch.nn.functional.linear(out, self.text_linear)[:, None]
 
 
-class MimiTransformer(_StreamingStack):
+class MimiTransformer(StreamingStack):
     """Mimi codec transformer (encoder or decoder), stepping T frames per call."""
 
     def __init__(self, num_layers: int = 8, dim: int = 512, num_heads: int = 8, context: int = 250,
