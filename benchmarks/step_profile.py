@@ -104,9 +104,9 @@ def main():
     for name in args.stacks.split(","):
         kind, T = CASES[name]
         config = PRESETS[kind]
-        report[name] = {k: profile_step(config, T, k) for k in ("auto", "xla")}
+        report[name] = {k: profile_step(config, T, k) for k in ("auto", "reference")}
         report[name]["attention_sweep"] = sweep_attention(config, T)
-        for k in ("auto", "xla"):
+        for k in ("auto", "reference"):
             r = report[name][k]
             print(f"{name} kernels={k}: pipelined {r['pipelined_ms']:.3f} ms, GPU busy {r['gpu_ms_total']:.3f} ms, "
                   f"{r['kernels']} kernels, runtime {r['runtime_calls']}")

@@ -161,6 +161,9 @@ def make_tensor_parallel_step(config: TemporalConfig, mesh: Mesh, axis: str = MO
     num_heads and hidden must be divisible by the axis' size.
     """
     _check_tensor_parallel("make_tensor_parallel_step", config, mesh, axis)
+    if kernels == "twin":
+        raise ValueError(f"make_tensor_parallel_step(kernels): 'twin' is not split over devices; use one of "
+                         f"{list(TP_KERNELS)}")
     check_kernels("make_tensor_parallel_step(kernels)", kernels, TP_KERNELS)
     p_specs, s_specs = tensor_parallel_specs(axis)
     out_linear = _all_reduced(axis, None if reduce_dtype is None else jnp.dtype(reduce_dtype))

@@ -4,13 +4,16 @@
     from torch_bridge import to_jax, to_torch                          # zero-copy DLPack handoff
     from torch_bridge import JaxTemporalStreaming, JaxMimiTransformer, from_torch   # stepped by JAX
 
-Names are imported on first use: the torch path alone does not import jax.
+Modules, the concepts of `jax_impl` under the same names: `tables` (`TorchStepTables`) -> `state`
+(`TorchStreamState`) -> `layers` -> `model` (the stacks); `weights` and `stream_io` beside them. Names are imported on first use: the
+torch path alone does not import jax.
 """
 
 from kernels_pallas._lazy import lazy_exports
 
 _EXPORTS = {
-    **dict.fromkeys(["MimiTransformer", "TemporalStreaming", "read_torch_stream"], "model"),
+    **dict.fromkeys(["MimiTransformer", "TemporalStreaming"], "model"),
+    "read_torch_stream": "stream_io",
     "TorchStreamState": "state",
     "TorchStepTables": "tables",
     **dict.fromkeys(["BridgeCopyWarning", "to_jax", "to_torch"], "dlpack"),

@@ -33,7 +33,8 @@ from jax_impl.kernel_choice import TORCH_KERNELS, check_kernels
 from jax_impl.parity import as_numpy, ulp_distance
 
 from .dlpack import to_jax
-from .model import MimiTransformer, TemporalStreaming, check_safetensors
+from .model import MimiTransformer, TemporalStreaming
+from .weights import check_safetensors
 
 STACKS = {"temporal": (None, 1), "mimi-encoder": ("encoder_transformer", 2),
           "mimi-decoder": ("decoder_transformer", 2)}

@@ -1,5 +1,8 @@
 """The two streaming stacks of the PyTorch path: `TemporalStreaming` (Helium) and `MimiTransformer`.
 
+Weights in and out: `weights.StackWeights`; snapshots and stream files: `stream_io.StackStreamIO`
+(mixins of `StreamingStack`).
+
 Weights are stored stacked per kind (`in_proj [L, 3*dim, dim]`, `norm1_alpha [L, dim]`, ...),
 one buffer per kind, so the JAX side can view these very buffers through DLPack.
 Each `step()` builds the RoPE tables, write indexes, positions and mask once (`TorchStepTables`)
@@ -9,103 +12,30 @@ kernels="twin", the twin layer programs (`jax_impl.twin_layers`) on the Triton t
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
 from jax_impl import twin_layers
-from jax_impl.config import (
-    WIDENINGS,
-    CheckpointError,
-    MimiConfig,
-    StackConfig,
-    TemporalConfig,
-    WeightSpec,
-    check_checkpoint,
-    checkpoint_keys,
-    read_safetensors,
-    read_safetensors_shapes,
-    weight_dtype_problem,
-    weight_specs,
-)
+from jax_impl.config import WIDENINGS, MimiConfig, StackConfig, TemporalConfig, weight_specs
 from jax_impl.kernel_choice import TORCH_KERNELS, check_kernels
-from jax_impl.snapshot import (
-    ARRAY_KEYS,
-    check_ring_cast,
-    check_snapshot_layout,
-    check_snapshot_values,
-    dtype_name,
-    exact_float_cast,
-    read_stream_file,
-    snapshot_metadata,
-)
+from jax_impl.snapshot import dtype_name, exact_float_cast
 from kernels_pallas.common import twin_sems_size
 
 from .layers import mimi_layer, rms_norm_f32, temporal_layer, triton_twins
 from .state import TorchStreamState
+from .stream_io import StackStreamIO
 from .tables import TorchStepTables, build_step_tables, rope_freqs, twin_tables
+from .weights import StackWeights
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The exact widenings (jax_impl.config.WIDENINGS: bf16/f16 -> f32) as torch dtype pairs.
 _LOSSLESS = {(getattr(torch, a), getattr(torch, b)) for a, b in WIDENINGS}
 
 
-def check_safetensors(path: str | os.PathLike, config: StackConfig,
-                      prefix: str | None = None) -> dict[str, tuple[WeightSpec, int | None]]:
-    """Check a safetensors file's keys and shapes against a stack (reads the header only).
 
-    Returns file key -> (spec, layer) (`check_checkpoint`); raises `CheckpointError` naming the path.
-    """
-    return check_checkpoint(read_safetensors_shapes(path), config, prefix, source=os.fspath(path))
-
-
-def _dtype_name(dtype) -> str:
-    """A torch or numpy dtype by its name ("float32", "bfloat16", ...), as `weight_dtype_problem` reads it."""
-    return dtype.name if isinstance(dtype, np.dtype) else str(dtype).removeprefix("torch.")
-
-
-def _source_problem(key: str, value, want: torch.dtype) -> str | None:
-    """The problem line of one state-dict value that cannot be copied into a buffer of dtype `want`."""
-    if not isinstance(value, (torch.Tensor, np.ndarray)):
-        return f"not a tensor: {key}: {type(value).__name__} (expected a torch.Tensor or a numpy.ndarray)"
-    if isinstance(value, torch.Tensor):
-        if value.is_meta:
-            return f"no data: {key}: a meta tensor"
-        if value.layout != torch.strided:
-            return f"not dense: {key}: layout {value.layout}"
-    return weight_dtype_problem(key, _dtype_name(value.dtype), _dtype_name(want))
-
-
-def _as_tensor(value) -> torch.Tensor:
-    """A torch tensor of a checked state-dict value: itself, or an exact copy of a numpy array
-    (numpy's ml_dtypes bfloat16 goes through its bits)."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if value.dtype.name == "bfloat16":
-        return torch.from_numpy(np.array(value).view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(np.array(value))
-
-
-def read_torch_stream(path: str | os.PathLike) -> dict:
-    """The snapshot dict a `save_stream` wrote (torch tensors on the CPU, "metadata" from the header)."""
-    return read_stream_file(path, "pt")
-
-
-def _as_torch(where: str, key: str, x) -> torch.Tensor:
-    """A snapshot array as a torch tensor (a jax array or anything with __dlpack__ is viewed, not copied)."""
-    if isinstance(x, torch.Tensor):
-        return x
-    try:
-        return torch.from_dlpack(x)
-    except (TypeError, ValueError, RuntimeError, BufferError) as err:
-        raise TypeError(f"{where}: snapshot[{key!r}] ({type(x).__name__}) cannot be read as a torch tensor: "
-                        f"{err}; pass a torch tensor") from None
-
-
-class StreamingStack(nn.Module):
+class StreamingStack(StackWeights, StackStreamIO, nn.Module):
     """Shared machinery: stacked weights, streaming state, validation, checkpoint I/O."""
 
     def __init__(self, config: StackConfig, dtype, device, layer_fn: Callable, kernels: str = "reference"):
@@ -140,78 +70,8 @@ class StreamingStack(nn.Module):
         """The stacked weight buffers by name (the tensors themselves, not copies)."""
         return {spec.name: getattr(self, spec.name) for spec in weight_specs(self.config)}
 
-    @torch.no_grad()
-    def init_weights(self, std: float = 0.02, layer_scale: float = 0.01, generator=None) -> None:
-        """Matrices ~ N(0, std); norm scales at 1, norm biases at 0, layer scales at `layer_scale`."""
-        for spec in weight_specs(self.config):
-            w = getattr(self, spec.name)
-            if len(spec.shape) == 2:
-                w.copy_(torch.randn(w.shape, generator=generator, device=w.device) * std)
-            elif spec.name.endswith("bias"):
-                w.zero_()
-            elif spec.name.startswith("scale"):
-                w.fill_(layer_scale)
-            else:
-                w.fill_(1.0)
-
     def _layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
         return {s.name: getattr(self, s.name)[layer] for s in weight_specs(self.config) if s.per_layer}
-
-    @torch.no_grad()
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor | np.ndarray], prefix: str | None = None, *,
-                     source: str = "state_dict") -> None:
-        """Copy a Moshi-layout state dict into the stacked buffers (in place, same storage).
-
-        Keys: the released files' names or a moshi module's `state_dict()` names (`in_projs.0.weight`,
-        `WeightSpec.aliases`). Values: torch tensors or numpy arrays (copied exactly), float32,
-        bfloat16 or float16, widened exactly to the stack's dtype (bf16/f16 -> f32), never narrowed.
-        All or nothing: keys, shapes, dtypes and devices are checked first, and the sources
-        converted (widened, reshaped) into new tensors, before any buffer is written; every
-        problem is listed in one `CheckpointError` headed by `source`, and the stack is left as it
-        was. The buffers keep their storage (the JAX steppers' DLPack views of them stay valid).
-        """
-        if not isinstance(state_dict, Mapping):
-            raise CheckpointError(f"{source}: expected a mapping key -> tensor, "
-                                  f"got {type(state_dict).__name__}")
-        problems = {k: line for k, v in state_dict.items() if (line := _source_problem(k, v, self.dtype))}
-        shapes = {k: (tuple(v.shape) if isinstance(v, (torch.Tensor, np.ndarray)) else None)
-                  for k, v in state_dict.items()}
-        keys = check_checkpoint(shapes, self.config, prefix, source=source, problems=problems)
-        staged = []
-        for key, (spec, layer) in keys.items():
-            try:
-                src = _as_tensor(state_dict[key]).to(dtype=self.dtype).reshape(spec.shape)
-            except (RuntimeError, TypeError, ValueError) as err:
-                raise CheckpointError(f"{source}: {key} cannot be read: {err}") from None
-            dst = getattr(self, spec.name)
-            staged.append((dst if layer is None else dst[layer], src))
-        for dst, src in staged:  # same shapes and dtypes, checked: the only step that writes
-            dst.copy_(src)
-
-    def export_weights(self, prefix: str | None = None) -> dict[str, torch.Tensor]:
-        """The weights in the Moshi checkpoint layout (contiguous copies)."""
-        return {
-            key: (getattr(self, spec.name) if layer is None else getattr(self, spec.name)[layer])
-            .reshape(spec.ckpt_shape).contiguous().clone()
-            for key, (spec, layer) in checkpoint_keys(self.config, prefix).items()
-        }
-
-    def load_safetensors(self, path: str | os.PathLike, prefix: str | None = None) -> None:
-        """Load a Moshi/PersonaPlex safetensors checkpoint (only this stack's keys are read).
-
-        As `load_weights` (all or nothing); every error is a `CheckpointError` naming the path.
-        """
-        keys = check_safetensors(path, self.config, prefix)
-        tensors = read_safetensors(path, keys, "pt", device="cpu")
-        self.load_weights(tensors, prefix, source=os.fspath(path))
-
-    def save_safetensors(self, path: str | os.PathLike, prefix: str | None = None) -> None:
-        """Write the weights as a safetensors file in the released checkpoints' layout (`export_weights`:
-        their keys and shapes, this stack's dtype), so one file serves both paths: `load_safetensors`
-        and the JAX loaders read it back exactly. prefix: a Mimi stack's `encoder_transformer` / ..."""
-        from safetensors.torch import save_file
-
-        save_file(self.export_weights(prefix), os.fspath(path))
 
     # ----------------------------------------------------------------------------- streaming
     @property
@@ -344,51 +204,6 @@ class StreamingStack(nn.Module):
         super()._apply(fn, recurse)
         self._state = state
         return self
-
-    # ----------------------------------------------------------------------------- snapshots
-    def snapshot(self) -> dict:
-        """The stream so far, as copies, in the format of `jax_impl.snapshot`:
-
-        {"k", "v": [L, B, H, C, D] (the stack's dtype), "offset", "start_offset": int64 [B],
-        "metadata": dict[str, str] (config fields, dtype, batch size)}. `restore` on a stack of
-        the same config (this class, the other path, or the JAX-backed drop-in) continues it.
-        """
-        s = self._require_state("snapshot")
-        tensors = {key: getattr(s, key).clone() for key in ARRAY_KEYS}
-        return {**tensors, "metadata": snapshot_metadata(self.config, dtype_name(self.dtype), s.batch_size)}
-
-    @torch.no_grad()
-    def restore(self, snapshot: dict) -> None:
-        """Continue the stream of `snapshot` (from `snapshot()` here, on a drop-in, or a `jax_impl.Streamer`).
-
-        Replaces the state, as `streaming_init` does (batch size from the snapshot), with copies
-        on this stack's device: the snapshot stays valid. Validated first (`jax_impl.snapshot`:
-        keys, config, shapes, dtypes, 0 <= start_offset <= offset); k, v of bf16/f16 widen
-        exactly into a float32 stack, a narrowing is refused; int32 offsets widen to int64.
-        On a refusal nothing changes. Same dtype and device: bit-identical continuation.
-        """
-        where = "restore(snapshot)"
-        layout = check_snapshot_layout(self.config, snapshot, where)
-        check_ring_cast(layout.dtype, dtype_name(self.dtype), where)
-        t = {key: _as_torch(where, key, snapshot[key]) for key in ARRAY_KEYS}
-        check_snapshot_values(t["offset"].tolist(), t["start_offset"].tolist(), torch.iinfo(torch.long).max,
-                              where)
-        ring = {key: t[key].to(device=self.device, dtype=self.dtype, copy=True) for key in ("k", "v")}
-        idx = {key: t[key].to(device=self.device, dtype=torch.long, copy=True)
-               for key in ("offset", "start_offset")}
-        self._state = TorchStreamState(**ring, **idx)
-
-    def save_stream(self, path: str | os.PathLike) -> None:
-        """Write `snapshot()` to a safetensors file: the four arrays as tensors, "metadata" in the header."""
-        from safetensors.torch import save_file
-
-        snap = self.snapshot()
-        meta = snap.pop("metadata")
-        save_file({key: v.contiguous().cpu() for key, v in snap.items()}, os.fspath(path), metadata=meta)
-
-    def load_stream(self, path: str | os.PathLike) -> None:
-        """`restore` the stream that `save_stream` (of either path) wrote to `path`."""
-        self.restore(read_torch_stream(path))
 
     # ----------------------------------------------------------------------------- step
     def _check_step_inputs(self, x, active) -> tuple[TorchStreamState, torch.Tensor | None]:
