@@ -255,6 +255,6 @@ class ShardedStreamer(Streamer):
 
 
 
-__all__ = ["ShardedStreamer", "check_sessions", "make_sharded_step", "session_layout", "session_shardings",
+__all__ = ["ShardedStreamer", "check_sessions", "make_sharded_step", "session_layout", "session_ops", "session_shardings",
            "session_specs", "shard_sessions", "sharded_bump_slot_start", "sharded_reset_rows", "sharded_reset_slot",
            "sharded_reset_streaming"]
