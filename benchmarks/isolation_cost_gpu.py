@@ -119,7 +119,7 @@ def main(argv=None) -> dict:
     # ---------------------------------------------------------------- JAX step
     step_ms = {}
     holder = {"state": random_state(config, jdtype, jdev)}
-    variants = {"jax_pallas": ("pallas" if cuda else None), "jax_xla": "xla"}
+    variants = {"jax_pallas": ("pallas" if cuda else None), "jax_xla": "reference"}
     for name, kernels in variants.items():
         if kernels is None:  # the Pallas kernels are the GPU path; interpreted on a CPU they time nothing useful
             continue
@@ -133,7 +133,7 @@ def main(argv=None) -> dict:
         print(name, step_ms[name], flush=True)
     jops.masked_attention = masked_attention_values_zeroed  # looked up when the step is traced
     try:
-        alt = jax.jit(jax_impl.step_fn(config, layer_loop="python", kernels="xla", rope_freqs=freqs),
+        alt = jax.jit(jax_impl.step_fn(config, layer_loop="python", kernels="reference", rope_freqs=freqs),
                       donate_argnums=(1,))
 
         def run_alt():

@@ -71,7 +71,7 @@ import torch
 from jax_impl.config import PRESETS, with_options
 from tests.moshi_oracle import _import_moshi_transformer, moshi_stack, prefill_rings
 from torch_bridge import MimiTransformer, TemporalStreaming
-from torch_bridge.rope import rope_freqs
+from torch_bridge.tables import rope_freqs
 
 tr = _import_moshi_transformer()
 import moshi.modules.gating as mgating
@@ -79,8 +79,8 @@ import moshi.modules.rope as mrope
 import moshi.utils.compile as mcompile
 
 import torch_bridge.layers as tlayers
-import torch_bridge.rope as trope
-import torch_bridge.stacks as tstacks
+import torch_bridge.model as tmodel
+import torch_bridge.tables as ttables
 
 F = torch.nn.functional
 
@@ -173,7 +173,7 @@ def install_patches():
 
     F.linear, F.scaled_dot_product_attention, F.layer_norm = linear, sdpa, layer_norm
     tr._rms_norm, mrope.apply_rope = m_rms, m_rope
-    tlayers.rms_norm_f32 = tstacks.rms_norm_f32 = o_rms
+    tlayers.rms_norm_f32 = tmodel.rms_norm_f32 = o_rms
     tlayers.apply_rope = o_rope
 
 
@@ -182,7 +182,7 @@ def hook_layers(ours, theirs):
 
     def layer_fn(*args, **kwargs):
         y = orig_fn(*args, **kwargs)
-        REC.add("layer.y", y)
+        REC.add("layer.y", y[0])  # the carry: (x, ring_k, ring_v)
         return y
 
     ours._layer_fn = layer_fn
@@ -540,7 +540,7 @@ def compiled_op_checks(config, ours, device, dtype):
         offset = torch.tensor([0, 65, 1000, 2999][:B] + [7] * max(0, B - 4), device=device)
         cmp("apply_rope: compiled vs eager", rope(q, k, offset, config.max_period, True, False),
             rope.__wrapped__(q, k, offset, config.max_period, True, False))
-        cos, sin = trope.rope_tables(offset, T, D, config.max_period)
+        cos, sin = ttables.rope_tables(offset, T, D, config.max_period)
         cmp("apply_rope: compiled vs ours", rope(q, k, offset, config.max_period, True, False),
             (ORIG["o_rope"](q, cos, sin), ORIG["o_rope"](k, cos, sin)))
         if isinstance(ours, TemporalStreaming):

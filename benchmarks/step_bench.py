@@ -96,7 +96,7 @@ def bench_case(name: str, steps: int, bandwidth: float) -> dict:
     ring_bytes = int(state.k.nbytes + state.v.nbytes)
     rec["floor_bytes"] = weight_bytes + ring_bytes
     rec["floor_ms"] = 1e3 * rec["floor_bytes"] / bandwidth
-    for kernels in ("auto", "xla"):  # auto: the Pallas kernels on a GPU (and the drop-in's choice)
+    for kernels in ("auto", "reference"):  # auto: the Pallas kernels on a GPU (and the drop-in's choice)
         step = jax_impl.make_step(config, layer_loop="python", kernels=kernels, rope_freqs=freqs)
         if kernels == "auto":
             rec["xla_bytes_accessed"] = bytes_accessed(step, params, state, xj, aj)

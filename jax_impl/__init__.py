@@ -8,14 +8,17 @@
     (out, logits), state = step(params, state, x, active)
 
 Modules, along the data path: `config` (the framework-neutral configs) and `checkpoint` (the Moshi
-checkpoint layout and its IO, framework-neutral) -> `tables` (the per-step RoPE / ring tables) -> `state` (the ring state and the
-recycle ops) -> `ops` (one layer's operations) -> `model` (layers, the layer driver, the Flax
-stacks) -> `step` (the jitted step, `Streamer`); `weights` (parameters in and out) and
-`parity` (bit / ULP distances) beside them; `snapshot` (the stream snapshot format, shared
-with torch, framework-neutral) and `stream_io` (a `StreamState` to a snapshot / file and back);
-`wait` (`until_ready`: a synchronized loop's wait on the GPU's stream order).
-Names are imported on first use: the torch path reads `jax_impl.config`, `jax_impl.checkpoint` and `jax_impl.snapshot`
-without importing jax.
+checkpoint layout and its IO, framework-neutral) -> `tables` (the per-step RoPE / ring tables) ->
+`state` (the ring state and the recycle ops) -> `ops` (one layer's operations) -> `layers` (the
+layers, the layer driver) -> `model` (the Flax stacks) -> `step` (the jitted step, `Streamer`);
+`twin_layers` (the twin layer programs, shared with torch, framework-neutral) and `kernel_choice`
+(the one `kernels` vocabulary, framework-neutral); `weights` (parameters in and out) and `parity`
+(bit / ULP distances) beside them; `snapshot` (the stream snapshot format, shared with torch,
+framework-neutral) and `stream_io` (a `StreamState` to a snapshot / file and back); `wait`
+(`until_ready`: a synchronized loop's wait on the GPU's stream order); `sharding` (the
+multi-device steps: `sessions`, `tensor_parallel`, `placement`).
+Names are imported on first use: the torch path reads `jax_impl.config`, `jax_impl.checkpoint`,
+`jax_impl.snapshot`, `jax_impl.kernel_choice` and `jax_impl.twin_layers` without importing jax.
 """
 
 from kernels_pallas.lazy import lazy_exports

@@ -96,7 +96,7 @@ def frame_fn(cfg: FrameConfig, *, dep_q_exit: int | None = None, temperature: fl
     n = D if dep_q_exit is None else dep_q_exit
     delays = np.asarray(cfg.delays, np.int32)
     initial = np.asarray(cfg.initial_tokens, np.int32)
-    temporal_step = step_fn(cfg.temporal, rope_freqs=rope_freqs, kernels="xla")
+    temporal_step = step_fn(cfg.temporal, rope_freqs=rope_freqs, kernels="reference")
 
     def fn(params, state: FrameState, user_tokens, active, replace_audio, seeds):
         cache, offset = state.token_cache, state.frame_offset

@@ -5,10 +5,11 @@
     ring_k/v:    [L, B, H, C, D]    the stacked rings; an op reads or writes layer `layer` in place
 
 Op for op the same as `torch_bridge/layers.py` (Moshi's `StreamingTransformerLayer`); each op
-says where its rounding differs from torch and why. `kernels` picks how the attention runs:
-"xla" (jax.numpy, any backend) or "pallas" (the Pallas RoPE and ring-attention kernels, which
-read the layer's slots in place from a layer index that may be traced). "twin" runs the whole
-layer on the twin kernels instead (`model.twin_temporal_layer`), not through these ops.
+says where its rounding differs from torch and why. `kernels` (the vocabulary of
+`kernel_choice`) picks how the attention runs: "reference" (jax.numpy, any backend) or "pallas"
+(the Pallas RoPE and ring-attention kernels, which read the layer's slots in place from a layer
+index that may be traced). "twin" runs the whole layer on the twin kernels instead
+(`twin_layers`), not through these ops.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from kernels_pallas import mrope
 from kernels_pallas.ring_attention import MIN_QUERIES, fits_int32
 from kernels_pallas.ring_attention import ring_attention as pallas_ring_attention
 
+from .kernel_choice import JAX_KERNELS, check_kernels
 from .tables import StepTables
-
-KERNELS = ("auto", "xla", "pallas", "twin")
 
 
 def acc_dtype(dtype):
@@ -33,10 +33,10 @@ def acc_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w.T (F.linear), accumulated in at least float32, returned in x's dtype."""
+def linear(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
+    """x @ w.T (F.linear), accumulated in at least float32, returned in `dtype` (None: x's)."""
     y = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=acc_dtype(x.dtype))
-    return y.astype(x.dtype)
+    return y.astype(x.dtype if dtype is None else dtype)
 
 
 def rms_norm_f32(x: jax.Array, alpha: jax.Array, eps: float) -> jax.Array:
@@ -137,11 +137,11 @@ def rope_pallas(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> t
     return (q.reshape(B, T, H, D).transpose(0, 2, 1, 3), k.reshape(B, T, H, D).transpose(0, 2, 1, 3))
 
 
-def attend(qkv, ring_k, ring_v, layer, tables: StepTables, exact_rope: bool = True, kernels: str = "xla",
+def attend(qkv, ring_k, ring_v, layer, tables: StepTables, exact_rope: bool = True, kernels: str = "reference",
            context: int | None = None):
     """RoPE, ring write and attention of the projected qkv [B, T, 3, H, D] -> ([B, T, H*D], ring_k, ring_v).
 
-    kernels="xla": jax.numpy RoPE and attention over `ring[layer]`; "pallas": the Pallas RoPE
+    kernels="reference": jax.numpy RoPE and attention over `ring[layer]`; "pallas": the Pallas RoPE
     kernel and the Pallas ring attention, which reads the layer's slots in place (GPU). Both
     scatter only the T new slots into the ring (in place under donation); the writes follow
     `tables.write_mask` (the step's active rows, positions below start_offset dropped). Writing
@@ -165,25 +165,24 @@ def attend(qkv, ring_k, ring_v, layer, tables: StepTables, exact_rope: bool = Tr
     return out.transpose(0, 2, 1, 3).reshape(B, T, H * D).astype(qkv.dtype), ring_k, ring_v
 
 
-def ring_attention(h, in_proj, out_proj, num_heads: int, ring_k, ring_v, layer, tables: StepTables,
-                   active, exact_rope: bool = True, kernels: str = "xla", context: int | None = None):
+def ring_attention(h, in_proj, out_proj, head_dim: int, ring_k, ring_v, layer, tables: StepTables,
+                   exact_rope: bool = True, kernels: str = "reference", context: int | None = None,
+                   out_linear=linear):
     """Fused-projection self-attention over the ring (`attend` between the two projections);
-    returns (out [B, T, dim], ring_k, ring_v). active: bool [B], carried by `tables.write_mask`."""
-    del active
+    returns (out [B, T, dim], ring_k, ring_v). in_proj: [3*H*D, dim], or any shape of those rows
+    ([3, H, D, dim]: a shard of the heads); out_linear(a, w): the out-projection a @ w.T."""
     B, T, dim = h.shape
-    qkv = linear(h, in_proj).reshape(B, T, 3, num_heads, dim // num_heads)
+    qkv = linear(h, in_proj.reshape(-1, dim)).reshape(B, T, 3, -1, head_dim)
     out, ring_k, ring_v = attend(qkv, ring_k, ring_v, layer, tables, exact_rope, kernels, context)
-    return linear(out, out_proj), ring_k, ring_v
+    return out_linear(out, out_proj), ring_k, ring_v
 
 
 def pick_kernels(kernels: str, config, batch_size: int, T: int) -> str:
     """Resolve kernels="auto": "pallas" on a GPU where the Pallas kernels apply (power-of-two
-    head dim, T <= MIN_QUERIES, int32 offsets into the ring), else "xla"."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    if kernels != "auto":
+    head dim, T <= MIN_QUERIES, int32 offsets into the ring), else "reference"."""
+    if check_kernels("kernels", kernels, JAX_KERNELS) != "auto":
         return kernels
     D = config.head_dim
     fits = fits_int32((config.num_layers, batch_size, config.num_heads, config.capacity, D))
     ok = jax.default_backend() == "gpu" and fits and not D & (D - 1) and T <= MIN_QUERIES
-    return "pallas" if ok else "xla"
+    return "pallas" if ok else "reference"

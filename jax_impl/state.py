@@ -6,8 +6,8 @@ State of a stack with L layers, B rows (sessions), H heads, C = capacity slots, 
     offset:        [B] positions written so far by each row.
     start_offset:  [B] first position still visible to each row (slot recycling).
 
-Same meaning as `torch_bridge.streaming.StreamState`; the ring convention is in
-`torch_bridge/ring.py` (and `jax_impl/ring.py`).
+Same meaning as `torch_bridge.TorchStreamState`; the ring convention is in
+`torch_bridge/tables.py` (and `jax_impl/tables.py`).
 
 Integer width. Offsets are int32 unless jax's x64 mode is on, then int64 (`index_dtype()`).
 In int32 a row overflows once a step would take offset + T past 2**31 - 1 = 2_147_483_647
@@ -133,7 +133,7 @@ def _check_row(op: str, state: StreamState, b):
     return jnp.arange(B) == b
 
 
-def _check_mask(op: str, state: StreamState, mask):
+def check_mask(op: str, state: StreamState, mask):
     B = state.offset.shape[0]
     dtype = getattr(mask, "dtype", None)
     if dtype is None or jnp.dtype(dtype) != jnp.bool_:
@@ -192,7 +192,7 @@ def reset_rows(state: StreamState, mask) -> StreamState:
 
     Their ring rows are zeroed (session isolation, see the module docstring).
     """
-    mask = _check_mask("reset_rows", state, mask)
+    mask = check_mask("reset_rows", state, mask)
     rows = mask[None, :, None, None, None]  # a select over the rings: in place under donation, no temporary
     zero = jnp.zeros_like(state.offset)
     return state._replace(k=jnp.where(rows, jnp.zeros((), state.k.dtype), state.k),

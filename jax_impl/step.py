@@ -22,6 +22,7 @@ import numpy as np
 
 from . import state as st
 from .config import StackConfig
+from .kernel_choice import JAX_KERNELS, check_kernels
 from .model import stack_module
 from .ops import pick_kernels
 from .snapshot import exact_float_cast
@@ -117,10 +118,12 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int =
     scan_unroll: `lax.scan`'s unroll factor when layer_loop="scan" (`model.stack_module` says why 1).
     rope_freqs: a [D/2] RoPE frequency table (tuple of floats) instead of `tables.rope_freqs`;
     the torch bridge passes the torch path's own table so both share its exact bits.
-    kernels: "xla", "pallas" (Pallas RoPE + ring attention) or "auto" (Pallas on a GPU).
+    kernels: "auto" (default), "reference", "pallas" or "twin" (`kernel_choice`: the one vocabulary
+    of the torch stacks, the drop-ins and these steps).
     capture: Flax collections the stack sows into (e.g. ("intermediates",): the `StepTables`
     the layers used); when given, the step returns (outputs, new_state, captured).
     """
+    check_kernels("step_fn(kernels)", kernels, JAX_KERNELS)
 
     def step(params, state, x, active=None):
         active = check_step_inputs(config, params, state, x, active)
@@ -173,7 +176,7 @@ def _check_recycle_args(op: str, state, b=None, mask=None) -> None:
     if b is not None and st._is_concrete(b):
         st.check_row(op, state, b)  # a concrete b: an in-range integer (reads a jax scalar on the host)
     if mask is not None:
-        st._check_mask(op, state, mask)  # dtype and shape: static, also for a traced mask
+        st.check_mask(op, state, mask)  # dtype and shape: static, also for a traced mask
 
 
 def jit_reset_slot(state: StreamState, b) -> StreamState:
@@ -219,12 +222,13 @@ class Streamer:
                  layer_loop: str = "scan", exact_rope: bool = True, rope_freqs: tuple[float, ...] | None = None,
                  device=None, kernels: str = "auto"):
         self.config = config
+        check_kernels("Streamer(kernels)", kernels, JAX_KERNELS)
         check_params(config, params, dtype=jnp.dtype(dtype))
         self.params = params
         self.state = st.init_state(config, batch_size, dtype, device=device)  # made where it lives
         self.offset_bound = 0
         if kernels == "auto" and next(iter(self.state.k.devices())).platform != "gpu":
-            kernels = "xla"  # the state is on the CPU (even on a GPU host): no compiled Pallas there
+            kernels = "reference"  # the state is on the CPU (even on a GPU host): no compiled Pallas there
         self._step_options = {"layer_loop": layer_loop, "exact_rope": exact_rope, "rope_freqs": rope_freqs,
                               "kernels": kernels}
         self._step = make_step(config, **self._step_options)

@@ -1,6 +1,6 @@
 """Per-step tables shared by every layer: RoPE cos/sin, ring write slots, positions, mask.
 
-Same convention and names as `torch_bridge/ring.py` (its module docstring is the spec):
+Same convention and names as `torch_bridge/tables.py` (its module docstring is the spec):
 a row has written positions 0 .. E-1 (E = offset + T * active after the write), position p
 lives in slot p % C, and slot c is labelled
 
@@ -25,7 +25,7 @@ from kernels_pallas.twin_entry import row_tables
 
 
 class StepTables(NamedTuple):
-    """Everything one step shares across layers (see torch_bridge.ring.StepTables).
+    """Everything one step shares across layers (see torch_bridge.TorchStepTables).
 
     cos, sin:    float32 [B, 1, T, D/2]
     write_index: int [B, T]      slot written by query t: (offset[b] + t) % C

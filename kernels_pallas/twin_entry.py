@@ -72,7 +72,7 @@ def row_tables(offset, start_offset, active, t, slots, *, T: int, capacity: int,
     ref = (end_offset if convention == "personaplex" else offset + (T - 1))[:, None]
     slots = slots.astype(idx)[None, :]
     delta = slots - ref % capacity
-    # `delta <= 0`, not `< 0`: see torch_bridge/ring.py (slot `end` belongs to this lap).
+    # `delta <= 0`, not `< 0`: see torch_bridge/tables.py (slot `end` belongs to this lap).
     pos = jnp.where(delta <= 0, ref + delta, ref + delta - capacity)
     invisible = (slots >= end_offset[:, None]) | (pos < start_offset[:, None])
     positions = jnp.where(invisible, jnp.asarray(-1, idx), pos)

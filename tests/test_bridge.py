@@ -200,7 +200,7 @@ def test_drop_in_streaming_init_allocates_no_torch_ring(cls, monkeypatch):
     config = PRESETS["temporal-small" if cls is JaxTemporalStreaming else "mimi-small"]
     module = cls.from_config(config)
     allocated = []
-    monkeypatch.setattr("torch_bridge.stacks.StreamState.zeros", lambda *a, **k: allocated.append(a))
+    monkeypatch.setattr("torch_bridge.model.TorchStreamState.zeros", lambda *a, **k: allocated.append(a))
     module.streaming_init(3)
     assert allocated == []
     assert module.jax_state.k.shape[1] == 3

@@ -37,8 +37,8 @@ from jax_impl.config import PRESETS
 from jax_impl.parity import max_ulp, ulp_distance
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.crosscheck import crosscheck
-from torch_bridge.rope import apply_rope as torch_apply_rope
-from torch_bridge.rope import rope_tables as torch_rope_tables
+from torch_bridge.layers import apply_rope as torch_apply_rope
+from torch_bridge.tables import rope_tables as torch_rope_tables
 
 F32_SCALE_BOUND = 2e-6
 BF16_SCALE_BOUND = 3e-2

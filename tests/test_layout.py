@@ -42,8 +42,9 @@ def imported_after(statement: str) -> set[str]:
     "import kernels_triton",
     "import " + ", ".join(f"kernels_triton.{m}" for m in (*TWINS, "twin_math", "rotary_mrope")),
     "import torch_bridge",
-    ("import torch_bridge.stacks, torch_bridge.layers, torch_bridge.ring, torch_bridge.rope, torch_bridge.streaming, "
-     "torch_bridge.twin_layers, torch_bridge.report"),
+    ("import torch_bridge.model, torch_bridge.layers, torch_bridge.tables, torch_bridge.state, torch_bridge.weights, "
+     "torch_bridge.stream_io, torch_bridge.report, torch_bridge.depformer, torch_bridge.twin_depformer, "
+     "torch_bridge.sampling, torch_bridge.frame"),
     "from torch_bridge import TemporalStreaming, MimiTransformer; TemporalStreaming; MimiTransformer",
     "import jax_impl.config, jax_impl.checkpoint, jax_impl.snapshot",
 ])

@@ -74,7 +74,7 @@ class Runner:
             # committed to the device, as the step's output state is: an uncommitted first state would
             # compile the step a second time at the second step
             self.state = jax.device_put(jx.init_state(cfg, batch), jax.devices()[0])
-            kernels = {"pallas": "pallas", "jax_twin": "twin"}.get(path, "xla")
+            kernels = {"pallas": "pallas", "jax_twin": "twin"}.get(path, "reference")
             self._step = jx.make_step(cfg, layer_loop="python", kernels=kernels)
 
     def step(self, x: np.ndarray, active: np.ndarray | None = None) -> tuple[np.ndarray, ...]:

@@ -51,17 +51,17 @@ def test_bad_shapes_are_refused():
 
 
 def test_stack_with_pallas_kernels_matches_xla_kernels():
-    """The whole Mimi step with kernels="pallas" (interpreted) against kernels="xla"."""
+    """The whole Mimi step with kernels="pallas" (interpreted) against kernels="reference"."""
     cfg = PRESETS["mimi-small"]
     params = jx.init_params(cfg, jax.random.key(0))
     xs = np.random.default_rng(0).standard_normal((14, 3, 2, cfg.dim), np.float32)
     results = {}
-    for kernels in ("xla", "pallas"):
+    for kernels in ("reference", "pallas"):
         state = jx.init_state(cfg, 3)
         step = jx.make_step(cfg, kernels=kernels, layer_loop="python")
         for t, x in enumerate(xs):  # crosses a ring wrap (capacity 10, T=2)
             out, state = step(params, state, x, np.arange(3) != t % 3)
         results[kernels] = (out, state)
-    for a, b in zip(jax.tree.leaves(results["xla"]), jax.tree.leaves(results["pallas"])):
+    for a, b in zip(jax.tree.leaves(results["reference"]), jax.tree.leaves(results["pallas"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 

@@ -30,6 +30,7 @@ from jax_impl import sharding as sh
 from jax_impl.checkpoint import CheckpointError
 from jax_impl.config import with_options
 from jax_impl.parity import bits
+from jax_impl.sessions import session_ops
 from torch_bridge import TemporalStreaming
 from torch_bridge.jax_steppers import from_torch
 from torch_bridge.sharding import shard_dropin
@@ -98,7 +99,7 @@ def test_sessions_step_bit_identical_through_recycling():
     assert_sessions_layout(state, mesh)
     # the compiled step and every recycle op: no communication at all
     assert sh.collectives(step.lower(sparams, state, frames(kind, config, 0)).compile().as_text()) == {}
-    ops = sh._session_ops(mesh, sh.SESSIONS)
+    ops = session_ops(mesh, sh.SESSIONS)
     mask = jax.device_put(np.array([True, False, False, True]), jax.sharding.NamedSharding(mesh, jax.P(sh.SESSIONS)))
     for name, args in (("reset_slot", (np.int32(1),)), ("bump_slot_start", (np.int32(1),)), ("reset_rows", (mask,)),
                        ("reset_streaming", ())):

@@ -2,12 +2,12 @@
 model of the ring, under random activity and random recycle operations.
 
 The model does not reuse the `delta` formula: it labels slot c with the largest position
-p <= ref such that p % C == c, found by counting down (ref as in ring.py: E for
+p <= ref such that p % C == c, found by counting down (ref as in tables.py: E for
 "personaplex", offset + T - 1 for "moshi"), and keeps, slot by slot, the key vector that
 was really written there. The test then also checks the meaning of the labels: every slot
 an active query may see holds exactly the position its label claims.
 
-Mutation check: turning `delta <= 0` into `delta < 0` in ring.py makes every case fail
+Mutation check: turning `delta <= 0` into `delta < 0` in tables.py makes every case fail
 (slot `end` gets labelled ref - C instead of ref).
 """
 
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from torch_bridge import MimiTransformer
 from torch_bridge.crosscheck import layer_tables
-from torch_bridge.rope import apply_rope, rope_tables
+from torch_bridge.layers import apply_rope
+from torch_bridge.tables import rope_tables
 
 STEPS = 1000  # a case: each recycle op 14 to 58 times, ~2100 row-steps past a wrap (checked below)
 

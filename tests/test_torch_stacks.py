@@ -28,10 +28,10 @@ def tables_in_every_layer(stack) -> list:
     hoisted tables: the same bits). Returns the list the rebuilt tables are appended to."""
     layer_fn, built = stack._layer_fn, []
 
-    def rebuilt(x, w, num_heads, eps, ring_k, ring_v, tables, active):
+    def rebuilt(carry, layer, tables, active):
         s = stack.state  # offsets advance after the last layer
-        built.append(stack.step_tables(s.offset, s.start_offset, active, x.shape[1]))
-        return layer_fn(x, w, num_heads, eps, ring_k, ring_v, built[-1], active)
+        built.append(stack.step_tables(s.offset, s.start_offset, active, carry[0].shape[1]))
+        return layer_fn(carry, layer, built[-1], active)
 
     stack._layer_fn = rebuilt
     return built

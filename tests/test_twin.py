@@ -43,7 +43,7 @@ from kernels_triton import twin_rope as tr
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.crosscheck import crosscheck
 from torch_bridge.dlpack import to_jax
-from torch_bridge.ring import build_step_tables as build_torch_tables
+from torch_bridge.tables import build_step_tables as build_torch_tables
 
 NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 

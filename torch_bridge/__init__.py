@@ -5,14 +5,18 @@
     from torch_bridge import JaxTemporalStreaming, JaxMimiTransformer, from_torch   # stepped by JAX
     from torch_bridge.crosscheck import crosscheck                      # the two paths side by side
 
-Names are imported on first use: the torch path alone does not import jax.
+Modules, the concepts of `jax_impl` under the same names: `tables` (`TorchStepTables`) -> `state`
+(`TorchStreamState`) -> `layers` -> `model` (the stacks); `weights` and `stream_io` beside them. Names are imported on first use: the
+torch path alone does not import jax.
 """
 
 from kernels_pallas.lazy import lazy_exports
 
 _EXPORTS = {
-    **dict.fromkeys(["MimiTransformer", "TemporalStreaming"], "stacks"),
-    "StreamState": "streaming",
+    **dict.fromkeys(["MimiTransformer", "TemporalStreaming"], "model"),
+    "read_torch_stream": "stream_io",
+    "TorchStreamState": "state",
+    "TorchStepTables": "tables",
     **dict.fromkeys(["BridgeCopyWarning", "to_jax", "to_torch"], "dlpack"),
     **dict.fromkeys(["JaxMimiTransformer", "JaxTemporalStreaming", "from_torch"], "jax_steppers"),
     **dict.fromkeys(["ArgmaxRecord", "CrosscheckReport", "TensorRecord"], "report"),

@@ -24,6 +24,7 @@ import time
 
 from jax_impl.checkpoint import CheckpointError
 from jax_impl.config import RING_CONVENTIONS
+from jax_impl.kernel_choice import TORCH_KERNELS
 
 REQUIREMENT_NOT_MET = 3  # exit status of `crosscheck --require` when the run does not meet it
 
@@ -102,11 +103,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="RoPE max period (default: --config, else the preset)")
     cc.add_argument("--norm-eps", type=_positive_float, default=None,
                     help="RMSNorm / LayerNorm epsilon (default: --config, else the preset)")
-    cc.add_argument("--kernels", choices=["twin", "reference"], default=None,
+    cc.add_argument("--kernels", choices=list(TORCH_KERNELS), default=None,
                     help="twin: both paths on the twin kernels (Triton for torch, Pallas for JAX), bit-identical "
-                         "and batch-invariant; reference: the torch reference path (bit-exact with moshi) against "
-                         "the JAX step's fastest kernels, close but not bit-identical (default: twin; reference for depformer "
-                         "and frame)")
+                         "and batch-invariant; reference: each framework's plain path, the torch reference "
+                         "(bit-exact with moshi) against XLA, close but not bit-identical (default: twin; "
+                         "reference for depformer and frame)")
     cc.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     cc.add_argument("--seed", type=_non_negative_int, default=0,
                     help="seed of the schedule and weights, >= 0 (default: 0)")
@@ -324,7 +325,7 @@ def _stream(args) -> int:
 
     from jax_impl.config import PRESETS
 
-    from .stacks import MimiTransformer, TemporalStreaming
+    from .model import MimiTransformer, TemporalStreaming
 
     torch.manual_seed(0)
     print(f"{'stack':<16}{'T':>3}{'steps':>7}{'torch ms/step':>15}")

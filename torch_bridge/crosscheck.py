@@ -26,17 +26,19 @@ import torch
 
 import jax_impl
 from jax_impl.config import PRESETS, RING_CONVENTIONS, MimiConfig, StackConfig, with_options
+from jax_impl.kernel_choice import TORCH_KERNELS, check_kernels
 from jax_impl.parity import as_numpy
 
 from .dlpack import to_jax
+from .model import MimiTransformer, TemporalStreaming
 from .report import TIE_TOL, ArgmaxRecord, CrosscheckReport, TensorRecord
-from .stacks import MimiTransformer, TemporalStreaming, check_safetensors
+from .weights import check_safetensors
 
 STACKS = {"temporal": (None, 1), "mimi-encoder": ("encoder_transformer", 2),
           "mimi-decoder": ("decoder_transformer", 2)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYER_LOOPS = ("python", "scan")
-CROSSCHECK_KERNELS = ("reference", "twin")
+CROSSCHECK_KERNELS = TORCH_KERNELS  # the same name on both paths (`jax_impl.kernel_choice`)
 SMALL_DIM = 256  # stacks up to this width count as small (the presets: 64 and 32)
 
 
@@ -109,8 +111,9 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
     must match it). seed: >= 0, seeds the weights and the schedule. recycle: apply random
     reset_slot / bump_slot_start / reset_rows. threads: torch's CPU threads for the run (None:
     `default_threads`; restored afterwards). layer_loop: the JAX step's ("python" or "scan").
-    kernels: "reference" (the torch reference path against the JAX step's default kernels: close,
-    not bit-identical) or "twin" (both paths on the twin kernels, Triton and Pallas: bit-identical).
+    kernels: both paths' (`jax_impl.kernel_choice`): "reference" (each framework's plain path: the
+    torch reference, bit-exact with moshi, against XLA: close, not bit-identical) or "twin" (both
+    paths on the twin kernels, Triton and Pallas: bit-identical).
     recycle_rate: scales the recycle ops' probabilities (at most 12: each op stays below 1).
     progress: a callable wrapping the step range (e.g. tqdm), or None.
 
@@ -125,8 +128,7 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
         raise ValueError(f"convention must be one of {list(RING_CONVENTIONS)}, got {convention!r}")
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {list(LAYER_LOOPS)}, got {layer_loop!r}")
-    if kernels not in CROSSCHECK_KERNELS:
-        raise ValueError(f"kernels must be one of {list(CROSSCHECK_KERNELS)}, got {kernels!r}")
+    check_kernels("crosscheck(kernels)", kernels, CROSSCHECK_KERNELS)
     steps, batch = _check_int("steps", steps, 1), _check_int("batch", batch, 1)
     seed = _check_int("seed", seed, 0)
     threads = _check_int("threads", threads, 1, allow_none=True)
@@ -175,7 +177,7 @@ def _run(stack, config, prefix, *, steps, batch, T, dtype, checkpoint, device, s
     in_proj = params["params"]["layers"]["in_proj"]
     state = jax_impl.init_state(config, batch, in_proj.dtype, device=in_proj.devices().pop())
     jax_step = jax_impl.make_step(config, layer_loop=layer_loop, capture=("intermediates",),
-                                  rope_freqs=module.rope_freqs(), kernels="twin" if kernels == "twin" else "auto")
+                                  rope_freqs=module.rope_freqs(), kernels=kernels)
 
     tables = ("cos", "sin", "write_index", "positions", "mask", "end_offset")
     names = ["out"] + (["text_logits"] if stack == "temporal" else []) + [
@@ -226,7 +228,7 @@ def _run(stack, config, prefix, *, steps, batch, T, dtype, checkpoint, device, s
 
 @contextlib.contextmanager
 def layer_tables(module):
-    """Within the block, collect the distinct `StepTables` objects that module's layers receive.
+    """Within the block, collect the distinct `TorchStepTables` objects that module's layers receive.
 
     Wraps the stack's layer function for the duration, so a parity check compares the tables
     the layers actually used, not a recomputed copy.
@@ -234,10 +236,10 @@ def layer_tables(module):
     seen: list = []
     layer_fn = module._layer_fn
 
-    def recording(x, w, num_heads, eps, ring_k, ring_v, tables, active):
+    def recording(carry, layer, tables, active):
         if not any(t is tables for t in seen):
             seen.append(tables)
-        return layer_fn(x, w, num_heads, eps, ring_k, ring_v, tables, active)
+        return layer_fn(carry, layer, tables, active)
 
     module._layer_fn = recording
     try:

@@ -44,8 +44,8 @@ from jax_impl.frame_config import (
 from jax_impl.sampling_config import check_sampling
 
 from .depformer import Depformer
+from .model import TemporalStreaming
 from .sampling import sample
-from .stacks import TemporalStreaming
 
 EMBEDDING_PREFIXES = ("text_emb.", "emb.")
 

@@ -19,27 +19,28 @@ import jax
 import torch
 
 import jax_impl
+from jax_impl.kernel_choice import JAX_KERNELS, check_kernels
 from jax_impl.snapshot import ARRAY_KEYS, check_ring_cast, check_snapshot_layout, dtype_name
 
 from .depformer import Depformer
 from .dlpack import jax_device_for, to_jax, to_torch
 from .jax_depformer import JaxDepformer
-from .stacks import MimiTransformer, TemporalStreaming, _StreamingStack
-from .streaming import StreamState
+from .model import MimiTransformer, StreamingStack, TemporalStreaming
+from .state import TorchStreamState
 
 
-class _JaxBacked:
+class JaxBacked:
     """Mixin over a torch stack: the state lives in a `jax_impl.Streamer` (jitted step, state
     donated, host-side overflow guard); inputs and outputs cross through DLPack."""
 
     def __init__(self, *args, layer_loop: str = "python", kernels: str = "auto", **kwargs):
-        """kernels: the JAX step's ("auto", "xla", "pallas", or "twin": the Pallas twin kernels, the
-        bits of the torch stack built with kernels="twin"); layer_loop: "python" or "scan"."""
-        if kernels not in jax_impl.ops.KERNELS:
-            raise ValueError(f"kernels must be one of {jax_impl.ops.KERNELS}, got {kernels!r}")
+        """kernels: the JAX step's, in the one vocabulary (`jax_impl.kernel_choice`): "auto",
+        "reference", "pallas", or "twin" (the Pallas twins: the bits of the torch stack built with
+        kernels="twin"); `self.kernels` says it. layer_loop: "python" or "scan"."""
+        check_kernels(f"{type(self).__name__}(kernels)", kernels, JAX_KERNELS)
         super().__init__(*args, **kwargs)
+        self.kernels = kernels  # what steps this module: the JAX step's kernels
         self._layer_loop = layer_loop
-        self._jax_kernels = kernels
         self._streamer: jax_impl.Streamer | None = None
 
     def jax_params(self) -> dict:
@@ -52,7 +53,7 @@ class _JaxBacked:
         return None if self._streamer is None else self._streamer.state
 
     @property
-    def state(self) -> StreamState | None:
+    def state(self) -> TorchStreamState | None:
         """Torch views (DLPack, no copy) of the JAX state; offsets are int32 unless jax x64 is on.
 
         While a view is alive the next step cannot donate that buffer and copies it instead:
@@ -68,7 +69,7 @@ class _JaxBacked:
             raise RuntimeError(f"state: this {type(self).__name__}'s stream is split over {len(devices)} devices "
                                f"(shard_dropin), so no single buffer holds it to view as torch tensors; use "
                                f"snapshot() (torch copies on the module's device)")
-        return StreamState(*(to_torch(a) for a in (s.k, s.v, s.offset, s.start_offset)))
+        return TorchStreamState(*(to_torch(a) for a in (s.k, s.v, s.offset, s.start_offset)))
 
     def _require_state(self, op: str):
         if self._streamer is None:
@@ -89,7 +90,7 @@ class _JaxBacked:
         params = self.jax_params()
         in_proj = params["params"]["layers"]["in_proj"]
         return cls(self.config, params, batch_size, in_proj.dtype, layer_loop=self._layer_loop,
-                   rope_freqs=self.rope_freqs(), kernels=self._jax_kernels,
+                   rope_freqs=self.rope_freqs(), kernels=self.kernels,
                    **(placement or {"device": in_proj.devices().pop()}))
 
     def streaming_end(self) -> None:
@@ -108,7 +109,7 @@ class _JaxBacked:
 
     def _apply(self, fn, recurse=True):
         """The torch stack's conversions (`.to()`, `.float()`, `.cpu()`, `.share_memory()`, ...; see
-        `_StreamingStack._apply`: the same refusals), with the JAX side following while streaming:
+        `StreamingStack._apply`: the same refusals), with the JAX side following while streaming:
         the params become views of the new buffers again (DLPack, no copy), and the JAX state
         moves to the matching JAX device with its rings widened exactly (`Streamer.convert`;
         offsets stay int32/int64 as they were). A device JAX does not have (e.g. "meta") is
@@ -179,22 +180,22 @@ class _JaxBacked:
         return jax.tree_util.tree_map(to_torch, outputs)
 
 
-class JaxTemporalStreaming(_JaxBacked, TemporalStreaming):
+class JaxTemporalStreaming(JaxBacked, TemporalStreaming):
     """`TemporalStreaming`, stepped by JAX. step(frame_embedding [B,T,dim], active [B]) ->
     (out [B,T,dim], text_logits [B,1,T,text_card]) as torch tensors."""
 
 
-class JaxMimiTransformer(_JaxBacked, MimiTransformer):
+class JaxMimiTransformer(JaxBacked, MimiTransformer):
     """`MimiTransformer`, stepped by JAX. step(x [B,T,dim], active [B]) -> [B,T,dim] torch tensor."""
 
 
-def from_torch(module: _StreamingStack | Depformer, *, layer_loop: str = "python",
-               kernels: str = "auto") -> _JaxBacked | JaxDepformer:
+def from_torch(module: StreamingStack | Depformer, *, layer_loop: str = "python",
+               kernels: str = "auto") -> JaxBacked | JaxDepformer:
     """A JAX-backed stepper on the very same weight buffers as `module` (no copy). A `Depformer`
     gives a `JaxDepformer` (kernels "auto": the module's own; layer_loop unused)."""
     if isinstance(module, Depformer):
         return JaxDepformer.from_torch(module, None if kernels == "auto" else kernels)
-    if isinstance(module, _JaxBacked):
+    if isinstance(module, JaxBacked):
         raise TypeError("from_torch(module): module is already JAX-backed")
     if not isinstance(module, (TemporalStreaming, MimiTransformer)):
         raise TypeError(f"from_torch(module): expected TemporalStreaming, MimiTransformer or Depformer, "

@@ -26,10 +26,10 @@ from __future__ import annotations
 from jax_impl.sharding import SESSIONS, ShardedStreamer, check_sessions, session_mesh
 
 from .dlpack import jax_device_for
-from .jax_steppers import _JaxBacked
+from .jax_steppers import JaxBacked
 
 
-def shard_dropin(module: _JaxBacked, mesh=None, axis: str = SESSIONS, *, batch_size: int | None = None) -> _JaxBacked:
+def shard_dropin(module: JaxBacked, mesh=None, axis: str = SESSIONS, *, batch_size: int | None = None) -> JaxBacked:
     """Split `module`'s stream (a streaming `JaxTemporalStreaming` / `JaxMimiTransformer`) by row
     over `axis` of `mesh` (default: `session_mesh()`, every JAX device); returns `module`.
     batch_size: instead, start a fresh stream of that many rows, made split by row (the module
@@ -38,7 +38,7 @@ def shard_dropin(module: _JaxBacked, mesh=None, axis: str = SESSIONS, *, batch_s
     Raises TypeError for another module, RuntimeError before `streaming_init` (without batch_size),
     ValueError when the batch size is not a positive int or does not split over the mesh (nothing changed).
     """
-    if not isinstance(module, _JaxBacked):
+    if not isinstance(module, JaxBacked):
         raise TypeError(f"shard_dropin(module): expected a JAX-backed drop-in (JaxTemporalStreaming, "
                         f"JaxMimiTransformer, from_torch(...)), got {type(module).__name__}")
     device = jax_device_for(next(iter(module.weights().values())))

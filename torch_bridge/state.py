@@ -7,7 +7,7 @@ State of a stack with L layers, B rows (sessions), H heads, C = capacity slots, 
 All layers advance together, so the offsets belong to the stack, not to a layer.
 
 Session isolation: `reset_slot` and `reset_rows` zero the recycled rows' rings, and a step does
-not write positions below start_offset (`ring.StepTables.write_mask`), so a slot a row cannot see
+not write positions below start_offset (`tables.TorchStepTables.write_mask`), so a slot a row cannot see
 holds zeros or its current session's values. Masked slots are multiplied by an exact 0 in SDPA,
 and 0 * NaN = NaN: without this an old session's NaN / Inf would reach the new session's outputs.
 On finite data no output changes by a bit (0 * finite = 0 whatever the slot held); the cost is
@@ -22,14 +22,16 @@ import torch
 
 
 @dataclass
-class StreamState:
+class TorchStreamState:
+    """The torch stacks' streaming state (the torch counterpart of the `jax_impl.StreamState` pytree)."""
+
     k: torch.Tensor
     v: torch.Tensor
     offset: torch.Tensor
     start_offset: torch.Tensor
 
     @classmethod
-    def zeros(cls, num_layers, batch_size, num_heads, capacity, head_dim, dtype, device) -> StreamState:
+    def zeros(cls, num_layers, batch_size, num_heads, capacity, head_dim, dtype, device) -> TorchStreamState:
         ring = (num_layers, batch_size, num_heads, capacity, head_dim)
         return cls(
             k=torch.zeros(ring, dtype=dtype, device=device),

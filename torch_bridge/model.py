@@ -1,127 +1,58 @@
 """The two streaming stacks of the PyTorch path: `TemporalStreaming` (Helium) and `MimiTransformer`.
 
+Weights in and out: `weights.StackWeights`; snapshots and stream files: `stream_io.StackStreamIO`
+(mixins of `StreamingStack`).
+
 Weights are stored stacked per kind (`in_proj [L, 3*dim, dim]`, `norm1_alpha [L, dim]`, ...),
 one buffer per kind, so the JAX side can view these very buffers through DLPack.
-Each `step()` builds the RoPE tables, write indexes, positions and mask once (`StepTables`)
-and every layer uses them.
+Each `step()` builds the RoPE tables, write indexes, positions and mask once (`TorchStepTables`)
+and every layer uses them: the reference layers (`layers.py`, bit-exact with moshi) or, with
+kernels="twin", the twin layer programs (`jax_impl.twin_layers`) on the Triton twins.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
-from jax_impl.checkpoint import (
-    WIDENINGS,
-    CheckpointError,
-    WeightSpec,
-    check_checkpoint,
-    checkpoint_keys,
-    read_safetensors,
-    read_safetensors_shapes,
-    weight_dtype_problem,
-    weight_specs,
-)
+from jax_impl import twin_layers
+from jax_impl.checkpoint import WIDENINGS, weight_specs
 from jax_impl.config import MimiConfig, StackConfig, TemporalConfig
-from jax_impl.snapshot import (
-    ARRAY_KEYS,
-    check_ring_cast,
-    check_snapshot_layout,
-    check_snapshot_values,
-    dtype_name,
-    exact_float_cast,
-    read_stream_file,
-    snapshot_metadata,
-    write_stream_file,
-)
+from jax_impl.kernel_choice import TORCH_KERNELS, check_kernels
+from jax_impl.snapshot import dtype_name, exact_float_cast
+from kernels_pallas.contract.attention import twin_sems_size
 
-from .layers import mimi_layer, rms_norm_f32, temporal_layer
-from .ring import StepTables, build_step_tables
-from .rope import rope_freqs
-from .streaming import StreamState
+from .layers import mimi_layer, rms_norm_f32, temporal_layer, triton_twins
+from .state import TorchStreamState
+from .stream_io import StackStreamIO
+from .tables import TorchStepTables, build_step_tables, rope_freqs, twin_tables
+from .weights import StackWeights
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# "reference": torch ops, bit-exact with moshi; "twin": the Triton twin kernels, bit-identical with
-# the JAX step's kernels="twin" (torch_bridge/twin_layers.py; imports triton on first use).
-KERNELS = ("reference", "twin")
 # The exact widenings (jax_impl.checkpoint.WIDENINGS: bf16/f16 -> f32) as torch dtype pairs.
 _LOSSLESS = {(getattr(torch, a), getattr(torch, b)) for a, b in WIDENINGS}
 
 
-def check_safetensors(path: str | os.PathLike, config: StackConfig,
-                      prefix: str | None = None) -> dict[str, tuple[WeightSpec, int | None]]:
-    """Check a safetensors file's keys and shapes against a stack (reads the header only).
 
-    Returns file key -> (spec, layer) (`check_checkpoint`); raises `CheckpointError` naming the path.
-    """
-    return check_checkpoint(read_safetensors_shapes(path), config, prefix, source=os.fspath(path))
-
-
-def _dtype_name(dtype) -> str:
-    """A torch or numpy dtype by its name ("float32", "bfloat16", ...), as `weight_dtype_problem` reads it."""
-    return dtype.name if isinstance(dtype, np.dtype) else str(dtype).removeprefix("torch.")
-
-
-def _source_problem(key: str, value, want: torch.dtype) -> str | None:
-    """The problem line of one state-dict value that cannot be copied into a buffer of dtype `want`."""
-    if not isinstance(value, (torch.Tensor, np.ndarray)):
-        return f"not a tensor: {key}: {type(value).__name__} (expected a torch.Tensor or a numpy.ndarray)"
-    if isinstance(value, torch.Tensor):
-        if value.is_meta:
-            return f"no data: {key}: a meta tensor"
-        if value.layout != torch.strided:
-            return f"not dense: {key}: layout {value.layout}"
-    return weight_dtype_problem(key, _dtype_name(value.dtype), _dtype_name(want))
-
-
-def _as_tensor(value) -> torch.Tensor:
-    """A torch tensor of a checked state-dict value: itself, or an exact copy of a numpy array
-    (numpy's ml_dtypes bfloat16 goes through its bits)."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if value.dtype.name == "bfloat16":
-        return torch.from_numpy(np.array(value).view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(np.array(value))
-
-
-def read_stream(path: str | os.PathLike) -> dict:
-    """The snapshot dict a `save_stream` wrote (torch tensors on the CPU, "metadata" from the header)."""
-    return read_stream_file(path, "pt")
-
-
-def _as_torch(where: str, key: str, x) -> torch.Tensor:
-    """A snapshot array as a torch tensor (a jax array or anything with __dlpack__ is viewed, not copied)."""
-    if isinstance(x, torch.Tensor):
-        return x
-    try:
-        return torch.from_dlpack(x)
-    except (TypeError, ValueError, RuntimeError, BufferError) as err:
-        raise TypeError(f"{where}: snapshot[{key!r}] ({type(x).__name__}) cannot be read as a torch tensor: "
-                        f"{err}; pass a torch tensor") from None
-
-
-class _StreamingStack(nn.Module):
+class StreamingStack(StackWeights, StackStreamIO, nn.Module):
     """Shared machinery: stacked weights, streaming state, validation, checkpoint I/O."""
 
     def __init__(self, config: StackConfig, dtype, device, layer_fn: Callable, kernels: str = "reference"):
+        """layer_fn: the reference layer (`layers.temporal_layer` / `mimi_layer`); kernels: "reference"
+        or "twin" (`jax_impl.kernel_choice`: the Triton twins, the bits of the JAX step's "twin")."""
         super().__init__()
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
-        if kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        check_kernels(f"{type(self).__name__}(kernels)", kernels, TORCH_KERNELS)
         self.config = config
         self.kernels = kernels
-        if kernels == "twin":  # the Triton twins: the bits of the JAX step with kernels="twin"
-            from . import twin_layers
-
-            layer_fn = functools.partial(twin_layers.TWIN_LAYERS[layer_fn.__name__], context=config.context)
-        self._layer_fn = layer_fn
-        self._state: StreamState | None = None
+        self._reference_layer = layer_fn
+        # (triton's kernels, compiled): imported on first use, as triton is
+        self._twins = triton_twins() if kernels == "twin" else None
+        self._layer_fn: Callable = self._run_layer  # carry, layer, tables, active -> carry (hooks wrap it)
+        self._state: TorchStreamState | None = None
         for spec in weight_specs(config):
             shape = spec.stacked_shape(config.num_layers)
             self.register_buffer(spec.name, torch.empty(shape, dtype=dtype, device=device))
@@ -140,85 +71,12 @@ class _StreamingStack(nn.Module):
         """The stacked weight buffers by name (the tensors themselves, not copies)."""
         return {spec.name: getattr(self, spec.name) for spec in weight_specs(self.config)}
 
-    @torch.no_grad()
-    def init_weights(self, std: float = 0.02, layer_scale: float = 0.01, generator=None) -> None:
-        """Matrices ~ N(0, std); norm scales at 1, norm biases at 0, layer scales at `layer_scale`."""
-        for spec in weight_specs(self.config):
-            w = getattr(self, spec.name)
-            if len(spec.shape) == 2:
-                w.copy_(torch.randn(w.shape, generator=generator, device=w.device) * std)
-            elif spec.name.endswith("bias"):
-                w.zero_()
-            elif spec.name.startswith("scale"):
-                w.fill_(layer_scale)
-            else:
-                w.fill_(1.0)
-
     def _layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
-        w = {s.name: getattr(self, s.name)[layer] for s in weight_specs(self.config) if s.per_layer}
-        if self.kernels == "twin" and "norm1_alpha" in w:  # the split norms' next alpha (twin_layers)
-            w["following_norm1_alpha"] = self.norm1_alpha[min(layer + 1, self.config.num_layers - 1)]
-        return w
-
-    @torch.no_grad()
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor | np.ndarray], prefix: str | None = None, *,
-                     source: str = "state_dict") -> None:
-        """Copy a Moshi-layout state dict into the stacked buffers (in place, same storage).
-
-        Keys: the released files' names or a moshi module's `state_dict()` names (`in_projs.0.weight`,
-        `WeightSpec.aliases`). Values: torch tensors or numpy arrays (copied exactly), float32,
-        bfloat16 or float16, widened exactly to the stack's dtype (bf16/f16 -> f32), never narrowed.
-        All or nothing: keys, shapes, dtypes and devices are checked first, and the sources
-        converted (widened, reshaped) into new tensors, before any buffer is written; every
-        problem is listed in one `CheckpointError` headed by `source`, and the stack is left as it
-        was. The buffers keep their storage (the JAX steppers' DLPack views of them stay valid).
-        """
-        if not isinstance(state_dict, Mapping):
-            raise CheckpointError(f"{source}: expected a mapping key -> tensor, "
-                                  f"got {type(state_dict).__name__}")
-        problems = {k: line for k, v in state_dict.items() if (line := _source_problem(k, v, self.dtype))}
-        shapes = {k: (tuple(v.shape) if isinstance(v, (torch.Tensor, np.ndarray)) else None)
-                  for k, v in state_dict.items()}
-        keys = check_checkpoint(shapes, self.config, prefix, source=source, problems=problems)
-        staged = []
-        for key, (spec, layer) in keys.items():
-            try:
-                src = _as_tensor(state_dict[key]).to(dtype=self.dtype).reshape(spec.shape)
-            except (RuntimeError, TypeError, ValueError) as err:
-                raise CheckpointError(f"{source}: {key} cannot be read: {err}") from None
-            dst = getattr(self, spec.name)
-            staged.append((dst if layer is None else dst[layer], src))
-        for dst, src in staged:  # same shapes and dtypes, checked: the only step that writes
-            dst.copy_(src)
-
-    def export_weights(self, prefix: str | None = None) -> dict[str, torch.Tensor]:
-        """The weights in the Moshi checkpoint layout (contiguous copies)."""
-        return {
-            key: (getattr(self, spec.name) if layer is None else getattr(self, spec.name)[layer])
-            .reshape(spec.ckpt_shape).contiguous().clone()
-            for key, (spec, layer) in checkpoint_keys(self.config, prefix).items()
-        }
-
-    def load_safetensors(self, path: str | os.PathLike, prefix: str | None = None) -> None:
-        """Load a Moshi/PersonaPlex safetensors checkpoint (only this stack's keys are read).
-
-        As `load_weights` (all or nothing); every error is a `CheckpointError` naming the path.
-        """
-        keys = check_safetensors(path, self.config, prefix)
-        tensors = read_safetensors(path, keys, "pt", device="cpu")
-        self.load_weights(tensors, prefix, source=os.fspath(path))
-
-    def save_safetensors(self, path: str | os.PathLike, prefix: str | None = None) -> None:
-        """Write the weights as a safetensors file in the released checkpoints' layout (`export_weights`:
-        their keys and shapes, this stack's dtype), so one file serves both paths: `load_safetensors`
-        and the JAX loaders read it back exactly. prefix: a Mimi stack's `encoder_transformer` / ..."""
-        from safetensors.torch import save_file
-
-        save_file(self.export_weights(prefix), os.fspath(path))
+        return {s.name: getattr(self, s.name)[layer] for s in weight_specs(self.config) if s.per_layer}
 
     # ----------------------------------------------------------------------------- streaming
     @property
-    def state(self) -> StreamState | None:
+    def state(self) -> TorchStreamState | None:
         """The streaming state (None before `streaming_init`)."""
         return self._state
 
@@ -232,7 +90,7 @@ class _StreamingStack(nn.Module):
         self._check_batch_size(batch_size)
         c = self.config
         self._state = None  # the old rings go before the new ones are allocated (one ring at a time)
-        self._state = StreamState.zeros(c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim,
+        self._state = TorchStreamState.zeros(c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim,
                                        self.dtype, self.device)
 
     def _require_state(self, op: str):
@@ -248,7 +106,7 @@ class _StreamingStack(nn.Module):
             raise IndexError(f"{op}(b): b={b} is out of range for batch_size {state.batch_size}")
         return b
 
-    def _check_row_mask(self, name: str, mask, state: StreamState) -> torch.Tensor:
+    def _check_row_mask(self, name: str, mask, state: TorchStreamState) -> torch.Tensor:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
             raise TypeError(f"{name} must be a torch.bool tensor, got "
                             f"{getattr(mask, 'dtype', type(mask).__name__)}")
@@ -259,7 +117,7 @@ class _StreamingStack(nn.Module):
         return mask
 
     def _state_op(self, op: str, *args) -> None:
-        """Run a validated state operation (`StreamState.<op>`); the JAX steppers override this.
+        """Run a validated state operation (`TorchStreamState.<op>`); the JAX steppers override this.
 
         (Not `_apply`: that name is `nn.Module`'s conversion hook, see `_apply` below.)
         """
@@ -274,7 +132,7 @@ class _StreamingStack(nn.Module):
         """Row b forgets all it has written (start_offset[b] = offset[b]); positions keep counting.
 
         Its ring rows are zeroed, so nothing of the old session stays in a masked slot
-        (session isolation, see `streaming.py`).
+        (session isolation, see `state.py`).
         """
         self._state_op("reset_slot", self._check_row("reset_slot", b))
 
@@ -343,57 +201,13 @@ class _StreamingStack(nn.Module):
         """
         self._conversion_target(fn)
         s = self._state
-        state = None if s is None else StreamState(*(fn(t) for t in (s.k, s.v, s.offset, s.start_offset)))
+        state = None if s is None else TorchStreamState(*(fn(t) for t in (s.k, s.v, s.offset, s.start_offset)))
         super()._apply(fn, recurse)
         self._state = state
         return self
 
-    # ----------------------------------------------------------------------------- snapshots
-    def snapshot(self) -> dict:
-        """The stream so far, as copies, in the format of `jax_impl.snapshot`:
-
-        {"k", "v": [L, B, H, C, D] (the stack's dtype), "offset", "start_offset": int64 [B],
-        "metadata": dict[str, str] (config fields, dtype, batch size)}. `restore` on a stack of
-        the same config (this class, the other path, or the JAX-backed drop-in) continues it.
-        """
-        s = self._require_state("snapshot")
-        tensors = {key: getattr(s, key).clone() for key in ARRAY_KEYS}
-        return {**tensors, "metadata": snapshot_metadata(self.config, dtype_name(self.dtype), s.batch_size)}
-
-    @torch.no_grad()
-    def restore(self, snapshot: dict) -> None:
-        """Continue the stream of `snapshot` (from `snapshot()` here, on a drop-in, or a `jax_impl.Streamer`).
-
-        Replaces the state, as `streaming_init` does (batch size from the snapshot), with copies
-        on this stack's device: the snapshot stays valid. Validated first (`jax_impl.snapshot`:
-        keys, config, shapes, dtypes, 0 <= start_offset <= offset); k, v of bf16/f16 widen
-        exactly into a float32 stack, a narrowing is refused; int32 offsets widen to int64.
-        On a refusal nothing changes. Same dtype and device: bit-identical continuation.
-        """
-        where = "restore(snapshot)"
-        layout = check_snapshot_layout(self.config, snapshot, where)
-        check_ring_cast(layout.dtype, dtype_name(self.dtype), where)
-        t = {key: _as_torch(where, key, snapshot[key]) for key in ARRAY_KEYS}
-        check_snapshot_values(t["offset"].tolist(), t["start_offset"].tolist(), torch.iinfo(torch.long).max,
-                              where)
-        ring = {key: t[key].to(device=self.device, dtype=self.dtype, copy=True) for key in ("k", "v")}
-        idx = {key: t[key].to(device=self.device, dtype=torch.long, copy=True)
-               for key in ("offset", "start_offset")}
-        self._state = StreamState(**ring, **idx)
-
-    def save_stream(self, path: str | os.PathLike) -> None:
-        """Write `snapshot()` to a safetensors file: the four arrays as tensors, "metadata" in the header;
-        ValueError naming `path` where it cannot be written."""
-        snap = self.snapshot()
-        meta = snap.pop("metadata")
-        write_stream_file(path, {key: v.contiguous().cpu() for key, v in snap.items()}, meta, "pt")
-
-    def load_stream(self, path: str | os.PathLike) -> None:
-        """`restore` the stream that `save_stream` (of either path) wrote to `path`."""
-        self.restore(read_stream(path))
-
     # ----------------------------------------------------------------------------- step
-    def _check_step_inputs(self, x, active) -> tuple[StreamState, torch.Tensor | None]:
+    def _check_step_inputs(self, x, active) -> tuple[TorchStreamState, torch.Tensor | None]:
         """(state, active) after checking step's arguments; active stays None when not given."""
         state = self._require_state("step")
         c = self.config
@@ -417,16 +231,32 @@ class _StreamingStack(nn.Module):
         """This stack's RoPE frequency table, computed on its device (the JAX path can share it)."""
         return tuple(rope_freqs(self.config.head_dim, self.config.max_period, self.device).tolist())
 
-    def step_tables(self, offset, start_offset, active, T: int) -> StepTables:
+    def step_tables(self, offset, start_offset, active, T: int) -> TorchStepTables:
+        """The step's tables, made once and read by every layer (the twin kernels' form for "twin")."""
         c = self.config
         tables = build_step_tables(offset, start_offset, active, T, capacity=c.capacity, context=c.context,
                                    head_dim=c.head_dim, max_period=c.max_period, convention=c.ring_convention)
         if self.kernels == "twin":
-            from . import twin_layers
-
-            tables = twin_layers.twin_tables(tables, offset, T, rope_freqs(c.head_dim, c.max_period, offset.device),
-                                             c.num_heads)
+            tables = twin_tables(tables, offset, T, rope_freqs(c.head_dim, c.max_period, offset.device))
         return tables
+
+    def _first_carry(self, x: torch.Tensor, state: TorchStreamState) -> tuple:
+        """The layer loop's first carry: (x, k, v), the stacked rings; for "twin" also the kernels'
+        counters (all 0) and, where the norms run split, the first layer's (`twin_layers.first_carry`)."""
+        if self.kernels != "twin":
+            return x, state.k, state.v
+        B, T, _ = x.shape
+        sems = torch.zeros(twin_sems_size(B, self.config.num_heads, T), dtype=torch.int32, device=x.device)
+        kernels, compiled = self._twins
+        return twin_layers.first_carry(kernels, self.config, self.weights(), x, state.k, state.v, sems,
+                                       compiled=compiled)
+
+    def _run_layer(self, carry: tuple, layer: int, tables: TorchStepTables, active: torch.Tensor) -> tuple:
+        """One layer: carry -> next carry; the reference layer, or the twin layer program."""
+        if self.kernels == "twin":
+            program = twin_layers.layer_program(self.config)
+            return program(self._twins[0], self.config, self.weights(), carry, layer, tables)
+        return self._reference_layer(self.config, self._layer_weights(layer), carry, layer, tables, active)
 
     @torch.no_grad()
     def step(self, x: torch.Tensor, active: torch.Tensor | None = None):
@@ -442,17 +272,17 @@ class _StreamingStack(nn.Module):
             x = x.contiguous()  # the twin kernels read dense rows: a strided x is copied (the same bits)
         c = self.config
         tables = self.step_tables(state.offset, state.start_offset, active, x.shape[1])
+        carry = self._first_carry(x, state)
         for layer in range(c.num_layers):
-            x = self._layer_fn(x, self._layer_weights(layer), c.num_heads, c.norm_eps,
-                               state.k[layer], state.v[layer], tables, active)
+            carry = self._layer_fn(carry, layer, tables, active)
         state.offset.copy_(tables.end_offset)
-        return self._head(x)
+        return self._head(carry[0])
 
     def _head(self, x: torch.Tensor):
         return x
 
 
-class TemporalStreaming(_StreamingStack):
+class TemporalStreaming(StreamingStack):
     """Helium temporal transformer, stepping T frames (T=1 in PersonaPlex) per call."""
 
     def __init__(self, dim: int = 4096, num_layers: int = 32, num_heads: int = 32, hidden: int = 11264,
@@ -478,14 +308,12 @@ class TemporalStreaming(_StreamingStack):
 
     def _head(self, x: torch.Tensor):
         if self.kernels == "twin":
-            from . import twin_layers
-
-            return twin_layers.temporal_head(x, self.out_norm_alpha, self.text_linear, self.config.norm_eps)
+            return twin_layers.temporal_head(self._twins[0], self.config, self.weights(), x)
         out = rms_norm_f32(x, self.out_norm_alpha, self.config.norm_eps)
         return out, torch.nn.functional.linear(out, self.text_linear)[:, None]
 
 
-class MimiTransformer(_StreamingStack):
+class MimiTransformer(StreamingStack):
     """Mimi codec transformer (encoder or decoder), stepping T frames per call."""
 
     def __init__(self, num_layers: int = 8, dim: int = 512, num_heads: int = 8, context: int = 250,

@@ -1,7 +1,9 @@
-"""The ring KV cache: write slots, slot positions and the attention mask of one step.
+"""The per-step tables of the torch path: RoPE, the ring's write slots, slot positions and mask.
 
 Every layer of a stack writes the same slots and sees the same positions, so all of it is
-built once per step (`build_step_tables`) and passed to every layer.
+built once per step (`build_step_tables`; the twin kernels' form: `twin_tables`) and passed to
+every layer. The RoPE tables follow `moshi/modules/rope.py` op for op, so they are
+bit-identical to its own.
 
 Ring convention. A row has written positions 0 .. E-1 (E = offset + T * active after the
 write); position p lives in slot p % C. Slot c is labelled with the position it holds:
@@ -20,17 +22,16 @@ Both then set pos = -1 where c >= E (never written) or pos < start_offset[b] (re
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
 from jax_impl.config import RING_CONVENTIONS
 
-from .rope import rope_tables
 
-
-class StepTables(NamedTuple):
-    """Everything one step shares across layers.
+class TorchStepTables(NamedTuple):
+    """Everything one step shares across layers (the torch counterpart of `jax_impl.StepTables`).
 
     cos, sin:    float32 [B, 1, T, D/2]  RoPE tables for positions offset[b] + t.
     write_index: int64 [B, T]            slot written by query t: (offset[b] + t) % C.
@@ -42,10 +43,10 @@ class StepTables(NamedTuple):
                                          A position already recycled away (the tick after
                                          reset_slot + bump_slot_start) is not written, so a slot a
                                          row cannot see never holds a recycled session's values
-                                         (see `streaming.py`, session isolation).
-    sems:        int32 [B*H*T] or None   kernels="twin" only: the counters of the twin kernels that
-                                         finish in their last program, all 0 between kernels
-                                         (`kernels_triton.twin_attention.attention(sems=)`).
+                                         (see `state.py`, session isolation).
+
+    The twin kernels' form (`twin_tables`): cos, sin from the twin RoPE kernel, the index
+    tables int32 (write_mask included).
     """
 
     cos: torch.Tensor
@@ -56,7 +57,25 @@ class StepTables(NamedTuple):
     end_offset: torch.Tensor
     q_pos: torch.Tensor
     write_mask: torch.Tensor
-    sems: torch.Tensor | None = None
+
+
+def rope_freqs(head_dim: int, max_period: float, device=None) -> torch.Tensor:
+    """float32 [head_dim // 2]: freq_i = exp(i * (-ln(max_period) * 2 / head_dim)), torch's expf."""
+    ds = torch.arange(head_dim // 2, device=device, dtype=torch.float32)
+    return torch.exp(ds * (-math.log(max_period) * 2 / head_dim))
+
+
+def rope_tables(offset: torch.Tensor, T: int, head_dim: int, max_period: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables for positions `offset[b] + t`.
+
+    offset: int64 [B]. Returns two float32 tensors [B, 1, T, head_dim // 2],
+    angle = freq_i * (offset[b] + t) with `rope_freqs`.
+    """
+    B = offset.shape[0]
+    freqs = rope_freqs(head_dim, max_period, offset.device)
+    ts = offset.float().view(-1, 1) + torch.arange(T, device=offset.device, dtype=torch.float32)
+    angles = freqs * ts.view(B, 1, T, 1)
+    return torch.cos(angles), torch.sin(angles)
 
 
 def ring_positions(offset, start_offset, active, T: int, capacity: int, convention: str) -> torch.Tensor:
@@ -74,7 +93,7 @@ def ring_positions(offset, start_offset, active, T: int, capacity: int, conventi
 
 
 def build_step_tables(offset, start_offset, active, T: int, *, capacity: int, context: int,
-                      head_dim: int, max_period: float, convention: str) -> StepTables:
+                      head_dim: int, max_period: float, convention: str) -> TorchStepTables:
     """All per-step tables from the stack's offsets; offset, start_offset int64 [B], active bool [B]."""
     cos, sin = rope_tables(offset, T, head_dim, max_period)
     q_pos = offset.view(-1, 1) + torch.arange(T, device=offset.device, dtype=torch.long)  # [B, T]
@@ -83,19 +102,17 @@ def build_step_tables(offset, start_offset, active, T: int, *, capacity: int, co
     delta = q_pos.view(-1, T, 1) - positions.view(-1, 1, capacity)  # [B, T, C]
     mask = (positions.view(-1, 1, capacity) >= 0) & (delta >= 0) & (delta < context)
     write_mask = active.view(-1, 1) & (q_pos >= start_offset.view(-1, 1))
-    return StepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.long(), q_pos,
-                      write_mask)
+    return TorchStepTables(cos, sin, write_index, positions, mask[:, None], offset + T * active.long(), q_pos,
+                           write_mask)
 
 
-def ring_write(ring: torch.Tensor, write_index: torch.Tensor, new: torch.Tensor, write_mask: torch.Tensor) -> None:
-    """In place: ring[b, :, write_index[b, t]] = new[b, :, t] where write_mask[b, t].
+def twin_tables(tables: TorchStepTables, offset: torch.Tensor, T: int, freqs: torch.Tensor) -> TorchStepTables:
+    """`tables` as the twin kernels read them, made once a step: the twin cos, sin [B, 1, T, D/2]
+    for positions offset[b] + t (`kernels_triton.twin_rope.tables`, imported here: the reference
+    path never imports triton) and the index tables in the kernels' int32 (converted by each
+    layer's kernels, they had cost four small copy kernels a layer on the GPU)."""
+    from kernels_triton import twin_rope
 
-    ring [B, H, C, D], write_index int64 [B, T], new [B, H, T, D], write_mask bool [B, T]
-    (`StepTables.write_mask`: active rows, positions not recycled away). A masked-out write
-    puts back what its slot already holds, so the op has a fixed shape (CUDA-graph friendly)
-    and leaves that slot unchanged.
-    """
-    B, H, T, D = new.shape
-    index = write_index.view(B, 1, T, 1).expand(B, H, T, D)
-    kept = torch.where(write_mask.view(B, 1, T, 1), new, ring.gather(2, index))
-    ring.scatter_(2, index, kept)
+    cos, sin = twin_rope.tables(offset.to(torch.int32), T, freqs)
+    index = {name: getattr(tables, name).to(torch.int32) for name in ("write_index", "positions", "q_pos", "write_mask")}
+    return tables._replace(cos=cos[:, None], sin=sin[:, None], **index)
