@@ -18,10 +18,9 @@ from jax_impl.frame_config import FRAME_PRESETS, UNGENERATED_TOKEN
 from torch_bridge import to_torch
 from torch_bridge.frame import LMFrame, frame_input, jax_frame_params
 
-B = 4
-ALONE = 3  # the row also stepped alone (JAX, B=1): its bits among B rows are its bits alone
-FRAMES = 7
-CONTEXT = 4  # the temporal ring wraps at frame 5 (offset > context), the delays (up to 2) fill by frame 3
+ALONE = 3  # the row also stepped alone (JAX, B=1) in the batch of 4: its bits among 4 are its bits alone
+FRAMES = 5
+CONTEXT = 3  # the temporal ring wraps at frame 4 (offset > context), the delays (up to 2) pass by frame 3
 
 
 def small(preset: str):
@@ -48,17 +47,18 @@ def state_pairs(frame: LMFrame, state: jf.FrameState, rows=slice(None)) -> dict:
 
 
 # Between them: Moshi's 8 depformer steps (with the caller's codebooks) and PersonaPlex's 16, both
-# dtypes, greedy and sampled, the whole depformer and an early exit (which also keeps the Triton
-# interpreter's programs few: 3 of 16 steps).
-CASES = [("moshi-small", torch.float32, {}, None),
-         ("personaplex-small", torch.bfloat16,
-          {"temperature": 0.9, "top_k": 6, "text_temperature": 0.8, "text_top_k": 12}, 3)]
+# dtypes, greedy and sampled, the whole depformer and an early exit (3 of 16 steps), a batch of 2
+# and one of 4 whose row 3 also runs alone. The costs: the Triton interpreter's programs (a program
+# a row in the attention; bfloat16's twice float32's) and the JAX frame's compile (bfloat16's ~2x).
+CASES = [("personaplex-small", torch.float32,
+          {"temperature": 0.9, "top_k": 6, "text_temperature": 0.8, "text_top_k": 12}, 3, 4),
+         ("moshi-small", torch.bfloat16, {}, None, 2)]
 
 
-@pytest.mark.parametrize("preset, dtype, sampling, dep_q_exit", CASES)
-def test_twin_frame_jax_and_torch_identical(preset, dtype, sampling, dep_q_exit):
-    """7 frames of B=4 side by side (the delays fill, the ring wraps), idle rows, reset_slot +
-    bump_slot_start and reset_rows: every output and state tensor identical after every frame; row 3
+@pytest.mark.parametrize("preset, dtype, sampling, dep_q_exit, B", CASES)
+def test_twin_frame_jax_and_torch_identical(preset, dtype, sampling, dep_q_exit, B):
+    """5 frames side by side (the delays pass, the ring wraps), idle rows, reset_slot + bump_slot_start
+    and reset_rows: every output and state tensor identical after every frame; in the batch of 4, row 3
     stepped alone by the JAX frame has the same bits."""
     torch.set_num_threads(1)
     cfg = small(preset)
@@ -69,42 +69,47 @@ def test_twin_frame_jax_and_torch_identical(preset, dtype, sampling, dep_q_exit)
     step = jf.make_frame_step(cfg, kernels="twin", rope_freqs=frame.temporal.rope_freqs(), dep_q_exit=dep_q_exit,
                               **sampling)
     frame.streaming_init(B)
-    state, alone = jf.init_frame_state(cfg, B, jdtype), jf.init_frame_state(cfg, 1, jdtype)
-    seeds = torch.tensor([3, 2**31 + 9, 4, 77]) if sampling else None
+    state = jf.init_frame_state(cfg, B, jdtype)
+    alone = jf.init_frame_state(cfg, 1, jdtype) if B > ALONE else None
+    seeds = torch.tensor([3, 2**31 + 9, 4, 77][:B]) if sampling else None
     n = cfg.dep_q if dep_q_exit is None else dep_q_exit
     g = torch.Generator().manual_seed(6)
     text_seen = set()
     for t in range(FRAMES):
-        if t == 2:
+        if t == 1:
             frame.reset_slot(1)
             frame.bump_slot_start(1)
             state = jf.jit_bump_slot_start(jf.jit_reset_slot(state, 1), 1)
-        if t == 4:
-            mask = torch.tensor([True, False, False, True])
+        if t == 3:
+            mask = torch.arange(B) % 3 == 0  # rows 0 (and 3)
             frame.reset_rows(mask)
             state = jf.jit_reset_rows(state, mask.numpy())
-            alone = jf.jit_reset_rows(alone, mask[ALONE:].numpy())
-        active = torch.tensor([t != 5, True, t != 3, t != 1])
+            if alone is not None:
+                alone = jf.jit_reset_rows(alone, mask[ALONE:].numpy())
+        active = torch.ones(B, dtype=torch.bool)
+        active[0], active[B - 1] = t != 4, t != 2
         user = torch.randint(-1, cfg.card + 1, (B, cfg.user_codebooks), generator=g)
         tail = None if dep_q_exit is None else torch.randint(0, cfg.card, (B, cfg.dep_q - n), generator=g)
         ours = frame.step(user, active, replace_audio=tail, seeds=seeds, dep_q_exit=dep_q_exit, **sampling)
         args = (user.int().numpy(), active.numpy(), None if tail is None else tail.int().numpy(),
                 None if seeds is None else seeds.numpy().astype(np.uint32))
         theirs, state = step(params, state, *args)
-        mine, alone = step(params, alone, *(None if a is None else a[ALONE:] for a in args))
         for name in ours._fields:
             assert same(getattr(ours, name), getattr(theirs, name)), f"{name} differs at frame {t}"
-            assert same(getattr(ours, name)[ALONE:], getattr(mine, name)), f"{name}: row {ALONE} alone differs at {t}"
         for name, (a, b) in state_pairs(frame, state).items():
             assert same(a, b), f"state {name} differs after frame {t}"
-        for name, (a, b) in state_pairs(frame, alone, slice(ALONE, None)).items():
-            assert same(a, b), f"state {name}: row {ALONE} alone differs after frame {t}"
+        if alone is not None:
+            mine, alone = step(params, alone, *(None if a is None else a[ALONE:] for a in args))
+            for name in ours._fields:
+                assert same(getattr(ours, name)[ALONE:], getattr(mine, name)), f"{name}: row {ALONE} alone, frame {t}"
+            for name, (a, b) in state_pairs(frame, alone, slice(ALONE, None)).items():
+                assert same(a, b), f"state {name}: row {ALONE} alone differs after frame {t}"
         text_seen.update(ours.text[active].tolist())
         if tail is not None:
             assert torch.equal(ours.audio[active, n:], tail[active])
     assert ours.audio_logits.shape == (B, n, cfg.card)
     assert int(frame.temporal.state.offset.max()) > CONTEXT, "the ring must wrap"
-    assert (ours.tokens[1:3] != UNGENERATED_TOKEN).all(), "the delays must have passed (rows not reset late)"
+    assert (ours.tokens[1] != UNGENERATED_TOKEN).all(), "row 1's delays must have passed"
     assert len(text_seen) > 2
 
 
@@ -149,8 +154,8 @@ def test_crosscheck_depformer_and_frame_twin(capsys):
     from torch_bridge.crosscheck_lm import crosscheck_lm, default_steps
 
     assert default_steps("frame", "twin", "cpu") < default_steps("frame", "reference", "cpu")
-    for argv in (["--stack", "depformer", "--steps", "1", "--batch", "2"],
-                 ["--stack", "frame", "--steps", "4", "--batch", "1", "--dtype", "bfloat16"]):
+    for argv in (["--stack", "depformer", "--steps", "1", "--batch", "1"],
+                 ["--stack", "frame", "--steps", "2", "--batch", "1"]):
         assert main(["crosscheck", *argv, "--require", "identical", "-q"]) == 0
         out = capsys.readouterr().out
         assert "kernels twin" in out and "verdict: every tensor bit-identical at every step" in out

@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
                     "and whole frame (PersonaPlex sizes, small on the CPU) (default: %(default)s)")
     cc.add_argument("--steps", type=_positive_int, default=None,
                     help="steps to run (default: 300; depformer and frame: 40, on the CPU with the twin kernels "
-                         "3 and 16, the Triton interpreter taking seconds a frame)")
+                         "3 and 8, the Triton interpreter taking seconds a frame)")
     cc.add_argument("--batch", type=_positive_int, default=4, help="rows (sessions) (default: %(default)s)")
     cc.add_argument("--frames", type=_positive_int, default=None,
                     help="T, frames per step (default: 1 for temporal, 2 for Mimi)")

@@ -293,7 +293,9 @@ class LMFrame(nn.Module):
             raise ValueError(f"seeds must be an integer tensor [{B}] when a temperature is > 0: the randomness "
                              f"is an explicit input")
 
-        cache, offset, CT = self.token_cache, self.frame_offset, c.cache_len
+        # the token cache and offsets change in place at the end: a kernel that refuses to run
+        # (the Triton twins on the CPU without TRITON_INTERPRET) leaves the frame as it was
+        cache, offset, CT = self.token_cache.clone(), self.frame_offset.clone(), c.cache_len
         run = active[:, None, None]
         if c.user_codebooks:  # the caller's codebooks, written delay frames ahead
             pos = ((offset[:, None] + self.delays[c.dep_q + 1:]) % CT)[..., None]
@@ -317,6 +319,8 @@ class LMFrame(nn.Module):
         index = ((offset[:, None] - c.max_delay + self.delays[:1 + c.dep_q]) % CT)[..., None]
         tokens = cache.gather(-1, index)[..., 0]
         not_ready = ((offset <= c.max_delay) | ~active)[:, None]
+        self.token_cache.copy_(cache)
+        self.frame_offset.copy_(offset)
         ungenerated = torch.full((), UNGENERATED_TOKEN, device=self.device)
         return FrameOutput(tokens=torch.where(not_ready, ungenerated, tokens),
                            text=torch.where(active, text, ungenerated),
