@@ -147,6 +147,25 @@ def test_twin_frame_refuses_bad_kernels():
         make(odd, "reference")
 
 
+def test_frame_refused_by_a_kernel_changes_nothing(monkeypatch):
+    """A frame whose temporal step raises (as the Triton twins do on the CPU without TRITON_INTERPRET)
+    leaves the token cache and the offsets as they were, the caller's codebooks included."""
+    cfg = FRAME_PRESETS["moshi-small"]
+    frame = LMFrame.from_config(cfg)
+    frame.streaming_init(2)
+    user = torch.ones(2, cfg.user_codebooks, dtype=torch.long)
+    frame.step(user)
+    saved = frame.token_cache.clone(), frame.frame_offset.clone()
+
+    def refuse(*args):
+        raise RuntimeError("this kernel cannot run here")
+
+    monkeypatch.setattr(frame.temporal, "step", refuse)
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        frame.step(user + 1)
+    assert torch.equal(frame.token_cache, saved[0]) and torch.equal(frame.frame_offset, saved[1])
+
+
 def test_crosscheck_depformer_and_frame_twin(capsys):
     """`crosscheck --stack depformer|frame` runs the twin kernels by default and reports every tensor
     bit-identical (a few frames of the small preset)."""
