@@ -154,7 +154,8 @@ FRAME_PRESETS: dict[str, FrameConfig] = {
     "personaplex": FrameConfig(TemporalConfig(), DepformerConfig(), n_q=16, delays=_DELAYS_16),
     "moshi": FrameConfig(TemporalConfig(ring_convention="moshi"), DEPFORMER_PRESETS["moshi"], n_q=16,
                          delays=_DELAYS_16),
-    # CPU sizes (the depformer's small presets); delays up to 2 so the cache cycles.
+    # CPU sizes (the depformer's small presets; 3 temporal heads of 16: the twin attention takes
+    # power-of-two head dims); delays up to 2 so the cache cycles.
     "personaplex-small": FrameConfig(
         TemporalConfig(dim=48, num_layers=2, num_heads=3, hidden=132, context=12, text_card=50),
         DEPFORMER_PRESETS["personaplex-small"], n_q=16, delays=(0, 0, 1, 2, *(1,) * 5, 0, 2, *(1,) * 6)),
