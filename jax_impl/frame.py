@@ -10,8 +10,16 @@ What a frame computes, the token ids, the early exit and the sampling counters: 
 reference (`torch_bridge.frame`, bit-exact with moshi's `LMGen.step`) and
 `jax_impl.frame_config`; this is the same frame, operation for operation: embeddings of the
 cached tokens (with the delays) -> the temporal step (`step_fn`) -> text sampling -> the
-depformer (`depformer_frame`, its first dep_q_exit steps) -> the cache. The floats differ from
-torch's by the matmuls' summation order (XLA's, not oneDNN's); the tokens agree.
+depformer (`depformer_frame`, its first dep_q_exit steps) -> the cache.
+
+`kernels` picks who computes the floats, as for the stacks:
+
+- "reference": jax.numpy / XLA; the floats differ from the torch reference frame's by the matmuls'
+  summation order (XLA's, not oneDNN's), the tokens agree.
+- "twin": the temporal step and the depformer on the Pallas twins (`step_fn(kernels="twin")`,
+  `depformer_frame(kernels="twin")`; the text head is the twin step's), the embeddings' sum
+  written out in a fixed order (`frame_input`): the torch `LMFrame(kernels="twin")`'s bits for
+  every output and state tensor, whatever the batch.
 """
 
 from __future__ import annotations
@@ -25,14 +33,20 @@ import numpy as np
 
 from . import state as st
 from .depformer import check_depformer_params, depformer_frame
-from .frame_config import TEXT_COUNTER_BASE, UNGENERATED_TOKEN, FrameConfig, FrameOutput, embedding_shapes
+from .frame_config import (
+    TEXT_COUNTER_BASE,
+    UNGENERATED_TOKEN,
+    FrameConfig,
+    FrameOutput,
+    check_frame_kernels,
+    embedding_shapes,
+)
 from .sampling import sample
 from .sampling_config import check_sampling
 from .state import StreamState
 from .step import step_fn
 from .weights import check_params
 
-KERNELS = ("reference",)
 F32, I32, U32 = jnp.float32, jnp.int32, jnp.uint32
 
 
@@ -84,19 +98,34 @@ def embed(table, ids):
     return jnp.where((ids == -1)[:, None], jnp.zeros((), y.dtype), y)
 
 
-def frame_fn(cfg: FrameConfig, *, dep_q_exit: int | None = None, temperature: float = 0.0, top_k: int = 0,
-             text_temperature: float = 0.0, text_top_k: int = 0, rope_freqs: tuple[float, ...] | None = None):
+def frame_input(params, tokens_in, kernels: str):
+    """The temporal stack's input [B, 1, dim] in the tables' dtype from tokens_in int [B, 1 + n_q]
+    (text first): the audio tables' embeddings, then the text table's, added left to right (moshi's
+    order). "reference" adds in the tables' dtype (moshi's roundings); "twin" adds the float32
+    upcasts and rounds once (`torch_bridge.frame.frame_input`: the same adds, in the same order; XLA
+    does not reassociate them). In float32 the two are the same bits."""
+    dtype = params["text_emb"].dtype
+    acc = F32 if kernels == "twin" else dtype
+    x = embed(params["emb"][0], tokens_in[:, 1]).astype(acc)
+    for k in range(1, params["emb"].shape[0]):
+        x = x + embed(params["emb"][k], tokens_in[:, 1 + k]).astype(acc)
+    return (x + embed(params["text_emb"], tokens_in[:, 0]).astype(acc)).astype(dtype)[:, None]
+
+
+def frame_fn(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit: int | None = None,
+             temperature: float = 0.0, top_k: int = 0, text_temperature: float = 0.0, text_top_k: int = 0,
+             rope_freqs: tuple[float, ...] | None = None):
     """The pure frame `(params, state, user_tokens, active, replace_audio, seeds) -> (FrameOutput, state)`.
 
     user_tokens int [B, n_q - dep_q]; active bool [B]; replace_audio int [B, dep_q - dep_q_exit] (or
-    None when dep_q_exit is dep_q); seeds int [B] or None (greedy). Arguments are not checked here
-    (`make_frame_step` checks them).
+    None when dep_q_exit is dep_q); seeds int [B] or None (greedy). kernels: "reference" or "twin"
+    (module docstring). Arguments are not checked here (`make_frame_step` checks them).
     """
     D, K, CT = cfg.dep_q, cfg.num_codebooks, cfg.cache_len
     n = D if dep_q_exit is None else dep_q_exit
     delays = np.asarray(cfg.delays, np.int32)
     initial = np.asarray(cfg.initial_tokens, np.int32)
-    temporal_step = step_fn(cfg.temporal, rope_freqs=rope_freqs, kernels="reference")
+    temporal_step = step_fn(cfg.temporal, rope_freqs=rope_freqs, kernels=kernels)
 
     def fn(params, state: FrameState, user_tokens, active, replace_audio, seeds):
         cache, offset = state.token_cache, state.frame_offset
@@ -107,17 +136,14 @@ def frame_fn(cfg: FrameConfig, *, dep_q_exit: int | None = None, temperature: fl
             cache = cache.at[rows, cbs, pos].set(jnp.where(run, user_tokens.astype(I32), cache[rows, cbs, pos]))
         is_init = (offset[:, None] <= delays) | ~run
         tokens_in = jnp.where(is_init, initial, cache[rows, np.arange(K)[None], (offset % CT)[:, None]])
-        x = embed(params["emb"][0], tokens_in[:, 1])  # moshi's order: the audio tables, then the text's
-        for k in range(1, cfg.n_q):
-            x = x + embed(params["emb"][k], tokens_in[:, 1 + k])
-        x = x + embed(params["text_emb"], tokens_in[:, 0])
-
-        (out, text_logits), temporal = temporal_step(params["temporal"], state.temporal, x[:, None], active)
+        x = frame_input(params, tokens_in, kernels)
+        (out, text_logits), temporal = temporal_step(params["temporal"], state.temporal, x, active)
         text_logits = text_logits[:, 0, 0].astype(F32)
         text = sample(text_logits, seeds, offset.astype(U32) + U32(TEXT_COUNTER_BASE), temperature=text_temperature,
                       top_k=text_top_k)
         codes, audio_logits = depformer_frame(cfg.depformer, params["depformer"], text, out, seeds=seeds,
-                                              counter=offset, temperature=temperature, top_k=top_k, steps=n)
+                                              counter=offset, temperature=temperature, top_k=top_k,
+                                              kernels=kernels, steps=n)
         audio = codes if n == D else jnp.concatenate([codes, replace_audio.astype(I32)], axis=1)
 
         offset = jnp.where(active, offset + 1, offset)
@@ -155,6 +181,9 @@ def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit:
     """A jitted frame: step(params, state, user_tokens=None, active=None, replace_audio=None, seeds=None)
     -> (FrameOutput, new_state); the state is donated (keep only the returned one).
 
+    kernels: "reference" or "twin" (module docstring; the twin frame's bits are the torch
+    `LMFrame(kernels="twin")`'s).
+
     dep_q_exit (static): the depformer's steps (1..dep_q; None: dep_q); the caller then gives
     replace_audio [B, dep_q - dep_q_exit]. temperature/top_k (audio), text_temperature/text_top_k:
     the sampler's (static; 0: greedy), seeds int [B] then. rope_freqs: the torch stack's RoPE table
@@ -163,8 +192,7 @@ def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit:
     """
     if not isinstance(cfg, FrameConfig):
         raise TypeError(f"cfg must be a FrameConfig, got {type(cfg).__name__}")
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    check_frame_kernels(cfg, kernels)
     D = cfg.dep_q
     if dep_q_exit is not None and (not isinstance(dep_q_exit, int) or isinstance(dep_q_exit, bool)
                                    or not 1 <= dep_q_exit <= D):
@@ -172,7 +200,7 @@ def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit:
     n = D if dep_q_exit is None else dep_q_exit
     check_sampling(text_temperature, text_top_k, cfg.text_card)
     check_sampling(temperature, top_k, cfg.card)
-    fn = frame_fn(cfg, dep_q_exit=n, temperature=temperature, top_k=top_k, text_temperature=text_temperature,
+    fn = frame_fn(cfg, kernels=kernels, dep_q_exit=n, temperature=temperature, top_k=top_k, text_temperature=text_temperature,
                   text_top_k=text_top_k, rope_freqs=rope_freqs)
     jitted = jax.jit(fn, donate_argnums=(1,) if donate else ())
 

@@ -106,6 +106,22 @@ class FrameConfig:
         return (self.text_card, *(self.card,) * self.n_q)
 
 
+FRAME_KERNELS = ("reference", "twin")
+
+
+def check_frame_kernels(cfg: FrameConfig, kernels) -> str:
+    """kernels as checked: "reference", or "twin" where the twin attention runs both stacks (its
+    head dim a power of two), refused before any state exists rather than mid-frame."""
+    if kernels not in FRAME_KERNELS:
+        raise ValueError(f"kernels must be one of {FRAME_KERNELS}, got {kernels!r}")
+    if kernels == "twin":
+        for name, head_dim in (("temporal", cfg.temporal.head_dim), ("depformer", cfg.depformer.head_dim)):
+            if head_dim & (head_dim - 1):
+                raise ValueError(f"kernels='twin' needs power-of-two head dims (the twin attention); the {name} "
+                                 f"stack's is {head_dim}")
+    return kernels
+
+
 def embedding_shapes(cfg: FrameConfig) -> dict[str, tuple[int, ...]]:
     """The temporal stack's input tables (buffers on both sides; checkpoint `text_emb.weight`,
     `emb.{k}.weight`)."""
@@ -138,12 +154,13 @@ FRAME_PRESETS: dict[str, FrameConfig] = {
     "personaplex": FrameConfig(TemporalConfig(), DepformerConfig(), n_q=16, delays=_DELAYS_16),
     "moshi": FrameConfig(TemporalConfig(ring_convention="moshi"), DEPFORMER_PRESETS["moshi"], n_q=16,
                          delays=_DELAYS_16),
-    # CPU sizes (the depformer's small presets); delays up to 2 so the cache cycles.
+    # CPU sizes (the depformer's small presets; 3 temporal heads of 16: the twin attention takes
+    # power-of-two head dims); delays up to 2 so the cache cycles.
     "personaplex-small": FrameConfig(
-        TemporalConfig(dim=48, num_layers=2, num_heads=4, hidden=132, context=12, text_card=50),
+        TemporalConfig(dim=48, num_layers=2, num_heads=3, hidden=132, context=12, text_card=50),
         DEPFORMER_PRESETS["personaplex-small"], n_q=16, delays=(0, 0, 1, 2, *(1,) * 5, 0, 2, *(1,) * 6)),
     "moshi-small": FrameConfig(
-        TemporalConfig(dim=48, num_layers=2, num_heads=4, hidden=132, context=12, text_card=50,
+        TemporalConfig(dim=48, num_layers=2, num_heads=3, hidden=132, context=12, text_card=50,
                        ring_convention="moshi"),
         DEPFORMER_PRESETS["moshi-small"], n_q=16, delays=(0, 0, 1, 2, *(1,) * 5, 0, 2, *(1,) * 6)),
 }

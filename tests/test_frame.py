@@ -216,7 +216,7 @@ def test_bad_input_is_refused_and_changes_nothing():
 
 
 def test_crosscheck_depformer_and_frame(capsys):
-    """`crosscheck --stack depformer|frame` (reference kernels): tokens and integer state identical,
+    """`crosscheck --stack depformer|frame --kernels reference`: tokens and integer state identical,
     floats close; the CLI runs it and refuses the flags it does not take."""
     from torch_bridge.cli import main
     from torch_bridge.crosscheck_lm import crosscheck_lm
@@ -224,9 +224,8 @@ def test_crosscheck_depformer_and_frame(capsys):
     report = crosscheck_lm("frame", steps=5, batch=2, seed=1)
     report.require(identical=["tokens", "text", "audio", "token_cache", "frame_offset", "offset", "start_offset"],
                    level="close", greedy=True)
-    assert main(["crosscheck", "--stack", "depformer", "--steps", "3", "--batch", "2", "--require", "close"]) == 0
+    assert main(["crosscheck", "--stack", "depformer", "--steps", "3", "--batch", "2", "--kernels", "reference",
+                 "--require", "close"]) == 0
     assert "codes         yes" in capsys.readouterr().out
     assert main(["crosscheck", "--stack", "frame", "--context", "8"]) != 0
     assert "--context: not taken by --stack frame" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="kernels must be 'reference'"):
-        crosscheck_lm("depformer", kernels="twin")

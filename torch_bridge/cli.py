@@ -69,8 +69,10 @@ def _parser() -> argparse.ArgumentParser:
                                     "whether the two are bit-identical.")
     cc.add_argument("--stack", choices=["temporal", "mimi-encoder", "mimi-decoder", "depformer", "frame"],
                     default="temporal", help="which stack; depformer and frame: the language model's depformer "
-                    "and whole frame (PersonaPlex sizes, small on the CPU; reference kernels) (default: %(default)s)")
-    cc.add_argument("--steps", type=_positive_int, default=300, help="steps to run (default: %(default)s)")
+                    "and whole frame (PersonaPlex sizes, small on the CPU) (default: %(default)s)")
+    cc.add_argument("--steps", type=_positive_int, default=None,
+                    help="steps to run (default: 300; depformer and frame: 40, on the CPU with the twin kernels "
+                         "3 and 8, the Triton interpreter taking seconds a frame)")
     cc.add_argument("--batch", type=_positive_int, default=4, help="rows (sessions) (default: %(default)s)")
     cc.add_argument("--frames", type=_positive_int, default=None,
                     help="T, frames per step (default: 1 for temporal, 2 for Mimi)")
@@ -106,8 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("--kernels", choices=list(TORCH_KERNELS), default=None,
                     help="twin: both paths on the twin kernels (Triton for torch, Pallas for JAX), bit-identical "
                          "and batch-invariant; reference: each framework's plain path, the torch reference "
-                         "(bit-exact with moshi) against XLA, close but not bit-identical (default: twin; "
-                         "reference for depformer and frame)")
+                         "(bit-exact with moshi) against XLA, close but not bit-identical (default: twin)")
     cc.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     cc.add_argument("--seed", type=_non_negative_int, default=0,
                     help="seed of the schedule and weights, >= 0 (default: 0)")
@@ -133,9 +134,11 @@ def _parser() -> argparse.ArgumentParser:
 def _crosscheck(args) -> int:
     from .crosscheck import crosscheck, resolve_device
 
+    args.kernels = args.kernels or "twin"
+    if args.kernels == "twin" and resolve_device(args.device, "--device") == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton runs on the CPU only interpreted
     if args.stack in ("depformer", "frame"):
         return _crosscheck_lm(args)
-    args.kernels = args.kernels or "twin"
 
     device = args.device
     size = args.size
@@ -147,9 +150,6 @@ def _crosscheck(args) -> int:
         raise ValueError(f"--plot: expected a .png file name, got {args.plot}")
     if args.plot:
         _require_matplotlib()
-    resolved = resolve_device(device, "--device")  # a one-line error now, not torch's AssertionError mid-run
-    if args.kernels == "twin" and resolved == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton runs on the CPU only interpreted
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             _check_writable(flag, path)  # now, not after the whole run
@@ -163,7 +163,7 @@ def _crosscheck(args) -> int:
         def progress(it):
             return tqdm(it, desc=f"crosscheck {args.stack}", unit="step", leave=False)
 
-    report = crosscheck(args.stack, steps=args.steps, batch=args.batch, convention=args.convention,
+    report = crosscheck(args.stack, steps=args.steps or 300, batch=args.batch, convention=args.convention,
                         dtype=args.dtype, frames=args.frames, config=config, checkpoint=args.checkpoint,
                         device=device, seed=args.seed, recycle=not args.no_recycle, threads=args.threads,
                         kernels=args.kernels, progress=progress)
@@ -207,7 +207,7 @@ def _crosscheck_lm(args) -> int:
             _check_writable(flag, path)
     report = crosscheck_lm(args.stack, steps=args.steps, batch=args.batch, dtype=args.dtype, device=args.device,
                            seed=args.seed, recycle=not args.no_recycle, threads=args.threads or 1,
-                           kernels=args.kernels or "reference")
+                           kernels=args.kernels)
     print(report.summary())
     if args.json:
         report.write_json(args.json)

@@ -8,7 +8,9 @@ Both paths run on the same weight buffers (DLPack views), the same inputs and ac
 stacks' cross-check compares them. "depformer": one frame's codes and logits from random text
 tokens and temporal outputs. "frame": the frame's tokens (undelayed, as sampled), its logits and
 transformer output, the token cache, the frame offsets and the temporal stack's rings and offsets.
-Reference kernels on both sides: the floats agree to the matmuls' summation order, the tokens exactly.
+kernels="twin": both sides on the twin kernels (Triton for torch, Pallas for JAX): every tensor
+bit-identical. kernels="reference": the torch reference path against JAX's jax.numpy path: the
+floats agree to the matmuls' summation order, the tokens exactly.
 """
 
 from __future__ import annotations
@@ -23,44 +25,53 @@ from jax_impl.depformer import make_depformer_step
 from jax_impl.frame import init_frame_state, jit_reset_rows, jit_reset_slot, make_frame_step
 from jax_impl.frame_config import FRAME_PRESETS
 
-from .crosscheck import DTYPES, resolve_device
+from .crosscheck import CROSSCHECK_KERNELS, DTYPES, resolve_device
 from .depformer import Depformer
 from .dlpack import to_jax
 from .frame import LMFrame, jax_frame_params
 from .report import TIE_TOL, ArgmaxRecord, CrosscheckReport, TensorRecord
 
 LM_STACKS = ("depformer", "frame")
+# Steps of a run by default: on the CPU the torch twins run under Triton's interpreter (seconds a
+# frame of the small preset), so a few: the frame's delays (up to 2 frames) pass.
+DEFAULT_STEPS = 40
+CPU_TWIN_STEPS = {"depformer": 3, "frame": 8}
 
 
-def crosscheck_lm(stack: str = "frame", *, steps: int = 40, batch: int = 4, dtype: str = "float32",
+def default_steps(stack: str, kernels: str, device: str) -> int:
+    """Steps of a run when none are given: `CPU_TWIN_STEPS` for the twin kernels on the CPU, else 40."""
+    return CPU_TWIN_STEPS[stack] if kernels == "twin" and device == "cpu" else DEFAULT_STEPS
+
+
+def crosscheck_lm(stack: str = "frame", *, steps: int | None = None, batch: int = 4, dtype: str = "float32",
                   device: str | None = None, seed: int = 0, recycle: bool = True, threads: int | None = 1,
                   kernels: str = "reference", progress=None) -> CrosscheckReport:
     """Run the torch and JAX `stack` ("depformer" or "frame") side by side for `steps` steps.
 
-    Sizes: PersonaPlex's on a GPU, its small preset on the CPU. recycle: the frame's reset_slot /
-    reset_rows at random. threads: torch's CPU threads (None: torch's default; restored after).
-    kernels: "reference" (the twin kernels do not run the depformer yet). Bad arguments raise
-    ValueError / TypeError naming the argument before any work.
+    Sizes: PersonaPlex's on a GPU, its small preset on the CPU. steps: None for `default_steps`.
+    recycle: the frame's reset_slot / reset_rows at random. threads: torch's CPU threads (None:
+    torch's default; restored after). kernels: "twin" or "reference" (module docstring). Bad
+    arguments raise ValueError / TypeError naming the argument before any work.
     """
     if stack not in LM_STACKS:
         raise ValueError(f"stack must be one of {list(LM_STACKS)}, got {stack!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    if kernels != "reference":
-        raise ValueError(f"kernels must be 'reference' for the {stack} (the twin kernels do not run it yet), "
-                         f"got {kernels!r}")
-    for name, value in (("steps", steps), ("batch", batch), ("seed", seed + 1)):
+    if kernels not in CROSSCHECK_KERNELS:
+        raise ValueError(f"kernels must be one of {list(CROSSCHECK_KERNELS)}, got {kernels!r}")
+    for name, value in (("steps", 1 if steps is None else steps), ("batch", batch), ("seed", seed + 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an int >= {0 if name == 'seed' else 1}, got {value!r}")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
     device = resolve_device(device)
+    steps = default_steps(stack, kernels, device) if steps is None else steps
     cfg = FRAME_PRESETS["personaplex" if device.startswith("cuda") else "personaplex-small"]
     saved = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        frame = LMFrame.from_config(cfg, dtype=DTYPES[dtype], device=device)
+        frame = LMFrame.from_config(cfg, dtype=DTYPES[dtype], device=device, kernels=kernels)
         frame.init_weights(std=0.1, generator=torch.Generator(device=device).manual_seed(seed))
         run = _run_depformer if stack == "depformer" else _run_frame
         records, argmax, torch_ms, jax_ms, config = run(frame, steps, batch, seed, recycle, progress)
@@ -86,7 +97,7 @@ def _run_depformer(frame: LMFrame, steps, batch, seed, recycle, progress):
     dep: Depformer = frame.depformer
     c = dep.config
     params = jax_frame_params(frame)["depformer"]
-    jax_step = make_depformer_step(c)
+    jax_step = make_depformer_step(c, dep.kernels)
     records = {n: TensorRecord(n) for n in ("codes", "logits")}
     argmax = ArgmaxRecord("logits", TIE_TOL[str(dep.dtype).removeprefix("torch.")])
     gen = torch.Generator().manual_seed(seed)
@@ -110,7 +121,7 @@ def _run_frame(frame: LMFrame, steps, batch, seed, recycle, progress):
     cfg = frame.config
     params = jax_frame_params(frame)
     state = init_frame_state(cfg, batch, params["text_emb"].dtype, device=params["text_emb"].devices().pop())
-    jax_step = make_frame_step(cfg, rope_freqs=frame.temporal.rope_freqs())
+    jax_step = make_frame_step(cfg, kernels=frame.kernels, rope_freqs=frame.temporal.rope_freqs())
     frame.streaming_init(batch)
     names = ("tokens", "text", "audio", "text_logits", "audio_logits", "temporal_out", "token_cache",
              "frame_offset", "k", "v", "offset", "start_offset")

@@ -1,4 +1,6 @@
-"""The whole language-model frame, PyTorch reference path: bit-exact with moshi's `LMGen.step` on the CPU.
+"""The whole language-model frame, PyTorch: bit-exact with moshi's `LMGen.step` on the CPU (the
+reference kernels), or on the Triton twins (`kernels="twin"`): the bits of the JAX frame
+`jax_impl.frame.make_frame_step(cfg, kernels="twin")`, whatever the batch.
 
     frame = LMFrame.from_config(FRAME_PRESETS["moshi"])
     frame.load_weights(lm_model.state_dict())         # or a released file's tensors
@@ -17,6 +19,11 @@ in the model's delayed time, as the depformer would have emitted them (moshi's
 `depformer_replace_tokens`, for the tail only): in serving the user-side codebooks the depformer
 would predict are overwritten by the user's own audio. They go into the cache and the next
 frame's input like generated tokens.
+
+Kernels: "reference" (torch ops: moshi's bits) or "twin": the temporal stack (its text head
+included) and the depformer on their Triton twins (`TemporalStreaming(kernels="twin")`,
+`Depformer(kernels="twin")`), the embeddings' sum in float32 in a fixed order, rounded once
+(`frame_input`); the embedding lookups, the token cache and the sampler are exact on both paths.
 
 Sampling: greedy by default; `temperature` / `top_k` (audio) and `text_temperature` / `text_top_k`
 sample with `torch_bridge.sampling` from the rows' `seeds`, at counters derived from each row's
@@ -39,6 +46,7 @@ from jax_impl.frame_config import (
     UNGENERATED_TOKEN,
     FrameConfig,
     FrameOutput,
+    check_frame_kernels,
     embedding_shapes,
 )
 from jax_impl.sampling_config import check_sampling
@@ -56,6 +64,19 @@ def scaled_embedding(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.where((ids == -1)[..., None], torch.zeros((), dtype=y.dtype), y)
 
 
+def frame_input(text_emb: torch.Tensor, emb: torch.Tensor, tokens_in: torch.Tensor, kernels: str) -> torch.Tensor:
+    """The temporal stack's input [B, 1, dim] in the tables' dtype from tokens_in int [B, 1 + n_q]
+    (text first): the audio tables' embeddings emb [n_q, card + 1, dim], then the text table's,
+    added left to right (moshi's order). "reference" adds in the tables' dtype (moshi's roundings);
+    "twin" adds the float32 upcasts and rounds once (`jax_impl.frame.frame_input`: the same adds in
+    the same order). In float32 the two are the same bits."""
+    acc = torch.float32 if kernels == "twin" else text_emb.dtype
+    x = scaled_embedding(emb[0], tokens_in[:, 1]).to(acc)
+    for k in range(1, emb.shape[0]):
+        x = x + scaled_embedding(emb[k], tokens_in[:, 1 + k]).to(acc)
+    return (x + scaled_embedding(text_emb, tokens_in[:, 0]).to(acc)).to(text_emb.dtype)[:, None]
+
+
 def check_tokens(name: str, x, shape: tuple[int, ...], high: int, device) -> torch.Tensor:
     """x as checked: an integer tensor of `shape` on `device` holding ids in 0..high or -1."""
     if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
@@ -71,13 +92,15 @@ def check_tokens(name: str, x, shape: tuple[int, ...], high: int, device) -> tor
 
 
 class LMFrame(nn.Module):
-    """The temporal stack, its input tables, the text head and sampling, and the depformer, as one frame."""
+    """The temporal stack, its input tables, the text head and sampling, and the depformer, as one frame.
+
+    kernels: "reference" or "twin" (module docstring), for the whole frame."""
 
     def __init__(self, config: FrameConfig, dtype=torch.float32, device=None, kernels: str = "reference"):
         super().__init__()
         if not isinstance(config, FrameConfig):
             raise TypeError(f"config must be a FrameConfig, got {type(config).__name__}")
-        self.config = config
+        self.config, self.kernels = config, check_frame_kernels(config, kernels)
         self.temporal = TemporalStreaming.from_config(config.temporal, dtype=dtype, device=device, kernels=kernels)
         self.depformer = Depformer.from_config(config.depformer, dtype=dtype, device=device, kernels=kernels)
         for name, shape in embedding_shapes(config).items():
@@ -270,7 +293,9 @@ class LMFrame(nn.Module):
             raise ValueError(f"seeds must be an integer tensor [{B}] when a temperature is > 0: the randomness "
                              f"is an explicit input")
 
-        cache, offset, CT = self.token_cache, self.frame_offset, c.cache_len
+        # the token cache and offsets change in place at the end: a kernel that refuses to run
+        # (the Triton twins on the CPU without TRITON_INTERPRET) leaves the frame as it was
+        cache, offset, CT = self.token_cache.clone(), self.frame_offset.clone(), c.cache_len
         run = active[:, None, None]
         if c.user_codebooks:  # the caller's codebooks, written delay frames ahead
             pos = ((offset[:, None] + self.delays[c.dep_q + 1:]) % CT)[..., None]
@@ -278,12 +303,7 @@ class LMFrame(nn.Module):
             user_cache.scatter_(-1, pos, torch.where(run, user[..., None], user_cache.gather(-1, pos)))
         is_init = (offset[:, None] <= self.delays) | ~active[:, None]
         tokens_in = cache.gather(-1, (offset % CT)[:, None, None].expand(B, c.num_codebooks, 1))[..., 0]
-        tokens_in = torch.where(is_init, self.initial, tokens_in)[..., None]   # [B, K, 1]
-        x = scaled_embedding(self.emb[0], tokens_in[:, 1])  # moshi's order: the audio tables, then the text's
-        for k in range(1, c.n_q):
-            x = x + scaled_embedding(self.emb[k], tokens_in[:, 1 + k])
-        x = x + scaled_embedding(self.text_emb, tokens_in[:, 0])
-
+        x = frame_input(self.text_emb, self.emb, torch.where(is_init, self.initial, tokens_in), self.kernels)
         transformer_out, text_logits = self.temporal.step(x, active)
         text_logits = text_logits[:, 0, 0].float()
         text = sample(text_logits, seeds, offset + TEXT_COUNTER_BASE, temperature=text_temperature, top_k=text_top_k)
@@ -299,6 +319,8 @@ class LMFrame(nn.Module):
         index = ((offset[:, None] - c.max_delay + self.delays[:1 + c.dep_q]) % CT)[..., None]
         tokens = cache.gather(-1, index)[..., 0]
         not_ready = ((offset <= c.max_delay) | ~active)[:, None]
+        self.token_cache.copy_(cache)
+        self.frame_offset.copy_(offset)
         ungenerated = torch.full((), UNGENERATED_TOKEN, device=self.device)
         return FrameOutput(tokens=torch.where(not_ready, ungenerated, tokens),
                            text=torch.where(active, text, ungenerated),

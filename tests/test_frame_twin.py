@@ -1,0 +1,182 @@
+"""The LM frame on the twin kernels: the JAX frame step (Pallas twins) and the torch `LMFrame` (Triton
+twins) give identical bits, every output and every state tensor, frame after frame; a row alone has
+its bits among 4; the embeddings' sum is the same on both sides; `crosscheck --stack depformer|frame`
+on the twins says so."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jax_impl import frame as jf
+from jax_impl.frame_config import FRAME_PRESETS, UNGENERATED_TOKEN
+from torch_bridge import to_torch
+from torch_bridge.frame import LMFrame, frame_input, jax_frame_params
+
+ALONE = 3  # the row also stepped alone (JAX, B=1) in the batch of 4: its bits among 4 are its bits alone
+FRAMES = 5
+CONTEXT = 3  # the temporal ring wraps at frame 4 (offset > context), the delays (up to 2) pass by frame 3
+
+
+def small(preset: str):
+    """The preset with a short ring, so a few frames wrap it."""
+    cfg = FRAME_PRESETS[preset]
+    return dataclasses.replace(cfg, temporal=dataclasses.replace(cfg.temporal, context=CONTEXT))
+
+
+def same(ours: torch.Tensor, theirs) -> bool:
+    """Bit for bit: floats of one dtype equal, integers equal whatever their width."""
+    theirs = to_torch(theirs)
+    if ours.dtype.is_floating_point or theirs.dtype.is_floating_point:
+        return ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    return torch.equal(ours.long(), theirs.long())
+
+
+def state_pairs(frame: LMFrame, state: jf.FrameState, rows=slice(None)) -> dict:
+    """Every state tensor of both sides (torch rows `rows`)."""
+    ts = frame.temporal.state
+    return {"token_cache": (frame.token_cache[rows], state.token_cache),
+            "frame_offset": (frame.frame_offset[rows], state.frame_offset),
+            **{n: (getattr(ts, n)[:, rows], getattr(state.temporal, n)) for n in ("k", "v")},
+            **{n: (getattr(ts, n)[rows], getattr(state.temporal, n)) for n in ("offset", "start_offset")}}
+
+
+# Between them: Moshi's 8 depformer steps (with the caller's codebooks) and PersonaPlex's 16, both
+# dtypes, greedy and sampled, the whole depformer and an early exit (3 of 16 steps), a batch of 2
+# and one of 4 whose row 3 also runs alone. The costs: the Triton interpreter's programs (a program
+# a row in the attention; bfloat16's twice float32's) and the JAX frame's compile (bfloat16's ~2x).
+CASES = [("personaplex-small", torch.float32,
+          {"temperature": 0.9, "top_k": 6, "text_temperature": 0.8, "text_top_k": 12}, 3, 4),
+         ("moshi-small", torch.bfloat16, {}, None, 2)]
+
+
+@pytest.mark.parametrize("preset, dtype, sampling, dep_q_exit, B", CASES)
+def test_twin_frame_jax_and_torch_identical(preset, dtype, sampling, dep_q_exit, B):
+    """5 frames side by side (the delays pass, the ring wraps), idle rows, reset_slot + bump_slot_start
+    and reset_rows: every output and state tensor identical after every frame; in the batch of 4, row 3
+    stepped alone by the JAX frame has the same bits."""
+    torch.set_num_threads(1)
+    cfg = small(preset)
+    frame = LMFrame.from_config(cfg, dtype=dtype, kernels="twin")
+    frame.init_weights(std=0.3, generator=torch.Generator().manual_seed(5))
+    params = jax_frame_params(frame)
+    jdtype = params["text_emb"].dtype
+    step = jf.make_frame_step(cfg, kernels="twin", rope_freqs=frame.temporal.rope_freqs(), dep_q_exit=dep_q_exit,
+                              **sampling)
+    frame.streaming_init(B)
+    state = jf.init_frame_state(cfg, B, jdtype)
+    alone = jf.init_frame_state(cfg, 1, jdtype) if B > ALONE else None
+    seeds = torch.tensor([3, 2**31 + 9, 4, 77][:B]) if sampling else None
+    n = cfg.dep_q if dep_q_exit is None else dep_q_exit
+    g = torch.Generator().manual_seed(6)
+    text_seen = set()
+    for t in range(FRAMES):
+        if t == 1:
+            frame.reset_slot(1)
+            frame.bump_slot_start(1)
+            state = jf.jit_bump_slot_start(jf.jit_reset_slot(state, 1), 1)
+        if t == 3:
+            mask = torch.arange(B) % 3 == 0  # rows 0 (and 3)
+            frame.reset_rows(mask)
+            state = jf.jit_reset_rows(state, mask.numpy())
+            if alone is not None:
+                alone = jf.jit_reset_rows(alone, mask[ALONE:].numpy())
+        active = torch.ones(B, dtype=torch.bool)
+        active[0], active[B - 1] = t != 4, t != 2
+        user = torch.randint(-1, cfg.card + 1, (B, cfg.user_codebooks), generator=g)
+        tail = None if dep_q_exit is None else torch.randint(0, cfg.card, (B, cfg.dep_q - n), generator=g)
+        ours = frame.step(user, active, replace_audio=tail, seeds=seeds, dep_q_exit=dep_q_exit, **sampling)
+        args = (user.int().numpy(), active.numpy(), None if tail is None else tail.int().numpy(),
+                None if seeds is None else seeds.numpy().astype(np.uint32))
+        theirs, state = step(params, state, *args)
+        for name in ours._fields:
+            assert same(getattr(ours, name), getattr(theirs, name)), f"{name} differs at frame {t}"
+        for name, (a, b) in state_pairs(frame, state).items():
+            assert same(a, b), f"state {name} differs after frame {t}"
+        if alone is not None:
+            mine, alone = step(params, alone, *(None if a is None else a[ALONE:] for a in args))
+            for name in ours._fields:
+                assert same(getattr(ours, name)[ALONE:], getattr(mine, name)), f"{name}: row {ALONE} alone, frame {t}"
+            for name, (a, b) in state_pairs(frame, alone, slice(ALONE, None)).items():
+                assert same(a, b), f"state {name}: row {ALONE} alone differs after frame {t}"
+        text_seen.update(ours.text[active].tolist())
+        if tail is not None:
+            assert torch.equal(ours.audio[active, n:], tail[active])
+    assert ours.audio_logits.shape == (B, n, cfg.card)
+    assert int(frame.temporal.state.offset.max()) > CONTEXT, "the ring must wrap"
+    assert (ours.tokens[1] != UNGENERATED_TOKEN).all(), "row 1's delays must have passed"
+    assert len(text_seen) > 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frame_input_same_sum_both_sides(dtype):
+    """The temporal stack's input: the twin sum (float32 upcasts left to right, rounded once) has the
+    same bits in torch and JAX, batch or not; in float32 it is the reference's sum; in bfloat16 the
+    reference's per-add roundings give other bits, which this test would see."""
+    cfg = FRAME_PRESETS["personaplex-small"]
+    frame = LMFrame.from_config(cfg, dtype=dtype)
+    frame.init_weights(std=1.0, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.cat([torch.randint(-1, cfg.text_card + 1, (64, 1), generator=g),
+                        torch.randint(-1, cfg.card + 1, (64, cfg.n_q), generator=g)], 1)
+    params = jax_frame_params(frame)
+    jax_input = jax.jit(jf.frame_input, static_argnums=2)
+    twin = frame_input(frame.text_emb, frame.emb, tokens, "twin")
+    assert twin.shape == (64, 1, cfg.temporal.dim) and twin.dtype == dtype
+    assert same(twin, jax_input(params, jnp.asarray(tokens.int().numpy()), "twin"))
+    assert same(twin[5:6], jax_input(params, jnp.asarray(tokens[5:6].int().numpy()), "twin"))
+    reference = frame_input(frame.text_emb, frame.emb, tokens, "reference")
+    assert torch.equal(twin, reference) == (dtype == torch.float32)
+
+
+def test_twin_frame_refuses_bad_kernels():
+    """An unknown kernels name, and the twins on a head dim they do not take, are refused up front,
+    on both sides, naming the argument."""
+    cfg = FRAME_PRESETS["moshi-small"]
+    odd = dataclasses.replace(cfg, temporal=dataclasses.replace(cfg.temporal, num_heads=4))  # head dim 12
+    for make in (lambda c, k: LMFrame.from_config(c, kernels=k), lambda c, k: jf.make_frame_step(c, kernels=k)):
+        with pytest.raises(ValueError, match="kernels must be one of"):
+            make(cfg, "pallas")
+        with pytest.raises(ValueError, match="kernels='twin' needs power-of-two head dims.*temporal stack's is 12"):
+            make(odd, "twin")
+        make(odd, "reference")
+
+
+def test_frame_refused_by_a_kernel_changes_nothing(monkeypatch):
+    """A frame whose temporal step raises (as the Triton twins do on the CPU without TRITON_INTERPRET)
+    leaves the token cache and the offsets as they were, the caller's codebooks included."""
+    cfg = FRAME_PRESETS["moshi-small"]
+    frame = LMFrame.from_config(cfg)
+    frame.streaming_init(2)
+    user = torch.ones(2, cfg.user_codebooks, dtype=torch.long)
+    frame.step(user)
+    saved = frame.token_cache.clone(), frame.frame_offset.clone()
+
+    def refuse(*args):
+        raise RuntimeError("this kernel cannot run here")
+
+    monkeypatch.setattr(frame.temporal, "step", refuse)
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        frame.step(user + 1)
+    assert torch.equal(frame.token_cache, saved[0]) and torch.equal(frame.frame_offset, saved[1])
+
+
+def test_crosscheck_depformer_and_frame_twin(capsys):
+    """`crosscheck --stack depformer|frame` runs the twin kernels by default and reports every tensor
+    bit-identical (a few frames of the small preset)."""
+    from torch_bridge.cli import main
+    from torch_bridge.crosscheck_lm import crosscheck_lm, default_steps
+
+    assert default_steps("frame", "twin", "cpu") < default_steps("frame", "reference", "cpu")
+    for argv in (["--stack", "depformer", "--steps", "1", "--batch", "1"],
+                 ["--stack", "frame", "--steps", "2", "--batch", "1"]):
+        assert main(["crosscheck", *argv, "--require", "identical", "-q"]) == 0
+        out = capsys.readouterr().out
+        assert "kernels twin" in out and "verdict: every tensor bit-identical at every step" in out
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        crosscheck_lm("depformer", kernels="pallas")
