@@ -23,6 +23,7 @@ from kernels_pallas._lazy import lazy_exports
 _EXPORTS = {
     **dict.fromkeys(["CheckpointError", "MimiConfig", "PRESETS", "StackConfig", "TemporalConfig", "infer_config",
                      "with_options"], "config"),
+    **dict.fromkeys(["CODEC_PRESETS", "CodecConfig", "with_codec_options"], "codec_config"),
     **dict.fromkeys(["StepTables", "step_tables"], "tables"),
     **dict.fromkeys(["StreamState", "bump_slot_start", "check_headroom", "init_state", "reset_rows",
                      "reset_slot", "reset_streaming"], "state"),
