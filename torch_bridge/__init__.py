@@ -1,6 +1,7 @@
 """PyTorch side: the reference stacks, the DLPack bridge to JAX, the JAX-backed drop-ins.
 
     from torch_bridge import TemporalStreaming, MimiTransformer        # the torch path (reference)
+    from torch_bridge import MimiCodec                                 # the Mimi codec around them (reference)
     from torch_bridge import to_jax, to_torch                          # zero-copy DLPack handoff
     from torch_bridge import JaxTemporalStreaming, JaxMimiTransformer, from_torch   # stepped by JAX
 
@@ -12,6 +13,7 @@ from kernels_pallas._lazy import lazy_exports
 _EXPORTS = {
     **dict.fromkeys(["MimiTransformer", "TemporalStreaming"], "stacks"),
     "StreamState": "streaming",
+    "MimiCodec": "codec",
     **dict.fromkeys(["BridgeCopyWarning", "to_jax", "to_torch"], "dlpack"),
     **dict.fromkeys(["JaxMimiTransformer", "JaxTemporalStreaming", "from_torch"], "jax_steppers"),
 }

@@ -113,6 +113,18 @@ class MimiCodec(nn.Module):
         """Checkpoint key -> the buffer (not a copy) of every convolution weight and bias."""
         return {key: getattr(self, conv_buffer_name(key)) for key in self._conv_keys}
 
+    def jax_params(self):
+        """The JAX codec's `jax_impl.codec.CodecParams`: zero-copy DLPack views of these buffers."""
+        from jax_impl.codec import CodecParams
+        from jax_impl.weights import nest_params
+
+        from .dlpack import to_jax
+
+        stacks = [nest_params(tr.config, {name: to_jax(w) for name, w in tr.weights().items()})
+                  for tr in (self.encoder_transformer, self.decoder_transformer)]
+        return CodecParams({k: to_jax(w) for k, w in self.conv_weights().items()}, to_jax(self.codebooks),
+                           to_jax(self.input_proj), to_jax(self.output_proj), *stacks)
+
     def _projections(self):
         return tuple(zip(self.input_proj, self.output_proj, strict=True))
 

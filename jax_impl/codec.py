@@ -1,0 +1,317 @@
+"""The Mimi codec in JAX: jitted encode / decode frame steps over one explicit state pytree.
+
+    encode, decode = make_codec_step(cfg)             # jitted, state donated
+    state = init_codec_state(cfg, batch_size=4)
+    codes, state = encode(params, state, pcm, active)  # pcm [B, 1, frame_size] -> codes int32 [B, num_codebooks]
+    pcm, state = decode(params, state, codes, active)  # and back
+    state = jit_codec_reset_slot(state, b)             # row b: a fresh session
+
+The same computation as the torch reference (`torch_bridge.codec`, op for op moshi's): the SEANet
+convolutions of `codec_config.encoder_plan` / `decoder_plan` with their carries, the two Mimi
+transformers through `step.step_fn` (their `StreamState`s inside the `CodecState`), the split
+residual quantizer. Codes equal torch's; PCM is close, not bit-identical: XLA's convolutions and
+matmuls sum in another order than oneDNN's (and the codebook distance drops the row's constant
+|x|^2, which cannot change the argmin but rounds differently), so the floats differ by a few
+float32 ULPs, normwise ~1e-6 relative (tests/test_codec_jax.py bounds it).
+
+params (`CodecParams`, e.g. `torch_bridge.MimiCodec.jax_params()`, zero-copy views of its buffers):
+    convs: checkpoint key -> weight / bias (moshi's names: `encoder.model.0.conv.conv.weight`, ...)
+    codebooks [num_codebooks, codebook_size, codebook_dim]: the entries
+    input_proj [2, codebook_dim, dimension, 1], output_proj [2, dimension, codebook_dim, 1]: semantic, acoustic
+    encoder_transformer, decoder_transformer: the Flax variables of the two `MimiStack`s
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import state as st
+from .codec_config import CodecConfig, ConvSpec, Residual, decoder_plan, encoder_plan, plan_convs
+from .snapshot import exact_float_cast
+from .state import StreamState
+from .step import step_fn
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+class CodecParams(NamedTuple):
+    convs: Mapping[str, jax.Array]
+    codebooks: jax.Array
+    input_proj: jax.Array
+    output_proj: jax.Array
+    encoder_transformer: Any
+    decoder_transformer: Any
+
+
+class CodecState(NamedTuple):
+    """encoder, decoder: one carry per convolution of `plan_convs(encoder_plan)` / `(decoder_plan)`,
+    [B, C, width] (width 0: a kernel-1 convolution); first: bool [B] (the downsample pads a row's first
+    active frame with its first sample); the two transformers' ring states."""
+
+    encoder: tuple[jax.Array, ...]
+    decoder: tuple[jax.Array, ...]
+    first: jax.Array
+    encoder_transformer: StreamState
+    decoder_transformer: StreamState
+
+    @property
+    def batch_size(self) -> int:
+        return self.first.shape[0]
+
+
+def init_codec_state(cfg: CodecConfig, batch_size: int, dtype=jnp.float32) -> CodecState:
+    """A fresh stream of `batch_size` rows: zero carries, fresh transformer rings."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+
+    def carries(plan):
+        return tuple(jnp.zeros((batch_size, c.carry_channels, c.carry), dtype) for c in plan_convs(plan))
+
+    return CodecState(carries(encoder_plan(cfg)), carries(decoder_plan(cfg)), jnp.ones(batch_size, bool),
+                      st.init_state(cfg.transformer, batch_size, dtype), st.init_state(cfg.transformer, batch_size, dtype))
+
+
+def _conv(x, w, spec: ConvSpec):
+    return lax.conv_general_dilated(x, w, (spec.stride,), "VALID", rhs_dilation=(spec.dilation,),
+                                    dimension_numbers=("NCH", "OIH", "NCH"), feature_group_count=spec.groups,
+                                    precision=_HIGHEST)
+
+
+def _conv_transpose(x, w, spec: ConvSpec):
+    """torch's conv_transpose1d (no padding): [B, in, T] -> [B, out, (T - 1) * stride + kernel].
+
+    The gradient form: x dilated by the stride, padded by kernel - 1, convolved with the kernel
+    flipped and its in / out axes swapped within each group."""
+    g, k = spec.groups, spec.kernel_size
+    w = w.reshape(g, spec.in_channels // g, spec.out_channels // g, k).swapaxes(1, 2)
+    w = w.reshape(spec.out_channels, spec.in_channels // g, k)[..., ::-1]
+    return lax.conv_general_dilated(x, w, (1,), [(k - 1, k - 1)], lhs_dilation=(spec.stride,),
+                                    dimension_numbers=("NCH", "OIH", "NCH"), feature_group_count=g,
+                                    precision=_HIGHEST)
+
+
+def conv_step(spec: ConvSpec, weight, bias, carry, x, active, first):
+    """One streaming convolution: (y, new carry); as `torch_bridge.seanet.conv_step`."""
+    rows = active[:, None, None]
+    width = carry.shape[-1]
+    if spec.transposed:
+        y = _conv_transpose(x, weight, spec)
+        if bias is not None:
+            y = y + bias[:, None]
+        if not width:
+            return y, carry
+        y = y.at[..., :width].add(carry)
+        tail = y[..., -width:]
+        if bias is not None:
+            tail = tail - bias[:, None]  # the next frame's head has its own bias
+        return y[..., :-width], jnp.where(rows, tail, carry)
+    if width:
+        if spec.replicate:
+            carry = jnp.where(first[:, None, None] & rows, x[..., :1], carry)
+        x = jnp.concatenate([carry, x], axis=-1)
+    y = _conv(x, weight, spec)
+    if bias is not None:
+        y = y + bias[:, None]
+    return y, (jnp.where(rows, x[..., -width:], carry) if width else carry)
+
+
+def run_plan(plan, convs: Mapping[str, jax.Array], carries, x, active, first):
+    """A plan's convolutions on one frame: (y, new carries); as `torch_bridge.seanet.run_plan`."""
+    carries = list(carries)
+    index = 0
+
+    def conv(spec: ConvSpec, h):
+        nonlocal index
+        if spec.elu:
+            h = jax.nn.elu(h)
+        h, carries[index] = conv_step(spec, convs[spec.key + ".weight"], convs.get(spec.key + ".bias"),
+                                      carries[index], h, active, first)
+        index += 1
+        return h
+
+    for item in plan:
+        if isinstance(item, Residual):
+            h = x
+            for spec in item.convs:
+                h = conv(spec, h)
+            x = x + h
+        else:
+            x = conv(item, x)
+    return x, carries
+
+
+def quantize(cfg: CodecConfig, params: CodecParams, emb):
+    """emb [B, dimension, 1] -> codes int32 [B, num_codebooks]: per book the nearest entry of the residual."""
+    codes = []
+    groups = (params.codebooks[:cfg.semantic_codebooks], params.codebooks[cfg.semantic_codebooks:])
+    for books, proj in zip(groups, params.input_proj, strict=True):
+        residual = jnp.einsum("kd,bd->bk", proj[..., 0], emb[..., 0], precision=_HIGHEST)
+        for entries in books:
+            # |x - e|^2 - |x|^2: the row's own constant does not move the argmin
+            dist = jnp.sum(entries * entries, axis=-1) - 2 * jnp.dot(residual, entries.T, precision=_HIGHEST)
+            idx = jnp.argmin(dist, axis=-1).astype(jnp.int32)
+            residual = residual - entries[idx]
+            codes.append(idx)
+    return jnp.stack(codes, axis=1)
+
+
+def dequantize(cfg: CodecConfig, params: CodecParams, codes):
+    """codes [B, num_codebooks] -> the latent [B, dimension, 1]: the entries summed, projected, added."""
+    s = cfg.semantic_codebooks
+    out = 0
+    for first, books, proj in zip((0, s), (params.codebooks[:s], params.codebooks[s:]), params.output_proj,
+                                  strict=True):
+        if not books.shape[0]:
+            continue
+        total = sum(jnp.take(books[i], codes[:, first + i], axis=0, mode="fill", fill_value=jnp.nan)
+                    for i in range(books.shape[0]))
+        out = out + jnp.einsum("dk,bk->bd", proj[..., 0], total, precision=_HIGHEST)
+    return out[..., None]
+
+
+def _check_active(op: str, active, batch: int):
+    if active is None:
+        return jnp.ones(batch, bool)
+    dtype = getattr(active, "dtype", None)
+    if dtype is None or jnp.dtype(dtype) != jnp.bool_:
+        raise TypeError(f"{op}(active): active must be a bool array, got {dtype or type(active).__name__}")
+    if tuple(jnp.shape(active)) != (batch,):
+        raise ValueError(f"{op}(active): active must have shape [{batch}], got {list(jnp.shape(active))}")
+    return active
+
+
+def _check_state(op: str, state) -> None:
+    if not isinstance(state, CodecState):
+        raise TypeError(f"{op}(state): expected a jax_impl.codec.CodecState, got {type(state).__name__}")
+
+
+def encode_fn(cfg: CodecConfig):
+    """The pure encode step `(params, state, pcm, active=None) -> (codes int32 [B, num_codebooks], state)`.
+
+    pcm [B, 1, frame_size], of the state's dtype or one that widens to it exactly; inactive rows get
+    zero codes and keep their state. Bad arguments raise when traced, naming the argument."""
+    plan = encoder_plan(cfg)
+    transformer = step_fn(cfg.transformer)
+
+    def encode(params: CodecParams, state: CodecState, pcm, active=None):
+        _check_state("encode", state)
+        B, dtype = state.batch_size, state.encoder_transformer.k.dtype
+        shape, pdtype = tuple(jnp.shape(pcm)), jnp.dtype(getattr(pcm, "dtype", None))
+        if shape != (B, 1, cfg.frame_size):
+            raise ValueError(f"encode(pcm): pcm must have shape [B={B}, 1, frame_size={cfg.frame_size}], "
+                             f"got {list(shape)}")
+        if not jnp.issubdtype(pdtype, jnp.floating) or not exact_float_cast(pdtype.name, jnp.dtype(dtype).name):
+            raise TypeError(f"encode(pcm): pcm has dtype {pdtype}; the state holds {jnp.dtype(dtype).name} and "
+                            f"takes only a dtype that casts to it exactly")
+        active = _check_active("encode", active, B)
+        x = jnp.asarray(pcm).astype(dtype)
+        emb, carries = run_plan(plan[:-1], params.convs, state.encoder[:-1], x, active, state.first)
+        out, tr_state = transformer(params.encoder_transformer, state.encoder_transformer, emb.swapaxes(1, 2),
+                                    active)
+        down = plan[-1]
+        emb, last = conv_step(down, params.convs[down.key + ".weight"], None, state.encoder[-1],
+                              out.swapaxes(1, 2), active, state.first)
+        codes = jnp.where(active[:, None], quantize(cfg, params, emb), 0)
+        return codes, state._replace(encoder=(*carries, last), first=state.first & ~active,
+                                     encoder_transformer=tr_state)
+
+    return encode
+
+
+def decode_fn(cfg: CodecConfig):
+    """The pure decode step `(params, state, codes, active=None) -> (pcm [B, 1, frame_size], state)`.
+
+    codes [B, num_codebooks], int32 or int64, each in 0..codebook_size-1 (`make_codec_step`'s decode
+    checks concrete codes on the host; traced, an entry out of range is gathered as NaN: that row's PCM
+    is NaN, never a wrapped code). Inactive rows get zeros and keep their state."""
+    plan = decoder_plan(cfg)
+    transformer = step_fn(cfg.transformer)
+
+    def decode(params: CodecParams, state: CodecState, codes, active=None):
+        _check_state("decode", state)
+        B = state.batch_size
+        check_codes_layout(cfg, codes, B)
+        active = _check_active("decode", active, B)
+        codes = jnp.where(active[:, None], jnp.asarray(codes), 0)
+        emb = dequantize(cfg, params, codes)
+        up = plan[0]
+        emb, first = conv_step(up, params.convs[up.key + ".weight"], None, state.decoder[0], emb, active, state.first)
+        out, tr_state = transformer(params.decoder_transformer, state.decoder_transformer, emb.swapaxes(1, 2),
+                                    active)
+        pcm, rest = run_plan(plan[1:], params.convs, state.decoder[1:], out.swapaxes(1, 2), active, state.first)
+        pcm = jnp.where(active[:, None, None], pcm, 0)
+        return pcm, state._replace(decoder=(first, *rest), decoder_transformer=tr_state)
+
+    return decode
+
+
+def check_codes_layout(cfg: CodecConfig, codes, batch: int) -> None:
+    dtype = jnp.dtype(getattr(codes, "dtype", None))
+    if dtype not in (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64)):
+        raise TypeError(f"decode(codes): codes must be int32 or int64, got {dtype}")
+    if tuple(jnp.shape(codes)) != (batch, cfg.num_codebooks):
+        raise ValueError(f"decode(codes): codes must have shape [B={batch}, num_codebooks={cfg.num_codebooks}], "
+                         f"got {list(jnp.shape(codes))}")
+
+
+def check_codes_range(cfg: CodecConfig, codes, active=None) -> None:
+    """Host check of concrete codes (active rows): every code in 0..codebook_size-1, else ValueError."""
+    values = np.asarray(codes)
+    bad = (values < 0) | (values >= cfg.codebook_size)
+    if active is not None:
+        bad &= np.asarray(active)[:, None]
+    if bad.any():
+        row, book = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"decode(codes): codes must be in 0..{cfg.codebook_size - 1} (codebook_size); "
+                         f"codes[{row}, {book}] = {int(values[row, book])}")
+
+
+@functools.cache
+def make_codec_step(cfg: CodecConfig):
+    """(encode, decode): `encode_fn` / `decode_fn` jitted with the state donated (updated in place; keep
+    only the returned state). A refused call raises with the caller's state untouched and valid: the
+    shape and dtype checks raise while tracing, before anything runs, and decode reads concrete codes
+    on the host for their range before the donated call."""
+    encode = jax.jit(encode_fn(cfg), donate_argnums=(1,))
+    decode = jax.jit(decode_fn(cfg), donate_argnums=(1,))
+
+    def checked_decode(params, state, codes, active=None):
+        _check_state("decode", state)
+        check_codes_layout(cfg, codes, state.batch_size)
+        rows = _check_active("decode", active, state.batch_size)
+        if not isinstance(codes, jax.core.Tracer):
+            check_codes_range(cfg, codes, None if isinstance(rows, jax.core.Tracer) else rows)
+        return decode(params, state, codes, active)
+
+    return encode, checked_decode
+
+
+def codec_reset_slot(state: CodecState, b) -> CodecState:
+    """Row b starts a fresh session: its carries zeroed, its first-frame flag set, both transformers'
+    row reset to position 0 with zeroed rings (`state.reset_rows`)."""
+    row = jnp.arange(state.batch_size) == b
+
+    def clear(carry):
+        return jnp.where(row[:, None, None], jnp.zeros((), carry.dtype), carry)
+
+    return CodecState(tuple(map(clear, state.encoder)), tuple(map(clear, state.decoder)), state.first | row,
+                      st.reset_rows(state.encoder_transformer, row), st.reset_rows(state.decoder_transformer, row))
+
+
+_jit_codec_reset_slot = jax.jit(codec_reset_slot, donate_argnums=(0,))
+
+
+def jit_codec_reset_slot(state: CodecState, b) -> CodecState:
+    """`codec_reset_slot` jitted once for every row (b traced), state donated; a concrete b is checked
+    on the host first (IndexError / TypeError, state untouched)."""
+    _check_state("reset_slot", state)
+    if not isinstance(b, jax.core.Tracer):
+        st.check_row("reset_slot", state.encoder_transformer, b)
+    return _jit_codec_reset_slot(state, b)
