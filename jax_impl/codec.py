@@ -242,12 +242,12 @@ def decode_fn(cfg: CodecConfig):
         codes = jnp.where(active[:, None], jnp.asarray(codes), 0)
         emb = dequantize(cfg, params, codes)
         up = plan[0]
-        emb, first = conv_step(up, params.convs[up.key + ".weight"], None, state.decoder[0], emb, active, state.first)
+        emb, up_carry = conv_step(up, params.convs[up.key + ".weight"], None, state.decoder[0], emb, active, state.first)
         out, tr_state = transformer(params.decoder_transformer, state.decoder_transformer, emb.swapaxes(1, 2),
                                     active)
         pcm, rest = run_plan(plan[1:], params.convs, state.decoder[1:], out.swapaxes(1, 2), active, state.first)
         pcm = jnp.where(active[:, None, None], pcm, 0)
-        return pcm, state._replace(decoder=(first, *rest), decoder_transformer=tr_state)
+        return pcm, state._replace(decoder=(up_carry, *rest), decoder_transformer=tr_state)
 
     return decode
 

@@ -302,8 +302,8 @@ class MimiCodec(nn.Module):
         safe = torch.where(active[:, None], codes.long(), torch.zeros_like(codes, dtype=torch.long))
         emb = quantizer.decode(safe[..., None], self.codebooks, self._projections(), c.semantic_codebooks)
         up = plan[0]
-        emb, first = seanet.conv_step(up, weights[up.key + ".weight"], None, carries[0], emb, active, state.first)
+        emb, up_carry = seanet.conv_step(up, weights[up.key + ".weight"], None, carries[0], emb, active, state.first)
         emb = self.decoder_transformer.step(emb.transpose(1, 2), active).transpose(1, 2)
         pcm, rest = seanet.run_plan(plan[1:], weights, carries[1:], emb, active, state.first)
-        state.decoder = [first, *rest]
+        state.decoder = [up_carry, *rest]
         return torch.where(active[:, None, None], pcm, torch.zeros_like(pcm))
