@@ -9,10 +9,10 @@
 The same computation as the torch reference (`torch_bridge.codec`, op for op moshi's): the SEANet
 convolutions of `codec_config.encoder_plan` / `decoder_plan` with their carries, the two Mimi
 transformers through `step.step_fn` (their `StreamState`s inside the `CodecState`), the split
-residual quantizer. Codes equal torch's; PCM is close, not bit-identical: XLA's convolutions and
-matmuls sum in another order than oneDNN's (and the codebook distance drops the row's constant
-|x|^2, which cannot change the argmin but rounds differently), so the floats differ by a few
-float32 ULPs, normwise ~1e-6 relative (tests/test_codec_jax.py bounds it).
+residual quantizer. Codes equal torch's; PCM is close, not bit-identical: the convolutions (matmuls
+over their taps) and the matmuls sum in another order than oneDNN's (and the codebook distance
+drops the row's constant |x|^2, which cannot change the argmin but rounds differently), so the
+floats differ by a few float32 ULPs, normwise ~1e-6 relative (tests/test_codec_jax.py bounds it).
 
 params (`CodecParams`, e.g. `torch_bridge.MimiCodec.jax_params()`, zero-copy views of its buffers):
     convs: checkpoint key -> weight / bias (moshi's names: `encoder.model.0.conv.conv.weight`, ...)
@@ -66,35 +66,61 @@ class CodecState(NamedTuple):
         return self.first.shape[0]
 
 
-def init_codec_state(cfg: CodecConfig, batch_size: int, dtype=jnp.float32) -> CodecState:
-    """A fresh stream of `batch_size` rows: zero carries, fresh transformer rings."""
+def init_codec_state(cfg: CodecConfig, batch_size: int, dtype=jnp.float32, *, device=None) -> CodecState:
+    """A fresh stream of `batch_size` rows: zero carries, fresh transformer rings.
+
+    device: a `jax.Device` (default: JAX's default device). The state is committed there: a step's
+    outputs are committed (its params are), and a first call with an uncommitted state would
+    compile the step a second time."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if device is None:
+        device = jax.devices()[0]
+    elif not isinstance(device, jax.Device):
+        raise TypeError(f"init_codec_state(device): expected a jax.Device, got {type(device).__name__}")
 
     def carries(plan):
         return tuple(jnp.zeros((batch_size, c.carry_channels, c.carry), dtype) for c in plan_convs(plan))
 
-    return CodecState(carries(encoder_plan(cfg)), carries(decoder_plan(cfg)), jnp.ones(batch_size, bool),
-                      st.init_state(cfg.transformer, batch_size, dtype), st.init_state(cfg.transformer, batch_size, dtype))
+    def make():
+        return CodecState(carries(encoder_plan(cfg)), carries(decoder_plan(cfg)), jnp.ones(batch_size, bool),
+                          st.init_state(cfg.transformer, batch_size, dtype),
+                          st.init_state(cfg.transformer, batch_size, dtype))
+
+    return jax.jit(make, out_shardings=jax.sharding.SingleDeviceSharding(device))()
 
 
 def _conv(x, w, spec: ConvSpec):
-    return lax.conv_general_dilated(x, w, (spec.stride,), "VALID", rhs_dilation=(spec.dilation,),
-                                    dimension_numbers=("NCH", "OIH", "NCH"), feature_group_count=spec.groups,
-                                    precision=_HIGHEST)
+    """torch's conv1d (no padding) as one matmul over the taps: [B, in, L] -> [B, out, T].
+
+    XLA's CPU convolution is slow on these shapes (few samples, wide channels: ~8x on the
+    stride-8 stage); the taps gathered as strided slices [B, groups, in / groups, kernel, T] and
+    contracted with the weight are a plain dot."""
+    g, k, d, s = spec.groups, spec.kernel_size, spec.dilation, spec.stride
+    T = (x.shape[-1] - (k - 1) * d - 1) // s + 1
+    taps = jnp.stack([x[..., j * d: j * d + (T - 1) * s + 1: s] for j in range(k)], axis=-2)
+    taps = taps.reshape(x.shape[0], g, spec.in_channels // g, k, T)
+    w = w.reshape(g, spec.out_channels // g, spec.in_channels // g, k)
+    y = jnp.einsum("bgikt,goik->bgot", taps, w, precision=_HIGHEST)
+    return y.reshape(x.shape[0], spec.out_channels, T)
 
 
 def _conv_transpose(x, w, spec: ConvSpec):
     """torch's conv_transpose1d (no padding): [B, in, T] -> [B, out, (T - 1) * stride + kernel].
 
-    The gradient form: x dilated by the stride, padded by kernel - 1, convolved with the kernel
-    flipped and its in / out axes swapped within each group."""
-    g, k = spec.groups, spec.kernel_size
-    w = w.reshape(g, spec.in_channels // g, spec.out_channels // g, k).swapaxes(1, 2)
-    w = w.reshape(spec.out_channels, spec.in_channels // g, k)[..., ::-1]
-    return lax.conv_general_dilated(x, w, (1,), [(k - 1, k - 1)], lhs_dilation=(spec.stride,),
-                                    dimension_numbers=("NCH", "OIH", "NCH"), feature_group_count=g,
-                                    precision=_HIGHEST)
+    One matmul, z[b, o, t, j] = sum_i x[b, i, t] w[i, o, j], then the overlap-add: tap j of input
+    sample t lands on output sample t * stride + j. The taps (zero-padded to n * stride) are cut in
+    n blocks of `stride`, block h shifted by h samples, and the n blocks summed in order. (XLA's
+    transposed convolution, the input dilated by the stride, multiplies mostly zeros: ~10x slower.)"""
+    g, k, s = spec.groups, spec.kernel_size, spec.stride
+    B, T = x.shape[0], x.shape[-1]
+    n = -(-k // s)
+    x = x.reshape(B, g, spec.in_channels // g, T)
+    w = w.reshape(g, spec.in_channels // g, spec.out_channels // g, k)
+    z = jnp.einsum("bgit,giok->bgotk", x, w, precision=_HIGHEST).reshape(B, spec.out_channels, T, k)
+    z = jnp.pad(z, ((0, 0), (0, 0), (0, 0), (0, n * s - k))).reshape(B, spec.out_channels, T, n, s)
+    y = sum(jnp.pad(z[:, :, :, h], ((0, 0), (0, 0), (h, n - 1 - h), (0, 0))) for h in range(n))
+    return y.reshape(B, spec.out_channels, (T + n - 1) * s)[..., :(T - 1) * s + k]
 
 
 def conv_step(spec: ConvSpec, weight, bias, carry, x, active, first):
@@ -273,24 +299,40 @@ def check_codes_range(cfg: CodecConfig, codes, active=None) -> None:
                          f"codes[{row}, {book}] = {int(values[row, book])}")
 
 
+def _on_state_device(state: CodecState, x):
+    """x committed to the state's device: a jitted step compiles per placement of its arguments, and
+    a host or uncommitted array (numpy, `jnp.asarray`) would otherwise make a second program beside
+    the one for committed arrays (a step's own outputs)."""
+    if isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                                     and not x.committed):
+        return jax.device_put(x, state.first.sharding)
+    return x
+
+
 @functools.cache
 def make_codec_step(cfg: CodecConfig):
     """(encode, decode): `encode_fn` / `decode_fn` jitted with the state donated (updated in place; keep
     only the returned state). A refused call raises with the caller's state untouched and valid: the
     shape and dtype checks raise while tracing, before anything runs, and decode reads concrete codes
-    on the host for their range before the donated call."""
-    encode = jax.jit(encode_fn(cfg), donate_argnums=(1,))
-    decode = jax.jit(decode_fn(cfg), donate_argnums=(1,))
+    on the host for their range before the donated call. Host or uncommitted pcm, codes and active
+    are committed to the state's device first (`init_codec_state` commits the state): one program
+    each for every call."""
+    jit_encode = jax.jit(encode_fn(cfg), donate_argnums=(1,))
+    jit_decode = jax.jit(decode_fn(cfg), donate_argnums=(1,))
 
-    def checked_decode(params, state, codes, active=None):
+    def encode(params, state, pcm, active=None):
+        _check_state("encode", state)
+        return jit_encode(params, state, _on_state_device(state, pcm), _on_state_device(state, active))
+
+    def decode(params, state, codes, active=None):
         _check_state("decode", state)
         check_codes_layout(cfg, codes, state.batch_size)
         rows = _check_active("decode", active, state.batch_size)
         if not isinstance(codes, jax.core.Tracer):
             check_codes_range(cfg, codes, None if isinstance(rows, jax.core.Tracer) else rows)
-        return decode(params, state, codes, active)
+        return jit_decode(params, state, _on_state_device(state, codes), _on_state_device(state, active))
 
-    return encode, checked_decode
+    return encode, decode
 
 
 def codec_reset_slot(state: CodecState, b) -> CodecState:

@@ -3,6 +3,7 @@ per-row activity and recycling; row isolation; bad inputs refused with the donat
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,8 +14,8 @@ from jax_impl.codec import init_codec_state, jit_codec_reset_slot, make_codec_st
 from tests.moshi_oracle import moshi_mimi
 from torch_bridge.codec import MimiCodec
 
-# float32: XLA's convolutions and matmuls sum in another order than oneDNN's, a few ULPs per layer
-# (measured 1.4e-7 to 5.9e-7 normwise, max|jax - torch| / max|torch| per frame).
+# float32: the convolutions (matmuls over their taps) and matmuls sum in another order than oneDNN's, a
+# few ULPs per layer (measured 1.4e-7 to 5.4e-7 normwise, max|jax - torch| / max|torch| per frame).
 PCM_MAX_REL = 2e-6
 B = 3
 
@@ -110,7 +111,41 @@ def test_bad_inputs_are_refused_and_the_state_stays_valid():
     for fn, args, error, match in bad:
         with pytest.raises(error, match=match):
             fn(*((params, state) if fn is not jit_codec_reset_slot else (state,)), *args)
+    with pytest.raises(TypeError, match=r"init_codec_state\(device\)"):
+        init_codec_state(cfg, B, device="cpu")
     # nothing was donated: the state still steps, to the bits of a fresh one
     got, _ = run(cfg, params, [pcm], state)
     want, _ = run(cfg, params, [pcm], init_codec_state(cfg, B))
     assert all(np.array_equal(a, b) for a, b in zip(got[0], want[0], strict=True))
+
+
+def test_steps_compile_once_whatever_the_inputs_placement():
+    """Host, uncommitted and committed inputs, a fresh or recycled state: after the first frame no step
+    is lowered again (a step's outputs are committed; an uncommitted first state or input would
+    otherwise make a second program)."""
+    codec = torch_codec("mimi-tiny")
+    cfg, params = codec.config, codec.jax_params()
+    encode, decode = make_codec_step(cfg)
+    state = init_codec_state(cfg, B)
+    every = np.ones(B, bool)
+    pcm = frames(cfg, 1)[0].numpy()
+    codes, state = encode(params, state, pcm, every)
+    _, state = decode(params, state, codes, every)
+    lowered = []
+
+    def listen(event, duration, **kwargs):
+        if event.endswith("jaxpr_to_mlir_module_duration"):
+            lowered.append(str(kwargs.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for x, active in [(pcm, every), (jnp.asarray(pcm), jnp.asarray(every)), (jax.device_put(pcm), every)]:
+            codes, state = encode(params, state, x, active)
+            _, state = decode(params, state, np.asarray(codes), active)
+            _, state = decode(params, state, codes, jnp.asarray(active))
+        state = jit_codec_reset_slot(state, 1)
+        codes, state = encode(params, state, pcm, every)
+        _, state = decode(params, init_codec_state(cfg, B), codes, every)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert not [name for name in lowered if "encode" in name or "decode" in name], lowered
