@@ -10,6 +10,7 @@ examples:
   personaplex-jax crosscheck --stack mimi-encoder --steps 500 --convention moshi
   personaplex-jax crosscheck --checkpoint model.safetensors --dtype bfloat16 --json report.json
   personaplex-jax crosscheck --require close               # in CI: exit status 3 unless it holds
+  personaplex-jax crosscheck --stack codec --steps 50       # the Mimi codec: codes and PCM, frame by frame
 """
 
 from __future__ import annotations
@@ -65,18 +66,20 @@ def _parser() -> argparse.ArgumentParser:
                         description="Run the torch path and the JAX path side by side on one schedule of "
                                     "inputs, active masks and recycle operations, and report for each tensor "
                                     "whether the two are bit-identical.")
-    cc.add_argument("--stack", choices=["temporal", "mimi-encoder", "mimi-decoder"], default="temporal",
-                    help="which stack (default: %(default)s)")
+    cc.add_argument("--stack", choices=["temporal", "mimi-encoder", "mimi-decoder", "codec"], default="temporal",
+                    help="which stack; codec: the whole Mimi codec, frame by frame, codes and PCM compared "
+                         "(default: %(default)s)")
     cc.add_argument("--steps", type=_positive_int, default=300, help="steps to run (default: %(default)s)")
     cc.add_argument("--batch", type=_positive_int, default=4, help="rows (sessions) (default: %(default)s)")
     cc.add_argument("--frames", type=_positive_int, default=None,
                     help="T, frames per step (default: 1 for temporal, 2 for Mimi)")
-    cc.add_argument("--convention", choices=list(RING_CONVENTIONS), default="personaplex",
+    cc.add_argument("--convention", choices=list(RING_CONVENTIONS), default=None,
                     help="ring position convention: 'moshi' for Kyutai Moshi models (a slot is labelled with "
                          "the position it holds, as moshi's RingKVCache: window C), 'personaplex' for NVIDIA "
                          "PersonaPlex (its stepper labels the next write slot with the next position: window "
                          "C-1 once the ring wraps). A model run under the other family's convention diverges "
-                         "from its own once the ring wraps (default: %(default)s)"),
+                         "from its own once the ring wraps (default: personaplex; the codec's transformers "
+                         "run moshi's, as both products ship them)"),
     cc.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="weights, activations and ring (default: %(default)s)")
     cc.add_argument("--size", choices=["auto", "small", "full"], default="auto",
@@ -100,10 +103,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="RoPE max period (default: --config, else the preset)")
     cc.add_argument("--norm-eps", type=_positive_float, default=None,
                     help="RMSNorm / LayerNorm epsilon (default: --config, else the preset)")
-    cc.add_argument("--kernels", choices=["twin", "reference"], default="twin",
+    cc.add_argument("--kernels", choices=["twin", "reference"], default=None,
                     help="twin: both paths on the twin kernels (Triton for torch, Pallas for JAX), bit-identical "
                          "and batch-invariant; reference: the torch reference path (bit-exact with moshi) against "
-                         "the JAX step's fastest kernels, close but not bit-identical (default: %(default)s)")
+                         "the JAX step's fastest kernels, close but not bit-identical (default: twin; reference "
+                         "for the codec)")
     cc.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     cc.add_argument("--seed", type=_non_negative_int, default=0,
                     help="seed of the schedule and weights, >= 0 (default: 0)")
@@ -137,14 +141,11 @@ def _crosscheck(args) -> int:
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ValueError(f"--plot: expected a .png file name, got {args.plot}")
     resolved = resolve_device(device, "--device")  # a one-line error now, not torch's AssertionError mid-run
-    if args.kernels == "twin" and resolved == "cpu":
+    if (args.kernels or ("reference" if args.stack == "codec" else "twin")) == "twin" and resolved == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton runs on the CPU only interpreted
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             _check_writable(flag, path)  # now, not after the whole run
-    config, note = _crosscheck_config(args, size)
-    if note:
-        print(note)
     progress = None
     if not args.quiet and sys.stderr.isatty():
         from tqdm import tqdm
@@ -152,10 +153,17 @@ def _crosscheck(args) -> int:
         def progress(it):
             return tqdm(it, desc=f"crosscheck {args.stack}", unit="step", leave=False)
 
-    report = crosscheck(args.stack, steps=args.steps, batch=args.batch, convention=args.convention,
-                        dtype=args.dtype, frames=args.frames, config=config, checkpoint=args.checkpoint,
-                        device=device, seed=args.seed, recycle=not args.no_recycle, threads=args.threads,
-                        kernels=args.kernels, progress=progress)
+    if args.stack == "codec":
+        report = _crosscheck_codec(args, size, progress)
+    else:
+        config, note = _crosscheck_config(args, size)
+        if note:
+            print(note)
+        report = crosscheck(args.stack, steps=args.steps, batch=args.batch,
+                            convention=args.convention or "personaplex", dtype=args.dtype, frames=args.frames,
+                            config=config, checkpoint=args.checkpoint, device=device, seed=args.seed,
+                            recycle=not args.no_recycle, threads=args.threads, kernels=args.kernels or "twin",
+                            progress=progress)
     print(report.summary())
     if args.json:
         report.write_json(args.json)
@@ -168,6 +176,25 @@ def _crosscheck(args) -> int:
               f"{'; '.join(report.failures(args.require))}", file=sys.stderr)
         return REQUIREMENT_NOT_MET
     return 0
+
+
+def _crosscheck_codec(args, size: str, progress):
+    """`crosscheck_codec` from the flags. The transformer stacks' config flags do not apply: the codec's
+    config is a preset (--size) or, with --checkpoint, the released Mimi's."""
+    from jax_impl.codec_config import CODEC_PRESETS
+
+    from .crosscheck_codec import crosscheck_codec
+
+    for flag, value in (("--convention", args.convention), ("--frames", args.frames), ("--config", args.config_json),
+                        *((_FLAGS[f], getattr(args, f)) for f in _FLAGS)):
+        if value is not None:
+            raise ValueError(f"{flag}: does not apply to --stack codec (its config is the preset of --size, "
+                             f"or the released Mimi's with --checkpoint)")
+    config = None if size == "auto" else CODEC_PRESETS["mimi" if size == "full" else "mimi-small"]
+    return crosscheck_codec(steps=args.steps, batch=args.batch, dtype=args.dtype, config=config,
+                            checkpoint=args.checkpoint, device=args.device, seed=args.seed,
+                            recycle=not args.no_recycle, threads=args.threads, kernels=args.kernels or "reference",
+                            progress=progress)
 
 
 def _check_writable(flag: str, path: str) -> None:
