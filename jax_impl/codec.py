@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kernels_pallas import twin_conv
+
 from . import state as st
 from .codec_config import CodecConfig, ConvSpec, Residual, decoder_plan, encoder_plan, plan_convs
 from .snapshot import exact_float_cast
@@ -123,14 +125,25 @@ def _conv_transpose(x, w, spec: ConvSpec):
     return y.reshape(B, spec.out_channels, (T + n - 1) * s)[..., :(T - 1) * s + k]
 
 
-def conv_step(spec: ConvSpec, weight, bias, carry, x, active, first):
-    """One streaming convolution: (y, new carry); as `torch_bridge.seanet.conv_step`."""
+def _reference_conv(spec: ConvSpec, x, weight, bias):
+    y = _conv_transpose(x, weight, spec) if spec.transposed else _conv(x, weight, spec)
+    return y if bias is None else y + bias[:, None]
+
+
+def _twin_conv(spec: ConvSpec, x, weight, bias):
+    if spec.transposed:
+        return twin_conv.conv_transpose1d(x, weight, bias, stride=spec.stride, groups=spec.groups)
+    return twin_conv.conv1d(x, weight, bias, stride=spec.stride, dilation=spec.dilation)
+
+
+def conv_step(spec: ConvSpec, weight, bias, carry, x, active, first, ops: CodecOps | None = None):
+    """One streaming convolution: (y, new carry); as `torch_bridge.seanet.conv_step`. ops: the
+    kernels' (`codec_ops`; None: the reference ones)."""
+    ops = ops or REFERENCE_OPS
     rows = active[:, None, None]
     width = carry.shape[-1]
     if spec.transposed:
-        y = _conv_transpose(x, weight, spec)
-        if bias is not None:
-            y = y + bias[:, None]
+        y = ops.conv(spec, x, weight, bias)
         if not width:
             return y, carry
         y = y.at[..., :width].add(carry)
@@ -142,23 +155,22 @@ def conv_step(spec: ConvSpec, weight, bias, carry, x, active, first):
         if spec.replicate:
             carry = jnp.where(first[:, None, None] & rows, x[..., :1], carry)
         x = jnp.concatenate([carry, x], axis=-1)
-    y = _conv(x, weight, spec)
-    if bias is not None:
-        y = y + bias[:, None]
+    y = ops.conv(spec, x, weight, bias)
     return y, (jnp.where(rows, x[..., -width:], carry) if width else carry)
 
 
-def run_plan(plan, convs: Mapping[str, jax.Array], carries, x, active, first):
+def run_plan(plan, convs: Mapping[str, jax.Array], carries, x, active, first, ops: CodecOps | None = None):
     """A plan's convolutions on one frame: (y, new carries); as `torch_bridge.seanet.run_plan`."""
+    ops = ops or REFERENCE_OPS
     carries = list(carries)
     index = 0
 
     def conv(spec: ConvSpec, h):
         nonlocal index
         if spec.elu:
-            h = jax.nn.elu(h)
+            h = ops.elu(h)
         h, carries[index] = conv_step(spec, convs[spec.key + ".weight"], convs.get(spec.key + ".bias"),
-                                      carries[index], h, active, first)
+                                      carries[index], h, active, first, ops)
         index += 1
         return h
 
@@ -202,6 +214,66 @@ def dequantize(cfg: CodecConfig, params: CodecParams, codes):
     return out[..., None]
 
 
+def twin_quantize(cfg: CodecConfig, params: CodecParams, emb):
+    """`quantize` on the twin kernels (`kernels_pallas.twin_conv`): the projection a twin conv1d, each
+    book's code the twin `nearest`, the residual minus the entry (`torch_bridge.quantizer.encode_twin`)."""
+    codes = []
+    groups = (params.codebooks[:cfg.semantic_codebooks], params.codebooks[cfg.semantic_codebooks:])
+    for books, proj in zip(groups, params.input_proj, strict=True):
+        if not books.shape[0]:
+            continue
+        residual = twin_conv.conv1d(emb, proj)[..., 0]
+        for entries in books:
+            idx = twin_conv.nearest(residual, entries)
+            residual = residual - entries[idx]
+            codes.append(idx)
+    return jnp.stack(codes, axis=1)
+
+
+def twin_dequantize(cfg: CodecConfig, params: CodecParams, codes):
+    """`dequantize` on the twin kernels: per quantizer the entries summed in book order from +0, its
+    output projection a twin conv1d; semantic part plus acoustic part (`quantizer.decode_twin`)."""
+    s = cfg.semantic_codebooks
+    out = None
+    for first, books, proj in zip((0, s), (params.codebooks[:s], params.codebooks[s:]), params.output_proj,
+                                  strict=True):
+        if not books.shape[0]:
+            continue
+        total = jnp.zeros((), books.dtype)
+        for i in range(books.shape[0]):
+            total = total + jnp.take(books[i], codes[:, first + i], axis=0, mode="fill", fill_value=jnp.nan)
+        part = twin_conv.conv1d(total[..., None], proj)
+        out = part if out is None else out + part
+    return out
+
+
+class CodecOps(NamedTuple):
+    """The float operations of a codec step: elu(x); conv(spec, x, weight, bias) (a convolution or a
+    transposed one, unpadded, bias added); quantize(cfg, params, emb); dequantize(cfg, params, codes)."""
+
+    elu: Any
+    conv: Any
+    quantize: Any
+    dequantize: Any
+
+
+REFERENCE_OPS = CodecOps(jax.nn.elu, _reference_conv, quantize, dequantize)
+TWIN_OPS = CodecOps(twin_conv.elu, _twin_conv, twin_quantize, twin_dequantize)
+CODEC_KERNELS = ("reference", "twin")
+
+
+def codec_ops(kernels: str) -> CodecOps:
+    """The ops of `kernels` ("reference" or "twin"); ValueError naming the argument otherwise."""
+    if kernels not in CODEC_KERNELS:
+        raise ValueError(f"kernels must be one of {CODEC_KERNELS} for the codec, got {kernels!r}")
+    return TWIN_OPS if kernels == "twin" else REFERENCE_OPS
+
+
+def _transformer_options(kernels: str, rope_freqs) -> dict:
+    """The transformers' `step_fn` options: the twin step with torch's RoPE table, or the default."""
+    return {"kernels": "twin", "rope_freqs": rope_freqs} if kernels == "twin" else {"rope_freqs": rope_freqs}
+
+
 def _check_active(op: str, active, batch: int):
     if active is None:
         return jnp.ones(batch, bool)
@@ -218,13 +290,16 @@ def _check_state(op: str, state) -> None:
         raise TypeError(f"{op}(state): expected a jax_impl.codec.CodecState, got {type(state).__name__}")
 
 
-def encode_fn(cfg: CodecConfig):
+def encode_fn(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple[float, ...] | None = None):
     """The pure encode step `(params, state, pcm, active=None) -> (codes int32 [B, num_codebooks], state)`.
 
     pcm [B, 1, frame_size], of the state's dtype or one that widens to it exactly; inactive rows get
-    zero codes and keep their state. Bad arguments raise when traced, naming the argument."""
+    zero codes and keep their state. Bad arguments raise when traced, naming the argument.
+    kernels: "reference" (XLA; close to the torch reference codec) or "twin" (the twin kernels: the
+    bits of `torch_bridge.MimiCodec(kernels="twin")`, whose `rope_freqs()` to pass)."""
     plan = encoder_plan(cfg)
-    transformer = step_fn(cfg.transformer)
+    ops = codec_ops(kernels)
+    transformer = step_fn(cfg.transformer, **_transformer_options(kernels, rope_freqs))
 
     def encode(params: CodecParams, state: CodecState, pcm, active=None):
         _check_state("encode", state)
@@ -238,27 +313,29 @@ def encode_fn(cfg: CodecConfig):
                             f"takes only a dtype that casts to it exactly")
         active = _check_active("encode", active, B)
         x = jnp.asarray(pcm).astype(dtype)
-        emb, carries = run_plan(plan[:-1], params.convs, state.encoder[:-1], x, active, state.first)
+        emb, carries = run_plan(plan[:-1], params.convs, state.encoder[:-1], x, active, state.first, ops)
         out, tr_state = transformer(params.encoder_transformer, state.encoder_transformer, emb.swapaxes(1, 2),
                                     active)
         down = plan[-1]
         emb, last = conv_step(down, params.convs[down.key + ".weight"], None, state.encoder[-1],
-                              out.swapaxes(1, 2), active, state.first)
-        codes = jnp.where(active[:, None], quantize(cfg, params, emb), 0)
+                              out.swapaxes(1, 2), active, state.first, ops)
+        codes = jnp.where(active[:, None], ops.quantize(cfg, params, emb), 0)
         return codes, state._replace(encoder=(*carries, last), first=state.first & ~active,
                                      encoder_transformer=tr_state)
 
     return encode
 
 
-def decode_fn(cfg: CodecConfig):
+def decode_fn(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple[float, ...] | None = None):
     """The pure decode step `(params, state, codes, active=None) -> (pcm [B, 1, frame_size], state)`.
 
     codes [B, num_codebooks], int32 or int64, each in 0..codebook_size-1 (`make_codec_step`'s decode
     checks concrete codes on the host; traced, an entry out of range is gathered as NaN: that row's PCM
-    is NaN, never a wrapped code). Inactive rows get zeros and keep their state."""
+    is NaN, never a wrapped code). Inactive rows get zeros and keep their state. kernels, rope_freqs:
+    as `encode_fn`'s."""
     plan = decoder_plan(cfg)
-    transformer = step_fn(cfg.transformer)
+    ops = codec_ops(kernels)
+    transformer = step_fn(cfg.transformer, **_transformer_options(kernels, rope_freqs))
 
     def decode(params: CodecParams, state: CodecState, codes, active=None):
         _check_state("decode", state)
@@ -266,12 +343,14 @@ def decode_fn(cfg: CodecConfig):
         check_codes_layout(cfg, codes, B)
         active = _check_active("decode", active, B)
         codes = jnp.where(active[:, None], jnp.asarray(codes), 0)
-        emb = dequantize(cfg, params, codes)
+        emb = ops.dequantize(cfg, params, codes)
         up = plan[0]
-        emb, up_carry = conv_step(up, params.convs[up.key + ".weight"], None, state.decoder[0], emb, active, state.first)
+        emb, up_carry = conv_step(up, params.convs[up.key + ".weight"], None, state.decoder[0], emb, active,
+                                  state.first, ops)
         out, tr_state = transformer(params.decoder_transformer, state.decoder_transformer, emb.swapaxes(1, 2),
                                     active)
-        pcm, rest = run_plan(plan[1:], params.convs, state.decoder[1:], out.swapaxes(1, 2), active, state.first)
+        pcm, rest = run_plan(plan[1:], params.convs, state.decoder[1:], out.swapaxes(1, 2), active, state.first,
+                             ops)
         pcm = jnp.where(active[:, None, None], pcm, 0)
         return pcm, state._replace(decoder=(up_carry, *rest), decoder_transformer=tr_state)
 
@@ -310,15 +389,15 @@ def _on_state_device(state: CodecState, x):
 
 
 @functools.cache
-def make_codec_step(cfg: CodecConfig):
+def make_codec_step(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple[float, ...] | None = None):
     """(encode, decode): `encode_fn` / `decode_fn` jitted with the state donated (updated in place; keep
     only the returned state). A refused call raises with the caller's state untouched and valid: the
     shape and dtype checks raise while tracing, before anything runs, and decode reads concrete codes
     on the host for their range before the donated call. Host or uncommitted pcm, codes and active
     are committed to the state's device first (`init_codec_state` commits the state): one program
-    each for every call."""
-    jit_encode = jax.jit(encode_fn(cfg), donate_argnums=(1,))
-    jit_decode = jax.jit(decode_fn(cfg), donate_argnums=(1,))
+    each for every call. kernels, rope_freqs: as `encode_fn`'s."""
+    jit_encode = jax.jit(encode_fn(cfg, kernels=kernels, rope_freqs=rope_freqs), donate_argnums=(1,))
+    jit_decode = jax.jit(decode_fn(cfg, kernels=kernels, rope_freqs=rope_freqs), donate_argnums=(1,))
 
     def encode(params, state, pcm, active=None):
         _check_state("encode", state)

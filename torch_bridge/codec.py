@@ -9,7 +9,9 @@ Torch reference, bit-exact on the CPU in float32 with moshi 0.2.13's streaming `
                   -> pcm [B, 1, frame_size]
 
 The convolutions are `seanet.py`, the quantizer `quantizer.py`, the transformers two
-`MimiTransformer`s (`encoder_transformer`, `decoder_transformer`). Weights are buffers named by
+`MimiTransformer`s (`encoder_transformer`, `decoder_transformer`). kernels="twin" runs all of it on
+the twin kernels instead (`kernels_triton.twin_conv`, the transformers' twins): the bits of the JAX
+codec's kernels="twin" (`jax_impl.codec`), not moshi's. Weights are buffers named by
 `conv_buffer_name(checkpoint key)`, `codebooks`, `input_proj` / `output_proj` [2, ...] (semantic, acoustic).
 
 Streaming state (`CodecState`): each convolution's carry (`seanet.py`), the downsample's first-frame
@@ -41,7 +43,9 @@ from jax_impl.snapshot import dtype_name, exact_float_cast
 from . import quantizer, seanet
 from .stacks import FLOAT_DTYPES, MimiTransformer
 
-CODEC_KERNELS = ("reference",)
+# "reference": torch's ops, bit-exact with moshi; "twin": the twin kernels (`kernels_triton.twin_conv`
+# and the transformers' twins), bit-identical with the JAX codec's kernels="twin".
+CODEC_KERNELS = ("reference", "twin")
 
 
 def conv_buffer_name(key: str) -> str:
@@ -90,8 +94,13 @@ class MimiCodec(nn.Module):
                                                       dtype=dtype, device=device))
         self.register_buffer("input_proj", torch.empty(2, c.codebook_dim, c.dimension, 1, dtype=dtype, device=device))
         self.register_buffer("output_proj", torch.empty(2, c.dimension, c.codebook_dim, 1, dtype=dtype, device=device))
-        self.encoder_transformer = MimiTransformer.from_config(c.transformer, dtype=dtype, device=device)
-        self.decoder_transformer = MimiTransformer.from_config(c.transformer, dtype=dtype, device=device)
+        self.encoder_transformer = MimiTransformer.from_config(c.transformer, dtype=dtype, device=device,
+                                                               kernels=kernels)
+        self.decoder_transformer = MimiTransformer.from_config(c.transformer, dtype=dtype, device=device,
+                                                               kernels=kernels)
+        self._ops = seanet.twin_ops() if kernels == "twin" else seanet.REFERENCE_OPS
+        self._encode, self._decode = ((quantizer.encode_twin, quantizer.decode_twin) if kernels == "twin"
+                                      else (quantizer.encode, quantizer.decode))
         self._state: CodecState | None = None
         self.init_weights()
 
@@ -124,6 +133,10 @@ class MimiCodec(nn.Module):
                   for tr in (self.encoder_transformer, self.decoder_transformer)]
         return CodecParams({k: to_jax(w) for k, w in self.conv_weights().items()}, to_jax(self.codebooks),
                            to_jax(self.input_proj), to_jax(self.output_proj), *stacks)
+
+    def rope_freqs(self) -> tuple[float, ...]:
+        """The transformers' RoPE frequency table (the JAX codec's `rope_freqs`, for the same bits)."""
+        return self.encoder_transformer.rope_freqs()
 
     def _projections(self):
         return tuple(zip(self.input_proj, self.output_proj, strict=True))
@@ -268,11 +281,13 @@ class MimiCodec(nn.Module):
         active = self._check_active("encode_frame", active, state)
         weights = self.conv_weights()
         plan, carries = self.encoder_plan, state.encoder
-        emb, new = seanet.run_plan(plan[:-1], weights, carries[:-1], pcm.to(self.dtype), active, state.first)
-        emb = self.encoder_transformer.step(emb.transpose(1, 2), active).transpose(1, 2)
+        emb, new = seanet.run_plan(plan[:-1], weights, carries[:-1], pcm.to(self.dtype), active, state.first,
+                                   self._ops)
+        emb = self.encoder_transformer.step(emb.transpose(1, 2).contiguous(), active).transpose(1, 2)
         down = plan[-1]
-        emb, last = seanet.conv_step(down, weights[down.key + ".weight"], None, carries[-1], emb, active, state.first)
-        codes = quantizer.encode(emb, self.codebooks, self._projections(), c.semantic_codebooks)[..., 0]
+        emb, last = seanet.conv_step(down, weights[down.key + ".weight"], None, carries[-1], emb, active, state.first,
+                                     self._ops)
+        codes = self._encode(emb, self.codebooks, self._projections(), c.semantic_codebooks)[..., 0]
         state.encoder = [*new, last]
         state.first = state.first & ~active
         return torch.where(active[:, None], codes, torch.zeros_like(codes))
@@ -300,10 +315,11 @@ class MimiCodec(nn.Module):
         weights = self.conv_weights()
         plan, carries = self.decoder_plan, state.decoder
         safe = torch.where(active[:, None], codes.long(), torch.zeros_like(codes, dtype=torch.long))
-        emb = quantizer.decode(safe[..., None], self.codebooks, self._projections(), c.semantic_codebooks)
+        emb = self._decode(safe[..., None], self.codebooks, self._projections(), c.semantic_codebooks)
         up = plan[0]
-        emb, up_carry = seanet.conv_step(up, weights[up.key + ".weight"], None, carries[0], emb, active, state.first)
-        emb = self.decoder_transformer.step(emb.transpose(1, 2), active).transpose(1, 2)
-        pcm, rest = seanet.run_plan(plan[1:], weights, carries[1:], emb, active, state.first)
+        emb, up_carry = seanet.conv_step(up, weights[up.key + ".weight"], None, carries[0], emb, active, state.first,
+                                         self._ops)
+        emb = self.decoder_transformer.step(emb.transpose(1, 2).contiguous(), active).transpose(1, 2)
+        pcm, rest = seanet.run_plan(plan[1:], weights, carries[1:], emb, active, state.first, self._ops)
         state.decoder = [up_carry, *rest]
         return torch.where(active[:, None, None], pcm, torch.zeros_like(pcm))

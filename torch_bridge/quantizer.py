@@ -65,3 +65,41 @@ def decode(codes: torch.Tensor, codebooks: torch.Tensor, projections: Sequence[t
         part = F.conv1d(quantized, output_proj)
         out = part if out is None else out.add_(part)
     return out
+
+
+def encode_twin(emb: torch.Tensor, codebooks: torch.Tensor, projections: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                semantic: int) -> torch.Tensor:
+    """`encode` on the twin kernels (`kernels_triton.twin_conv`; the JAX codec's kernels="twin" bits):
+    the projection a twin conv1d, each book's code the twin `nearest`, the residual minus the entry.
+    emb [B, dimension, 1] -> codes int64 [B, num_codebooks, 1]."""
+    from kernels_triton import twin_conv
+
+    codes = []
+    for books, (input_proj, _) in zip(_groups(codebooks, semantic), projections, strict=True):
+        if not len(books):
+            continue
+        residual = twin_conv.conv1d(emb, input_proj)[..., 0]  # [B, codebook_dim]
+        for entries in books:
+            idx = twin_conv.nearest(residual, entries).long()
+            residual = residual - entries[idx]
+            codes.append(idx)
+    return torch.stack(codes, dim=1)[..., None]
+
+
+def decode_twin(codes: torch.Tensor, codebooks: torch.Tensor, projections: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                semantic: int) -> torch.Tensor:
+    """`decode` on the twin kernels: per quantizer the entries summed in book order from +0, its output
+    projection a twin conv1d; the semantic part plus the acoustic part. codes [B, num_codebooks, 1] ->
+    [B, dimension, 1]."""
+    from kernels_triton import twin_conv
+
+    out = None
+    for first, books, (_, output_proj) in zip((0, semantic), _groups(codebooks, semantic), projections, strict=True):
+        if not len(books):
+            continue
+        quantized = _zero(codes.device)
+        for i, entries in enumerate(books):
+            quantized = quantized + entries[codes[:, first + i, 0]]
+        part = twin_conv.conv1d(quantized[..., None], output_proj)
+        out = part if out is None else out + part
+    return out

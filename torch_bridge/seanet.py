@@ -16,12 +16,43 @@ Carries (one per convolution, in `plan_convs` order; a kernel-1 convolution has 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from jax_impl.codec_config import ConvSpec, PlanItem, Residual, plan_convs
+
+
+class ConvOps(NamedTuple):
+    """The float operations of a plan: elu(x); conv(spec, x, weight, bias) for a convolution or a
+    transposed one (unpadded, bias added). `REFERENCE_OPS`: torch's (moshi's bits); `twin_ops()`:
+    the twin kernels' (`kernels_triton.twin_conv`, the JAX codec's kernels="twin" bits)."""
+
+    elu: Callable
+    conv: Callable
+
+
+def _reference_conv(spec: ConvSpec, x, weight, bias):
+    if spec.transposed:
+        return F.conv_transpose1d(x, weight, bias, spec.stride, groups=spec.groups)
+    return F.conv1d(x, weight, bias, spec.stride, 0, spec.dilation, spec.groups)
+
+
+REFERENCE_OPS = ConvOps(lambda x: F.elu(x, 1.0), _reference_conv)
+
+
+def twin_ops() -> ConvOps:
+    """The twin kernels' ops (imports triton on first use)."""
+    from kernels_triton import twin_conv
+
+    def conv(spec: ConvSpec, x, weight, bias):
+        if spec.transposed:
+            return twin_conv.conv_transpose1d(x, weight, bias, stride=spec.stride, groups=spec.groups)
+        return twin_conv.conv1d(x, weight, bias, stride=spec.stride, dilation=spec.dilation)
+
+    return ConvOps(twin_conv.elu, conv)
 
 
 def conv_carries(plan: Sequence[PlanItem], batch_size: int, dtype, device) -> list[torch.Tensor]:
@@ -31,11 +62,11 @@ def conv_carries(plan: Sequence[PlanItem], batch_size: int, dtype, device) -> li
 
 
 def conv_step(spec: ConvSpec, weight: torch.Tensor, bias: torch.Tensor | None, carry: torch.Tensor,
-              x: torch.Tensor, active: torch.Tensor, first: torch.Tensor):
+              x: torch.Tensor, active: torch.Tensor, first: torch.Tensor, ops: ConvOps = REFERENCE_OPS):
     """One streaming convolution: (y, new carry). x [B, in, T] with T a multiple of the stride."""
     rows = active.view(-1, 1, 1)
     if spec.transposed:
-        y = F.conv_transpose1d(x, weight, bias, spec.stride, groups=spec.groups)
+        y = ops.conv(spec, x, weight, bias)
         width = carry.shape[-1]
         if not width:
             return y, carry
@@ -48,14 +79,15 @@ def conv_step(spec: ConvSpec, weight: torch.Tensor, bias: torch.Tensor | None, c
         if spec.replicate:
             carry = torch.where(first.view(-1, 1, 1) & rows, x[..., :1], carry)
         x = torch.cat([carry, x], dim=-1)
-    y = F.conv1d(x, weight, bias, spec.stride, 0, spec.dilation, spec.groups)
+    y = ops.conv(spec, x, weight, bias)
     if not carry.shape[-1]:
         return y, carry
     return y, torch.where(rows, x[..., -carry.shape[-1]:], carry)
 
 
 def run_plan(plan: Sequence[PlanItem], weights: Mapping[str, torch.Tensor], carries: Sequence[torch.Tensor],
-             x: torch.Tensor, active: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+             x: torch.Tensor, active: torch.Tensor, first: torch.Tensor,
+             ops: ConvOps = REFERENCE_OPS) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Run a plan's convolutions on one frame: (y, new carries). weights: checkpoint key -> tensor."""
     carries = list(carries)
     index = 0
@@ -63,9 +95,9 @@ def run_plan(plan: Sequence[PlanItem], weights: Mapping[str, torch.Tensor], carr
     def conv(spec: ConvSpec, h: torch.Tensor) -> torch.Tensor:
         nonlocal index
         if spec.elu:
-            h = F.elu(h, 1.0)
+            h = ops.elu(h)
         y, carries[index] = conv_step(spec, weights[spec.key + ".weight"], weights.get(spec.key + ".bias"),
-                                      carries[index], h, active, first)
+                                      carries[index], h, active, first, ops)
         index += 1
         return y
 
