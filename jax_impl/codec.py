@@ -388,7 +388,6 @@ def _on_state_device(state: CodecState, x):
     return x
 
 
-@functools.cache
 def make_codec_step(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple[float, ...] | None = None):
     """(encode, decode): `encode_fn` / `decode_fn` jitted with the state donated (updated in place; keep
     only the returned state). A refused call raises with the caller's state untouched and valid: the
@@ -396,6 +395,13 @@ def make_codec_step(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs:
     on the host for their range before the donated call. Host or uncommitted pcm, codes and active
     are committed to the state's device first (`init_codec_state` commits the state): one program
     each for every call. kernels, rope_freqs: as `encode_fn`'s."""
+    return _codec_steps(cfg, kernels, None if rope_freqs is None else tuple(rope_freqs))
+
+
+@functools.cache
+def _codec_steps(cfg: CodecConfig, kernels: str, rope_freqs: tuple[float, ...] | None):
+    """`make_codec_step`'s pair, made once per (config, kernels, RoPE table) however it is asked for."""
+    codec_ops(kernels)  # ValueError naming kernels, before anything is traced
     jit_encode = jax.jit(encode_fn(cfg, kernels=kernels, rope_freqs=rope_freqs), donate_argnums=(1,))
     jit_decode = jax.jit(decode_fn(cfg, kernels=kernels, rope_freqs=rope_freqs), donate_argnums=(1,))
 

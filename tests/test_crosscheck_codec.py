@@ -26,6 +26,14 @@ def test_codes_identical_and_pcm_close_with_recycling(monkeypatch):
     assert "kernels reference" in text and "codes         yes" in text
 
 
+def test_twin_kernels_identical():
+    from tests.test_codec_twin import CFG
+
+    report = crosscheck_codec(steps=2, batch=3, config=CFG, kernels="twin", recycle=False)
+    report.require(level="identical")
+    assert "kernels twin" in report.summary() and report.verdict() == "verdict: every tensor bit-identical at every step"
+
+
 def test_a_differing_code_is_reported(monkeypatch):
     encode, decode = make_codec_step(TINY)
 
@@ -33,7 +41,7 @@ def test_a_differing_code_is_reported(monkeypatch):
         codes, state = encode(params, state, pcm, active)
         return jnp.where(jnp.arange(codes.shape[0])[:, None] == 1, (codes + 1) % TINY.codebook_size, codes), state
 
-    monkeypatch.setattr(ccc, "make_codec_step", lambda cfg: (off_by_one, decode))
+    monkeypatch.setattr(ccc, "make_codec_step", lambda cfg, **_: (off_by_one, decode))
     report = crosscheck_codec(steps=3, batch=3, config=TINY, recycle=False)
     codes = report.tensors["codes"]
     assert not codes.identical and codes.first_diff[1][0] == 1 and not report.holds("close")
@@ -57,7 +65,7 @@ def test_cli_stack_codec(tmp_path, capsys):
     (["--convention", "moshi"], "--convention: does not apply to --stack codec"),
     (["--frames", "2"], "--frames: does not apply"),
     (["--num-heads", "4"], "--num-heads: does not apply"),
-    (["--kernels", "twin"], "kernels must be one of ['reference'] for the codec, got 'twin'"),
+    (["--config", "c.json"], "--config: does not apply"),
 ])
 def test_cli_stack_codec_bad_arguments(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(ccc, "_run", _must_not_run)
@@ -72,6 +80,7 @@ def test_cli_stack_codec_bad_arguments(argv, message, capsys, monkeypatch):
     ({"dtype": "float16"}, ValueError, "dtype must be one of"),
     ({"config": jx.PRESETS["mimi-small"]}, TypeError, "config must be a CodecConfig"),
     ({"recycle": 1}, TypeError, "recycle must be a bool"),
+    ({"kernels": "pallas"}, ValueError, "kernels must be one of"),
 ])
 def test_arguments_checked_up_front(kwargs, error, message, monkeypatch):
     monkeypatch.setattr(ccc, "_run", _must_not_run)

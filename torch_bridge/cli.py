@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="twin: both paths on the twin kernels (Triton for torch, Pallas for JAX), bit-identical "
                          "and batch-invariant; reference: the torch reference path (bit-exact with moshi) against "
                          "the JAX step's fastest kernels, close but not bit-identical (default: twin; reference "
-                         "for the codec)")
+                         "for the codec, whose twin kernels run interpreted on the CPU at seconds a frame)")
     cc.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     cc.add_argument("--seed", type=_non_negative_int, default=0,
                     help="seed of the schedule and weights, >= 0 (default: 0)")

@@ -28,7 +28,7 @@ from jax_impl.config import read_safetensors, read_safetensors_shapes
 from .codec import MimiCodec
 from .crosscheck import DTYPES, CrosscheckReport, TensorRecord, check_int, device_name, resolve_device
 
-CODEC_CROSSCHECK_KERNELS = ("reference",)
+CODEC_CROSSCHECK_KERNELS = ("reference", "twin")
 RESET_RATE = 0.05  # per step, the chance that one random row starts a fresh session on both sides
 ACTIVE_RATE = 0.8  # per step and row, the chance that the row is active
 
@@ -58,7 +58,8 @@ def crosscheck_codec(*, steps: int = 20, batch: int = 4, dtype: str = "float32",
     (`tokenizer-*.safetensors`, moshi's `MimiModel.state_dict()` names) for that config; else random
     weights from `seed`. recycle: a random `reset_slot` now and then (`RESET_RATE`). threads: torch's
     CPU threads for the run (None: 1 on the CPU; restored afterwards). kernels: "reference" (the
-    torch reference codec, bit-exact with moshi, against the JAX codec: codes equal, PCM close).
+    torch reference codec, bit-exact with moshi, against the JAX codec: codes equal, PCM close) or
+    "twin" (both on the twin kernels, Triton and Pallas: identical codes and PCM).
     progress: a callable wrapping the step range, or None. Every argument is checked before any
     work, ValueError / TypeError naming it.
     """
@@ -103,7 +104,8 @@ def _run(config, weights, checkpoint, *, steps, batch, dtype, device, seed, recy
     params = codec.jax_params()
     jax_device = params.codebooks.devices().pop()
     state = init_codec_state(config, batch, params.codebooks.dtype, device=jax_device)
-    encode, decode = make_codec_step(config)
+    encode, decode = make_codec_step(config, kernels=kernels,
+                                     rope_freqs=codec.rope_freqs() if kernels == "twin" else None)
 
     records = {name: TensorRecord(name) for name in ("codes", "pcm")}
     gen = torch.Generator().manual_seed(seed)
