@@ -4,6 +4,8 @@ odd sizes, whatever the batch; bad arguments are refused naming them."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -41,6 +43,11 @@ def same(*values) -> bool:
     return True
 
 
+def jitted(fn, **static):
+    """fn jitted with its keyword arguments bound (one compile, not one per eager operation)."""
+    return jax.jit(functools.partial(fn, **static))
+
+
 def randn(*shape, dtype, seed, scale=1.0):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
 
@@ -50,7 +57,7 @@ def test_elu(dtype):
     x = randn(3, 5, 37, dtype=dtype, seed=1, scale=4.0)
     x[0, 0, :3] = torch.tensor([float("nan"), -100.0, 0.0])
     got = triton_twin.elu(x)
-    assert same(got, pallas.elu(to_jax(x)), pallas.elu_native(to_jax(x)), triton_twin.elu_native(x))
+    assert same(got, jitted(pallas.elu)(to_jax(x)), jitted(pallas.elu_native)(to_jax(x)), triton_twin.elu_native(x))
     assert got.dtype == dtype and got.shape == x.shape and torch.isnan(got[0, 0, 0]) and got[0, 0, 1] == -1
     torch.testing.assert_close(got.float(), torch.nn.functional.elu(x.float()).to(dtype).float(),
                                rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6, equal_nan=True)
@@ -66,13 +73,14 @@ def test_conv1d(dtype, stride, dilation, k):
     args = {"stride": stride, "dilation": dilation}
     got = triton_twin.conv1d(x, w, bias, residual=residual, **args)
     jx, jw, jb, jr = map(to_jax, (x, w, bias, residual))
-    assert same(got, pallas.conv1d(jx, jw, jb, residual=jr, **args), pallas.conv1d_native(jx, jw, jb, residual=jr, **args))
+    assert same(got, jitted(pallas.conv1d, **args)(jx, jw, jb, residual=jr),
+                jitted(pallas.conv1d_native, **args)(jx, jw, jb, residual=jr))
     want = torch.nn.functional.conv1d(x.float(), w.float(), bias.float(), stride, 0, dilation) + residual.float()
     torch.testing.assert_close(got.float(), want, rtol=1e-5 if dtype == torch.float32 else 5e-2,
                                atol=1e-5 if dtype == torch.float32 else 5e-2)
     # batch invariance: a row alone has the bits it has among the others
     assert same(triton_twin.conv1d(x[1:2], w, bias, residual=residual[1:2], **args), got[1:2])
-    assert same(pallas.conv1d(jx[1:2], jw, jb, residual=jr[1:2], **args), got[1:2])
+    assert same(jitted(pallas.conv1d, **args)(jx[1:2], jw, jb, residual=jr[1:2]), got[1:2])
 
 
 @pytest.mark.parametrize(("dtype", "stride", "k", "groups"), [(torch.float32, 3, 7, 1), (torch.bfloat16, 4, 8, 1),
@@ -83,8 +91,9 @@ def test_conv_transpose1d(dtype, stride, k, groups):
     bias = randn(5 if groups > 1 else 7, dtype=dtype, seed=8)
     got = triton_twin.conv_transpose1d(x, w, bias, stride=stride, groups=groups)
     jx, jw, jb = map(to_jax, (x, w, bias))
-    assert same(got, pallas.conv_transpose1d(jx, jw, jb, stride=stride, groups=groups),
-                pallas.conv_transpose1d_native(jx, jw, jb, stride=stride, groups=groups))
+    args = {"stride": stride, "groups": groups}
+    assert same(got, jitted(pallas.conv_transpose1d, **args)(jx, jw, jb),
+                jitted(pallas.conv_transpose1d_native, **args)(jx, jw, jb))
     want = torch.nn.functional.conv_transpose1d(x.float(), w.float(), bias.float(), stride, groups=groups)
     torch.testing.assert_close(got.float(), want, rtol=1e-5 if dtype == torch.float32 else 5e-2,
                                atol=1e-5 if dtype == torch.float32 else 5e-2)
@@ -100,11 +109,12 @@ def test_nearest(dtype, N, D):
     got = triton_twin.nearest(x, entries)
     jx, je = to_jax(x), to_jax(entries)
     assert got.dtype == torch.int32
-    assert same(got, pallas.nearest(jx, je), jax.jit(pallas.nearest_native)(jx, je), triton_twin.nearest_native(x, entries))
+    assert same(got, jitted(pallas.nearest)(jx, je), jitted(pallas.nearest_native)(jx, je),
+                triton_twin.nearest_native(x, entries))
     assert got[2] == 1 and got[3] == 0
     dist = torch.cdist(x.float()[[0, 1, 4, 5]], entries.float())
     assert torch.equal(got[[0, 1, 4, 5]].long(), dist.argmin(dim=1))
-    assert same(triton_twin.nearest(x[4:5], entries), got[4:5]) and same(pallas.nearest(jx[4:5], je), got[4:5])
+    assert same(triton_twin.nearest(x[4:5], entries), got[4:5]) and same(jitted(pallas.nearest)(jx[4:5], je), got[4:5])
 
 
 @pytest.mark.parametrize(("call", "error", "message"), [
