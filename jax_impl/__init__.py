@@ -26,6 +26,7 @@ from kernels_pallas.lazy import lazy_exports
 _EXPORTS = {
     **dict.fromkeys(["MimiConfig", "PRESETS", "StackConfig", "TemporalConfig", "with_options"], "config"),
     **dict.fromkeys(["CheckpointError", "check_checkpoint", "infer_config", "weight_specs"], "checkpoint"),
+    **dict.fromkeys(["CODEC_PRESETS", "CodecConfig", "with_codec_options"], "codec_config"),
     **dict.fromkeys(["StepTables", "step_tables"], "tables"),
     **dict.fromkeys(["StreamState", "bump_slot_start", "check_headroom", "init_state", "reset_rows",
                      "reset_slot", "reset_streaming"], "state"),

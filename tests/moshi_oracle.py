@@ -101,3 +101,59 @@ def moshi_lm_module():
     from moshi.models import lm
 
     return lm
+
+
+def _stub_missing(package: str, modules: dict[str, dict]) -> None:
+    """Register empty modules (name -> attributes) for `package` when it is not installed."""
+    if package in sys.modules or importlib.util.find_spec(package) is not None:
+        return
+    for name, attrs in modules.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        sys.modules[name] = module
+
+
+def moshi_mimi_config(cfg) -> dict:
+    """moshi's `loaders._mimi_config` layout for a `CodecConfig` (the default gives moshi's own)."""
+    tr = cfg.transformer
+    seanet = {"channels": 1, "dimension": cfg.dimension, "causal": True, "n_filters": cfg.n_filters,
+              "n_residual_layers": cfg.n_residual_layers, "activation": "ELU", "compress": cfg.compress,
+              "dilation_base": cfg.dilation_base, "disable_norm_outer_blocks": 0, "kernel_size": cfg.kernel_size,
+              "residual_kernel_size": cfg.residual_kernel_size, "last_kernel_size": cfg.last_kernel_size,
+              "norm": "none", "pad_mode": "constant", "ratios": list(cfg.ratios), "true_skip": True}
+    quantizer = {"dimension": cfg.codebook_dim, "n_q": cfg.total_codebooks, "bins": cfg.codebook_size,
+                 "input_dimension": cfg.dimension, "output_dimension": cfg.dimension}
+    transformer = {"d_model": tr.dim, "num_heads": tr.num_heads, "num_layers": tr.num_layers, "causal": True,
+                   "layer_scale": 0.01, "context": tr.context, "conv_layout": True, "max_period": tr.max_period,
+                   "gating": "none", "norm": "layer_norm", "positional_embedding": "rope",
+                   "dim_feedforward": tr.ffn, "input_dimension": cfg.dimension, "output_dimensions": [cfg.dimension]}
+    return {"sample_rate": cfg.sample_rate, "channels": 1, "frame_rate": cfg.frame_rate, "seanet": seanet,
+            "quantizer": quantizer, "transformer": transformer}
+
+
+def moshi_loaders():
+    """`moshi.models.loaders`, its missing imports (huggingface_hub, sentencepiece) stubbed: the
+    codec needs neither, only the model zoo's downloader and text tokenizer do."""
+    _import_moshi_transformer()
+    _stub_missing("huggingface_hub", {"huggingface_hub": {"hf_hub_download": None},
+                                      "huggingface_hub.errors": {"EntryNotFoundError": LookupError}})
+    _stub_missing("sentencepiece", {"sentencepiece": {"SentencePieceProcessor": object}})
+    from moshi.models import loaders
+
+    return loaders
+
+
+@torch.no_grad()
+def moshi_mimi(cfg, seed: int = 0, codebook_std: float = 0.02):
+    """moshi's `MimiModel` for a `CodecConfig` (`get_mimi(None, ...)`: moshi's random init), its
+    codebooks made random too (moshi leaves them all zero: every code would be 0), at about the
+    scale of the latent of random weights (~0.01-0.05), so that the codes vary."""
+    loaders = moshi_loaders()
+    torch.manual_seed(seed)
+    mimi = loaders.get_mimi(None, moshi_mimi_config(cfg), num_codebooks=cfg.num_codebooks)
+    for name, module in mimi.named_modules():
+        if name.endswith("._codebook"):
+            module.embedding_sum.normal_(std=codebook_std)
+            module.cluster_usage.uniform_(0.5, 2.0)
+            module.register_buffer("_embedding", None, persistent=False)  # moshi's cached entries
+    return mimi

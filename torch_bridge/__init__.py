@@ -1,6 +1,7 @@
 """PyTorch side: the reference stacks, the DLPack bridge to JAX, the JAX-backed drop-ins.
 
     from torch_bridge import TemporalStreaming, MimiTransformer        # the torch path (reference)
+    from torch_bridge import MimiCodec                                 # the Mimi codec around them (reference)
     from torch_bridge import to_jax, to_torch                          # zero-copy DLPack handoff
     from torch_bridge import JaxTemporalStreaming, JaxMimiTransformer, from_torch   # stepped by JAX
     from torch_bridge.crosscheck import crosscheck                      # the two paths side by side
@@ -17,6 +18,7 @@ _EXPORTS = {
     "read_torch_stream": "stream_io",
     "TorchStreamState": "state",
     "TorchStepTables": "tables",
+    "MimiCodec": "codec",
     **dict.fromkeys(["BridgeCopyWarning", "to_jax", "to_torch"], "dlpack"),
     **dict.fromkeys(["JaxMimiTransformer", "JaxTemporalStreaming", "from_torch"], "jax_steppers"),
     **dict.fromkeys(["ArgmaxRecord", "CrosscheckReport", "TensorRecord"], "report"),

@@ -10,6 +10,7 @@ examples:
   personaplex-jax crosscheck --stack mimi-encoder --steps 500 --convention moshi
   personaplex-jax crosscheck --checkpoint model.safetensors --dtype bfloat16 --json report.json
   personaplex-jax crosscheck --require close               # in CI: exit status 3 unless it holds
+  personaplex-jax crosscheck --stack codec --steps 50       # the Mimi codec: codes and PCM, frame by frame
 """
 
 from __future__ import annotations
@@ -67,21 +68,24 @@ def _parser() -> argparse.ArgumentParser:
                         description="Run the torch path and the JAX path side by side on one schedule of "
                                     "inputs, active masks and recycle operations, and report for each tensor "
                                     "whether the two are bit-identical.")
-    cc.add_argument("--stack", choices=["temporal", "mimi-encoder", "mimi-decoder", "depformer", "frame"],
-                    default="temporal", help="which stack; depformer and frame: the language model's depformer "
-                    "and whole frame (PersonaPlex sizes, small on the CPU) (default: %(default)s)")
+    cc.add_argument("--stack", choices=["temporal", "mimi-encoder", "mimi-decoder", "codec", "depformer", "frame"],
+                    default="temporal", help="which stack; codec: the whole Mimi codec, frame by frame, codes and "
+                    "PCM compared; depformer and frame: the language model's depformer and whole frame "
+                    "(PersonaPlex sizes, small on the CPU) (default: %(default)s)")
     cc.add_argument("--steps", type=_positive_int, default=None,
-                    help="steps to run (default: 300; depformer and frame: 40, on the CPU with the twin kernels "
-                         "3 and 8, the Triton interpreter taking seconds a frame)")
+                    help="steps to run (default: 300; codec on the CPU with the twin kernels: 8; depformer and "
+                         "frame: 40, on the CPU with the twin kernels 3 and 8, the Triton interpreter taking "
+                         "seconds a frame)")
     cc.add_argument("--batch", type=_positive_int, default=4, help="rows (sessions) (default: %(default)s)")
     cc.add_argument("--frames", type=_positive_int, default=None,
                     help="T, frames per step (default: 1 for temporal, 2 for Mimi)")
-    cc.add_argument("--convention", choices=list(RING_CONVENTIONS), default="personaplex",
+    cc.add_argument("--convention", choices=list(RING_CONVENTIONS), default=None,
                     help="ring position convention: 'moshi' for Kyutai Moshi models (a slot is labelled with "
                          "the position it holds, as moshi's RingKVCache: window C), 'personaplex' for NVIDIA "
                          "PersonaPlex (its stepper labels the next write slot with the next position: window "
                          "C-1 once the ring wraps). A model run under the other family's convention diverges "
-                         "from its own once the ring wraps (default: %(default)s)"),
+                         "from its own once the ring wraps (default: personaplex; the codec's transformers "
+                         "run moshi's, as both products ship them)"),
     cc.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="weights, activations and ring (default: %(default)s)")
     cc.add_argument("--size", choices=["auto", "small", "full"], default="auto",
@@ -108,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("--kernels", choices=list(TORCH_KERNELS), default=None,
                     help="twin: both paths on the twin kernels (Triton for torch, Pallas for JAX), bit-identical "
                          "and batch-invariant; reference: each framework's plain path, the torch reference "
-                         "(bit-exact with moshi) against XLA, close but not bit-identical (default: twin)")
+                         "(bit-exact with moshi) against XLA, close but not bit-identical (default: twin; reference "
+                         "for the codec, whose twin kernels run interpreted on the CPU at seconds a frame)")
     cc.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     cc.add_argument("--seed", type=_non_negative_int, default=0,
                     help="seed of the schedule and weights, >= 0 (default: 0)")
@@ -134,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
 def _crosscheck(args) -> int:
     from .crosscheck import crosscheck, resolve_device
 
-    args.kernels = args.kernels or "twin"
+    args.kernels = args.kernels or ("reference" if args.stack == "codec" else "twin")
     if args.kernels == "twin" and resolve_device(args.device, "--device") == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton runs on the CPU only interpreted
     if args.stack in ("depformer", "frame"):
@@ -153,9 +158,6 @@ def _crosscheck(args) -> int:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             _check_writable(flag, path)  # now, not after the whole run
-    config, note = _crosscheck_config(args, size)
-    if note:
-        print(note)
     progress = None
     if not args.quiet and sys.stderr.isatty():
         from tqdm import tqdm
@@ -163,10 +165,17 @@ def _crosscheck(args) -> int:
         def progress(it):
             return tqdm(it, desc=f"crosscheck {args.stack}", unit="step", leave=False)
 
-    report = crosscheck(args.stack, steps=args.steps or 300, batch=args.batch, convention=args.convention,
-                        dtype=args.dtype, frames=args.frames, config=config, checkpoint=args.checkpoint,
-                        device=device, seed=args.seed, recycle=not args.no_recycle, threads=args.threads,
-                        kernels=args.kernels, progress=progress)
+    if args.stack == "codec":
+        report = _crosscheck_codec(args, size, progress)
+    else:
+        config, note = _crosscheck_config(args, size)
+        if note:
+            print(note)
+        report = crosscheck(args.stack, steps=args.steps or 300, batch=args.batch,
+                            convention=args.convention or "personaplex", dtype=args.dtype, frames=args.frames,
+                            config=config, checkpoint=args.checkpoint, device=device, seed=args.seed,
+                            recycle=not args.no_recycle, threads=args.threads, kernels=args.kernels,
+                            progress=progress)
     print(report.summary())
     if args.json:
         report.write_json(args.json)
@@ -218,6 +227,27 @@ def _crosscheck_lm(args) -> int:
               f"{'; '.join(report.failures(args.require))}", file=sys.stderr)
         return REQUIREMENT_NOT_MET
     return 0
+
+
+def _crosscheck_codec(args, size: str, progress):
+    """`crosscheck_codec` from the flags. The transformer stacks' config flags do not apply: the codec's
+    config is a preset (--size) or, with --checkpoint, the released Mimi's."""
+    from jax_impl.codec_config import CODEC_PRESETS
+
+    from .crosscheck import resolve_device
+    from .crosscheck_codec import crosscheck_codec
+
+    for flag, value in (("--convention", args.convention), ("--frames", args.frames), ("--config", args.config_json),
+                        *((_FLAGS[f], getattr(args, f)) for f in _FLAGS)):
+        if value is not None:
+            raise ValueError(f"{flag}: does not apply to --stack codec (its config is the preset of --size, "
+                             f"or the released Mimi's with --checkpoint)")
+    config = None if size == "auto" else CODEC_PRESETS["mimi" if size == "full" else "mimi-small"]
+    steps = args.steps or (8 if args.kernels == "twin" and resolve_device(args.device, "--device") == "cpu" else 300)
+    return crosscheck_codec(steps=steps, batch=args.batch, dtype=args.dtype, config=config,
+                            checkpoint=args.checkpoint, device=args.device, seed=args.seed,
+                            recycle=not args.no_recycle, threads=args.threads, kernels=args.kernels,
+                            progress=progress)
 
 
 def _check_writable(flag: str, path: str) -> None:

@@ -87,7 +87,8 @@ def resolve_device(device, name: str = "device") -> str:
     return str(dev)
 
 
-def _check_int(name: str, value, minimum: int, allow_none: bool = False) -> int | None:
+def check_int(name: str, value, minimum: int, allow_none: bool = False) -> int | None:
+    """value as an int >= minimum (None passes where allowed); TypeError / ValueError naming `name`."""
     if value is None and allow_none:
         return None
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
@@ -129,10 +130,10 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {list(LAYER_LOOPS)}, got {layer_loop!r}")
     check_kernels("crosscheck(kernels)", kernels, CROSSCHECK_KERNELS)
-    steps, batch = _check_int("steps", steps, 1), _check_int("batch", batch, 1)
-    seed = _check_int("seed", seed, 0)
-    threads = _check_int("threads", threads, 1, allow_none=True)
-    frames = _check_int("frames", frames, 1, allow_none=True)
+    steps, batch = check_int("steps", steps, 1), check_int("batch", batch, 1)
+    seed = check_int("seed", seed, 0)
+    threads = check_int("threads", threads, 1, allow_none=True)
+    frames = check_int("frames", frames, 1, allow_none=True)
     if isinstance(recycle_rate, bool) or not isinstance(recycle_rate, (int, float)) or not 0 < recycle_rate <= 12:
         raise ValueError(f"recycle_rate must be a number in (0, 12], got {recycle_rate!r}")
     if not isinstance(recycle, bool):
@@ -222,7 +223,7 @@ def _run(stack, config, prefix, *, steps, batch, T, dtype, checkpoint, device, s
             argmax.add(step, *host["text_logits"])
     cfg = {k: getattr(config, k) for k in config.__dataclass_fields__}
     return CrosscheckReport(stack=stack, config=cfg, dtype=dtype, batch=batch, frames=T, steps=steps,
-                            kernels=kernels, device=_device_name(device), tensors=records, torch_ms=torch_ms, jax_ms=jax_ms,
+                            kernels=kernels, device=device_name(device), tensors=records, torch_ms=torch_ms, jax_ms=jax_ms,
                             argmax=argmax)
 
 
@@ -276,11 +277,13 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return as_numpy(t.detach().cpu())
 
 
-def _device_name(device: str) -> str:
+def device_name(device: str) -> str:
+    """The report's device line: the GPU's name, or the CPU with torch's thread count."""
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
     n = torch.get_num_threads()
     return f"CPU ({jax.devices()[0].platform}, {n} torch thread{'s' if n != 1 else ''})"
 
 
-__all__ = ["crosscheck", "default_config", "default_threads", "layer_tables", "resolve_device"]
+__all__ = ["check_int", "crosscheck", "default_config", "default_threads", "device_name", "layer_tables",
+           "resolve_device"]

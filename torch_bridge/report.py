@@ -221,11 +221,15 @@ class CrosscheckReport:
     def jax_ms_per_step(self) -> float:
         return statistics.median(self.jax_ms[WARMUP_STEPS:] or self.jax_ms)
 
-    def summary(self) -> str:
+    def header(self) -> str:
+        """The summary's first line: what ran."""
         c = self.config
-        lines = [(f"cross-check {self.stack}: dim {c['dim']}, {c['num_layers']} layers, context {c['context']}, "
-                  f"convention {c['ring_convention']}, {self.dtype}, B={self.batch}, T={self.frames}, "
-                  f"kernels {self.kernels}, {self.steps} steps on {self.device}"),
+        return (f"cross-check {self.stack}: dim {c['dim']}, {c['num_layers']} layers, context {c['context']}, "
+                f"convention {c['ring_convention']}, {self.dtype}, B={self.batch}, T={self.frames}, "
+                f"kernels {self.kernels}, {self.steps} steps on {self.device}")
+
+    def summary(self) -> str:
+        lines = [self.header(),
                  "",
                  (f"{'tensor':<14}{'bit-identical':<15}{'steps equal':>12}{'max abs':>11}{'max rel':>10}"
                   f"{'max ULP':>9}  first diff"),

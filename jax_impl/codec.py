@@ -1,0 +1,444 @@
+"""The Mimi codec in JAX: jitted encode / decode frame steps over one explicit state pytree.
+
+    encode, decode = make_codec_step(cfg)             # jitted, state donated
+    state = init_codec_state(cfg, batch_size=4)
+    codes, state = encode(params, state, pcm, active)  # pcm [B, 1, frame_size] -> codes int32 [B, num_codebooks]
+    pcm, state = decode(params, state, codes, active)  # and back
+    state = jit_codec_reset_slot(state, b)             # row b: a fresh session
+
+The same computation as the torch reference (`torch_bridge.codec`, op for op moshi's): the SEANet
+convolutions of `codec_config.encoder_plan` / `decoder_plan` with their carries, the two Mimi
+transformers through `step.step_fn` (their `StreamState`s inside the `CodecState`), the split
+residual quantizer. Codes equal torch's; PCM is close, not bit-identical: the convolutions (matmuls
+over their taps) and the matmuls sum in another order than oneDNN's (and the codebook distance
+drops the row's constant |x|^2, which cannot change the argmin but rounds differently), so the
+floats differ by a few float32 ULPs, normwise ~1e-6 relative (tests/test_codec_jax.py bounds it).
+
+params (`CodecParams`, e.g. `torch_bridge.MimiCodec.jax_params()`, zero-copy views of its buffers):
+    convs: checkpoint key -> weight / bias (moshi's names: `encoder.model.0.conv.conv.weight`, ...)
+    codebooks [num_codebooks, codebook_size, codebook_dim]: the entries
+    input_proj [2, codebook_dim, dimension, 1], output_proj [2, dimension, codebook_dim, 1]: semantic, acoustic
+    encoder_transformer, decoder_transformer: the Flax variables of the two `MimiStack`s
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kernels_pallas import twin_conv
+
+from . import state as st
+from .codec_config import CodecConfig, ConvSpec, Residual, decoder_plan, encoder_plan, plan_convs
+from .snapshot import exact_float_cast
+from .state import StreamState
+from .step import step_fn
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+class CodecParams(NamedTuple):
+    convs: Mapping[str, jax.Array]
+    codebooks: jax.Array
+    input_proj: jax.Array
+    output_proj: jax.Array
+    encoder_transformer: Any
+    decoder_transformer: Any
+
+
+class CodecState(NamedTuple):
+    """encoder, decoder: one carry per convolution of `plan_convs(encoder_plan)` / `(decoder_plan)`,
+    [B, C, width] (width 0: a kernel-1 convolution); first: bool [B] (the downsample pads a row's first
+    active frame with its first sample); the two transformers' ring states."""
+
+    encoder: tuple[jax.Array, ...]
+    decoder: tuple[jax.Array, ...]
+    first: jax.Array
+    encoder_transformer: StreamState
+    decoder_transformer: StreamState
+
+    @property
+    def batch_size(self) -> int:
+        return self.first.shape[0]
+
+
+def init_codec_state(cfg: CodecConfig, batch_size: int, dtype=jnp.float32, *, device=None) -> CodecState:
+    """A fresh stream of `batch_size` rows: zero carries, fresh transformer rings.
+
+    device: a `jax.Device` (default: JAX's default device). The state is committed there: a step's
+    outputs are committed (its params are), and a first call with an uncommitted state would
+    compile the step a second time."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if device is None:
+        device = jax.devices()[0]
+    elif not isinstance(device, jax.Device):
+        raise TypeError(f"init_codec_state(device): expected a jax.Device, got {type(device).__name__}")
+
+    def carries(plan):
+        return tuple(jnp.zeros((batch_size, c.carry_channels, c.carry), dtype) for c in plan_convs(plan))
+
+    def make():
+        return CodecState(carries(encoder_plan(cfg)), carries(decoder_plan(cfg)), jnp.ones(batch_size, bool),
+                          st.init_state(cfg.transformer, batch_size, dtype),
+                          st.init_state(cfg.transformer, batch_size, dtype))
+
+    return jax.jit(make, out_shardings=jax.sharding.SingleDeviceSharding(device))()
+
+
+def _conv(x, w, spec: ConvSpec):
+    """torch's conv1d (no padding) as one matmul over the taps: [B, in, L] -> [B, out, T].
+
+    XLA's CPU convolution is slow on these shapes (few samples, wide channels: ~8x on the
+    stride-8 stage); the taps gathered as strided slices [B, groups, in / groups, kernel, T] and
+    contracted with the weight are a plain dot."""
+    g, k, d, s = spec.groups, spec.kernel_size, spec.dilation, spec.stride
+    T = (x.shape[-1] - (k - 1) * d - 1) // s + 1
+    taps = jnp.stack([x[..., j * d: j * d + (T - 1) * s + 1: s] for j in range(k)], axis=-2)
+    taps = taps.reshape(x.shape[0], g, spec.in_channels // g, k, T)
+    w = w.reshape(g, spec.out_channels // g, spec.in_channels // g, k)
+    y = jnp.einsum("bgikt,goik->bgot", taps, w, precision=_HIGHEST)
+    return y.reshape(x.shape[0], spec.out_channels, T)
+
+
+def _conv_transpose(x, w, spec: ConvSpec):
+    """torch's conv_transpose1d (no padding): [B, in, T] -> [B, out, (T - 1) * stride + kernel].
+
+    One matmul, z[b, o, t, j] = sum_i x[b, i, t] w[i, o, j], then the overlap-add: tap j of input
+    sample t lands on output sample t * stride + j. The taps (zero-padded to n * stride) are cut in
+    n blocks of `stride`, block h shifted by h samples, and the n blocks summed in order. (XLA's
+    transposed convolution, the input dilated by the stride, multiplies mostly zeros: ~10x slower.)"""
+    g, k, s = spec.groups, spec.kernel_size, spec.stride
+    B, T = x.shape[0], x.shape[-1]
+    n = -(-k // s)
+    x = x.reshape(B, g, spec.in_channels // g, T)
+    w = w.reshape(g, spec.in_channels // g, spec.out_channels // g, k)
+    z = jnp.einsum("bgit,giok->bgotk", x, w, precision=_HIGHEST).reshape(B, spec.out_channels, T, k)
+    z = jnp.pad(z, ((0, 0), (0, 0), (0, 0), (0, n * s - k))).reshape(B, spec.out_channels, T, n, s)
+    y = sum(jnp.pad(z[:, :, :, h], ((0, 0), (0, 0), (h, n - 1 - h), (0, 0))) for h in range(n))
+    return y.reshape(B, spec.out_channels, (T + n - 1) * s)[..., :(T - 1) * s + k]
+
+
+def _reference_conv(spec: ConvSpec, x, weight, bias):
+    y = _conv_transpose(x, weight, spec) if spec.transposed else _conv(x, weight, spec)
+    return y if bias is None else y + bias[:, None]
+
+
+def _twin_conv(spec: ConvSpec, x, weight, bias):
+    if spec.transposed:
+        return twin_conv.conv_transpose1d(x, weight, bias, stride=spec.stride, groups=spec.groups)
+    return twin_conv.conv1d(x, weight, bias, stride=spec.stride, dilation=spec.dilation)
+
+
+def conv_step(spec: ConvSpec, weight, bias, carry, x, active, first, ops: CodecOps | None = None):
+    """One streaming convolution: (y, new carry); as `torch_bridge.seanet.conv_step`. ops: the
+    kernels' (`codec_ops`; None: the reference ones)."""
+    ops = ops or REFERENCE_OPS
+    rows = active[:, None, None]
+    width = carry.shape[-1]
+    if spec.transposed:
+        y = ops.conv(spec, x, weight, bias)
+        if not width:
+            return y, carry
+        y = y.at[..., :width].add(carry)
+        tail = y[..., -width:]
+        if bias is not None:
+            tail = tail - bias[:, None]  # the next frame's head has its own bias
+        return y[..., :-width], jnp.where(rows, tail, carry)
+    if width:
+        if spec.replicate:
+            carry = jnp.where(first[:, None, None] & rows, x[..., :1], carry)
+        x = jnp.concatenate([carry, x], axis=-1)
+    y = ops.conv(spec, x, weight, bias)
+    return y, (jnp.where(rows, x[..., -width:], carry) if width else carry)
+
+
+def run_plan(plan, convs: Mapping[str, jax.Array], carries, x, active, first, ops: CodecOps | None = None):
+    """A plan's convolutions on one frame: (y, new carries); as `torch_bridge.seanet.run_plan`."""
+    ops = ops or REFERENCE_OPS
+    carries = list(carries)
+    index = 0
+
+    def conv(spec: ConvSpec, h):
+        nonlocal index
+        if spec.elu:
+            h = ops.elu(h)
+        h, carries[index] = conv_step(spec, convs[spec.key + ".weight"], convs.get(spec.key + ".bias"),
+                                      carries[index], h, active, first, ops)
+        index += 1
+        return h
+
+    for item in plan:
+        if isinstance(item, Residual):
+            h = x
+            for spec in item.convs:
+                h = conv(spec, h)
+            x = x + h
+        else:
+            x = conv(item, x)
+    return x, carries
+
+
+def quantize(cfg: CodecConfig, params: CodecParams, emb):
+    """emb [B, dimension, 1] -> codes int32 [B, num_codebooks]: per book the nearest entry of the residual."""
+    codes = []
+    groups = (params.codebooks[:cfg.semantic_codebooks], params.codebooks[cfg.semantic_codebooks:])
+    for books, proj in zip(groups, params.input_proj, strict=True):
+        residual = jnp.einsum("kd,bd->bk", proj[..., 0], emb[..., 0], precision=_HIGHEST)
+        for entries in books:
+            # |x - e|^2 - |x|^2: the row's own constant does not move the argmin
+            dist = jnp.sum(entries * entries, axis=-1) - 2 * jnp.dot(residual, entries.T, precision=_HIGHEST)
+            idx = jnp.argmin(dist, axis=-1).astype(jnp.int32)
+            residual = residual - entries[idx]
+            codes.append(idx)
+    return jnp.stack(codes, axis=1)
+
+
+def dequantize(cfg: CodecConfig, params: CodecParams, codes):
+    """codes [B, num_codebooks] -> the latent [B, dimension, 1]: the entries summed, projected, added."""
+    s = cfg.semantic_codebooks
+    out = 0
+    for first, books, proj in zip((0, s), (params.codebooks[:s], params.codebooks[s:]), params.output_proj,
+                                  strict=True):
+        if not books.shape[0]:
+            continue
+        total = sum(jnp.take(books[i], codes[:, first + i], axis=0, mode="fill", fill_value=jnp.nan)
+                    for i in range(books.shape[0]))
+        out = out + jnp.einsum("dk,bk->bd", proj[..., 0], total, precision=_HIGHEST)
+    return out[..., None]
+
+
+def twin_quantize(cfg: CodecConfig, params: CodecParams, emb):
+    """`quantize` on the twin kernels (`kernels_pallas.twin_conv`): the projection a twin conv1d, each
+    book's code the twin `nearest`, the residual minus the entry (`torch_bridge.quantizer.encode_twin`)."""
+    codes = []
+    groups = (params.codebooks[:cfg.semantic_codebooks], params.codebooks[cfg.semantic_codebooks:])
+    for books, proj in zip(groups, params.input_proj, strict=True):
+        if not books.shape[0]:
+            continue
+        residual = twin_conv.conv1d(emb, proj)[..., 0]
+        for entries in books:
+            idx = twin_conv.nearest(residual, entries)
+            residual = residual - entries[idx]
+            codes.append(idx)
+    return jnp.stack(codes, axis=1)
+
+
+def twin_dequantize(cfg: CodecConfig, params: CodecParams, codes):
+    """`dequantize` on the twin kernels: per quantizer the entries summed in book order from +0, its
+    output projection a twin conv1d; semantic part plus acoustic part (`quantizer.decode_twin`)."""
+    s = cfg.semantic_codebooks
+    out = None
+    for first, books, proj in zip((0, s), (params.codebooks[:s], params.codebooks[s:]), params.output_proj,
+                                  strict=True):
+        if not books.shape[0]:
+            continue
+        total = jnp.zeros((), books.dtype)
+        for i in range(books.shape[0]):
+            total = total + jnp.take(books[i], codes[:, first + i], axis=0, mode="fill", fill_value=jnp.nan)
+        part = twin_conv.conv1d(total[..., None], proj)
+        out = part if out is None else out + part
+    return out
+
+
+class CodecOps(NamedTuple):
+    """The float operations of a codec step: elu(x); conv(spec, x, weight, bias) (a convolution or a
+    transposed one, unpadded, bias added); quantize(cfg, params, emb); dequantize(cfg, params, codes)."""
+
+    elu: Any
+    conv: Any
+    quantize: Any
+    dequantize: Any
+
+
+REFERENCE_OPS = CodecOps(jax.nn.elu, _reference_conv, quantize, dequantize)
+TWIN_OPS = CodecOps(twin_conv.elu, _twin_conv, twin_quantize, twin_dequantize)
+CODEC_KERNELS = ("reference", "twin")
+
+
+def codec_ops(kernels: str) -> CodecOps:
+    """The ops of `kernels` ("reference" or "twin"); ValueError naming the argument otherwise."""
+    if kernels not in CODEC_KERNELS:
+        raise ValueError(f"kernels must be one of {CODEC_KERNELS} for the codec, got {kernels!r}")
+    return TWIN_OPS if kernels == "twin" else REFERENCE_OPS
+
+
+def _transformer_options(kernels: str, rope_freqs) -> dict:
+    """The transformers' `step_fn` options: the twin step with torch's RoPE table, or the default."""
+    return {"kernels": "twin", "rope_freqs": rope_freqs} if kernels == "twin" else {"rope_freqs": rope_freqs}
+
+
+def _check_active(op: str, active, batch: int):
+    if active is None:
+        return jnp.ones(batch, bool)
+    dtype = getattr(active, "dtype", None)
+    if dtype is None or jnp.dtype(dtype) != jnp.bool_:
+        raise TypeError(f"{op}(active): active must be a bool array, got {dtype or type(active).__name__}")
+    if tuple(jnp.shape(active)) != (batch,):
+        raise ValueError(f"{op}(active): active must have shape [{batch}], got {list(jnp.shape(active))}")
+    return active
+
+
+def _check_state(op: str, state) -> None:
+    if not isinstance(state, CodecState):
+        raise TypeError(f"{op}(state): expected a jax_impl.codec.CodecState, got {type(state).__name__}")
+
+
+def encode_fn(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple[float, ...] | None = None):
+    """The pure encode step `(params, state, pcm, active=None) -> (codes int32 [B, num_codebooks], state)`.
+
+    pcm [B, 1, frame_size], of the state's dtype or one that widens to it exactly; inactive rows get
+    zero codes and keep their state. Bad arguments raise when traced, naming the argument.
+    kernels: "reference" (XLA; close to the torch reference codec) or "twin" (the twin kernels: the
+    bits of `torch_bridge.MimiCodec(kernels="twin")`, whose `rope_freqs()` to pass)."""
+    plan = encoder_plan(cfg)
+    ops = codec_ops(kernels)
+    transformer = step_fn(cfg.transformer, **_transformer_options(kernels, rope_freqs))
+
+    def encode(params: CodecParams, state: CodecState, pcm, active=None):
+        _check_state("encode", state)
+        B, dtype = state.batch_size, state.encoder_transformer.k.dtype
+        shape, pdtype = tuple(jnp.shape(pcm)), jnp.dtype(getattr(pcm, "dtype", None))
+        if shape != (B, 1, cfg.frame_size):
+            raise ValueError(f"encode(pcm): pcm must have shape [B={B}, 1, frame_size={cfg.frame_size}], "
+                             f"got {list(shape)}")
+        if not jnp.issubdtype(pdtype, jnp.floating) or not exact_float_cast(pdtype.name, jnp.dtype(dtype).name):
+            raise TypeError(f"encode(pcm): pcm has dtype {pdtype}; the state holds {jnp.dtype(dtype).name} and "
+                            f"takes only a dtype that casts to it exactly")
+        active = _check_active("encode", active, B)
+        x = jnp.asarray(pcm).astype(dtype)
+        emb, carries = run_plan(plan[:-1], params.convs, state.encoder[:-1], x, active, state.first, ops)
+        out, tr_state = transformer(params.encoder_transformer, state.encoder_transformer, emb.swapaxes(1, 2),
+                                    active)
+        down = plan[-1]
+        emb, last = conv_step(down, params.convs[down.key + ".weight"], None, state.encoder[-1],
+                              out.swapaxes(1, 2), active, state.first, ops)
+        codes = jnp.where(active[:, None], ops.quantize(cfg, params, emb), 0)
+        return codes, state._replace(encoder=(*carries, last), first=state.first & ~active,
+                                     encoder_transformer=tr_state)
+
+    return encode
+
+
+def decode_fn(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple[float, ...] | None = None):
+    """The pure decode step `(params, state, codes, active=None) -> (pcm [B, 1, frame_size], state)`.
+
+    codes [B, num_codebooks], int32 or int64, each in 0..codebook_size-1 (`make_codec_step`'s decode
+    checks concrete codes on the host; traced, an entry out of range is gathered as NaN: that row's PCM
+    is NaN, never a wrapped code). Inactive rows get zeros and keep their state. kernels, rope_freqs:
+    as `encode_fn`'s."""
+    plan = decoder_plan(cfg)
+    ops = codec_ops(kernels)
+    transformer = step_fn(cfg.transformer, **_transformer_options(kernels, rope_freqs))
+
+    def decode(params: CodecParams, state: CodecState, codes, active=None):
+        _check_state("decode", state)
+        B = state.batch_size
+        check_codes_layout(cfg, codes, B)
+        active = _check_active("decode", active, B)
+        codes = jnp.where(active[:, None], jnp.asarray(codes), 0)
+        emb = ops.dequantize(cfg, params, codes)
+        up = plan[0]
+        emb, up_carry = conv_step(up, params.convs[up.key + ".weight"], None, state.decoder[0], emb, active,
+                                  state.first, ops)
+        out, tr_state = transformer(params.decoder_transformer, state.decoder_transformer, emb.swapaxes(1, 2),
+                                    active)
+        pcm, rest = run_plan(plan[1:], params.convs, state.decoder[1:], out.swapaxes(1, 2), active, state.first,
+                             ops)
+        pcm = jnp.where(active[:, None, None], pcm, 0)
+        return pcm, state._replace(decoder=(up_carry, *rest), decoder_transformer=tr_state)
+
+    return decode
+
+
+def check_codes_layout(cfg: CodecConfig, codes, batch: int) -> None:
+    dtype = jnp.dtype(getattr(codes, "dtype", None))
+    if dtype not in (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64)):
+        raise TypeError(f"decode(codes): codes must be int32 or int64, got {dtype}")
+    if tuple(jnp.shape(codes)) != (batch, cfg.num_codebooks):
+        raise ValueError(f"decode(codes): codes must have shape [B={batch}, num_codebooks={cfg.num_codebooks}], "
+                         f"got {list(jnp.shape(codes))}")
+
+
+def check_codes_range(cfg: CodecConfig, codes, active=None) -> None:
+    """Host check of concrete codes (active rows): every code in 0..codebook_size-1, else ValueError."""
+    values = np.asarray(codes)
+    bad = (values < 0) | (values >= cfg.codebook_size)
+    if active is not None:
+        bad &= np.asarray(active)[:, None]
+    if bad.any():
+        row, book = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"decode(codes): codes must be in 0..{cfg.codebook_size - 1} (codebook_size); "
+                         f"codes[{row}, {book}] = {int(values[row, book])}")
+
+
+def _on_state_device(state: CodecState, x):
+    """x committed to the state's device: a jitted step compiles per placement of its arguments, and
+    a host or uncommitted array (numpy, `jnp.asarray`) would otherwise make a second program beside
+    the one for committed arrays (a step's own outputs)."""
+    if isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                                     and not x.committed):
+        return jax.device_put(x, state.first.sharding)
+    return x
+
+
+def make_codec_step(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple[float, ...] | None = None):
+    """(encode, decode): `encode_fn` / `decode_fn` jitted with the state donated (updated in place; keep
+    only the returned state). A refused call raises with the caller's state untouched and valid: the
+    shape and dtype checks raise while tracing, before anything runs, and decode reads concrete codes
+    on the host for their range before the donated call. Host or uncommitted pcm, codes and active
+    are committed to the state's device first (`init_codec_state` commits the state): one program
+    each for every call. kernels, rope_freqs: as `encode_fn`'s."""
+    return _codec_steps(cfg, kernels, None if rope_freqs is None else tuple(rope_freqs))
+
+
+@functools.cache
+def _codec_steps(cfg: CodecConfig, kernels: str, rope_freqs: tuple[float, ...] | None):
+    """`make_codec_step`'s pair, made once per (config, kernels, RoPE table) however it is asked for."""
+    codec_ops(kernels)  # ValueError naming kernels, before anything is traced
+    jit_encode = jax.jit(encode_fn(cfg, kernels=kernels, rope_freqs=rope_freqs), donate_argnums=(1,))
+    jit_decode = jax.jit(decode_fn(cfg, kernels=kernels, rope_freqs=rope_freqs), donate_argnums=(1,))
+
+    def encode(params, state, pcm, active=None):
+        _check_state("encode", state)
+        return jit_encode(params, state, _on_state_device(state, pcm), _on_state_device(state, active))
+
+    def decode(params, state, codes, active=None):
+        _check_state("decode", state)
+        check_codes_layout(cfg, codes, state.batch_size)
+        rows = _check_active("decode", active, state.batch_size)
+        if not isinstance(codes, jax.core.Tracer):
+            check_codes_range(cfg, codes, None if isinstance(rows, jax.core.Tracer) else rows)
+        return jit_decode(params, state, _on_state_device(state, codes), _on_state_device(state, active))
+
+    return encode, decode
+
+
+def codec_reset_slot(state: CodecState, b) -> CodecState:
+    """Row b starts a fresh session: its carries zeroed, its first-frame flag set, both transformers'
+    row reset to position 0 with zeroed rings (`state.reset_rows`)."""
+    row = jnp.arange(state.batch_size) == b
+
+    def clear(carry):
+        return jnp.where(row[:, None, None], jnp.zeros((), carry.dtype), carry)
+
+    return CodecState(tuple(map(clear, state.encoder)), tuple(map(clear, state.decoder)), state.first | row,
+                      st.reset_rows(state.encoder_transformer, row), st.reset_rows(state.decoder_transformer, row))
+
+
+_jit_codec_reset_slot = jax.jit(codec_reset_slot, donate_argnums=(0,))
+
+
+def jit_codec_reset_slot(state: CodecState, b) -> CodecState:
+    """`codec_reset_slot` jitted once for every row (b traced), state donated; a concrete b is checked
+    on the host first (IndexError / TypeError, state untouched)."""
+    _check_state("reset_slot", state)
+    if not isinstance(b, jax.core.Tracer):
+        st.check_row("reset_slot", state.encoder_transformer, b)
+    return _jit_codec_reset_slot(state, b)

@@ -1,0 +1,131 @@
+"""The codec's twin operations (`kernels_pallas.twin_conv`, `kernels_triton.twin_conv`): Pallas and
+Triton give the same bits as each other and as their plain references, in float32 and bfloat16 at
+odd sizes, whatever the batch; bad arguments are refused naming them."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from kernels_pallas import twin_conv as pallas
+from kernels_triton import twin_conv as triton_twin
+from torch_bridge.dlpack import to_jax
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def host(a) -> np.ndarray:
+    """A torch tensor or a JAX array on the host (bfloat16 as float32: exact)."""
+    if isinstance(a, torch.Tensor):
+        return (a.float() if a.dtype == torch.bfloat16 else a).numpy()
+    a = np.asarray(a)
+    return a.astype(np.float32) if a.dtype.name == "bfloat16" else a
+
+
+def same(*values) -> bool:
+    """Bit for bit (floats: their bits; a NaN matches a NaN: payloads are not part of the contract)."""
+    first = host(values[0])
+    for v in values[1:]:
+        v = host(v)
+        if first.dtype != v.dtype or first.shape != v.shape:
+            return False
+        if first.dtype.kind == "f":
+            nan = np.isnan(first)
+            if not (np.array_equal(nan, np.isnan(v)) and np.array_equal(first[~nan].view(np.uint32),
+                                                                        v[~nan].view(np.uint32))):
+                return False
+        elif not np.array_equal(first, v):
+            return False
+    return True
+
+
+def jitted(fn, **static):
+    """fn jitted with its keyword arguments bound (one compile, not one per eager operation)."""
+    return jax.jit(functools.partial(fn, **static))
+
+
+def randn(*shape, dtype, seed, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_elu(dtype):
+    x = randn(3, 5, 37, dtype=dtype, seed=1, scale=4.0)
+    x[0, 0, :3] = torch.tensor([float("nan"), -100.0, 0.0])
+    got = triton_twin.elu(x)
+    assert same(got, jitted(pallas.elu)(to_jax(x)), jitted(pallas.elu_native)(to_jax(x)), triton_twin.elu_native(x))
+    assert got.dtype == dtype and got.shape == x.shape and torch.isnan(got[0, 0, 0]) and got[0, 0, 1] == -1
+    torch.testing.assert_close(got.float(), torch.nn.functional.elu(x.float()).to(dtype).float(),
+                               rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize(("dtype", "stride", "dilation", "k"), [(torch.float32, 5, 1, 10), (torch.bfloat16, 1, 3, 3),
+                                                                (torch.float32, 1, 1, 1)])
+def test_conv1d(dtype, stride, dilation, k):
+    x, w = randn(3, 5, 29, dtype=dtype, seed=2), randn(6, 5, k, dtype=dtype, seed=3, scale=0.3)
+    bias = randn(6, dtype=dtype, seed=4)
+    T = (29 - (k - 1) * dilation - 1) // stride + 1
+    residual = randn(3, 6, T, dtype=dtype, seed=5)
+    args = {"stride": stride, "dilation": dilation}
+    got = triton_twin.conv1d(x, w, bias, residual=residual, **args)
+    jx, jw, jb, jr = map(to_jax, (x, w, bias, residual))
+    assert same(got, jitted(pallas.conv1d, **args)(jx, jw, jb, residual=jr),
+                jitted(pallas.conv1d_native, **args)(jx, jw, jb, residual=jr))
+    want = torch.nn.functional.conv1d(x.float(), w.float(), bias.float(), stride, 0, dilation) + residual.float()
+    torch.testing.assert_close(got.float(), want, rtol=1e-5 if dtype == torch.float32 else 5e-2,
+                               atol=1e-5 if dtype == torch.float32 else 5e-2)
+    # batch invariance: a row alone has the bits it has among the others
+    assert same(triton_twin.conv1d(x[1:2], w, bias, residual=residual[1:2], **args), got[1:2])
+    assert same(jitted(pallas.conv1d, **args)(jx[1:2], jw, jb, residual=jr[1:2]), got[1:2])
+
+
+@pytest.mark.parametrize(("dtype", "stride", "k", "groups"), [(torch.float32, 3, 7, 1), (torch.bfloat16, 4, 8, 1),
+                                                              (torch.float32, 2, 4, 5), (torch.bfloat16, 5, 3, 1)])
+def test_conv_transpose1d(dtype, stride, k, groups):
+    x = randn(3, 5, 9, dtype=dtype, seed=6)
+    w = randn(5, 1 if groups > 1 else 7, k, dtype=dtype, seed=7, scale=0.3)
+    bias = randn(5 if groups > 1 else 7, dtype=dtype, seed=8)
+    got = triton_twin.conv_transpose1d(x, w, bias, stride=stride, groups=groups)
+    jx, jw, jb = map(to_jax, (x, w, bias))
+    args = {"stride": stride, "groups": groups}
+    assert same(got, jitted(pallas.conv_transpose1d, **args)(jx, jw, jb),
+                jitted(pallas.conv_transpose1d_native, **args)(jx, jw, jb))
+    want = torch.nn.functional.conv_transpose1d(x.float(), w.float(), bias.float(), stride, groups=groups)
+    torch.testing.assert_close(got.float(), want, rtol=1e-5 if dtype == torch.float32 else 5e-2,
+                               atol=1e-5 if dtype == torch.float32 else 5e-2)
+    assert same(triton_twin.conv_transpose1d(x[2:], w, bias, stride=stride, groups=groups), got[2:])
+
+
+@pytest.mark.parametrize(("dtype", "N", "D"), [(torch.float32, 64, 24), (torch.bfloat16, 13, 8)])
+def test_nearest(dtype, N, D):
+    x, entries = randn(6, D, dtype=dtype, seed=9), randn(N, D, dtype=dtype, seed=10)
+    entries[N - 1] = entries[1]  # a tie: the first entry wins
+    x[2] = entries[1]
+    x[3, 0] = float("nan")  # a NaN row: entry 0
+    got = triton_twin.nearest(x, entries)
+    jx, je = to_jax(x), to_jax(entries)
+    assert got.dtype == torch.int32
+    assert same(got, jitted(pallas.nearest)(jx, je), jitted(pallas.nearest_native)(jx, je),
+                triton_twin.nearest_native(x, entries))
+    assert got[2] == 1 and got[3] == 0
+    dist = torch.cdist(x.float()[[0, 1, 4, 5]], entries.float())
+    assert torch.equal(got[[0, 1, 4, 5]].long(), dist.argmin(dim=1))
+    assert same(triton_twin.nearest(x[4:5], entries), got[4:5]) and same(jitted(pallas.nearest)(jx[4:5], je), got[4:5])
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [
+    (lambda m, x: m.conv1d(x, x[:, :3]), ValueError, r"conv1d\(w\): expected \[out, in=5, k\]"),
+    (lambda m, x: m.conv1d(x, x[:, :, :2], stride=0), ValueError, r"conv1d\(stride\)"),
+    (lambda m, x: m.conv1d(x[0], x), ValueError, r"conv1d\(x\): expected \[B, in, L\]"),
+    (lambda m, x: m.conv_transpose1d(x, x[:, :1], groups=2), ValueError, r"conv_transpose1d\(groups\)"),
+    (lambda m, x: m.nearest(x[0], x[0, :0]), ValueError, r"nearest\(entries\)"),
+])
+def test_bad_arguments_name_them(call, error, message):
+    x = randn(5, 5, 5, dtype=torch.float32, seed=0)
+    for module, arg in ((triton_twin, x), (pallas, to_jax(x))):
+        with pytest.raises(error, match=message):
+            call(module, arg)
