@@ -16,17 +16,18 @@ For each B of --batches (default 1,4,16,64), one record
   included, greedy) for each of --kernels (twin, reference) on fixed inputs (a text token and a
   temporal output per row);
 - stack "frame": the whole JAX LM frame (`make_frame_step`, state donated; `kernels` is "twin"
-  where `jax_impl.frame.KERNELS` offers it, else "reference");
+  where `jax_impl.frame.KERNELS` offers it, else "reference"; `kernels_available` lists them);
 - sync_ms: median of synchronized frames (outputs ready before the next frame, waited for by
-  `jax_impl.until_ready`); pipelined_ms: frames launched back to back, one wait (mean);
+  `jax_impl.until_ready`); pipelined_ms: frames launched back to back, one wait (mean); after the
+  first call (compile_s) --warmup frames (5), then --steps timed (30); --quick: 2 and 10;
 - floor_ms: the weight bytes a frame must read at the copy rate measured in this run (bytes read +
   written per second, `timing.copy_bandwidth`): each distinct depformer weight set once (8), and for
   the frame also the temporal weights and its ring; floor_every_step_ms: the same with each inner
   step reading its own set (dep_q set reads, moshi's layout); the embedding rows gathered are not counted;
 - kernels_per_frame: CUDA kernels of one frame (torch.profiler, which sees JAX's kernels too);
   kernels_per_inner_step: the depformer's / dep_q;
-- public_*: moshi's own stepper in the same run (`moshi` 0.2.13's `LMModel` with these sizes and
-  random bf16 weights, greedy): for "depformer", `LMGen.depformer_step` (its `forward_depformer`
+- public_*: moshi's own stepper in the same run (`moshi` 0.2.13's `LMModel` with these sizes,
+  dep_q weight sets as PersonaPlex's loader makes them, random bf16 weights, greedy): for "depformer", `LMGen.depformer_step` (its `forward_depformer`
   loop) wrapped in `moshi.utils.compile.CUDAGraphed` as `LMGen` wraps it; for "frame",
   `LMGen.step` with its own CUDA graphs (its ring's offsets at capacity). public_graph_ms: median
   of synchronized calls (call + `torch.cuda.synchronize`, host-timed as sync_ms is); public_eager_ms:
@@ -35,8 +36,9 @@ For each B of --batches (default 1,4,16,64), one record
   (`--moshi-no-compile`: off). moshi is imported without its `__init__` (`tests.moshi_oracle`);
   where it is missing the public fields are null and `public_note` says why.
 
-moshi runs first, then its model and graphs are released and JAX's side runs: the two 7B models and
-their rings do not fit on one H200 together at B=64, and JAX's allocator does not hand memory back.
+moshi runs first, then its model and graphs are released (torch hands its memory back) and JAX's side
+runs: the two 7B models and their rings do not fit on one H200 together at B=64, and JAX's allocator
+may keep what it took.
 Then `sessions_in_80ms`: the largest measured B whose synchronized frame fits 80 ms (ours and
 moshi's). A case that fails (e.g. out of memory) is recorded under `errors`; one not started for
 lack of time (--time-budget) under `skipped`. The JSON is rewritten after every case. Never part of
@@ -188,7 +190,7 @@ def moshi_frame(lm, mcompile, model, cfg: FrameConfig, B: int, args) -> dict:
 
 
 def run_public(cfg: FrameConfig, stacks: list[str], batches: list[int], args, public: dict, errors: dict,
-               skipped: list, out_of_time) -> str | None:
+               past_budget) -> str | None:
     """moshi's depformer and frame for each B into `public[(stack, B)]`; returns a note for every public
     field where moshi is missing, else None."""
     os.environ["NO_TORCH_COMPILE"] = "1" if args.moshi_no_compile or not GPU else ""  # read when moshi is imported
@@ -207,8 +209,7 @@ def run_public(cfg: FrameConfig, stacks: list[str], batches: list[int], args, pu
     for stack in stacks:
         for B in batches:
             name = f"public_{stack}_B{B}"
-            if out_of_time(public=True):
-                skipped.append(name)
+            if past_budget(name, public=True):
                 continue
             try:
                 run = moshi_depformer if stack == "depformer" else moshi_frame
@@ -225,7 +226,7 @@ def run_public(cfg: FrameConfig, stacks: list[str], batches: list[int], args, pu
 
 # ----------------------------------------------------------------------------- ours (JAX)
 def bench_depformer(cfg: DepformerConfig, batches: list[int], kernels: list[str], args, bandwidth, emit,
-                    errors: dict, skipped: list, out_of_time) -> None:
+                    errors: dict, past_budget) -> None:
     """The JAX depformer frame for each B and kernels; `emit(record)` each."""
     dep = Depformer.from_config(cfg, dtype=DTYPE, device=DEVICE)
     dep.init_weights(generator=torch.Generator(device=DEVICE).manual_seed(0))
@@ -237,8 +238,7 @@ def bench_depformer(cfg: DepformerConfig, batches: list[int], kernels: list[str]
         step = jax_impl.make_depformer_step(cfg, kernels=kind)
         for B in batches:
             name = f"depformer_{kind}_B{B}"
-            if out_of_time():
-                skipped.append(name)
+            if past_budget(name):
                 continue
             try:
                 emit({"stack": "depformer", "B": B, "dep_q": cfg.dep_q, "kernels": kind,
@@ -271,8 +271,7 @@ def frame_state(cfg: FrameConfig, B: int) -> jax_frame.FrameState:
     return jax_frame.FrameState(temporal, cache, jnp.full((B,), cfg.temporal.capacity, temporal.offset.dtype))
 
 
-def bench_frame(cfg: FrameConfig, batches: list[int], args, bandwidth, emit, errors: dict, skipped: list,
-                out_of_time) -> None:
+def bench_frame(cfg: FrameConfig, batches: list[int], args, bandwidth, emit, errors: dict, past_budget) -> None:
     """The whole JAX LM frame for each B; `emit(record)` each."""
     kernels = "twin" if "twin" in jax_frame.KERNELS else "reference"
     frame = LMFrame.from_config(cfg, dtype=DTYPE, device=DEVICE)  # weights ~ N(0, 0.02), norms 1
@@ -282,8 +281,7 @@ def bench_frame(cfg: FrameConfig, batches: list[int], args, bandwidth, emit, err
     distinct, every = depformer_floor_bytes(cfg.depformer, DTYPE.itemsize)
     for B in batches:
         name = f"frame_B{B}"
-        if out_of_time():
-            skipped.append(name)
+        if past_budget(name):
             continue
         state = None
         try:
@@ -400,16 +398,21 @@ def main() -> None:
         raise SystemExit("frame_bench.py: no CUDA device; pass --small for the CPU smoke run")
     os.makedirs(args.out, exist_ok=True)
     start = time.monotonic()
+    ours, public, errors, skipped = [], {}, {}, {}  # our records, moshi's (stack, B) -> figures, name -> why
 
-    def out_of_time(public: bool = False) -> bool:
-        return time.monotonic() - start > args.time_budget * (0.5 if public else 1.0)
+    def past_budget(name: str, public: bool = False) -> bool:
+        """Whether case `name` is past its time (moshi's: half the budget); if so it is listed under skipped."""
+        budget = args.time_budget * (0.5 if public else 1.0)
+        elapsed = time.monotonic() - start
+        if elapsed > budget:
+            skipped[name] = f"not started: {elapsed:.0f} s elapsed, past its budget of {budget:.0f} s (--time-budget)"
+        return elapsed > budget
 
     preset = ("personaplex" if args.dep_q == 16 else "moshi") + ("-small" if args.small else "")
     cfg = FRAME_PRESETS[preset]
     bandwidth = copy_bandwidth() if GPU else None
     meta = run_meta()
     meta = {"device": meta["device"], "date": meta["date"], "versions": versions()}
-    ours, public, errors, skipped = [], {}, {}, []
     public_note = "not run (--no-public)" if args.no_public else None
     path = os.path.join(args.out, "frame_bench.json")
 
@@ -430,18 +433,18 @@ def main() -> None:
         write()
 
     if not args.no_public:
-        public_note = run_public(cfg, args.stacks, args.batches, args, public, errors, skipped, out_of_time)
+        public_note = run_public(cfg, args.stacks, args.batches, args, public, errors, past_budget)
+        write()
     if "depformer" in args.stacks:
-        bench_depformer(cfg.depformer, args.batches, args.kernels, args, bandwidth, emit, errors, skipped,
-                        out_of_time)
+        bench_depformer(cfg.depformer, args.batches, args.kernels, args, bandwidth, emit, errors, past_budget)
         release()  # its weights (torch's, viewed by JAX)
     if "frame" in args.stacks:
-        bench_frame(cfg, args.batches, args, bandwidth, emit, errors, skipped, out_of_time)
+        bench_frame(cfg, args.batches, args, bandwidth, emit, errors, past_budget)
     records = write()
     print(table(records))
     print(json.dumps(sessions_in_80ms(records)))
     if errors or skipped:
-        print("errors:", list(errors), "skipped:", skipped)
+        print("errors:", list(errors), "skipped:", list(skipped))
     print(f"{time.monotonic() - start:.0f} s; {path}", flush=True)
 
 
