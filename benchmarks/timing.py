@@ -1,5 +1,5 @@
-"""Timing shared by the benchmark scripts: host timing of jitted JAX steps (`host_ms`,
-`interleaved_medians_us`, `time_step`), CUDA-event timing, CUDA graphs, kernel profiles and the
+"""Timing shared by the benchmark scripts: host timing of jitted JAX steps and calls (`host_ms`,
+`interleaved_medians_us`, `time_step`, `time_call`), CUDA-event timing, CUDA graphs, kernel profiles and the
 copy ceiling (`cuda_time`, `torch_graph`, `graph_per_call_ms`, `kernel_profile`, `copy_bandwidth`),
 and what every result file records of its run (`run_meta`). The CUDA helpers need a GPU when called."""
 
@@ -116,14 +116,14 @@ def interleaved_medians_us(calls: dict, steps: int, warmup: int = 0) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def time_step(step, params, state, x, active, steps: int, wait=until_ready):
+def time_step(step, params, state, x, active, steps: int, wait=until_ready, warmup: int = 3):
     """(sync_ms, pipelined_ms, state) of a donated step `step(params, state, x, active)`.
 
     Synchronized: each step's outputs and state are ready before the next is launched (median),
     waited for by `wait` (`jax_impl.until_ready`, the GPU's stream order; `jax.block_until_ready`
     waits for PjRt's ready futures instead: a step 0.25-0.56 ms longer on an H200, RESULTS.md,
     "scale_bench");
-    pipelined: `steps` launches back to back, then one wait (mean). Three warm-up steps first.
+    pipelined: `steps` launches back to back, then one wait (mean). `warmup` synchronized steps first.
     """
     holder = {"state": state}
 
@@ -131,7 +131,7 @@ def time_step(step, params, state, x, active, steps: int, wait=until_ready):
         out, holder["state"] = step(params, holder["state"], x, active)
         wait((out, holder["state"]))
 
-    for _ in range(3):
+    for _ in range(warmup):
         one()
     sync = host_ms(one, steps)
     t0 = time.perf_counter()
@@ -139,3 +139,17 @@ def time_step(step, params, state, x, active, steps: int, wait=until_ready):
         _, holder["state"] = step(params, holder["state"], x, active)
     jax.block_until_ready(holder["state"])
     return sync, 1e3 * (time.perf_counter() - t0) / steps, holder["state"]
+
+
+def time_call(call, steps: int, warmup: int = 3, wait=until_ready) -> tuple[float, float]:
+    """(sync_ms, pipelined_ms) of `call()`, a JAX computation without carried state (e.g. a depformer
+    frame on fixed inputs): synchronized as `time_step` (each call's outputs waited for by `wait`
+    before the next call, median), pipelined: `steps` calls back to back, then one wait for all their
+    outputs (mean). `warmup` synchronized calls first."""
+    for _ in range(warmup):
+        wait(call())
+    sync = host_ms(lambda: wait(call()), steps)
+    t0 = time.perf_counter()
+    outs = [call() for _ in range(steps)]
+    jax.block_until_ready(outs)
+    return sync, 1e3 * (time.perf_counter() - t0) / steps
