@@ -15,8 +15,8 @@ For each B of --batches (default 1,4,16,64), one record
 - stack "depformer": the JAX depformer frame (`make_depformer_step(cfg, kernels)`, host checks
   included, greedy) for each of --kernels (twin, reference) on fixed inputs (a text token and a
   temporal output per row);
-- stack "frame": the whole JAX LM frame (`make_frame_step`, state donated; `kernels` is "twin"
-  where `jax_impl.frame.KERNELS` offers it, else "reference"; `kernels_available` lists them);
+- stack "frame": the whole JAX LM frame (`make_frame_step(kernels="twin")`, state donated: the
+  temporal step and the depformer on their twins);
 - sync_ms: median of synchronized frames (outputs ready before the next frame, waited for by
   `jax_impl.until_ready`); pipelined_ms: frames launched back to back, one wait (mean); after the
   first call (compile_s) --warmup frames (5), then --steps timed (30); --quick: 2 and 10;
@@ -273,7 +273,7 @@ def frame_state(cfg: FrameConfig, B: int) -> jax_frame.FrameState:
 
 def bench_frame(cfg: FrameConfig, batches: list[int], args, bandwidth, emit, errors: dict, past_budget) -> None:
     """The whole JAX LM frame for each B; `emit(record)` each."""
-    kernels = "twin" if "twin" in jax_frame.KERNELS else "reference"
+    kernels = "twin"
     frame = LMFrame.from_config(cfg, dtype=DTYPE, device=DEVICE)  # weights ~ N(0, 0.02), norms 1
     params = jax_frame_params(frame)
     step = jax_impl.make_frame_step(cfg, kernels=kernels, rope_freqs=frame.temporal.rope_freqs())
@@ -300,7 +300,7 @@ def bench_frame(cfg: FrameConfig, batches: list[int], args, bandwidth, emit, err
                 "floor_ms": 1e3 * (temporal_bytes + ring_bytes + distinct) / bandwidth,
                 "floor_every_step_ms": 1e3 * (temporal_bytes + ring_bytes + every) / bandwidth}
             emit({"stack": "frame", "B": B, "dep_q": cfg.dep_q, "kernels": kernels,
-                  "kernels_available": list(jax_frame.KERNELS), "sync_ms": sync_ms, "pipelined_ms": pipelined_ms,
+                  "sync_ms": sync_ms, "pipelined_ms": pipelined_ms,
                   **floors, "kernels_per_frame": launches, "kernels_per_inner_step": None, "compile_s": compile_s})
         except Exception as err:  # noqa: BLE001 (recorded: a case that fails, e.g. out of memory, is a result)
             errors[name] = f"{type(err).__name__}: {err}"[:1000]
