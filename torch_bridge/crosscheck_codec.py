@@ -24,6 +24,7 @@ import torch
 from jax_impl.checkpoint import read_safetensors, read_safetensors_shapes
 from jax_impl.codec import init_codec_state, jit_codec_reset_slot, make_codec_step
 from jax_impl.codec_config import CODEC_PRESETS, CodecConfig
+from jax_impl.parity import as_numpy
 
 from .codec import MimiCodec
 from .crosscheck import DTYPES, check_int, device_name, resolve_device
@@ -119,7 +120,7 @@ def _run(config, weights, checkpoint, *, steps, batch, dtype, device, seed, recy
             state = jit_codec_reset_slot(state, row)
         pcm = torch.randn(batch, 1, config.frame_size, generator=gen).to(device=device, dtype=DTYPES[dtype])
         active = torch.from_numpy(rng.random(batch) < ACTIVE_RATE).to(device)
-        pcm_j, active_j = jax.device_put(pcm.cpu().numpy(), jax_device), jax.device_put(active.cpu().numpy(), jax_device)
+        pcm_j, active_j = (jax.device_put(as_numpy(t.cpu()), jax_device) for t in (pcm, active))  # bf16 kept
 
         t0 = time.perf_counter()
         codes = codec.encode_frame(pcm, active)
