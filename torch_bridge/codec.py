@@ -47,6 +47,7 @@ from jax_impl.codec_config import (
 from jax_impl.snapshot import dtype_name, exact_float_cast
 
 from . import quantizer, seanet
+from .layers import check_triton_device
 from .model import FLOAT_DTYPES, MimiTransformer
 
 # "reference": torch's ops, bit-exact with moshi; "twin": the twin kernels (`kernels_triton.twin_conv`
@@ -88,6 +89,8 @@ class MimiCodec(nn.Module):
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
         if kernels not in CODEC_KERNELS:
             raise ValueError(f"kernels must be one of {CODEC_KERNELS} for the codec, got {kernels!r}")
+        if kernels == "twin":
+            check_triton_device(device, "MimiCodec(kernels='twin')")
         self.config = config
         self.kernels = kernels
         self.encoder_plan, self.decoder_plan = encoder_plan(config), decoder_plan(config)

@@ -24,7 +24,7 @@ from jax_impl.kernel_choice import TORCH_KERNELS, check_kernels
 from jax_impl.snapshot import dtype_name, exact_float_cast
 from kernels_pallas.contract.attention import twin_sems_size
 
-from .layers import mimi_layer, rms_norm_f32, temporal_layer, triton_twins
+from .layers import check_triton_device, mimi_layer, rms_norm_f32, temporal_layer, triton_twins
 from .state import TorchStreamState
 from .stream_io import StackStreamIO
 from .tables import TorchStepTables, build_step_tables, rope_freqs, twin_tables
@@ -46,6 +46,8 @@ class StreamingStack(StackWeights, StackStreamIO, nn.Module):
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
         check_kernels(f"{type(self).__name__}(kernels)", kernels, TORCH_KERNELS)
+        if kernels == "twin":
+            check_triton_device(device, f"{type(self).__name__}(kernels='twin')")
         self.config = config
         self.kernels = kernels
         self._reference_layer = layer_fn
@@ -167,7 +169,8 @@ class StreamingStack(StackWeights, StackStreamIO, nn.Module):
         """Check what `nn.Module`'s conversion `fn` would make of this stack, before anything changes.
 
         `fn` is applied to two empty probes on the stack's device, one of its dtype and one int64
-        (the offsets). Refused: a float result outside FLOAT_DTYPES (`.double()`: the stacks
+        (the offsets). Refused: a device the stack's Triton twins cannot run on (the CPU without
+        TRITON_INTERPRET=1: `layers.check_triton_device`); a float result outside FLOAT_DTYPES (`.double()`: the stacks
         compute in float32 at most); while streaming, an int64 result that is not int64
         (`.type(torch.half)` would turn the offsets into floats) and a cast that would round the
         ring (f32 -> bf16/f16, bf16 <-> f16). Returns the float probe: the target dtype and device.
@@ -175,6 +178,8 @@ class StreamingStack(StackWeights, StackStreamIO, nn.Module):
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
         index = fn(torch.empty(0, dtype=torch.long, device=self.device))
         name = type(self).__name__
+        if self._twins is not None:  # the Triton twins step it: a device Triton can run on
+            check_triton_device(probe.device, f"{name}(kernels='twin')")
         if probe.dtype not in FLOAT_DTYPES:
             raise TypeError(f"converting this {name} to {probe.dtype} is refused: a stack holds one of "
                             f"{FLOAT_DTYPES} (there is no float64 stack); nothing was changed")
