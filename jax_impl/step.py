@@ -25,7 +25,7 @@ from .config import StackConfig
 from .kernel_choice import JAX_KERNELS, check_kernels
 from .model import stack_module
 from .ops import pick_kernels
-from .snapshot import exact_float_cast
+from .snapshot import check_restore_batch, check_snapshot_layout, exact_float_cast
 from .state import StreamState
 from .stream_io import read_stream, state_from_snapshot, state_snapshot, write_stream
 from .weights import check_params
@@ -274,14 +274,16 @@ class Streamer:
         {"k", "v": [L, B, H, C, D], "offset", "start_offset": [B], "metadata": dict[str, str]}."""
         return state_snapshot(self.config, self.state)
 
-    def restore(self, snapshot) -> None:
+    def restore(self, snapshot, resize: bool = False) -> None:
         """Continue the stream of `snapshot` (from any side: `snapshot()`, a torch stack's, a file).
 
-        Replaces the state (batch size from the snapshot) with validated copies on this state's
-        device; rings widen exactly to this Streamer's dtype, a narrowing is refused; on a refusal
+        Replaces the state with validated copies on this state's device: a snapshot of this
+        Streamer's batch size, or of any with `resize=True` (its batch size then replaces this one); rings widen exactly to this Streamer's dtype, a narrowing is refused; on a refusal
         nothing changes. `offset_bound` becomes the restored offsets' maximum (one host read), so
         the overflow guard holds for the restored stream too.
         """
+        layout = check_snapshot_layout(self.config, snapshot)
+        check_restore_batch(layout.batch_size, self.batch_size, resize)
         device = next(iter(self.state.k.devices()))
         state = state_from_snapshot(self.config, snapshot, self.state.k.dtype, device)
         self.state, self.offset_bound = state, int(np.max(np.asarray(state.offset)))
@@ -290,9 +292,9 @@ class Streamer:
         """Write the stream to a safetensors file (`restore`s on either side through `load_stream`)."""
         write_stream(self.config, self.state, path)
 
-    def load_stream(self, path) -> None:
-        """`restore` the stream a `save_stream` (of either side) wrote to `path`."""
-        self.restore(read_stream(path))
+    def load_stream(self, path, resize: bool = False) -> None:
+        """`restore` the stream a `save_stream` (of either side) wrote to `path` (`resize`: restore's)."""
+        self.restore(read_stream(path), resize)
 
     def _convert_plan(self, params, rope_freqs):
         """(dtype, step options) of `convert(params, rope_freqs=...)`, after its checks (nothing changed)."""
