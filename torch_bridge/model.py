@@ -37,7 +37,14 @@ _LOSSLESS = {(getattr(torch, a), getattr(torch, b)) for a, b in WIDENINGS}
 
 
 class StreamingStack(StackWeights, StackStreamIO, nn.Module):
-    """Shared machinery: stacked weights, streaming state, validation, checkpoint I/O."""
+    """Shared machinery: stacked weights, streaming state, validation, checkpoint I/O.
+
+    Threads: a small stack on the CPU (the `-small` presets) steps fastest on one torch thread,
+    `torch.set_num_threads(1)`: its step is less work than handing it to a thread per core, and
+    beside JAX (whose XLA pool holds the same cores once it has run) the threads wait on each
+    other (the torch reference step of temporal-small: 11.5 ms on the default threads, 1.5 ms on
+    one, in a user's script). The stack does not set it: it is the whole process's setting.
+    """
 
     def __init__(self, config: StackConfig, dtype, device, layer_fn: Callable, kernels: str = "reference"):
         """layer_fn: the reference layer (`layers.temporal_layer` / `mimi_layer`); kernels: "reference"
@@ -288,7 +295,10 @@ class StreamingStack(StackWeights, StackStreamIO, nn.Module):
 
 
 class TemporalStreaming(StreamingStack):
-    """Helium temporal transformer, stepping T frames (T=1 in PersonaPlex) per call."""
+    """Helium temporal transformer, stepping T frames (T=1 in PersonaPlex) per call.
+
+    On the CPU beside JAX, step a small config on one torch thread (`torch.set_num_threads(1)`:
+    `StreamingStack` says why)."""
 
     def __init__(self, dim: int = 4096, num_layers: int = 32, num_heads: int = 32, hidden: int = 11264,
                  context: int = 3000, text_card: int = 32000, max_period: float = 10000.0,
@@ -319,7 +329,10 @@ class TemporalStreaming(StreamingStack):
 
 
 class MimiTransformer(StreamingStack):
-    """Mimi codec transformer (encoder or decoder), stepping T frames per call."""
+    """Mimi codec transformer (encoder or decoder), stepping T frames per call.
+
+    On the CPU beside JAX, step a small config on one torch thread (`torch.set_num_threads(1)`:
+    `StreamingStack` says why)."""
 
     def __init__(self, num_layers: int = 8, dim: int = 512, num_heads: int = 8, context: int = 250,
                  ffn: int = 2048, max_period: float = 10000.0, ring_convention: str = "personaplex",
