@@ -189,7 +189,7 @@ class MimiCodec(nn.Module):
         expected = codec_weight_shapes(self.config)
         transformer = tuple(prefix + "." for prefix in MIMI_PREFIXES)
         own = {k: s for k, s in shapes.items() if not k.startswith(transformer)}
-        messages = []
+        messages, lines = [], []
         checks = [lambda: check_fit(f"{source} does not fit the codec {self.config.frame_size}-sample frame",
                                     expected, own, [line for k, line in problems.items() if k in own])]
         checks += [lambda p=prefix: check_checkpoint(shapes, self.config.transformer, p, source=source,
@@ -199,8 +199,9 @@ class MimiCodec(nn.Module):
                 check()
             except CheckpointError as err:
                 messages.append(str(err))
+                lines += err.problems
         if messages:
-            raise CheckpointError("\n".join(messages))
+            raise CheckpointError("\n".join(messages), problems=lines)
 
         def tensor(key):
             value = state_dict[key]

@@ -184,6 +184,7 @@ class LMFrame(nn.Module):
                     lines.append(f"wrong shape: {key}: expected {list(expected)}, got {list(shape)}")
                 if key in dtype_lines:
                     lines.append(dtype_lines[key])
+        problems = list(lines)
         if lines:
             errors.append("\n".join([f"{source} does not fit the frame's input tables:", *("  " + x for x in lines)]))
         checks = (
@@ -196,8 +197,9 @@ class LMFrame(nn.Module):
                 check()
             except CheckpointError as err:
                 errors.append(str(err))
+                problems += err.problems
         if errors:
-            raise CheckpointError("\n".join(errors))
+            raise CheckpointError("\n".join(errors), problems=problems)
         self.depformer.load_weights(state_dict, source=source)  # its copies' check may still refuse: first
         self.temporal.load_weights(state_dict, source=source)
         for key, (name, k) in tables.items():
