@@ -112,14 +112,18 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int =
             capture: tuple[str, ...] = ()) -> Callable:
     """The pure step `(params, state, x, active=None) -> (outputs, new_state)` (not jitted).
 
-    outputs: (out, text_logits) for the temporal stack, out for Mimi.
+    outputs: (out [B, T, dim], text_logits [B, 1, T, text_card]) for the temporal stack, out [B, T, dim]
+    for Mimi. state: k, v [L, B, H, C, D] (the batch on axis 1), offset, start_offset [B] (axis 0).
     layer_loop: "scan" (one `lax.scan` over the stacked layers) or "python" (a Python loop,
     static layer indexes: longer to compile, what the GPU runs fastest today).
     scan_unroll: `lax.scan`'s unroll factor when layer_loop="scan" (`model.stack_module` says why 1).
     rope_freqs: a [D/2] RoPE frequency table (tuple of floats) instead of `tables.rope_freqs`;
     the torch bridge passes the torch path's own table so both share its exact bits.
-    kernels: "auto" (default), "reference", "pallas" or "twin" (`kernel_choice`: the one vocabulary
-    of the torch stacks, the drop-ins and these steps).
+    kernels (`kernel_choice`: the one vocabulary of the torch stacks, the drop-ins and these steps):
+    "auto" (the default: "pallas" on a GPU where its kernels apply, else "reference"), "reference"
+    (jax.numpy through XLA), "pallas" (the Pallas RoPE and ring-attention kernels in the reference
+    layer) or "twin" (every float operation on the Pallas twins: the bits of the torch stack's
+    kernels="twin").
     capture: Flax collections the stack sows into (e.g. ("intermediates",): the `StepTables`
     the layers used); when given, the step returns (outputs, new_state, captured).
     """
@@ -145,6 +149,8 @@ def make_step(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int
               capture: tuple[str, ...] = ()) -> HostCheckedStep:
     """`jax.jit(step_fn(config, ...))` with the state donated (rings updated in place), x's dtype
     checked on the host first (`HostCheckedStep`; `.jitted` is the jax.jit function).
+
+    The arguments are `step_fn`'s: kernels "auto" (the default), "reference", "pallas" or "twin".
 
     Cached per arguments, so every caller shares one compiled function per shape and dtype.
     After a donated call the state passed in is invalid: keep only the returned one.
