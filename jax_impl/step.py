@@ -284,7 +284,8 @@ class Streamer:
         """Continue the stream of `snapshot` (from any side: `snapshot()`, a torch stack's, a file).
 
         Replaces the state with validated copies on this state's device: a snapshot of this
-        Streamer's batch size, or of any with `resize=True` (its batch size then replaces this one); rings widen exactly to this Streamer's dtype, a narrowing is refused; on a refusal
+        Streamer's batch size, or of any with `resize=True` (its batch size then replaces this
+        one); rings widen exactly to this Streamer's dtype, a narrowing is refused; on a refusal
         nothing changes. `offset_bound` becomes the restored offsets' maximum (one host read), so
         the overflow guard holds for the restored stream too.
         """

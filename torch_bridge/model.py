@@ -177,8 +177,8 @@ class StreamingStack(StackWeights, StackStreamIO, nn.Module):
 
         `fn` is applied to two empty probes on the stack's device, one of its dtype and one int64
         (the offsets). Refused: a device the stack's Triton twins cannot run on (the CPU without
-        TRITON_INTERPRET=1: `layers.check_triton_device`); a float result outside FLOAT_DTYPES (`.double()`: the stacks
-        compute in float32 at most); while streaming, an int64 result that is not int64
+        TRITON_INTERPRET=1: `layers.check_triton_device`); a float result outside FLOAT_DTYPES
+        (`.double()`: the stacks compute in float32 at most); while streaming, an int64 result that is not int64
         (`.type(torch.half)` would turn the offsets into floats) and a cast that would round the
         ring (f32 -> bf16/f16, bf16 <-> f16). Returns the float probe: the target dtype and device.
         """
