@@ -115,26 +115,58 @@ def checkpoint_keys(config: StackConfig, prefix: str | None = None) -> dict[str,
 
 class CheckpointError(ValueError):
     """Weights do not fit a stack or cannot be read. The one error of every loader and weight
-    check on both sides: the message names the source (a file's path, an argument) and lists
-    every problem at once, one a line, each line `<kind>: <key>[: details]`."""
+    check on both sides: the message names the source (a file's path, an argument) and gives
+    every problem at once, one a line, each line `<kind>: <key>[: details]` (many missing, unexpected
+    or wrong-shape keys: one line a kind, count and first keys: `check_fit`). `problems`: every
+    problem line (a tuple; empty for an error that is one problem, its message)."""
+
+    def __init__(self, message: str, problems: Sequence[str] = ()):
+        super().__init__(message)
+        self.problems = tuple(problems)
+
+
+PROBLEM_LINES = 8  # a CheckpointError lists this many problems in full, more one line a kind
+# Two or more weights of the wrong shape: most likely a file of another config than the stack's.
+OTHER_CONFIG = ("the shapes are another config's: jax_impl.checkpoint.infer_config(shapes, kind) reads "
+                "dim, num_layers, hidden / ffn and text_card from the file (`crosscheck --checkpoint FILE` "
+                "does), num_heads comes from --num-heads or the config (the shapes do not show it)")
+
+
+def summarize_problems(lines: Sequence[str]) -> list[str]:
+    """One line a kind of problem (the text before a line's first ': '): the count and the first two."""
+    kinds: dict[str, list[str]] = {}
+    for line in lines:
+        kind, _, rest = line.partition(": ")
+        kinds.setdefault(kind, []).append(rest)
+    return [f"{kind}: {len(items)} ({'; '.join(items[:2])}{'; ...' if len(items) > 2 else ''})"
+            for kind, items in kinds.items()]
 
 
 def check_fit(what: str, expected: Mapping[str, Sequence[int]], have: Mapping[str, Sequence[int] | None],
               problems: Sequence[str] = ()) -> None:
-    """Raise one `CheckpointError` listing every way `have` does not fit `expected`; else return.
+    """Raise one `CheckpointError` giving every way `have` does not fit `expected`; else return.
 
     what: the head of the message, naming the source and the target.
     expected, have: name -> shape. A shape of None in `have` is not compared (the caller has
     a line for it in `problems`). problems: more lines (`wrong dtype: key: ...`), listed after
-    the missing, unexpected and wrong-shape ones.
+    the missing, unexpected and wrong-shape ones. Past PROBLEM_LINES of those three kinds (a file of
+    another config: ~200 for the 7B stack) they are summarized a kind a line; every line is kept in
+    the error's `problems`. Two or more wrong shapes add the way to read the file's own config.
     """
-    lines = [f"missing: {k}" for k in expected if k not in have]
-    lines += [f"unexpected: {k}" for k in have if k not in expected]
-    lines += [f"wrong shape: {k}: expected {list(expected[k])}, got {list(have[k])}"
-              for k in expected if have.get(k) is not None and tuple(have[k]) != tuple(expected[k])]
-    lines += list(problems)
-    if lines:
-        raise CheckpointError("\n".join([f"{what}:", *("  " + line for line in lines)]))
+    fit = [f"missing: {k}" for k in expected if k not in have]
+    fit += [f"unexpected: {k}" for k in have if k not in expected]
+    wrong = [f"wrong shape: {k}: expected {list(expected[k])}, got {list(have[k])}"
+             for k in expected if have.get(k) is not None and tuple(have[k]) != tuple(expected[k])]
+    fit += wrong
+    lines = [*fit, *problems]
+    if not lines:
+        return
+    head = f"{what}:"
+    if len(fit) > PROBLEM_LINES:
+        head = f"{what}: {len(lines)} problems (every one in this error's .problems):"
+        fit = summarize_problems(fit)
+    shown = [*fit, *problems, *([OTHER_CONFIG] if len(wrong) >= 2 else [])]
+    raise CheckpointError("\n".join([head, *("  " + line for line in shown)]), problems=lines)
 
 
 # The dtypes a loader takes, on both sides. float64 is refused (the stacks compute in f32 at

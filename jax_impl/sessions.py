@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from . import state as st
 from .config import StackConfig
 from .placement import SESSIONS, PlacedStep, axis_size, check_divisible, check_placed, session_mesh
-from .snapshot import check_snapshot_layout
+from .snapshot import check_restore_batch, check_snapshot_layout
 from .state import StreamState
 from .step import KEEP, Streamer, check_step_inputs, step_fn
 from .stream_io import state_from_snapshot, state_snapshot
@@ -234,11 +234,13 @@ class ShardedStreamer(Streamer):
         snap = state_snapshot(self.config, self.state)
         return {k: v if k == "metadata" else self._out(v) for k, v in snap.items()}
 
-    def restore(self, snapshot) -> None:
-        """As `Streamer.restore`, the restored state placed by row on this mesh; a snapshot whose
-        batch size does not split over the mesh is refused (ValueError), nothing changed."""
+    def restore(self, snapshot, resize: bool = False) -> None:
+        """As `Streamer.restore` (another batch size only with `resize=True`), the restored state
+        placed by row on this mesh; a snapshot whose batch size does not split over the mesh is
+        refused (ValueError), nothing changed."""
         layout = check_snapshot_layout(self.config, snapshot, "restore(snapshot)")
         check_sessions("restore(snapshot)", layout.batch_size, self.mesh, self.axis)
+        check_restore_batch(layout.batch_size, self.batch_size, resize)
         state = state_from_snapshot(self.config, snapshot, self.state.k.dtype,  # made split by row
                                     session_shardings(self.mesh, self.axis))
         self.state, self.offset_bound = state, int(np.max(np.asarray(state.offset)))

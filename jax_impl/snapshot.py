@@ -15,7 +15,7 @@ tensors and "metadata" its header's string metadata, so a file written by either
 on the other.
 
 `restore` validates before it touches anything: keys, metadata (config fields, dtype, batch
-size), shapes, dtypes and values (0 <= start_offset <= offset <= the index dtype's maximum),
+size: the stream's own unless `resize=True`, `check_restore_batch`), shapes, dtypes and values (0 <= start_offset <= offset <= the index dtype's maximum),
 with errors naming the key. Dtypes follow the rule of the whole package: an exact widening is
 applied (bf16/f16 rings into a float32 stack; int32 offsets into int64 ones; int64 offsets
 into int32 ones only after the values are checked to fit), anything that would round is
@@ -156,6 +156,23 @@ def check_snapshot_layout(config: StackConfig, snapshot, where: str = "restore(s
         raise TypeError(f"{where}: snapshot['start_offset'] has dtype "
                         f"{dtype_name(snapshot['start_offset'])}, snapshot['offset'] {index}: they must agree")
     return SnapshotLayout(batch_size=B, dtype=dtype, index_dtype=index)
+
+
+def check_restore_batch(snapshot_batch: int, batch_size: int | None, resize, where: str = "restore(snapshot)") -> None:
+    """Refuse a snapshot of `snapshot_batch` rows into a stream of `batch_size` rows unless `resize`.
+
+    A restore replaces the whole stream, so a snapshot of another batch size would silently turn a
+    stepper of B rows into one of the snapshot's: only asked for (`resize=True`). batch_size None:
+    no stream yet (a torch stack before `streaming_init`), whose batch size the snapshot gives.
+    SnapshotError (a ValueError) naming both sizes and the way out; TypeError for a non-bool resize.
+    """
+    if not isinstance(resize, bool):
+        raise TypeError(f"{where}: resize must be a bool, got {type(resize).__name__}")
+    if resize or batch_size is None or snapshot_batch == batch_size:
+        return
+    raise SnapshotError(f"{where}: the snapshot holds {snapshot_batch} rows (batch_size {snapshot_batch}), this "
+                        f"stream {batch_size}; nothing was changed. restore(snapshot, resize=True) replaces the "
+                        f"stream by the snapshot's {snapshot_batch} rows")
 
 
 def check_ring_cast(src: str, dst: str, where: str = "restore(snapshot)") -> None:

@@ -25,7 +25,7 @@ from .config import StackConfig
 from .kernel_choice import JAX_KERNELS, check_kernels
 from .model import stack_module
 from .ops import pick_kernels
-from .snapshot import exact_float_cast
+from .snapshot import check_restore_batch, check_snapshot_layout, exact_float_cast
 from .state import StreamState
 from .stream_io import read_stream, state_from_snapshot, state_snapshot, write_stream
 from .weights import check_params
@@ -112,14 +112,18 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int =
             capture: tuple[str, ...] = ()) -> Callable:
     """The pure step `(params, state, x, active=None) -> (outputs, new_state)` (not jitted).
 
-    outputs: (out, text_logits) for the temporal stack, out for Mimi.
+    outputs: (out [B, T, dim], text_logits [B, 1, T, text_card]) for the temporal stack, out [B, T, dim]
+    for Mimi. state: k, v [L, B, H, C, D] (the batch on axis 1), offset, start_offset [B] (axis 0).
     layer_loop: "scan" (one `lax.scan` over the stacked layers) or "python" (a Python loop,
     static layer indexes: longer to compile, what the GPU runs fastest today).
     scan_unroll: `lax.scan`'s unroll factor when layer_loop="scan" (`model.stack_module` says why 1).
     rope_freqs: a [D/2] RoPE frequency table (tuple of floats) instead of `tables.rope_freqs`;
     the torch bridge passes the torch path's own table so both share its exact bits.
-    kernels: "auto" (default), "reference", "pallas" or "twin" (`kernel_choice`: the one vocabulary
-    of the torch stacks, the drop-ins and these steps).
+    kernels (`kernel_choice`: the one vocabulary of the torch stacks, the drop-ins and these steps):
+    "auto" (the default: "pallas" on a GPU where its kernels apply, else "reference"), "reference"
+    (jax.numpy through XLA), "pallas" (the Pallas RoPE and ring-attention kernels in the reference
+    layer) or "twin" (every float operation on the Pallas twins: the bits of the torch stack's
+    kernels="twin").
     capture: Flax collections the stack sows into (e.g. ("intermediates",): the `StepTables`
     the layers used); when given, the step returns (outputs, new_state, captured).
     """
@@ -145,6 +149,8 @@ def make_step(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int
               capture: tuple[str, ...] = ()) -> HostCheckedStep:
     """`jax.jit(step_fn(config, ...))` with the state donated (rings updated in place), x's dtype
     checked on the host first (`HostCheckedStep`; `.jitted` is the jax.jit function).
+
+    The arguments are `step_fn`'s: kernels "auto" (the default), "reference", "pallas" or "twin".
 
     Cached per arguments, so every caller shares one compiled function per shape and dtype.
     After a donated call the state passed in is invalid: keep only the returned one.
@@ -274,14 +280,17 @@ class Streamer:
         {"k", "v": [L, B, H, C, D], "offset", "start_offset": [B], "metadata": dict[str, str]}."""
         return state_snapshot(self.config, self.state)
 
-    def restore(self, snapshot) -> None:
+    def restore(self, snapshot, resize: bool = False) -> None:
         """Continue the stream of `snapshot` (from any side: `snapshot()`, a torch stack's, a file).
 
-        Replaces the state (batch size from the snapshot) with validated copies on this state's
-        device; rings widen exactly to this Streamer's dtype, a narrowing is refused; on a refusal
+        Replaces the state with validated copies on this state's device: a snapshot of this
+        Streamer's batch size, or of any with `resize=True` (its batch size then replaces this
+        one); rings widen exactly to this Streamer's dtype, a narrowing is refused; on a refusal
         nothing changes. `offset_bound` becomes the restored offsets' maximum (one host read), so
         the overflow guard holds for the restored stream too.
         """
+        layout = check_snapshot_layout(self.config, snapshot)
+        check_restore_batch(layout.batch_size, self.batch_size, resize)
         device = next(iter(self.state.k.devices()))
         state = state_from_snapshot(self.config, snapshot, self.state.k.dtype, device)
         self.state, self.offset_bound = state, int(np.max(np.asarray(state.offset)))
@@ -290,9 +299,9 @@ class Streamer:
         """Write the stream to a safetensors file (`restore`s on either side through `load_stream`)."""
         write_stream(self.config, self.state, path)
 
-    def load_stream(self, path) -> None:
-        """`restore` the stream a `save_stream` (of either side) wrote to `path`."""
-        self.restore(read_stream(path))
+    def load_stream(self, path, resize: bool = False) -> None:
+        """`restore` the stream a `save_stream` (of either side) wrote to `path` (`resize`: restore's)."""
+        self.restore(read_stream(path), resize)
 
     def _convert_plan(self, params, rope_freqs):
         """(dtype, step options) of `convert(params, rope_freqs=...)`, after its checks (nothing changed)."""

@@ -51,7 +51,7 @@ from kernels_pallas.contract.mrope import (
 )
 from kernels_pallas.contract.numerics import INT32_MAX, next_pow2
 from kernels_triton import twin_math as tm
-from kernels_triton.twin_math import interpreting
+from kernels_triton.twin_math import check_device, interpreting
 
 __all__ = [
     "mrope",
@@ -236,11 +236,7 @@ def _check_qk(q, k, head_size, rotary_dim, fn):
         raise ValueError(f"k dtype must equal q dtype {q.dtype}, got {k.dtype}")
     if k.device != q.device:
         raise ValueError(f"k must be on q's device {q.device}, got {k.device}")
-    if q.device.type == "cpu" and not interpreting(_mrope_kernel):
-        # Otherwise the launch fails deep in Triton with "0 active drivers".
-        raise RuntimeError(f"kernels_triton.{fn}: q is on the CPU and Triton is not interpreting; set "
-                           "TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU, "
-                           "or move the tensors to CUDA")
+    check_device(q.device, f"kernels_triton.{fn}: q")
     for name, t in (("q", q), ("k", k)):
         if t.numel() and t.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")

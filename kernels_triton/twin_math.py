@@ -52,6 +52,20 @@ def interpreting(kernel) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
+def check_device(device, who: str) -> None:
+    """RuntimeError unless the Triton kernels can run on `device` (a torch device or its name; None:
+    torch's default device); `who` starts the message (what is on that device).
+
+    On the CPU Triton runs only under its interpreter, which is chosen when triton is imported
+    (``TRITON_INTERPRET=1``); compiled, a CPU launch fails deep in Triton with "0 active drivers".
+    Every torch entry point of the Triton kernels checks here where it learns its device (a twin
+    stack's construction and conversions, an MRoPE call), before anything is allocated or launched.
+    """
+    if torch.empty(0, device=device).device.type == "cpu" and not interpreting(mma):
+        raise RuntimeError(f"{who} is on the CPU and Triton is not interpreting; set TRITON_INTERPRET=1 "
+                           "before importing triton to run the kernels on the CPU, or use a CUDA device")
+
+
 _LAYER_TENSORS: dict = {}
 
 

@@ -351,3 +351,33 @@ def test_norm_eps_changes_the_torch_model_and_matches_jax(base):
     np.testing.assert_allclose(jax_out, outs[1].numpy(), rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="norm_eps must be a finite float > 0, got 0.0"):
         with_options(base, norm_eps=0.0)
+
+
+def test_a_file_of_another_config_is_a_few_lines_naming_infer_config(tmp_path):
+    """The small preset's weights checked against the 7B config: ~200 problems, told in a few lines
+    (one a kind, with counts) that point to infer_config and --num-heads; every problem kept in
+    `.problems`. A few wrong shapes are listed in full, with the same pointer."""
+    src = make(TCFG).export_weights()
+    shapes = {k: tuple(v.shape) for k, v in src.items()}
+    with pytest.raises(CheckpointError) as err:
+        check_checkpoint(shapes, PRESETS["temporal"], source="model.safetensors")
+    lines = str(err.value).splitlines()
+    assert len(lines) <= 5, str(err.value)
+    assert lines[0] == (f"model.safetensors does not fit TemporalConfig(dim=4096, num_layers=32) with prefix "
+                        f"'(none)': {len(err.value.problems)} problems (every one in this error's .problems):")
+    assert "infer_config" in lines[-1] and "--num-heads" in lines[-1]
+    missing = [p for p in err.value.problems if p.startswith("missing: ")]
+    wrong = [p for p in err.value.problems if p.startswith("wrong shape: ")]
+    assert len(missing) == 30 * 6 and len(wrong) == 2 * 7 and len(err.value.problems) == len(missing) + len(wrong)
+    assert "missing: transformer.layers.31.gating.linear_out.weight" in missing
+    assert lines[1].startswith("  missing: 180 (transformer.layers.2.self_attn.in_proj_weight; ")
+    assert lines[2].startswith("  wrong shape: 14 (transformer.layers.0.self_attn.in_proj_weight: expected "
+                               "[12288, 4096], got [192, 64]; ")
+    wider = with_options(TCFG, hidden=256)
+    with pytest.raises(CheckpointError) as err:
+        make(wider).load_weights(src)  # torch's loader: the same error
+    lines = str(err.value).splitlines()
+    assert lines[1:5] == [f"  {p}" for p in err.value.problems] and len(err.value.problems) == 4
+    assert lines[1] == ("  wrong shape: transformer.layers.0.gating.linear_in.weight: expected [512, 64], "
+                        "got [352, 64]")
+    assert len(lines) == 6 and "infer_config" in lines[5] and "--num-heads" in lines[5]

@@ -312,3 +312,43 @@ def test_cli_require_help_states_the_bounds_in_force(capsys):
         main(["crosscheck", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert f"max rel {rp.CLOSE_MAX_REL['float32']:g} (float32) / {rp.CLOSE_MAX_REL['bfloat16']:g} (bfloat16)" in text
+
+
+def test_default_steps_wrap_the_ring_on_the_cpu_twins_and_stay_300_elsewhere(monkeypatch):
+    """On the CPU the twin kernels run torch's side under Triton's interpreter: a run of the default
+    length wraps the small preset's ring three times (not 300 interpreted steps); 300 on a GPU, for
+    the reference kernels and wherever three wraps would take longer."""
+    temporal, mimi = PRESETS["temporal-small"], PRESETS["mimi-small"]
+    assert cc.default_steps(temporal, 1, "twin", "cpu") == 72 >= 2 * temporal.capacity
+    assert cc.default_steps(mimi, 2, "twin", "cpu") == 15 and 15 * 2 >= 2 * mimi.capacity
+    assert cc.default_steps(temporal, 1, "reference", "cpu") == 300
+    assert cc.default_steps(temporal, 1, "twin", "cuda:0") == 300
+    assert cc.default_steps(PRESETS["temporal"], 1, "twin", "cpu") == 300  # three wraps of 3000: more
+    steps = []
+    monkeypatch.setattr(cc, "_run", lambda *args, **kwargs: steps.append(kwargs["steps"]))
+    crosscheck("temporal", kernels="twin")
+    crosscheck("mimi-encoder", kernels="twin")
+    crosscheck("temporal", kernels="twin", steps=5)
+    crosscheck("temporal")
+    assert steps == [72, 15, 5, 300]
+
+
+def test_progress_lines_a_line_every_few_seconds():
+    import io
+
+    out = io.StringIO()
+    assert list(cc.progress_lines("crosscheck temporal", every=0, stream=out)(range(3))) == [0, 1, 2]
+    assert out.getvalue().splitlines() == [f"crosscheck temporal: {i}/3 steps, 0 s" for i in range(3)]
+    out = io.StringIO()
+    assert list(cc.progress_lines("x", every=60, stream=out)(range(3))) == [0, 1, 2]
+    assert out.getvalue() == "x: 0/3 steps, 0 s\n"  # the first step, then one line per minute
+
+
+def test_cli_shows_progress_on_a_stderr_that_is_not_a_terminal(capsys):
+    """stderr redirected (pytest's capture is not a TTY): plain progress lines, none with -q."""
+    args = ["crosscheck", "--stack", "mimi-encoder", "--steps", "3", "--batch", "2", "--kernels", "reference"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("crosscheck mimi-encoder: 0/3 steps, 0 s\n"), err
+    assert main([*args, "-q"]) == 0
+    assert capsys.readouterr().err == ""

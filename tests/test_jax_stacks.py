@@ -287,3 +287,46 @@ def test_overflow_guard_refuses_before_stepping(tparams):
     np.testing.assert_array_equal(s.state.start_offset - s.state.offset, [1, -1])
     with pytest.raises(IndexError):
         s.reset_slot(2)
+
+
+def test_vmap_over_the_states_batch_axes_as_the_readme_says(tparams, tmp_path):
+    """The README's recipe: one session's step mapped over the rows of a state with
+    in_axes StreamState(k=1, v=1, offset=0, start_offset=0) steps as the batched step does; the
+    outputs are out [B, T, dim], text_logits [B, 1, T, text_card]; the pure-JAX snapshot API
+    round-trips the state through memory and a file."""
+    axes = jx.StreamState(k=1, v=1, offset=0, start_offset=0)
+    step = jx.step_fn(TCFG)
+
+    def one_session(params, row, x, active):
+        state = jax.tree.map(jnp.expand_dims, row, axes)
+        (out, logits), state = step(params, state, x[None], active[None])
+        return (out[0], logits[0]), jax.tree.map(jnp.squeeze, state, axes)
+
+    per_session = jax.jit(jax.vmap(one_session, in_axes=(None, axes, 0, 0), out_axes=((0, 0), axes)))
+    batched = jax.jit(step)
+    mapped = state = jx.init_state(TCFG, B)
+    for t in range(TCFG.context + 3):  # past a ring wrap, one row idle each step
+        x = jax.random.normal(jax.random.key(t), (B, 1, TCFG.dim))
+        active = jnp.arange(B) != t % B
+        (out, logits), mapped = per_session(tparams, mapped, x, active)
+        (out_b, logits_b), state = batched(tparams, state, x, active)
+        np.testing.assert_allclose(out, out_b, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(logits, logits_b, rtol=1e-6, atol=1e-6)
+    chex.assert_shape(out, (B, 1, TCFG.dim))
+    chex.assert_shape(logits, (B, 1, 1, TCFG.text_card))
+    chex.assert_shape(mapped.k, (TCFG.num_layers, B, TCFG.num_heads, TCFG.capacity, TCFG.head_dim))
+    for name in ("offset", "start_offset"):
+        assert jnp.array_equal(getattr(mapped, name), getattr(state, name))
+    snap = jx.state_snapshot(TCFG, state)
+    jx.write_stream(TCFG, state, tmp_path / "s.safetensors")
+    for back in (jx.state_from_snapshot(TCFG, snap),
+                 jx.state_from_snapshot(TCFG, jx.read_stream(tmp_path / "s.safetensors"))):
+        for a, b in zip(back, state, strict=True):
+            assert jnp.array_equal(a, b)
+
+
+def test_step_docstrings_list_every_kernels_value():
+    from jax_impl.kernel_choice import JAX_KERNELS
+
+    for fn in (jx.step_fn, jx.make_step):
+        assert all(f'"{k}"' in fn.__doc__ for k in JAX_KERNELS), fn.__name__

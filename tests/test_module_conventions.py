@@ -325,7 +325,7 @@ def test_streamer_snapshot_restore_and_overflow_bound(tparams, tmp_path):
     expected = [s.step(x) for x in xs[15:]]
     for restored in (jx.Streamer(TCFG, tparams, 1), jx.Streamer(TCFG, tparams, B)):
         if restored.batch_size == 1:
-            restored.restore(snap)
+            restored.restore(snap, resize=True)
         else:
             restored.load_stream(tmp_path / "s.safetensors")
         assert restored.offset_bound == 15 and restored.batch_size == B
@@ -450,6 +450,68 @@ def test_streamer_restore_refuses_bad_snapshots_and_changes_nothing(tparams):
         bf16.restore(good)
     r.restore(good)
     assert np.asarray(r.state.start_offset).tolist() == [7, 0, 0]
+
+
+RESIZE_REFUSED = (r"restore\(snapshot\): the snapshot holds 2 rows \(batch_size 2\), this stream 3; nothing was "
+                  r"changed\. restore\(snapshot, resize=True\) replaces the stream by the snapshot's 2 rows")
+
+
+@pytest.mark.parametrize("cls", [TemporalStreaming, JaxTemporalStreaming], ids=lambda c: c.__name__)
+def test_restore_of_another_batch_size_only_when_asked(cls, tmp_path):
+    """A snapshot (or file) of 2 rows into a stack streaming 3 is refused, naming both sizes and
+    resize=True, with the stream unchanged; `resize=True` takes it (the stack then streams 2 rows);
+    before `streaming_init` there is no batch size to keep and the snapshot gives it."""
+    source = make(cls)
+    source.streaming_init(2)
+    for i in range(3):
+        source.step(torch.full((2, 1, TCFG.dim), 0.25 * i))
+    snap = source.snapshot()
+    source.save_stream(tmp_path / "s.safetensors")
+    target = make(cls)
+    target.streaming_init(B)
+    run(target, frames(target, 4, seed=3))
+    before = state_of(target)
+    for restore in (lambda: target.restore(snap), lambda: target.load_stream(tmp_path / "s.safetensors")):
+        with pytest.raises(ValueError, match=RESIZE_REFUSED):
+            restore()
+        assert_state(target, before)
+    with pytest.raises(TypeError, match=r"restore\(snapshot\): resize must be a bool, got int"):
+        target.restore(snap, resize=1)
+    assert_state(target, before)
+    for restore in (lambda: target.restore(snap, resize=True),
+                    lambda: target.load_stream(tmp_path / "s.safetensors", resize=True)):
+        target.streaming_init(B)
+        restore()
+        assert_state(target, {k: snap[k] for k in KEYS})
+        assert first(target.step(torch.ones(2, 1, TCFG.dim))).shape == (2, 1, TCFG.dim)
+    fresh = make(cls)  # not streaming: any batch size
+    fresh.restore(snap)
+    assert_state(fresh, {k: snap[k] for k in KEYS})
+
+
+def test_streamer_restore_of_another_batch_size_only_when_asked(tparams, tmp_path):
+    """`jx.Streamer`: the same rule (refused with the state and the overflow bound unchanged; taken
+    with resize=True, the bound then the restored offsets')."""
+    small = jx.Streamer(TCFG, tparams, 2)
+    for _ in range(5):
+        small.step(jnp.ones((2, 1, TCFG.dim)))
+    snap = small.snapshot()
+    small.save_stream(tmp_path / "s.safetensors")
+    s = jx.Streamer(TCFG, tparams, B)
+    s.step(jnp.ones((B, 1, TCFG.dim)))
+    before, bound = jax.tree_util.tree_map(jnp.copy, s.state), s.offset_bound
+    for restore in (lambda: s.restore(snap), lambda: s.load_stream(tmp_path / "s.safetensors")):
+        with pytest.raises(ValueError, match=RESIZE_REFUSED):
+            restore()
+        assert s.offset_bound == bound and s.batch_size == B
+        for a, b in zip(s.state, before, strict=True):
+            assert jnp.array_equal(a, b)
+    for restore in (lambda: s.restore(snap, resize=True),
+                    lambda: s.load_stream(tmp_path / "s.safetensors", resize=True)):
+        restore()
+        assert s.batch_size == 2 and s.offset_bound == 5
+        for a, b in zip(s.state, small.state, strict=True):
+            assert jnp.array_equal(a, b)
 
 
 @pytest.mark.parametrize("name", ["temporal", "mimi"])

@@ -187,10 +187,10 @@ def test_sharded_streamer_snapshot_restore_and_files(tmp_path):
     want = [ref.step(x) for x in later]
     assert same_bits(np.stack([got.step(x) for x in later]), np.stack(want))
     for restored in (sh.ShardedStreamer(config, params, 2, mesh=mesh), jx.Streamer(config, params, 2)):
-        restored.restore(first)  # the snapshot outlived three donated steps
+        restored.restore(first, resize=True)  # the snapshot outlived three donated steps
         assert same_bits(np.stack([restored.step(x) for x in later]), np.stack(want))
     from_file = sh.ShardedStreamer(config, params, 2, mesh=mesh)
-    from_file.load_stream(tmp_path / "s.safetensors")
+    from_file.load_stream(tmp_path / "s.safetensors", resize=True)
     assert_sessions_layout(from_file.state, mesh)
     assert from_file.offset_bound == 8
     assert same_bits(np.stack([from_file.step(x) for x in later]), np.stack(want))
@@ -206,6 +206,31 @@ def test_sharded_streamer_snapshot_restore_and_files(tmp_path):
     assert same_bits(got.step(later[1]), ref.step(later[1]))
     from_file.reset_rows(np.ones(B, bool))
     assert from_file.offset_bound == 0
+
+
+@two_devices
+def test_sharded_streamer_restore_of_another_batch_size_only_when_asked():
+    """A snapshot of 2 rows (splitting over the mesh) into a ShardedStreamer of 4: refused, naming both
+    sizes and resize=True, the state unchanged; with resize=True restored, split by row."""
+    config = jx.PRESETS["mimi-small"]
+    params = init_params(config, 1)
+    mesh = sh.session_mesh()
+    small = jx.Streamer(config, params, 2)
+    small.step(np.ones((2, 2, config.dim), np.float32))
+    snap = small.snapshot()
+    got = sh.ShardedStreamer(config, params, B, mesh=mesh)
+    got.step(frames("mimi", config, 0))
+    before = jax.tree.map(jnp.copy, got.state)
+    with pytest.raises(ValueError, match=r"restore\(snapshot\): the snapshot holds 2 rows \(batch_size 2\), this "
+                                         r"stream 4; nothing was changed\. restore\(snapshot, resize=True\)"):
+        got.restore(snap)
+    assert_same_stream(got.state, before)
+    assert_sessions_layout(got.state, mesh)
+    got.restore(snap, resize=True)
+    assert got.batch_size == 2 and got.offset_bound == 2
+    assert_same_stream(got.state, small.state)
+    assert got.state.k.sharding.spec == jax.sharding.PartitionSpec(None, sh.SESSIONS)
+    assert [shard.data.shape[1] for shard in got.state.k.addressable_shards] == [1, 1]  # a row a device
 
 
 @two_devices

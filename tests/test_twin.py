@@ -10,6 +10,11 @@ The GPU counterpart (compiled kernels, real sizes) is `benchmarks/twin_gpu.py` a
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -1201,3 +1206,53 @@ def test_jax_twin_step_on_dlpack_params_compiles_once():
     for _ in range(2):
         _, state = step(params, state, x)
         assert step.jitted._cache_size() == compiled, "the step compiled again"
+
+
+def test_torch_twins_on_the_cpu_without_the_interpreter_are_refused_when_made():
+    """Every torch module stepped by the Triton twins, made (or converted) on the CPU with Triton
+    compiling (no TRITON_INTERPRET), is refused there with a message naming the variable, not at its
+    first step with Triton's "0 active drivers"; the JAX-stepped drop-ins and the reference path are not."""
+    code = textwrap.dedent("""
+        import jax_impl as jx
+        from jax_impl.codec_config import CODEC_PRESETS
+        from jax_impl.depformer_config import DEPFORMER_PRESETS
+        from jax_impl.frame_config import FRAME_PRESETS
+        from torch_bridge import Depformer, JaxTemporalStreaming, MimiCodec, MimiTransformer, TemporalStreaming
+        from torch_bridge.frame import LMFrame
+        from torch_bridge.jax_depformer import JaxDepformer
+
+        dep, temporal = DEPFORMER_PRESETS["personaplex-small"], jx.PRESETS["temporal-small"]
+        on_meta = {"TemporalStreaming": TemporalStreaming.from_config(temporal, kernels="twin", device="meta"),
+                   "Depformer": Depformer.from_config(dep, kernels="twin", device="meta")}
+        cases = [("TemporalStreaming", lambda: TemporalStreaming.from_config(temporal, kernels="twin")),
+                 ("MimiTransformer", lambda: MimiTransformer.from_config(jx.PRESETS["mimi-small"], kernels="twin")),
+                 ("Depformer", lambda: Depformer.from_config(dep, kernels="twin")),
+                 ("LMFrame", lambda: LMFrame.from_config(FRAME_PRESETS["personaplex-small"], kernels="twin")),
+                 ("MimiCodec", lambda: MimiCodec.from_config(CODEC_PRESETS["mimi-tiny"], kernels="twin")),
+                 *((name, lambda m=m: m.to_empty(device="cpu")) for name, m in on_meta.items()),
+                 ("JaxTemporalStreaming", lambda: JaxTemporalStreaming.from_config(temporal, kernels="twin")),
+                 ("JaxDepformer", lambda: JaxDepformer.from_config(dep, kernels="twin")),
+                 ("TemporalStreaming", lambda: TemporalStreaming.from_config(temporal))]
+        for name, make in cases:
+            try:
+                make()
+                print(name, "| made")
+            except RuntimeError as e:
+                print(name, "|", e)
+        print(*(m.device for m in on_meta.values()))
+    """)
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(root)}, cwd=root,
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    refused = ["TemporalStreaming", "MimiTransformer", "Depformer", "LMFrame", "MimiCodec", "TemporalStreaming",
+               "Depformer"]
+    assert len(lines) == len(refused) + 4, r.stdout
+    for line, name in zip(lines, refused):
+        assert line.startswith(f"{name} | {name}(kernels='twin') is on the CPU and Triton is not interpreting; "
+                               "set TRITON_INTERPRET=1 before importing triton"), line
+    assert lines[len(refused):] == ["JaxTemporalStreaming | made", "JaxDepformer | made", "TemporalStreaming | made",
+                                    "meta meta"], r.stdout  # a refused conversion changes nothing
+

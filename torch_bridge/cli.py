@@ -73,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                     "PCM compared; depformer and frame: the language model's depformer and whole frame "
                     "(PersonaPlex sizes, small on the CPU) (default: %(default)s)")
     cc.add_argument("--steps", type=_positive_int, default=None,
-                    help="steps to run (default: 300; codec on the CPU with the twin kernels: 8; depformer and "
+                    help="steps to run (default: 300; temporal and Mimi on the CPU with the twin kernels: three "
+                         "ring wraps, 72 and 15 steps of the small presets; codec on the CPU with the twin kernels: 8; "
+                         "depformer and "
                          "frame: 40, on the CPU with the twin kernels 3 and 8, the Triton interpreter taking "
                          "seconds a frame)")
     cc.add_argument("--batch", type=_positive_int, default=4, help="rows (sessions) (default: %(default)s)")
@@ -128,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     cc.add_argument("--plot", metavar="FILE.png",
                     help="plot per-step differences and ms/step (needs matplotlib: pip install personaplex-jax[plot])")
-    cc.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    cc.add_argument("-q", "--quiet", action="store_true",
+                    help="no progress on stderr (a bar on a terminal, else a line every few seconds)")
     st = sub.add_parser("stream", help="stream frames through the torch stacks, print ms/step")
     st.add_argument("--steps", type=_positive_int, default=300,
                     help="steps to stream per stack; the median ms/step is printed (default: %(default)s)")
@@ -137,13 +140,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _crosscheck(args) -> int:
-    from .crosscheck import crosscheck, resolve_device
+    from .crosscheck import crosscheck, progress_lines, resolve_device
 
     args.kernels = args.kernels or ("reference" if args.stack == "codec" else "twin")
     if args.kernels == "twin" and resolve_device(args.device, "--device") == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton runs on the CPU only interpreted
+    progress = None
+    if not args.quiet and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        def progress(it):
+            return tqdm(it, desc=f"crosscheck {args.stack}", unit="step", leave=False)
+    elif not args.quiet:  # a log or a pipe: a plain line every few seconds
+        progress = progress_lines(f"crosscheck {args.stack}")
     if args.stack in ("depformer", "frame"):
-        return _crosscheck_lm(args)
+        return _crosscheck_lm(args, progress)
 
     device = args.device
     size = args.size
@@ -158,20 +169,13 @@ def _crosscheck(args) -> int:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             _check_writable(flag, path)  # now, not after the whole run
-    progress = None
-    if not args.quiet and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        def progress(it):
-            return tqdm(it, desc=f"crosscheck {args.stack}", unit="step", leave=False)
-
     if args.stack == "codec":
         report = _crosscheck_codec(args, size, progress)
     else:
         config, note = _crosscheck_config(args, size)
         if note:
             print(note)
-        report = crosscheck(args.stack, steps=args.steps or 300, batch=args.batch,
+        report = crosscheck(args.stack, steps=args.steps, batch=args.batch,
                             convention=args.convention or "personaplex", dtype=args.dtype, frames=args.frames,
                             config=config, checkpoint=args.checkpoint, device=device, seed=args.seed,
                             recycle=not args.no_recycle, threads=args.threads, kernels=args.kernels,
@@ -200,7 +204,7 @@ def _require_matplotlib() -> None:
                          "(or drop --plot)") from None
 
 
-def _crosscheck_lm(args) -> int:
+def _crosscheck_lm(args, progress) -> int:
     """`crosscheck --stack depformer|frame` (`crosscheck_lm`): the flags of a stack's config do not apply."""
     from .crosscheck_lm import crosscheck_lm
 
@@ -216,7 +220,7 @@ def _crosscheck_lm(args) -> int:
             _check_writable(flag, path)
     report = crosscheck_lm(args.stack, steps=args.steps, batch=args.batch, dtype=args.dtype, device=args.device,
                            seed=args.seed, recycle=not args.no_recycle, threads=args.threads or 1,
-                           kernels=args.kernels)
+                           kernels=args.kernels, progress=progress)
     print(report.summary())
     if args.json:
         report.write_json(args.json)

@@ -47,6 +47,7 @@ from jax_impl.codec_config import (
 from jax_impl.snapshot import dtype_name, exact_float_cast
 
 from . import quantizer, seanet
+from .layers import check_triton_device
 from .model import FLOAT_DTYPES, MimiTransformer
 
 # "reference": torch's ops, bit-exact with moshi; "twin": the twin kernels (`kernels_triton.twin_conv`
@@ -88,6 +89,8 @@ class MimiCodec(nn.Module):
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
         if kernels not in CODEC_KERNELS:
             raise ValueError(f"kernels must be one of {CODEC_KERNELS} for the codec, got {kernels!r}")
+        if kernels == "twin":
+            check_triton_device(device, "MimiCodec(kernels='twin')")
         self.config = config
         self.kernels = kernels
         self.encoder_plan, self.decoder_plan = encoder_plan(config), decoder_plan(config)
@@ -186,7 +189,7 @@ class MimiCodec(nn.Module):
         expected = codec_weight_shapes(self.config)
         transformer = tuple(prefix + "." for prefix in MIMI_PREFIXES)
         own = {k: s for k, s in shapes.items() if not k.startswith(transformer)}
-        messages = []
+        messages, lines = [], []
         checks = [lambda: check_fit(f"{source} does not fit the codec {self.config.frame_size}-sample frame",
                                     expected, own, [line for k, line in problems.items() if k in own])]
         checks += [lambda p=prefix: check_checkpoint(shapes, self.config.transformer, p, source=source,
@@ -196,8 +199,9 @@ class MimiCodec(nn.Module):
                 check()
             except CheckpointError as err:
                 messages.append(str(err))
+                lines += err.problems
         if messages:
-            raise CheckpointError("\n".join(messages))
+            raise CheckpointError("\n".join(messages), problems=lines)
 
         def tensor(key):
             value = state_dict[key]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import sys
 import time
 
 import jax
@@ -40,6 +41,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYER_LOOPS = ("python", "scan")
 CROSSCHECK_KERNELS = TORCH_KERNELS  # the same name on both paths (`jax_impl.kernel_choice`)
 SMALL_DIM = 256  # stacks up to this width count as small (the presets: 64 and 32)
+DEFAULT_STEPS = 300
+# The twin kernels on the CPU run torch's side under Triton's interpreter, 0.3-1.8 s a step of a small
+# preset on 2 cores: a run of the default length wraps the ring this many times (with recycling), not 300 steps.
+CPU_TWIN_WRAPS = 3
+PROGRESS_EVERY_S = 5.0  # progress_lines: a line every this many seconds
 
 
 def default_config(stack: str, device: str) -> StackConfig:
@@ -56,6 +62,32 @@ def default_threads(config: StackConfig, device: str) -> int | None:
     job once printed 156 ms/step for torch against ~1 single-threaded).
     """
     return 1 if not device.startswith("cuda") and config.dim <= SMALL_DIM else None
+
+
+def default_steps(config: StackConfig, T: int, kernels: str, device: str) -> int:
+    """Steps of a run when none are given: DEFAULT_STEPS, or with the twin kernels on the CPU (the
+    Triton interpreter) enough to wrap the ring CPU_TWIN_WRAPS times, T frames a step, if fewer
+    (temporal-small: 72 steps, its context 24; mimi-small: 15, context 10 at 2 frames a step)."""
+    if kernels == "twin" and not device.startswith("cuda"):
+        return min(DEFAULT_STEPS, CPU_TWIN_WRAPS * -(-config.capacity // T))
+    return DEFAULT_STEPS
+
+
+def progress_lines(desc: str, every: float = PROGRESS_EVERY_S, stream=None):
+    """A `progress` wrapper for a stream that is not a terminal (a log file, a CI job): a plain line
+    "{desc}: {done}/{total} steps, {elapsed} s" at the first step and then every `every` seconds,
+    where a progress bar would be one ever-growing line. stream: default sys.stderr (read per line)."""
+    def progress(steps):
+        start = last = time.perf_counter()
+        for done, step in enumerate(steps):
+            now = time.perf_counter()
+            if done == 0 or now - last >= every:
+                print(f"{desc}: {done}/{len(steps)} steps, {now - start:.0f} s", file=stream or sys.stderr,
+                      flush=True)
+                last = now
+            yield step
+
+    return progress
 
 
 def resolve_device(device, name: str = "device") -> str:
@@ -99,12 +131,12 @@ def check_int(name: str, value, minimum: int, allow_none: bool = False) -> int |
     return int(value)
 
 
-def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, convention: str = "personaplex",
+def crosscheck(stack: str = "temporal", *, steps: int | None = None, batch: int = 4, convention: str = "personaplex",
                dtype: str = "float32", frames: int | None = None, config: StackConfig | None = None,
                checkpoint: str | None = None, device: str | None = None, seed: int = 0,
                recycle: bool = True, threads: int | None = None, layer_loop: str = "python",
                kernels: str = "reference", recycle_rate: float = 1.0, progress=None) -> CrosscheckReport:
-    """Run both paths side by side for `steps` steps; returns the per-tensor report.
+    """Run both paths side by side for `steps` steps (None: `default_steps`); returns the per-tensor report.
 
     stack: "temporal", "mimi-encoder" or "mimi-decoder". frames: T per step, 1..capacity
     (default 1 for temporal, 2 for Mimi). config: a `TemporalConfig`/`MimiConfig` (default:
@@ -130,7 +162,8 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {list(LAYER_LOOPS)}, got {layer_loop!r}")
     check_kernels("crosscheck(kernels)", kernels, CROSSCHECK_KERNELS)
-    steps, batch = check_int("steps", steps, 1), check_int("batch", batch, 1)
+    steps = None if steps is None else check_int("steps", steps, 1)  # None: default_steps, once config is known
+    batch = check_int("batch", batch, 1)
     seed = check_int("seed", seed, 0)
     threads = check_int("threads", threads, 1, allow_none=True)
     frames = check_int("frames", frames, 1, allow_none=True)
@@ -152,6 +185,7 @@ def crosscheck(stack: str = "temporal", *, steps: int = 200, batch: int = 4, con
         raise ValueError(f"frames must be at most the ring's capacity ({config.capacity}), got {T}")
     if checkpoint is not None:
         check_safetensors(checkpoint, config, prefix)  # before allocating a model of that size
+    steps = default_steps(config, T, kernels, device) if steps is None else steps
     threads = default_threads(config, device) if threads is None else threads
     saved_threads = torch.get_num_threads()
     if threads is not None:
@@ -285,5 +319,5 @@ def device_name(device: str) -> str:
     return f"CPU ({jax.devices()[0].platform}, {n} torch thread{'s' if n != 1 else ''})"
 
 
-__all__ = ["check_int", "crosscheck", "default_config", "default_threads", "device_name", "layer_tables",
-           "resolve_device"]
+__all__ = ["check_int", "crosscheck", "default_config", "default_steps", "default_threads", "device_name",
+           "layer_tables", "progress_lines", "resolve_device"]

@@ -32,7 +32,7 @@ from jax_impl.checkpoint import CheckpointError, weight_dtype_problem
 from jax_impl.depformer_config import DEPFORMER_PREFIXES, DepformerConfig, buffer_shapes, load_plan
 from jax_impl.sampling_config import check_sampling
 
-from .layers import rms_norm_f32
+from .layers import check_triton_device, rms_norm_f32
 from .sampling import sample
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -86,6 +86,7 @@ class Depformer(nn.Module):
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         self.config, self.kernels = config, kernels
+        self._check_device(device)
         for name, shape in buffer_shapes(config).items():
             self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
         self.init_weights()
@@ -102,6 +103,17 @@ class Depformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.in_proj.device
+
+    def _check_device(self, device) -> None:
+        """kernels="twin": the Triton twins step this module, so `device` must be one Triton runs on
+        (the CPU only with TRITON_INTERPRET=1: `layers.check_triton_device`)."""
+        if self.kernels == "twin":
+            check_triton_device(device, f"{type(self).__name__}(kernels='twin')")
+
+    def _apply(self, fn, recurse=True):
+        """`nn.Module`'s conversion hook (`.to()`, `.cpu()`, ...): the target device checked first."""
+        self._check_device(fn(torch.empty(0, dtype=self.dtype, device=self.device)).device)
+        return super()._apply(fn, recurse)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The weight buffers by name (the tensors themselves)."""

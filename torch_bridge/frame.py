@@ -52,6 +52,7 @@ from jax_impl.frame_config import (
 from jax_impl.sampling_config import check_sampling
 
 from .depformer import Depformer
+from .layers import check_triton_device
 from .model import TemporalStreaming
 from .sampling import sample
 
@@ -101,6 +102,8 @@ class LMFrame(nn.Module):
         if not isinstance(config, FrameConfig):
             raise TypeError(f"config must be a FrameConfig, got {type(config).__name__}")
         self.config, self.kernels = config, check_frame_kernels(config, kernels)
+        if kernels == "twin":
+            check_triton_device(device, "LMFrame(kernels='twin')")
         self.temporal = TemporalStreaming.from_config(config.temporal, dtype=dtype, device=device, kernels=kernels)
         self.depformer = Depformer.from_config(config.depformer, dtype=dtype, device=device, kernels=kernels)
         for name, shape in embedding_shapes(config).items():
@@ -181,6 +184,7 @@ class LMFrame(nn.Module):
                     lines.append(f"wrong shape: {key}: expected {list(expected)}, got {list(shape)}")
                 if key in dtype_lines:
                     lines.append(dtype_lines[key])
+        problems = list(lines)
         if lines:
             errors.append("\n".join([f"{source} does not fit the frame's input tables:", *("  " + x for x in lines)]))
         checks = (
@@ -193,8 +197,9 @@ class LMFrame(nn.Module):
                 check()
             except CheckpointError as err:
                 errors.append(str(err))
+                problems += err.problems
         if errors:
-            raise CheckpointError("\n".join(errors))
+            raise CheckpointError("\n".join(errors), problems=problems)
         self.depformer.load_weights(state_dict, source=source)  # its copies' check may still refuse: first
         self.temporal.load_weights(state_dict, source=source)
         for key, (name, k) in tables.items():
@@ -294,7 +299,7 @@ class LMFrame(nn.Module):
                              f"is an explicit input")
 
         # the token cache and offsets change in place at the end: a kernel that refuses to run
-        # (the Triton twins on the CPU without TRITON_INTERPRET) leaves the frame as it was
+        # (a kernel that fails on its device) leaves the frame as it was
         cache, offset, CT = self.token_cache.clone(), self.frame_offset.clone(), c.cache_len
         run = active[:, None, None]
         if c.user_codebooks:  # the caller's codebooks, written delay frames ahead

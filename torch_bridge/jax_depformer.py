@@ -40,6 +40,9 @@ class JaxDepformer(Depformer):
         self._views: tuple[tuple, dict] | None = None   # (the buffers' identities, their JAX views)
         self._frames: dict[tuple[float, int], object] = {}  # (temperature, top_k) -> the jitted frame
 
+    def _check_device(self, device) -> None:
+        """Any device JAX has: the Pallas twins run here (interpreted on the CPU), not Triton's."""
+
     @classmethod
     def from_torch(cls, depformer: Depformer, kernels: str | None = None) -> JaxDepformer:
         """A JaxDepformer on the very same weight buffers as `depformer` (no copy); kernels: the JAX

@@ -20,7 +20,13 @@ import torch
 
 import jax_impl
 from jax_impl.kernel_choice import JAX_KERNELS, check_kernels
-from jax_impl.snapshot import ARRAY_KEYS, check_ring_cast, check_snapshot_layout, dtype_name
+from jax_impl.snapshot import (
+    ARRAY_KEYS,
+    check_restore_batch,
+    check_ring_cast,
+    check_snapshot_layout,
+    dtype_name,
+)
 
 from .depformer import Depformer
 from .dlpack import jax_device_for, to_jax, to_torch
@@ -141,14 +147,16 @@ class JaxBacked:
         snap = self._streamer.snapshot()
         return {key: v if key == "metadata" else to_torch(v) for key, v in snap.items()}
 
-    def restore(self, snapshot: dict) -> None:
-        """As the torch stack's `restore`, into the JAX state (`Streamer.restore`: validated copies,
-        the overflow bound recomputed). Takes torch tensors (any device JAX has), jax or numpy
+    def restore(self, snapshot: dict, resize: bool = False) -> None:
+        """As the torch stack's `restore` (another batch size only with `resize=True`), into the JAX
+        state (`Streamer.restore`: validated copies, the overflow bound recomputed). Takes torch tensors (any device JAX has), jax or numpy
         arrays; int64 offsets (a torch stack's) are checked to fit JAX's index dtype, then
         converted exactly. On a refusal nothing changes (not streaming: still not streaming).
         """
         where = "restore(snapshot)"
         layout = check_snapshot_layout(self.config, snapshot, where)
+        check_restore_batch(layout.batch_size, None if self._streamer is None else self._streamer.batch_size, resize,
+                            where)
         check_ring_cast(layout.dtype, dtype_name(self.dtype), where)
         arrays = {}
         for key in ARRAY_KEYS:
@@ -160,7 +168,7 @@ class JaxBacked:
                 a = a.cpu().numpy() if key in ("offset", "start_offset") else to_jax(a, copy=None)
             arrays[key] = a
         streamer = self._streamer if self._streamer is not None else self._new_streamer(layout.batch_size)
-        streamer.restore({**arrays, "metadata": snapshot["metadata"]})
+        streamer.restore({**arrays, "metadata": snapshot["metadata"]}, resize)
         self._streamer = streamer
 
     def step(self, x: torch.Tensor, active: torch.Tensor | None = None):

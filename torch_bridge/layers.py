@@ -106,3 +106,12 @@ def triton_twins() -> tuple[TwinKernels, bool]:
     kernels = TwinKernels(twin_linear.linear, twin_linear.linear_rope_write, twin_attention.attention,
                           twin_norm.norm, twin_norm.split)
     return kernels, not twin_math.interpreting(twin_math.mma)
+
+
+def check_triton_device(device, who: str) -> None:
+    """RuntimeError naming TRITON_INTERPRET=1 where the Triton twins cannot run on `device` (the CPU
+    with Triton compiling: `kernels_triton.twin_math.check_device`); every torch twin module calls it
+    where its device is decided (construction, conversions). Imports triton: kernels="twin" only."""
+    from kernels_triton.twin_math import check_device
+
+    check_device(device, who)

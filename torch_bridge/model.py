@@ -24,7 +24,7 @@ from jax_impl.kernel_choice import TORCH_KERNELS, check_kernels
 from jax_impl.snapshot import dtype_name, exact_float_cast
 from kernels_pallas.contract.attention import twin_sems_size
 
-from .layers import mimi_layer, rms_norm_f32, temporal_layer, triton_twins
+from .layers import check_triton_device, mimi_layer, rms_norm_f32, temporal_layer, triton_twins
 from .state import TorchStreamState
 from .stream_io import StackStreamIO
 from .tables import TorchStepTables, build_step_tables, rope_freqs, twin_tables
@@ -37,7 +37,14 @@ _LOSSLESS = {(getattr(torch, a), getattr(torch, b)) for a, b in WIDENINGS}
 
 
 class StreamingStack(StackWeights, StackStreamIO, nn.Module):
-    """Shared machinery: stacked weights, streaming state, validation, checkpoint I/O."""
+    """Shared machinery: stacked weights, streaming state, validation, checkpoint I/O.
+
+    Threads: a small stack on the CPU (the `-small` presets) steps fastest on one torch thread,
+    `torch.set_num_threads(1)`: its step is less work than handing it to a thread per core, and
+    beside JAX (whose XLA pool holds the same cores once it has run) the threads wait on each
+    other (the torch reference step of temporal-small: 11.5 ms on the default threads, 1.5 ms on
+    one, in a user's script). The stack does not set it: it is the whole process's setting.
+    """
 
     def __init__(self, config: StackConfig, dtype, device, layer_fn: Callable, kernels: str = "reference"):
         """layer_fn: the reference layer (`layers.temporal_layer` / `mimi_layer`); kernels: "reference"
@@ -46,6 +53,8 @@ class StreamingStack(StackWeights, StackStreamIO, nn.Module):
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
         check_kernels(f"{type(self).__name__}(kernels)", kernels, TORCH_KERNELS)
+        if kernels == "twin":
+            check_triton_device(device, f"{type(self).__name__}(kernels='twin')")
         self.config = config
         self.kernels = kernels
         self._reference_layer = layer_fn
@@ -167,14 +176,17 @@ class StreamingStack(StackWeights, StackStreamIO, nn.Module):
         """Check what `nn.Module`'s conversion `fn` would make of this stack, before anything changes.
 
         `fn` is applied to two empty probes on the stack's device, one of its dtype and one int64
-        (the offsets). Refused: a float result outside FLOAT_DTYPES (`.double()`: the stacks
-        compute in float32 at most); while streaming, an int64 result that is not int64
+        (the offsets). Refused: a device the stack's Triton twins cannot run on (the CPU without
+        TRITON_INTERPRET=1: `layers.check_triton_device`); a float result outside FLOAT_DTYPES
+        (`.double()`: the stacks compute in float32 at most); while streaming, an int64 result that is not int64
         (`.type(torch.half)` would turn the offsets into floats) and a cast that would round the
         ring (f32 -> bf16/f16, bf16 <-> f16). Returns the float probe: the target dtype and device.
         """
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
         index = fn(torch.empty(0, dtype=torch.long, device=self.device))
         name = type(self).__name__
+        if self._twins is not None:  # the Triton twins step it: a device Triton can run on
+            check_triton_device(probe.device, f"{name}(kernels='twin')")
         if probe.dtype not in FLOAT_DTYPES:
             raise TypeError(f"converting this {name} to {probe.dtype} is refused: a stack holds one of "
                             f"{FLOAT_DTYPES} (there is no float64 stack); nothing was changed")
@@ -283,7 +295,10 @@ class StreamingStack(StackWeights, StackStreamIO, nn.Module):
 
 
 class TemporalStreaming(StreamingStack):
-    """Helium temporal transformer, stepping T frames (T=1 in PersonaPlex) per call."""
+    """Helium temporal transformer, stepping T frames (T=1 in PersonaPlex) per call.
+
+    On the CPU beside JAX, step a small config on one torch thread (`torch.set_num_threads(1)`:
+    `StreamingStack` says why)."""
 
     def __init__(self, dim: int = 4096, num_layers: int = 32, num_heads: int = 32, hidden: int = 11264,
                  context: int = 3000, text_card: int = 32000, max_period: float = 10000.0,
@@ -314,7 +329,10 @@ class TemporalStreaming(StreamingStack):
 
 
 class MimiTransformer(StreamingStack):
-    """Mimi codec transformer (encoder or decoder), stepping T frames per call."""
+    """Mimi codec transformer (encoder or decoder), stepping T frames per call.
+
+    On the CPU beside JAX, step a small config on one torch thread (`torch.set_num_threads(1)`:
+    `StreamingStack` says why)."""
 
     def __init__(self, num_layers: int = 8, dim: int = 512, num_heads: int = 8, context: int = 250,
                  ffn: int = 2048, max_period: float = 10000.0, ring_convention: str = "personaplex",

@@ -13,6 +13,7 @@ import torch
 
 from jax_impl.snapshot import (
     ARRAY_KEYS,
+    check_restore_batch,
     check_ring_cast,
     check_snapshot_layout,
     check_snapshot_values,
@@ -56,17 +57,21 @@ class StackStreamIO:
         return {**tensors, "metadata": snapshot_metadata(self.config, dtype_name(self.dtype), s.batch_size)}
 
     @torch.no_grad()
-    def restore(self, snapshot: dict) -> None:
+    def restore(self, snapshot: dict, resize: bool = False) -> None:
         """Continue the stream of `snapshot` (from `snapshot()` here, on a drop-in, or a `jax_impl.Streamer`).
 
-        Replaces the state, as `streaming_init` does (batch size from the snapshot), with copies
-        on this stack's device: the snapshot stays valid. Validated first (`jax_impl.snapshot`:
-        keys, config, shapes, dtypes, 0 <= start_offset <= offset); k, v of bf16/f16 widen
+        Replaces the state with copies on this stack's device: the snapshot stays valid. A streaming
+        stack takes a snapshot of its own batch size only, unless `resize=True` (then the snapshot's
+        batch size replaces its own); before `streaming_init` the snapshot gives the batch size.
+        Validated first (`jax_impl.snapshot`: keys, config, batch size, shapes, dtypes,
+        0 <= start_offset <= offset); k, v of bf16/f16 widen
         exactly into a float32 stack, a narrowing is refused; int32 offsets widen to int64.
         On a refusal nothing changes. Same dtype and device: bit-identical continuation.
         """
         where = "restore(snapshot)"
         layout = check_snapshot_layout(self.config, snapshot, where)
+        check_restore_batch(layout.batch_size, None if self._state is None else self._state.batch_size, resize,
+                            where)
         check_ring_cast(layout.dtype, dtype_name(self.dtype), where)
         t = {key: _as_torch(where, key, snapshot[key]) for key in ARRAY_KEYS}
         check_snapshot_values(t["offset"].tolist(), t["start_offset"].tolist(), torch.iinfo(torch.long).max,
@@ -83,6 +88,6 @@ class StackStreamIO:
         meta = snap.pop("metadata")
         write_stream_file(path, {key: v.contiguous().cpu() for key, v in snap.items()}, meta, "pt")
 
-    def load_stream(self, path: str | os.PathLike) -> None:
-        """`restore` the stream that `save_stream` (of either path) wrote to `path`."""
-        self.restore(read_torch_stream(path))
+    def load_stream(self, path: str | os.PathLike, resize: bool = False) -> None:
+        """`restore` the stream that `save_stream` (of either path) wrote to `path` (`resize`: restore's)."""
+        self.restore(read_torch_stream(path), resize)
