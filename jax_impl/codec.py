@@ -35,7 +35,7 @@ from jax import lax
 from kernels_pallas import twin_conv
 
 from . import state as st
-from .codec_config import CodecConfig, ConvSpec, Residual, decoder_plan, encoder_plan, plan_convs
+from .codec_config import CodecConfig, ConvSpec, decoder_plan, encoder_plan, plan_convs, walk_plan
 from .snapshot import exact_float_cast
 from .state import StreamState
 from .step import step_fn
@@ -160,29 +160,15 @@ def conv_step(spec: ConvSpec, weight, bias, carry, x, active, first, ops: CodecO
 
 
 def run_plan(plan, convs: Mapping[str, jax.Array], carries, x, active, first, ops: CodecOps | None = None):
-    """A plan's convolutions on one frame: (y, new carries); as `torch_bridge.seanet.run_plan`."""
+    """A plan's convolutions on one frame: (y, new carries) (`codec_config.walk_plan`, the walk the
+    torch codec runs too)."""
     ops = ops or REFERENCE_OPS
-    carries = list(carries)
-    index = 0
 
-    def conv(spec: ConvSpec, h):
-        nonlocal index
-        if spec.elu:
-            h = ops.elu(h)
-        h, carries[index] = conv_step(spec, convs[spec.key + ".weight"], convs.get(spec.key + ".bias"),
-                                      carries[index], h, active, first, ops)
-        index += 1
-        return h
+    def conv(spec: ConvSpec, h, carry):
+        return conv_step(spec, convs[spec.key + ".weight"], convs.get(spec.key + ".bias"), carry, h, active, first,
+                         ops)
 
-    for item in plan:
-        if isinstance(item, Residual):
-            h = x
-            for spec in item.convs:
-                h = conv(spec, h)
-            x = x + h
-        else:
-            x = conv(item, x)
-    return x, carries
+    return walk_plan(plan, x, carries, conv, ops.elu)
 
 
 def quantize(cfg: CodecConfig, params: CodecParams, emb):

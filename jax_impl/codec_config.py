@@ -239,6 +239,31 @@ def plan_convs(plan: tuple[PlanItem, ...]) -> tuple[ConvSpec, ...]:
     return tuple(c for item in plan for c in (item.convs if isinstance(item, Residual) else (item,)))
 
 
+def walk_plan(plan, x, carries, conv, elu):
+    """A plan's convolutions on one frame, the one walk both frameworks run: `conv(spec, h, carry)
+    -> (y, carry)` is one convolution with its streaming carry, `elu(h)` the activation where
+    `spec.elu` asks for it before the convolution; a `Residual` adds its branch to its input.
+    x: [B, C, L]; carries: one per convolution, in the plan's order. Returns (y, new carries)."""
+    carries = list(carries)
+    index = 0
+
+    def step(spec: ConvSpec, h):
+        nonlocal index
+        h, carries[index] = conv(spec, elu(h) if spec.elu else h, carries[index])
+        index += 1
+        return h
+
+    for item in plan:
+        if isinstance(item, Residual):
+            h = x
+            for spec in item.convs:
+                h = step(spec, h)
+            x = x + h
+        else:
+            x = step(item, x)
+    return x, carries
+
+
 def quantizer_keys(cfg: CodecConfig) -> tuple[tuple[str, int, int], ...]:
     """(checkpoint prefix, first codebook, codebooks) of the two residual quantizers."""
     return (("quantizer.rvq_first", 0, cfg.semantic_codebooks),

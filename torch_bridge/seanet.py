@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from jax_impl.codec_config import ConvSpec, PlanItem, Residual, plan_convs
+from jax_impl.codec_config import ConvSpec, PlanItem, plan_convs, walk_plan
 
 
 class ConvOps(NamedTuple):
@@ -88,25 +88,11 @@ def conv_step(spec: ConvSpec, weight: torch.Tensor, bias: torch.Tensor | None, c
 def run_plan(plan: Sequence[PlanItem], weights: Mapping[str, torch.Tensor], carries: Sequence[torch.Tensor],
              x: torch.Tensor, active: torch.Tensor, first: torch.Tensor,
              ops: ConvOps = REFERENCE_OPS) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Run a plan's convolutions on one frame: (y, new carries). weights: checkpoint key -> tensor."""
-    carries = list(carries)
-    index = 0
+    """Run a plan's convolutions on one frame: (y, new carries). weights: checkpoint key -> tensor
+    (`codec_config.walk_plan`, the walk the JAX codec runs too)."""
 
-    def conv(spec: ConvSpec, h: torch.Tensor) -> torch.Tensor:
-        nonlocal index
-        if spec.elu:
-            h = ops.elu(h)
-        y, carries[index] = conv_step(spec, weights[spec.key + ".weight"], weights.get(spec.key + ".bias"),
-                                      carries[index], h, active, first, ops)
-        index += 1
-        return y
+    def conv(spec: ConvSpec, h: torch.Tensor, carry: torch.Tensor):
+        return conv_step(spec, weights[spec.key + ".weight"], weights.get(spec.key + ".bias"), carry, h, active, first,
+                         ops)
 
-    for item in plan:
-        if isinstance(item, Residual):
-            h = x
-            for spec in item.convs:
-                h = conv(spec, h)
-            x = x + h
-        else:
-            x = conv(item, x)
-    return x, carries
+    return walk_plan(plan, x, carries, conv, ops.elu)
