@@ -166,17 +166,29 @@ def test_frame_refused_by_a_kernel_changes_nothing(monkeypatch):
     assert torch.equal(frame.token_cache, saved[0]) and torch.equal(frame.frame_offset, saved[1])
 
 
-def test_crosscheck_depformer_and_frame_twin(capsys):
-    """`crosscheck --stack depformer|frame` runs the twin kernels by default and reports every tensor
-    bit-identical (a few frames of the small preset)."""
+def test_crosscheck_depformer_and_frame_twin(capsys, monkeypatch):
+    """`crosscheck --stack depformer|frame` runs the twin kernels by default, on the CPU a few steps
+    (`default_steps`): the depformer's run (one frame) reports every tensor bit-identical; `--stack
+    frame` hands `crosscheck_lm` the same defaults (the twin frames themselves:
+    `test_twin_frame_jax_and_torch_identical`, every tensor after every frame; the frame's run through
+    the command line: `--kernels reference`'s, tests/test_frame.py)."""
+    import torch_bridge.crosscheck_lm as lm
     from torch_bridge.cli import main
-    from torch_bridge.crosscheck_lm import crosscheck_lm, default_steps
 
-    assert default_steps("frame", "twin", "cpu") < default_steps("frame", "reference", "cpu")
-    for argv in (["--stack", "depformer", "--steps", "1", "--batch", "1"],
-                 ["--stack", "frame", "--steps", "2", "--batch", "1"]):
-        assert main(["crosscheck", *argv, "--require", "identical", "-q"]) == 0
+    assert lm.default_steps("frame", "twin", "cpu") < lm.default_steps("frame", "reference", "cpu")
+    run, calls, reports = lm.crosscheck_lm, [], []
+
+    def recording(stack, **kwargs):  # runs the depformer; the frame is handed the depformer's report
+        calls.append((stack, kwargs["kernels"], kwargs["steps"], kwargs["batch"]))
+        if stack == "depformer":
+            reports.append(run(stack, **kwargs))
+        return reports[0]
+
+    monkeypatch.setattr(lm, "crosscheck_lm", recording)
+    for argv in (["--stack", "depformer", "--steps", "1"], ["--stack", "frame"]):
+        assert main(["crosscheck", *argv, "--batch", "1", "--require", "identical", "-q"]) == 0
         out = capsys.readouterr().out
         assert "kernels twin" in out and "verdict: every tensor bit-identical at every step" in out
+    assert calls == [("depformer", "twin", 1, 1), ("frame", "twin", None, 1)]  # None: default_steps
     with pytest.raises(ValueError, match="kernels must be one of"):
-        crosscheck_lm("depformer", kernels="pallas")
+        run("depformer", kernels="pallas")

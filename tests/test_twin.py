@@ -994,11 +994,11 @@ SMALL = {"temporal": with_options(jx.PRESETS["temporal-small"], context=4, num_h
 # sacrifice tick (reset_slot then bump_slot_start), a plain bump_slot_start and reset_rows all occur and a row
 # wraps its ring; the test checks that they do.
 SCHEDULE = {"temporal": (5, 3), "mimi": (4, 114)}
-# "mimi-encoder" and "mimi-decoder" differ only in the checkpoint prefix (none here): one computation, so
-# each runs half of Mimi's dtype x convention matrix and the two together run all of it.
-TWIN_STEP_CASES = [("temporal", d, c) for d in ("float32", "bfloat16") for c in ("personaplex", "moshi")] + [
-    ("mimi-encoder", "float32", "personaplex"), ("mimi-encoder", "bfloat16", "moshi"),
-    ("mimi-decoder", "float32", "moshi"), ("mimi-decoder", "bfloat16", "personaplex")]
+# A covering subset of stack x dtype x convention: every pair of values of two axes runs once (the
+# four cases of a two-level orthogonal array). "mimi-encoder" and "mimi-decoder" differ only in the
+# checkpoint prefix (none here): one computation, so each runs one of Mimi's two cases.
+TWIN_STEP_CASES = [("temporal", "float32", "personaplex"), ("temporal", "bfloat16", "moshi"),
+                   ("mimi-encoder", "float32", "moshi"), ("mimi-decoder", "bfloat16", "personaplex")]
 
 
 @pytest.mark.parametrize("stack,dtype,convention", TWIN_STEP_CASES)
@@ -1043,15 +1043,16 @@ def test_twin_step_bit_identical_torch_vs_jax(stack, dtype, convention, monkeypa
 
 @pytest.mark.parametrize("stack", ["temporal", "mimi"])
 def test_twin_step_is_batch_invariant_on_both_sides(stack):
-    """Row 0 stepped alone (B=1), with 3 others (B=4) and with 15 others (B=16) (one step: the ring write
-    and the attention over it): the same bits, on
-    the torch twin path and on the JAX twin path (and torch == JAX)."""
+    """Row 0 stepped alone (B=1) and with 15 others (B=16) (one step: the ring write and the attention
+    over it): the same bits, on the torch twin path and on the JAX twin path (and torch == JAX). The
+    interpreted linears and norms run one row a program at B=1 and all the rows in one at B=16 (32 for
+    Mimi's T=2): a batch size between them would test the same property again (each costs a compile)."""
     cfg = with_options(jx.PRESETS[f"{stack}-small"], num_heads=2)  # two heads: the interpreter's cost is per program
     T = 1 if stack == "temporal" else 2
     cls = TemporalStreaming if stack == "temporal" else MimiTransformer
     x = torch.randn(1, 16, T, cfg.dim, generator=torch.Generator().manual_seed(0))  # one step: writes, then attends
     rows = {}
-    for B in (1, 4, 16):
+    for B in (1, 16):
         module = cls.from_config(cfg, kernels="twin")
         module.init_weights(generator=torch.Generator().manual_seed(1))
         module.streaming_init(B)
@@ -1065,10 +1066,9 @@ def test_twin_step_is_batch_invariant_on_both_sides(stack):
             t_out, j_out = (o if isinstance(o, tuple) else (o,) for o in (t_out, j_out))
             got.append([bits(o[0].numpy()) for o in t_out] + [bits(np.asarray(o)[0]) for o in j_out])
         rows[B] = got
-    for B in (4, 16):
-        for step_rows, alone in zip(rows[B], rows[1]):
-            for a, b in zip(step_rows, alone):
-                np.testing.assert_array_equal(a, b, err_msg=f"B={B}")
+    for step_rows, alone in zip(rows[16], rows[1]):
+        for a, b in zip(step_rows, alone):
+            np.testing.assert_array_equal(a, b, err_msg="B=16")
     for step_rows in rows[1]:
         half = len(step_rows) // 2
         for a, b in zip(step_rows[:half], step_rows[half:]):
