@@ -46,71 +46,113 @@ def state_pairs(frame: LMFrame, state: jf.FrameState, rows=slice(None)) -> dict:
             **{n: (getattr(ts, n)[rows], getattr(state.temporal, n)) for n in ("offset", "start_offset")}}
 
 
-# Between them: Moshi's 8 depformer steps (with the caller's codebooks) and PersonaPlex's 16, both
-# dtypes, greedy and sampled, the whole depformer and an early exit (3 of 16 steps), a batch of 2
-# and one of 4 whose row 3 also runs alone. The costs: the Triton interpreter's programs (a program
-# a row in the attention; bfloat16's twice float32's) and the JAX frame's compile (bfloat16's ~2x).
-CASES = [("personaplex-small", torch.float32,
-          {"temperature": 0.9, "top_k": 6, "text_temperature": 0.8, "text_top_k": 12}, 3, 4),
-         ("moshi-small", torch.bfloat16, {}, None, 2)]
+# Between them: PersonaPlex's config (16 depformer steps) and Moshi's (8, with the caller's codebooks),
+# both dtypes, greedy and sampled, a batch of 2 and one of 4. Each exits the depformer early (3 steps;
+# the rest of the audio is the caller's): the Triton interpreter's depformer is most of a torch frame's
+# cost, and a whole depformer is the same code with more steps (its twins' test, tests/test_depformer_twin.py;
+# the frame without an exit: tests/test_frame.py). The costs: the interpreter's programs (a program a
+# row in the attention; bfloat16's twice float32's) and the JAX frame's compile (a few seconds a shape).
+SAMPLED = {"temperature": 0.9, "top_k": 6, "text_temperature": 0.8, "text_top_k": 12}
+CASES = [("personaplex-small", torch.float32, SAMPLED, 4), ("moshi-small", torch.bfloat16, {}, 2)]
+DEP_Q_EXIT = 3
 
 
-@pytest.mark.parametrize("preset, dtype, sampling, dep_q_exit, B", CASES)
-def test_twin_frame_jax_and_torch_identical(preset, dtype, sampling, dep_q_exit, B):
-    """5 frames side by side (the delays pass, the ring wraps), idle rows, reset_slot + bump_slot_start
-    and reset_rows: every output and state tensor identical after every frame; in the batch of 4, row 3
-    stepped alone by the JAX frame has the same bits."""
-    torch.set_num_threads(1)
-    cfg = small(preset)
-    frame = LMFrame.from_config(cfg, dtype=dtype, kernels="twin")
-    frame.init_weights(std=0.3, generator=torch.Generator().manual_seed(5))
-    params = jax_frame_params(frame)
-    jdtype = params["text_emb"].dtype
-    step = jf.make_frame_step(cfg, kernels="twin", rope_freqs=frame.temporal.rope_freqs(), dep_q_exit=dep_q_exit,
-                              **sampling)
-    frame.streaming_init(B)
-    state = jf.init_frame_state(cfg, B, jdtype)
-    alone = jf.init_frame_state(cfg, 1, jdtype) if B > ALONE else None
-    seeds = torch.tensor([3, 2**31 + 9, 4, 77][:B]) if sampling else None
-    n = cfg.dep_q if dep_q_exit is None else dep_q_exit
+def frames(cfg, B: int, sampled: bool):
+    """The frames of a run, the same for every side: (t, recycle, user, active, tail, seeds) each, where
+    recycle is what runs before frame t: ("slot", 1) (reset_slot then bump_slot_start), ("rows", mask)
+    or None. Idle rows, a recycled slot, reset rows; the delays pass (row 1's, after its recycle) and
+    the ring wraps (offset past CONTEXT) in FRAMES frames: the tests check that they do."""
     g = torch.Generator().manual_seed(6)
-    text_seen = set()
+    seeds = torch.tensor([3, 2**31 + 9, 4, 77][:B]) if sampled else None
     for t in range(FRAMES):
-        if t == 1:
-            frame.reset_slot(1)
-            frame.bump_slot_start(1)
-            state = jf.jit_bump_slot_start(jf.jit_reset_slot(state, 1), 1)
-        if t == 3:
-            mask = torch.arange(B) % 3 == 0  # rows 0 (and 3)
-            frame.reset_rows(mask)
-            state = jf.jit_reset_rows(state, mask.numpy())
-            if alone is not None:
-                alone = jf.jit_reset_rows(alone, mask[ALONE:].numpy())
+        recycle = ("slot", 1) if t == 1 else ("rows", torch.arange(B) % 3 == 0) if t == 3 else None  # rows 0 (and 3)
         active = torch.ones(B, dtype=torch.bool)
         active[0], active[B - 1] = t != 4, t != 2
         user = torch.randint(-1, cfg.card + 1, (B, cfg.user_codebooks), generator=g)
-        tail = None if dep_q_exit is None else torch.randint(0, cfg.card, (B, cfg.dep_q - n), generator=g)
-        ours = frame.step(user, active, replace_audio=tail, seeds=seeds, dep_q_exit=dep_q_exit, **sampling)
-        args = (user.int().numpy(), active.numpy(), None if tail is None else tail.int().numpy(),
-                None if seeds is None else seeds.numpy().astype(np.uint32))
-        theirs, state = step(params, state, *args)
+        tail = torch.randint(0, cfg.card, (B, cfg.dep_q - DEP_Q_EXIT), generator=g)
+        yield t, recycle, user, active, tail, seeds
+
+
+def jax_args(user, active, tail, seeds, rows=slice(None)):
+    """A frame's inputs as the JAX frame step takes them (rows `rows`)."""
+    return (user[rows].int().numpy(), active[rows].numpy(), tail[rows].int().numpy(),
+            None if seeds is None else seeds[rows].numpy().astype(np.uint32))
+
+
+def jax_recycle(state, recycle, rows=slice(None)):
+    """`recycle` (see `frames`) on a JAX frame state holding rows `rows` of the batch."""
+    if recycle is None:
+        return state
+    what, arg = recycle
+    if what == "rows":
+        return jf.jit_reset_rows(state, arg[rows].numpy())
+    return jf.jit_bump_slot_start(jf.jit_reset_slot(state, arg), arg)
+
+
+def twin_frame(preset: str, dtype):
+    """The torch frame on the twins (random weights) and its parameters as the JAX frame takes them."""
+    cfg = small(preset)
+    frame = LMFrame.from_config(cfg, dtype=dtype, kernels="twin")
+    frame.init_weights(std=0.3, generator=torch.Generator().manual_seed(5))
+    return cfg, frame, jax_frame_params(frame)
+
+
+@pytest.mark.parametrize("preset, dtype, sampling, B", CASES)
+def test_twin_frame_jax_and_torch_identical(preset, dtype, sampling, B):
+    """5 frames side by side (the delays pass, the ring wraps), idle rows, reset_slot + bump_slot_start
+    and reset_rows: every output and state tensor identical after every frame."""
+    torch.set_num_threads(1)
+    cfg, frame, params = twin_frame(preset, dtype)
+    step = jf.make_frame_step(cfg, kernels="twin", rope_freqs=frame.temporal.rope_freqs(), dep_q_exit=DEP_Q_EXIT,
+                              **sampling)
+    frame.streaming_init(B)
+    state = jf.init_frame_state(cfg, B, params["text_emb"].dtype)
+    text_seen = set()
+    for t, recycle, user, active, tail, seeds in frames(cfg, B, bool(sampling)):
+        if recycle is not None and recycle[0] == "slot":
+            frame.reset_slot(recycle[1])
+            frame.bump_slot_start(recycle[1])
+        elif recycle is not None:
+            frame.reset_rows(recycle[1])
+        state = jax_recycle(state, recycle)
+        ours = frame.step(user, active, replace_audio=tail, seeds=seeds, dep_q_exit=DEP_Q_EXIT, **sampling)
+        theirs, state = step(params, state, *jax_args(user, active, tail, seeds))
         for name in ours._fields:
             assert same(getattr(ours, name), getattr(theirs, name)), f"{name} differs at frame {t}"
         for name, (a, b) in state_pairs(frame, state).items():
             assert same(a, b), f"state {name} differs after frame {t}"
-        if alone is not None:
-            mine, alone = step(params, alone, *(None if a is None else a[ALONE:] for a in args))
-            for name in ours._fields:
-                assert same(getattr(ours, name)[ALONE:], getattr(mine, name)), f"{name}: row {ALONE} alone, frame {t}"
-            for name, (a, b) in state_pairs(frame, alone, slice(ALONE, None)).items():
-                assert same(a, b), f"state {name}: row {ALONE} alone differs after frame {t}"
         text_seen.update(ours.text[active].tolist())
-        if tail is not None:
-            assert torch.equal(ours.audio[active, n:], tail[active])
-    assert ours.audio_logits.shape == (B, n, cfg.card)
+        assert torch.equal(ours.audio[active, DEP_Q_EXIT:], tail[active])
+    assert ours.audio_logits.shape == (B, DEP_Q_EXIT, cfg.card)
     assert int(frame.temporal.state.offset.max()) > CONTEXT, "the ring must wrap"
     assert (ours.tokens[1] != UNGENERATED_TOKEN).all(), "row 1's delays must have passed"
     assert len(text_seen) > 2
+
+
+def test_twin_frame_row_alone_has_its_bits_in_the_batch():
+    """The JAX frame on the twins: row 3 of a batch of 4 and the same row stepped alone (B=1) through
+    the frames above (sampled, its seed; reset with rows 0 and 3, idle at frame 2): the same bits,
+    every output and state tensor, after every frame (the batch's bits are the torch frame's, above)."""
+    cfg, frame, params = twin_frame("personaplex-small", torch.float32)
+    step = jf.make_frame_step(cfg, kernels="twin", rope_freqs=frame.temporal.rope_freqs(), dep_q_exit=DEP_Q_EXIT,
+                              **SAMPLED)
+    batch, alone = (jf.init_frame_state(cfg, B, params["text_emb"].dtype) for B in (4, 1))
+    row = slice(ALONE, None)
+    for t, recycle, *args in frames(cfg, 4, True):
+        if recycle is not None and recycle[0] == "rows":
+            alone = jax_recycle(alone, recycle, row)
+        batch = jax_recycle(batch, recycle)
+        ours, batch = step(params, batch, *jax_args(*args))
+        mine, alone = step(params, alone, *jax_args(*args, rows=row))
+        for name in ours._fields:
+            assert same(to_torch(getattr(ours, name))[row], getattr(mine, name)), f"{name}: row {ALONE}, frame {t}"
+        for name in ("token_cache", "frame_offset"):
+            assert same(to_torch(getattr(batch, name))[row], getattr(alone, name)), f"{name} after frame {t}"
+        for name in ("k", "v"):
+            assert same(to_torch(getattr(batch.temporal, name))[:, row], getattr(alone.temporal, name)), name
+        for name in ("offset", "start_offset"):
+            assert same(to_torch(getattr(batch.temporal, name))[row], getattr(alone.temporal, name)), name
+    assert int(alone.frame_offset[0]) == 2, "the row is reset at frame 3 and idle at frame 2"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
