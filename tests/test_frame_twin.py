@@ -6,6 +6,7 @@ on the twins says so."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -208,10 +209,10 @@ def test_frame_refused_by_a_kernel_changes_nothing(monkeypatch):
     assert torch.equal(frame.token_cache, saved[0]) and torch.equal(frame.frame_offset, saved[1])
 
 
-def test_crosscheck_depformer_and_frame_twin(capsys, monkeypatch):
+def test_crosscheck_depformer_and_frame_twin(capsys, monkeypatch, tmp_path):
     """`crosscheck --stack depformer|frame` runs the twin kernels by default, on the CPU a few steps
-    (`default_steps`): the depformer's run (one frame) reports every tensor bit-identical; `--stack
-    frame` hands `crosscheck_lm` the same defaults (the twin frames themselves:
+    (`default_steps`): the depformer's run (one frame) reports every tensor bit-identical, in its JSON
+    too; `--stack frame` hands `crosscheck_lm` the same defaults (the twin frames themselves:
     `test_twin_frame_jax_and_torch_identical`, every tensor after every frame; the frame's run through
     the command line: `--kernels reference`'s, tests/test_frame.py)."""
     import torch_bridge.crosscheck_lm as lm
@@ -227,10 +228,14 @@ def test_crosscheck_depformer_and_frame_twin(capsys, monkeypatch):
         return reports[0]
 
     monkeypatch.setattr(lm, "crosscheck_lm", recording)
-    for argv in (["--stack", "depformer", "--steps", "1"], ["--stack", "frame"]):
+    out_json = tmp_path / "r.json"
+    for argv in (["--stack", "depformer", "--steps", "1", "--json", str(out_json)], ["--stack", "frame"]):
         assert main(["crosscheck", *argv, "--batch", "1", "--require", "identical", "-q"]) == 0
         out = capsys.readouterr().out
         assert "kernels twin" in out and "verdict: every tensor bit-identical at every step" in out
     assert calls == [("depformer", "twin", 1, 1), ("frame", "twin", None, 1)]  # None: default_steps
+    report = json.loads(out_json.read_text())
+    assert report["kernels"] == "twin" and report["holds"]["identical"] is True and report["steps"] == 1
+    assert all(r["identical"] for r in report["tensors"].values())
     with pytest.raises(ValueError, match="kernels must be one of"):
         run("depformer", kernels="pallas")
