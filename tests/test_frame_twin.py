@@ -6,6 +6,8 @@ on the twins says so."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +21,8 @@ from torch_bridge import to_torch
 from torch_bridge.frame import LMFrame, frame_input, jax_frame_params
 
 ALONE = 3  # the row also stepped alone (JAX, B=1) in the batch of 4: its bits among 4 are its bits alone
-FRAMES = 5
-CONTEXT = 3  # the temporal ring wraps at frame 4 (offset > context), the delays (up to 2) pass by frame 3
+FRAMES = 4
+CONTEXT = 2  # the temporal ring wraps at a row's third frame (offset > context), the delays (up to 2) pass by it
 
 
 def small(preset: str):
@@ -46,71 +48,118 @@ def state_pairs(frame: LMFrame, state: jf.FrameState, rows=slice(None)) -> dict:
             **{n: (getattr(ts, n)[rows], getattr(state.temporal, n)) for n in ("offset", "start_offset")}}
 
 
-# Between them: Moshi's 8 depformer steps (with the caller's codebooks) and PersonaPlex's 16, both
-# dtypes, greedy and sampled, the whole depformer and an early exit (3 of 16 steps), a batch of 2
-# and one of 4 whose row 3 also runs alone. The costs: the Triton interpreter's programs (a program
-# a row in the attention; bfloat16's twice float32's) and the JAX frame's compile (bfloat16's ~2x).
-CASES = [("personaplex-small", torch.float32,
-          {"temperature": 0.9, "top_k": 6, "text_temperature": 0.8, "text_top_k": 12}, 3, 4),
-         ("moshi-small", torch.bfloat16, {}, None, 2)]
+# Between them: PersonaPlex's config (16 depformer steps) and Moshi's (8, with the caller's codebooks),
+# both dtypes, greedy and sampled, a batch of 2 and one of 4. Each exits the depformer early (3 steps;
+# the rest of the audio is the caller's): the Triton interpreter's depformer is most of a torch frame's
+# cost, and a whole depformer is the same code with more steps (its twins' test, tests/test_depformer_twin.py;
+# the frame without an exit: tests/test_frame.py). The costs: the interpreter's programs (a program a
+# row in the attention; bfloat16's twice float32's) and the JAX frame's compile (a few seconds a shape).
+SAMPLED = {"temperature": 0.9, "top_k": 6, "text_temperature": 0.8, "text_top_k": 12}
+CASES = [("personaplex-small", torch.float32, SAMPLED, 4), ("moshi-small", torch.bfloat16, {}, 2)]
+DEP_Q_EXIT = 3
 
 
-@pytest.mark.parametrize("preset, dtype, sampling, dep_q_exit, B", CASES)
-def test_twin_frame_jax_and_torch_identical(preset, dtype, sampling, dep_q_exit, B):
-    """5 frames side by side (the delays pass, the ring wraps), idle rows, reset_slot + bump_slot_start
-    and reset_rows: every output and state tensor identical after every frame; in the batch of 4, row 3
-    stepped alone by the JAX frame has the same bits."""
-    torch.set_num_threads(1)
+def frames(cfg, B: int, sampled: bool):
+    """The frames of a run, the same for every side: (t, recycle, user, active, tail, seeds) each, where
+    recycle is what runs before frame t: ("slot", 1) (reset_slot then bump_slot_start), ("rows", mask)
+    or None. Idle rows, a recycled slot, reset rows; the delays pass (row 1's, after its recycle) and
+    the ring wraps (offset past CONTEXT) in FRAMES frames: the tests check that they do."""
+    g = torch.Generator().manual_seed(6)
+    seeds = torch.tensor([3, 2**31 + 9, 4, 77][:B]) if sampled else None
+    for t in range(FRAMES):
+        recycle = ("slot", 1) if t == 1 else ("rows", torch.arange(B) % 3 == 0) if t == 2 else None  # rows 0 (and 3)
+        active = torch.ones(B, dtype=torch.bool)
+        active[0], active[B - 1] = t != 3, t != 0  # row 0 idle after its reset, the last row before any frame
+        user = torch.randint(-1, cfg.card + 1, (B, cfg.user_codebooks), generator=g)
+        tail = torch.randint(0, cfg.card, (B, cfg.dep_q - DEP_Q_EXIT), generator=g)
+        yield t, recycle, user, active, tail, seeds
+
+
+def jax_args(user, active, tail, seeds, rows=slice(None)):
+    """A frame's inputs as the JAX frame step takes them (rows `rows`)."""
+    return (user[rows].int().numpy(), active[rows].numpy(), tail[rows].int().numpy(),
+            None if seeds is None else seeds[rows].numpy().astype(np.uint32))
+
+
+def jax_recycle(state, recycle, rows=slice(None)):
+    """`recycle` (see `frames`) on a JAX frame state holding rows `rows` of the batch."""
+    if recycle is None:
+        return state
+    what, arg = recycle
+    if what == "rows":
+        return jf.jit_reset_rows(state, arg[rows].numpy())
+    return jf.jit_bump_slot_start(jf.jit_reset_slot(state, arg), arg)
+
+
+@functools.cache
+def jax_frame_step(cfg, rope_freqs, **sampling):
+    """The JAX frame on the twins, exiting at DEP_Q_EXIT: one jitted function a config and sampler,
+    shared by the tests (in one process, a shape compiles once)."""
+    return jf.make_frame_step(cfg, kernels="twin", rope_freqs=rope_freqs, dep_q_exit=DEP_Q_EXIT, **sampling)
+
+
+def twin_frame(preset: str, dtype):
+    """The torch frame on the twins (random weights) and its parameters as the JAX frame takes them."""
     cfg = small(preset)
     frame = LMFrame.from_config(cfg, dtype=dtype, kernels="twin")
     frame.init_weights(std=0.3, generator=torch.Generator().manual_seed(5))
-    params = jax_frame_params(frame)
-    jdtype = params["text_emb"].dtype
-    step = jf.make_frame_step(cfg, kernels="twin", rope_freqs=frame.temporal.rope_freqs(), dep_q_exit=dep_q_exit,
-                              **sampling)
+    return cfg, frame, jax_frame_params(frame)
+
+
+@pytest.mark.parametrize("preset, dtype, sampling, B", CASES)
+def test_twin_frame_jax_and_torch_identical(preset, dtype, sampling, B):
+    """4 frames side by side (the delays pass, the ring wraps), idle rows, reset_slot + bump_slot_start
+    and reset_rows: every output and state tensor identical after every frame."""
+    torch.set_num_threads(1)
+    cfg, frame, params = twin_frame(preset, dtype)
+    step = jax_frame_step(cfg, frame.temporal.rope_freqs(), **sampling)
     frame.streaming_init(B)
-    state = jf.init_frame_state(cfg, B, jdtype)
-    alone = jf.init_frame_state(cfg, 1, jdtype) if B > ALONE else None
-    seeds = torch.tensor([3, 2**31 + 9, 4, 77][:B]) if sampling else None
-    n = cfg.dep_q if dep_q_exit is None else dep_q_exit
-    g = torch.Generator().manual_seed(6)
+    state = jf.init_frame_state(cfg, B, params["text_emb"].dtype)
     text_seen = set()
-    for t in range(FRAMES):
-        if t == 1:
-            frame.reset_slot(1)
-            frame.bump_slot_start(1)
-            state = jf.jit_bump_slot_start(jf.jit_reset_slot(state, 1), 1)
-        if t == 3:
-            mask = torch.arange(B) % 3 == 0  # rows 0 (and 3)
-            frame.reset_rows(mask)
-            state = jf.jit_reset_rows(state, mask.numpy())
-            if alone is not None:
-                alone = jf.jit_reset_rows(alone, mask[ALONE:].numpy())
-        active = torch.ones(B, dtype=torch.bool)
-        active[0], active[B - 1] = t != 4, t != 2
-        user = torch.randint(-1, cfg.card + 1, (B, cfg.user_codebooks), generator=g)
-        tail = None if dep_q_exit is None else torch.randint(0, cfg.card, (B, cfg.dep_q - n), generator=g)
-        ours = frame.step(user, active, replace_audio=tail, seeds=seeds, dep_q_exit=dep_q_exit, **sampling)
-        args = (user.int().numpy(), active.numpy(), None if tail is None else tail.int().numpy(),
-                None if seeds is None else seeds.numpy().astype(np.uint32))
-        theirs, state = step(params, state, *args)
+    for t, recycle, user, active, tail, seeds in frames(cfg, B, bool(sampling)):
+        if recycle is not None and recycle[0] == "slot":
+            frame.reset_slot(recycle[1])
+            frame.bump_slot_start(recycle[1])
+        elif recycle is not None:
+            frame.reset_rows(recycle[1])
+        state = jax_recycle(state, recycle)
+        ours = frame.step(user, active, replace_audio=tail, seeds=seeds, dep_q_exit=DEP_Q_EXIT, **sampling)
+        theirs, state = step(params, state, *jax_args(user, active, tail, seeds))
         for name in ours._fields:
             assert same(getattr(ours, name), getattr(theirs, name)), f"{name} differs at frame {t}"
         for name, (a, b) in state_pairs(frame, state).items():
             assert same(a, b), f"state {name} differs after frame {t}"
-        if alone is not None:
-            mine, alone = step(params, alone, *(None if a is None else a[ALONE:] for a in args))
-            for name in ours._fields:
-                assert same(getattr(ours, name)[ALONE:], getattr(mine, name)), f"{name}: row {ALONE} alone, frame {t}"
-            for name, (a, b) in state_pairs(frame, alone, slice(ALONE, None)).items():
-                assert same(a, b), f"state {name}: row {ALONE} alone differs after frame {t}"
         text_seen.update(ours.text[active].tolist())
-        if tail is not None:
-            assert torch.equal(ours.audio[active, n:], tail[active])
-    assert ours.audio_logits.shape == (B, n, cfg.card)
+        assert torch.equal(ours.audio[active, DEP_Q_EXIT:], tail[active])
+    assert ours.audio_logits.shape == (B, DEP_Q_EXIT, cfg.card)
     assert int(frame.temporal.state.offset.max()) > CONTEXT, "the ring must wrap"
     assert (ours.tokens[1] != UNGENERATED_TOKEN).all(), "row 1's delays must have passed"
     assert len(text_seen) > 2
+
+
+def test_twin_frame_row_alone_has_its_bits_in_the_batch():
+    """The JAX frame on the twins: row 3 of a batch of 4 and the same row stepped alone (B=1) through
+    the frames above (sampled, its seed; idle at frame 0, reset with rows 0 and 3 at frame 2): the same bits,
+    every output and state tensor, after every frame (the batch's bits are the torch frame's, above)."""
+    cfg, frame, params = twin_frame("personaplex-small", torch.float32)
+    step = jax_frame_step(cfg, frame.temporal.rope_freqs(), **SAMPLED)
+    batch, alone = (jf.init_frame_state(cfg, B, params["text_emb"].dtype) for B in (4, 1))
+    row = slice(ALONE, None)
+    for t, recycle, *args in frames(cfg, 4, True):
+        if recycle is not None and recycle[0] == "rows":
+            alone = jax_recycle(alone, recycle, row)
+        batch = jax_recycle(batch, recycle)
+        ours, batch = step(params, batch, *jax_args(*args))
+        mine, alone = step(params, alone, *jax_args(*args, rows=row))
+        for name in ours._fields:
+            assert same(to_torch(getattr(ours, name))[row], getattr(mine, name)), f"{name}: row {ALONE}, frame {t}"
+        for name in ("token_cache", "frame_offset"):
+            assert same(to_torch(getattr(batch, name))[row], getattr(alone, name)), f"{name} after frame {t}"
+        for name in ("k", "v"):
+            assert same(to_torch(getattr(batch.temporal, name))[:, row], getattr(alone.temporal, name)), name
+        for name in ("offset", "start_offset"):
+            assert same(to_torch(getattr(batch.temporal, name))[row], getattr(alone.temporal, name)), name
+    assert int(alone.frame_offset[0]) == 2, "the row is idle at frame 0 and reset at frame 2"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -166,17 +215,33 @@ def test_frame_refused_by_a_kernel_changes_nothing(monkeypatch):
     assert torch.equal(frame.token_cache, saved[0]) and torch.equal(frame.frame_offset, saved[1])
 
 
-def test_crosscheck_depformer_and_frame_twin(capsys):
-    """`crosscheck --stack depformer|frame` runs the twin kernels by default and reports every tensor
-    bit-identical (a few frames of the small preset)."""
+def test_crosscheck_depformer_and_frame_twin(capsys, monkeypatch, tmp_path):
+    """`crosscheck --stack depformer|frame` runs the twin kernels by default, on the CPU a few steps
+    (`default_steps`): the depformer's run (one frame) reports every tensor bit-identical, in its JSON
+    too; `--stack frame` hands `crosscheck_lm` the same defaults (the twin frames themselves:
+    `test_twin_frame_jax_and_torch_identical`, every tensor after every frame; the frame's run through
+    the command line: `--kernels reference`'s, tests/test_frame.py)."""
+    import torch_bridge.crosscheck_lm as lm
     from torch_bridge.cli import main
-    from torch_bridge.crosscheck_lm import crosscheck_lm, default_steps
 
-    assert default_steps("frame", "twin", "cpu") < default_steps("frame", "reference", "cpu")
-    for argv in (["--stack", "depformer", "--steps", "1", "--batch", "1"],
-                 ["--stack", "frame", "--steps", "2", "--batch", "1"]):
-        assert main(["crosscheck", *argv, "--require", "identical", "-q"]) == 0
+    assert lm.default_steps("frame", "twin", "cpu") < lm.default_steps("frame", "reference", "cpu")
+    run, calls, reports = lm.crosscheck_lm, [], []
+
+    def recording(stack, **kwargs):  # runs the depformer; the frame is handed the depformer's report
+        calls.append((stack, kwargs["kernels"], kwargs["steps"], kwargs["batch"]))
+        if stack == "depformer":
+            reports.append(run(stack, **kwargs))
+        return reports[0]
+
+    monkeypatch.setattr(lm, "crosscheck_lm", recording)
+    out_json = tmp_path / "r.json"
+    for argv in (["--stack", "depformer", "--steps", "1", "--json", str(out_json)], ["--stack", "frame"]):
+        assert main(["crosscheck", *argv, "--batch", "1", "--require", "identical", "-q"]) == 0
         out = capsys.readouterr().out
         assert "kernels twin" in out and "verdict: every tensor bit-identical at every step" in out
+    assert calls == [("depformer", "twin", 1, 1), ("frame", "twin", None, 1)]  # None: default_steps
+    report = json.loads(out_json.read_text())
+    assert report["kernels"] == "twin" and report["holds"]["identical"] is True and report["steps"] == 1
+    assert all(r["identical"] for r in report["tensors"].values())
     with pytest.raises(ValueError, match="kernels must be one of"):
-        crosscheck_lm("depformer", kernels="pallas")
+        run("depformer", kernels="pallas")

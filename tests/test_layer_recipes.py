@@ -68,8 +68,8 @@ def test_torch_and_jax_twin_steps_make_the_same_kernel_calls(monkeypatch):
     out = module.step(x)
     monkeypatch.setattr(jlayers, "PALLAS_TWINS", recording(jlayers.PALLAS_TWINS, jax_calls))
     params = jx.params_from_stacked(MCFG, module.weights())
-    step = jx.step_fn(MCFG, kernels="twin", layer_loop="python", rope_freqs=module.rope_freqs())
-    jax_out, _ = step(params, jx.init_state(MCFG, 2), jnp.asarray(x.numpy()))
+    step = jax.jit(jx.step_fn(MCFG, kernels="twin", layer_loop="python", rope_freqs=module.rope_freqs()))
+    jax_out, _ = step(params, jx.init_state(MCFG, 2), jnp.asarray(x.numpy()))  # the calls: recorded as traced
     per_layer = ["linear_rope_write", "attention", "linear", "linear", "linear"]
     assert torch_calls == jax_calls == per_layer * MCFG.num_layers
     assert np.array_equal(out.numpy(), np.asarray(jax_out))
@@ -95,6 +95,6 @@ def test_one_kernels_vocabulary():
 def test_reference_is_what_auto_runs_on_the_cpu():
     params = jx.init_params(MCFG, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (2, 2, MCFG.dim))
-    outs = [jx.step_fn(MCFG, kernels=k)(params, jx.init_state(MCFG, 2), x) for k in ("reference", "auto")]
+    outs = [jax.jit(jx.step_fn(MCFG, kernels=k))(params, jx.init_state(MCFG, 2), x) for k in ("reference", "auto")]
     for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))

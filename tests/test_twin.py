@@ -732,6 +732,9 @@ def test_norm_twins_same_bits(kind, M, D, dtype):
 
 ENTRY_CASES = [(3, 1, 4, 16, 24, "float32", "personaplex"), (2, 10, 3, 8, 12, "bfloat16", "moshi"),
                (3, 2, 2, 8, 1100, "bfloat16", "personaplex")]
+# Interpreted (a few seconds a case), the first and the third in one: float32 at T=1 on a ring of several
+# tiles; each dtype, convention, T and tiling still runs.
+CPU_ENTRY_CASES = [(3, 1, 4, 16, 1100, "float32", "personaplex"), ENTRY_CASES[1]]
 
 
 def _check_entry(B, T, H, D, C, dtype, convention, device):
@@ -776,7 +779,7 @@ def _check_entry(B, T, H, D, C, dtype, convention, device):
     return (offset, rng), (e.cos, e.sin), (c_t, s_t)
 
 
-@pytest.mark.parametrize("B,T,H,D,C,dtype,convention", ENTRY_CASES)
+@pytest.mark.parametrize("B,T,H,D,C,dtype,convention", CPU_ENTRY_CASES)
 def test_entry_tables_and_rope_write_twins_same_bits(B, T, H, D, C, dtype, convention):
     (offset, rng), (c_p, s_p), (c_t, s_t) = _check_entry(B, T, H, D, C, dtype, convention, "cpu")
     qkv = rng.standard_normal((B, T, 3, H, D)).astype(NP[dtype])
@@ -999,11 +1002,11 @@ SMALL = {"temporal": with_options(jx.PRESETS["temporal-small"], context=4, num_h
 # sacrifice tick (reset_slot then bump_slot_start), a plain bump_slot_start and reset_rows all occur and a row
 # wraps its ring; the test checks that they do.
 SCHEDULE = {"temporal": (5, 3), "mimi": (4, 114)}
-# "mimi-encoder" and "mimi-decoder" differ only in the checkpoint prefix (none here): one computation, so
-# each runs half of Mimi's dtype x convention matrix and the two together run all of it.
-TWIN_STEP_CASES = [("temporal", d, c) for d in ("float32", "bfloat16") for c in ("personaplex", "moshi")] + [
-    ("mimi-encoder", "float32", "personaplex"), ("mimi-encoder", "bfloat16", "moshi"),
-    ("mimi-decoder", "float32", "moshi"), ("mimi-decoder", "bfloat16", "personaplex")]
+# A covering subset of stack x dtype x convention: every pair of values of two axes runs once (the
+# four cases of a two-level orthogonal array). "mimi-encoder" and "mimi-decoder" differ only in the
+# checkpoint prefix (none here): one computation, so each runs one of Mimi's two cases.
+TWIN_STEP_CASES = [("temporal", "float32", "personaplex"), ("temporal", "bfloat16", "moshi"),
+                   ("mimi-encoder", "float32", "moshi"), ("mimi-decoder", "bfloat16", "personaplex")]
 
 
 @pytest.mark.parametrize("stack,dtype,convention", TWIN_STEP_CASES)
@@ -1048,15 +1051,16 @@ def test_twin_step_bit_identical_torch_vs_jax(stack, dtype, convention, monkeypa
 
 @pytest.mark.parametrize("stack", ["temporal", "mimi"])
 def test_twin_step_is_batch_invariant_on_both_sides(stack):
-    """Row 0 stepped alone (B=1), with 3 others (B=4) and with 15 others (B=16) (one step: the ring write
-    and the attention over it): the same bits, on
-    the torch twin path and on the JAX twin path (and torch == JAX)."""
+    """Row 0 stepped alone (B=1) and with 15 others (B=16) (one step: the ring write and the attention
+    over it): the same bits, on the torch twin path and on the JAX twin path (and torch == JAX). The
+    interpreted linears and norms run one row a program at B=1 and all the rows in one at B=16 (32 for
+    Mimi's T=2): a batch size between them would test the same property again (each costs a compile)."""
     cfg = with_options(jx.PRESETS[f"{stack}-small"], num_heads=2)  # two heads: the interpreter's cost is per program
     T = 1 if stack == "temporal" else 2
     cls = TemporalStreaming if stack == "temporal" else MimiTransformer
     x = torch.randn(1, 16, T, cfg.dim, generator=torch.Generator().manual_seed(0))  # one step: writes, then attends
     rows = {}
-    for B in (1, 4, 16):
+    for B in (1, 16):
         module = cls.from_config(cfg, kernels="twin")
         module.init_weights(generator=torch.Generator().manual_seed(1))
         module.streaming_init(B)
@@ -1070,10 +1074,9 @@ def test_twin_step_is_batch_invariant_on_both_sides(stack):
             t_out, j_out = (o if isinstance(o, tuple) else (o,) for o in (t_out, j_out))
             got.append([bits(o[0].numpy()) for o in t_out] + [bits(np.asarray(o)[0]) for o in j_out])
         rows[B] = got
-    for B in (4, 16):
-        for step_rows, alone in zip(rows[B], rows[1]):
-            for a, b in zip(step_rows, alone):
-                np.testing.assert_array_equal(a, b, err_msg=f"B={B}")
+    for step_rows, alone in zip(rows[16], rows[1]):
+        for a, b in zip(step_rows, alone):
+            np.testing.assert_array_equal(a, b, err_msg="B=16")
     for step_rows in rows[1]:
         half = len(step_rows) // 2
         for a, b in zip(step_rows[:half], step_rows[half:]):
@@ -1082,14 +1085,14 @@ def test_twin_step_is_batch_invariant_on_both_sides(stack):
 
 def test_twin_scan_and_python_layer_loops_give_the_same_bits():
     """The layer loop changes no bit: the scan rolled (the default, unroll 1), unrolled over both
-    layers, and the Python loop; nor does active=None (no active operand) against every row active;
-    an unroll factor that is not a positive int is refused."""
+    layers, and the Python loop; nor does active=None (no active operand) against every row active
+    (given to the Python loop: one compile for both, whose effects could hide each other only by
+    cancelling bit for bit); an unroll factor that is not a positive int is refused."""
     cfg = jx.PRESETS["temporal-small"]
     params = jx.init_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (2, 1, cfg.dim))
     outs = []
-    for loop, unroll, active in (("scan", 1, None), ("scan", cfg.num_layers, None), ("python", 1, None),
-                                 ("scan", 1, jnp.ones((2,), bool))):
+    for loop, unroll, active in (("scan", 1, None), ("scan", cfg.num_layers, None), ("python", 1, jnp.ones((2,), bool))):
         (out, logits), state = jax.jit(jx.step_fn(cfg, kernels="twin", layer_loop=loop, scan_unroll=unroll))(
             params, jx.init_state(cfg, 2), x, active)
         outs.append((out, logits, state.k, state.offset))
