@@ -346,7 +346,7 @@ def test_norm_eps_changes_the_torch_model_and_matches_jax(base):
         outs.append(out[0] if isinstance(out, tuple) else out)
     assert (outs[0] - outs[1]).abs().max() > 1e-2
     params = jx.params_from_stacked(custom, changed.weights())
-    jax_out, _ = jx.step_fn(custom)(params, jx.init_state(custom, 2), jnp.asarray(x.numpy()), None)
+    jax_out, _ = jax.jit(jx.step_fn(custom))(params, jx.init_state(custom, 2), jnp.asarray(x.numpy()), None)
     jax_out = np.asarray(jax_out[0] if isinstance(jax_out, tuple) else jax_out)
     np.testing.assert_allclose(jax_out, outs[1].numpy(), rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="norm_eps must be a finite float > 0, got 0.0"):

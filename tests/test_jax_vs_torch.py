@@ -50,14 +50,15 @@ def _jnp_f32(a) -> np.ndarray:
     return np.asarray(jnp.asarray(a).astype(jnp.float32))
 
 
+# A covering subset of stack x convention x dtype: every pair of values of two axes runs once (the four
+# cases of a two-level orthogonal array; "mimi-encoder" and "mimi-decoder" are one computation, each
+# runs one of Mimi's cases), T = 1, 2 and 5 frames a step.
 CASES = [
     # stack, convention, dtype, steps, T
     ("temporal", "personaplex", "float32", 1000, 1),
-    ("temporal", "moshi", "float32", 400, 1),
-    ("mimi-encoder", "personaplex", "float32", 400, 2),
     ("mimi-decoder", "moshi", "float32", 300, 5),
-    ("temporal", "personaplex", "bfloat16", 200, 1),
-    ("mimi-decoder", "moshi", "bfloat16", 200, 2),
+    ("temporal", "moshi", "bfloat16", 200, 1),
+    ("mimi-encoder", "personaplex", "bfloat16", 200, 2),
 ]
 
 
