@@ -25,7 +25,7 @@ from jax_impl.depformer import make_depformer_step
 from jax_impl.frame import init_frame_state, jit_reset_rows, jit_reset_slot, make_frame_step
 from jax_impl.frame_config import FRAME_PRESETS
 
-from .crosscheck import CROSSCHECK_KERNELS, DTYPES, resolve_device
+from .crosscheck import CROSSCHECK_KERNELS, DTYPES, device_name, resolve_device
 from .depformer import Depformer
 from .dlpack import to_jax
 from .frame import LMFrame, jax_frame_params
@@ -75,11 +75,9 @@ def crosscheck_lm(stack: str = "frame", *, steps: int | None = None, batch: int 
         frame.init_weights(std=0.1, generator=torch.Generator(device=device).manual_seed(seed))
         run = _run_depformer if stack == "depformer" else _run_frame
         records, argmax, torch_ms, jax_ms, config = run(frame, steps, batch, seed, recycle, progress)
+        where = device_name(device)  # with the run's torch threads
     finally:
         torch.set_num_threads(saved)
-    n = torch.get_num_threads() if threads is None else threads
-    where = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else \
-        f"CPU ({jax.devices()[0].platform}, {n} torch thread{'s' if n != 1 else ''})"
     return CrosscheckReport(stack=stack, config=config, dtype=dtype, batch=batch, frames=1, steps=steps, device=where,
                             tensors=records, torch_ms=torch_ms, jax_ms=jax_ms, argmax=argmax, kernels=kernels)
 
