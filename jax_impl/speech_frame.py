@@ -44,7 +44,7 @@ from .frame import FrameState
 from .frame_config import FRAME_KERNELS, check_frame_kernels
 from .sampling_config import check_sampling
 from .snapshot import exact_float_cast
-from .speech_frame_config import SpeechFrameConfig
+from .speech_frame_config import SpeechFrameConfig, SpeechFrameOutput
 
 I32 = jnp.int32
 
@@ -66,18 +66,6 @@ class SpeechFrameState(NamedTuple):
     @property
     def batch_size(self) -> int:
         return self.lm.batch_size
-
-
-class SpeechFrameOutput(NamedTuple):
-    """pcm [B, 1, frame_size] (the state's dtype): the model's speech, zeros where not `ready`.
-    user_codes int32 [B, num_codebooks]: the encoder's codes of the input (zeros for inactive rows).
-    tokens int32 [B, 1 + dep_q]: the LM frame's undelayed tokens (text first; -2 while the delays
-    have not passed, and for inactive rows). ready bool [B]: the frame decoded model codes."""
-
-    pcm: Any
-    user_codes: Any
-    tokens: Any
-    ready: Any
 
 
 def init_speech_frame_state(cfg: SpeechFrameConfig, batch_size: int, dtype=jnp.float32, *,

@@ -23,6 +23,7 @@ Imported by both `torch_bridge` and `jax_impl`; it imports neither torch nor jax
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from .codec_config import CODEC_PRESETS, CodecConfig, with_codec_options
 from .config import MimiConfig, TemporalConfig
@@ -81,6 +82,20 @@ class SpeechFrameConfig:
         """Frames before the LM returns tokens: the model's first PCM comes out of frame max_delay
         (0-based), zeros before (moshi's serving loop decodes only when `LMGen.step` returns tokens)."""
         return self.lm.max_delay
+
+
+class SpeechFrameOutput(NamedTuple):
+    """What a speech frame step returns (jax arrays or torch tensors; the same fields on both sides).
+
+    pcm [B, 1, frame_size] (the frame's dtype): the model's speech, zeros where not `ready`.
+    user_codes int [B, num_codebooks]: the encoder's codes of the input (zeros for inactive rows).
+    tokens int [B, 1 + dep_q]: the LM frame's undelayed tokens (text first; -2 while the delays
+    have not passed, and for inactive rows). ready bool [B]: the frame decoded model codes."""
+
+    pcm: Any
+    user_codes: Any
+    tokens: Any
+    ready: Any
 
 
 def _small_lm(layout: str, convention: str, codebooks: int, card: int, *, dim: int, heads: int, hidden: int,
