@@ -164,3 +164,52 @@ def test_bad_input_is_refused_and_changes_nothing():
     for name, value in host_state(state).items():
         assert np.array_equal(value, before[name]), name
     assert not frame.lm.frame_offset.any() and not frame.codec.state.first.logical_not().any()
+
+
+def write_test_wav(path, samples: int, rate: int = 24000, channels: int = 1) -> None:
+    import wave
+
+    x = (0.3 * np.sin(np.arange(samples * channels) * 2 * np.pi * 220 / rate) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(channels)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(x.tobytes())
+
+
+def test_speak_cli_writes_the_reply(tmp_path, capsys):
+    """`speak` on the CPU: the reply has the padded input's length and rate, the random-weights notice,
+    the real-time factor and latencies are printed; a WAV of another rate, a missing checkpoint file,
+    are refused naming what they found."""
+    import wave
+
+    from torch_bridge.cli import main
+    from torch_bridge.speak import RANDOM_NOTICE
+
+    src, out = tmp_path / "in.wav", tmp_path / "out.wav"
+    fs = SPEECH_PRESETS["personaplex-small"].frame_size
+    write_test_wav(src, 4 * fs + 100)
+    assert main(["speak", "--input", str(src), "--output", str(out), "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert RANDOM_NOTICE in printed and "zero-padded by 1820 samples" in printed
+    assert "real-time factor" in printed and "median" in printed and "p90" in printed
+    with wave.open(str(out)) as f:
+        assert (f.getnframes(), f.getframerate(), f.getnchannels(), f.getsampwidth()) == (5 * fs, 24000, 1, 2)
+        assert np.frombuffer(f.readframes(5 * fs), "<i2")[3 * fs:].any()  # the reply after the delays
+    write_test_wav(src, fs, rate=16000)
+    assert main(["speak", "--input", str(src), "--output", str(out), "-q"]) == 1
+    assert "expected mono 16-bit PCM at 24000 Hz, found 1 channel(s), 16-bit, 16000 Hz" in capsys.readouterr().err
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert main(["speak", "--input", str(src), "--output", str(out), "--checkpoint-dir", str(tmp_path)]) == 1
+    assert "missing tokenizer-*.safetensors" in capsys.readouterr().err
+
+
+def test_crosscheck_speech_frame_cli(capsys):
+    from torch_bridge.cli import main
+
+    assert main(["crosscheck", "--stack", "speech-frame", "--steps", "4", "--batch", "2", "--require", "close",
+                 "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert "cross-check speech-frame: personaplex-small" in printed and "tokens        yes" in printed
+    assert main(["crosscheck", "--stack", "speech-frame", "--convention", "moshi"]) == 1
+    assert "--convention: not taken by --stack speech-frame" in capsys.readouterr().err
