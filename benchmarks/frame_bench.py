@@ -17,6 +17,15 @@ For each B of --batches (default 1,4,16,64), one record
   temporal output per row);
 - stack "frame": the whole JAX LM frame (`make_frame_step(kernels="twin")`, state donated: the
   temporal step and the depformer on their twins);
+- stack "codec": the Mimi codec's encode + decode of one 80 ms frame (`codec.encode_fn` then
+  `decode_fn`, one jitted program, state donated, the encoder's codes decoded) for each of --kernels,
+  the codec's state after a warm start (its rings fill over the timed frames); public: moshi's
+  streaming `MimiModel` (`get_mimi(None, ...)`, random weights and codebooks, bf16 on the GPU)
+  `decode(encode(pcm))` under `streaming(B)`: public_graph_ms with moshi's own CUDA graphs (an
+  outer graph cannot capture it: moshi graphs parts of it itself), public_eager_ms without;
+- stack "speech-frame": the whole JAX speech frame (`make_speech_frame_step(kernels="twin")`: codec
+  encode, LM frame, codec decode), the LM's ring full and its delays passed (every frame decodes);
+  no public figure (moshi's is the sum of its codec's and its `LMGen.step`'s: the two stacks above);
 - sync_ms: median of synchronized frames (outputs ready before the next frame, waited for by
   `jax_impl.until_ready`); pipelined_ms: frames launched back to back, one wait (mean); after the
   first call (compile_s) --warmup frames (5), then --steps timed (30); --quick: 2 and 10;
@@ -40,7 +49,7 @@ moshi runs first, then its model and graphs are released (torch hands its memory
 runs: the two 7B models and their rings do not fit on one H200 together at B=64, and JAX's allocator
 may keep what it took.
 Then `sessions_in_80ms`: the largest measured B whose synchronized frame fits 80 ms (ours and
-moshi's). A case that fails (e.g. out of memory) is recorded under `errors`; one not started for
+moshi's; and the speech frame's, ours). A case that fails (e.g. out of memory) is recorded under `errors`; one not started for
 lack of time (--time-budget) under `skipped`. The JSON is rewritten after every case. Never part of
 the tests. On the CPU (--small) the GPU-only fields are null.
 """
@@ -67,11 +76,19 @@ import torch
 import jax_impl
 from benchmarks.scale_bench import full_state, profile_step
 from benchmarks.timing import copy_bandwidth, host_ms, kernel_profile, run_meta, time_call, time_step
+from jax_impl import codec as jax_codec
 from jax_impl import frame as jax_frame
+from jax_impl import speech_frame as jax_speech
+from jax_impl.codec_config import CodecConfig
 from jax_impl.depformer_config import DepformerConfig, buffer_shapes
 from jax_impl.frame_config import FRAME_PRESETS, FrameConfig
+from jax_impl.speech_frame_config import SPEECH_PRESETS, SpeechFrameConfig
 from torch_bridge import Depformer, LMFrame, to_jax
+from torch_bridge.codec import MimiCodec
 from torch_bridge.frame import jax_frame_params
+from torch_bridge.speech_frame import SpeechFrame
+
+STACKS = ("depformer", "frame", "codec", "speech-frame")
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -189,8 +206,20 @@ def moshi_frame(lm, mcompile, model, cfg: FrameConfig, B: int, args) -> dict:
         return time_moshi(lambda: gen.step(user), args.warmup, args.steps, args.eager_steps, mcompile)
 
 
+@torch.no_grad()
+def moshi_codec(codec_cfg: CodecConfig, B: int, args, mcompile) -> dict:
+    """moshi's streaming `MimiModel`: `decode(encode(pcm))` of one frame, its own CUDA graphs / eager."""
+    from tests.moshi_oracle import moshi_mimi
+
+    mimi = moshi_mimi(codec_cfg).to(device=DEVICE, dtype=DTYPE if GPU else torch.float32)
+    pcm = torch.randn(B, 1, codec_cfg.frame_size, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(B))
+    pcm = pcm.to(next(mimi.parameters()).dtype)
+    with mimi.streaming(B):
+        return time_moshi(lambda: mimi.decode(mimi.encode(pcm)), args.warmup, args.steps, args.eager_steps, mcompile)
+
+
 def run_public(cfg: FrameConfig, stacks: list[str], batches: list[int], args, public: dict, errors: dict,
-               past_budget) -> str | None:
+               past_budget, codec_cfg: CodecConfig) -> str | None:
     """moshi's depformer and frame for each B into `public[(stack, B)]`; returns a note for every public
     field where moshi is missing, else None."""
     os.environ["NO_TORCH_COMPILE"] = "1" if args.moshi_no_compile or not GPU else ""  # read when moshi is imported
@@ -201,12 +230,27 @@ def run_public(cfg: FrameConfig, stacks: list[str], batches: list[int], args, pu
         import moshi.utils.compile as mcompile
     except ImportError as err:
         return f"moshi not importable: {err}"
+    if "codec" in stacks:
+        for B in batches:
+            name = f"public_codec_B{B}"
+            if past_budget(name, public=True):
+                continue
+            try:
+                public[("codec", B)] = moshi_codec(codec_cfg, B, args, mcompile)
+            except Exception as err:  # noqa: BLE001 (recorded)
+                errors[name] = f"{type(err).__name__}: {err}"[:1000]
+                print("error", name, errors[name], flush=True)
+            release()
+            print(name, public.get(("codec", B)), flush=True)
+    lm_stacks = [stack for stack in stacks if stack in ("depformer", "frame")]
+    if not lm_stacks:
+        return None
     try:
         model = moshi_model(lm, cfg, cfg.temporal.num_layers if "frame" in stacks else 1)
     except Exception as err:  # noqa: BLE001 (recorded)
         release()
         return f"moshi's LMModel could not be built: {type(err).__name__}: {err}"[:1000]
-    for stack in stacks:
+    for stack in lm_stacks:
         for B in batches:
             name = f"public_{stack}_B{B}"
             if past_budget(name, public=True):
@@ -309,10 +353,83 @@ def bench_frame(cfg: FrameConfig, batches: list[int], args, bandwidth, emit, err
         release()
 
 
+def bench_codec(cfg: CodecConfig, batches: list[int], kernels: list[str], args, emit, errors: dict,
+                past_budget) -> None:
+    """The JAX codec's encode + decode of one frame, one jitted program, for each kernels and B."""
+    codec = MimiCodec.from_config(cfg, dtype=DTYPE, device=DEVICE)
+    codec.init_weights(generator=torch.Generator(device=DEVICE).manual_seed(0))
+    params = codec.jax_params()
+    for kind in kernels:
+        encode = jax_codec.encode_fn(cfg, kernels=kind, rope_freqs=codec.rope_freqs())
+        decode = jax_codec.decode_fn(cfg, kernels=kind, rope_freqs=codec.rope_freqs())
+
+        def codec_frame(params, state, pcm, active, encode=encode, decode=decode):
+            codes, state = encode(params, state, pcm, active)
+            return decode(params, state, codes, active)
+
+        step = jax.jit(codec_frame, donate_argnums=(1,))
+        for B in batches:
+            name = f"codec_{kind}_B{B}"
+            if past_budget(name):
+                continue
+            state = None
+            try:
+                state = jax_codec.init_codec_state(cfg, B, jnp.bfloat16)
+                pcm = jax.random.normal(jax.random.key(B), (B, 1, cfg.frame_size), jnp.bfloat16)
+                emit({"stack": "codec", "B": B, "dep_q": None, "kernels": kind,
+                      **time_stateful(step, params, state, pcm, jnp.ones((B,), bool), args),
+                      "floor_ms": None, "floor_every_step_ms": None, "kernels_per_inner_step": None})
+            except Exception as err:  # noqa: BLE001 (recorded)
+                errors[name] = f"{type(err).__name__}: {err}"[:1000]
+                print("error", name, errors[name], flush=True)
+            del state
+            release()
+
+
+def time_stateful(step, params, state, x, active, args) -> dict:
+    """compile_s, sync_ms, pipelined_ms, kernels_per_frame (GPU) of a donated `step(params, state, x, active)`."""
+    t0 = time.perf_counter()
+    out, state = step(params, state, x, active)
+    jax_impl.until_ready((out, state))
+    compile_s = time.perf_counter() - t0
+    sync_ms, pipelined_ms, state = time_step(step, params, state, x, active, args.steps, warmup=args.warmup)
+    launches, _, state = profile_step(step, params, state, x, active)
+    return {"sync_ms": sync_ms, "pipelined_ms": pipelined_ms, "kernels_per_frame": launches, "compile_s": compile_s}
+
+
+def bench_speech_frame(cfg: SpeechFrameConfig, batches: list[int], args, emit, errors: dict, past_budget) -> None:
+    """The whole JAX speech frame on the twin kernels for each B, the LM's ring full (`frame_state`)."""
+    kernels = "twin"
+    frame = SpeechFrame.from_config(cfg, dtype=DTYPE, device=DEVICE)
+    frame.codec.init_weights(generator=torch.Generator(device=DEVICE).manual_seed(0))  # the LM's: N(0, 0.02)
+    params = frame.jax_params()
+    codec_freqs, lm_freqs = frame.rope_freqs()
+    step = jax_speech.make_speech_frame_step(cfg, kernels=kernels, codec_rope_freqs=codec_freqs,
+                                             lm_rope_freqs=lm_freqs)
+    for B in batches:
+        name = f"speech-frame_B{B}"
+        if past_budget(name):
+            continue
+        state = None
+        try:
+            state = jax_speech.SpeechFrameState(jax_codec.init_codec_state(cfg.codec, B, jnp.bfloat16),
+                                                frame_state(cfg.lm, B))
+            pcm = jax.random.normal(jax.random.key(B), (B, 1, cfg.frame_size), jnp.bfloat16)
+            emit({"stack": "speech-frame", "B": B, "dep_q": cfg.lm.dep_q, "kernels": kernels,
+                  **time_stateful(step, params, state, pcm, jnp.ones((B,), bool), args),
+                  "floor_ms": None, "floor_every_step_ms": None, "kernels_per_inner_step": None})
+        except Exception as err:  # noqa: BLE001 (recorded)
+            errors[name] = f"{type(err).__name__}: {err}"[:1000]
+            print("error", name, errors[name], flush=True)
+        del state
+        release()
+
+
 # ----------------------------------------------------------------------------- results
 def sessions_in_80ms(records: list[dict]) -> dict:
     """The largest measured B whose synchronized frame (ours; moshi's `LMGen.step` under its CUDA
-    graphs) fits in 80 ms."""
+    graphs) fits in 80 ms; and our whole speech frame's."""
+    speech = {r["B"]: r["sync_ms"] for r in records if r["stack"] == "speech-frame" and r["sync_ms"] is not None}
     frames = [r for r in records if r["stack"] == "frame"]
     ours = {r["B"]: r["sync_ms"] for r in frames if r["sync_ms"] is not None}
     public = {r["B"]: r["public_graph_ms"] for r in frames if r["public_graph_ms"] is not None}
@@ -322,7 +439,7 @@ def sessions_in_80ms(records: list[dict]) -> dict:
         return max(fits) if fits else None
 
     return {"frame_ms_by_B": ours, "largest_B": largest(ours), "public_frame_ms_by_B": public,
-            "public_largest_B": largest(public)}
+            "public_largest_B": largest(public), "speech_frame_ms_by_B": speech, "speech_largest_B": largest(speech)}
 
 
 def merge(ours: list[dict], public: dict, public_note: str | None, dep_q: int, meta: dict) -> list[dict]:
@@ -361,8 +478,10 @@ def parse_args():
     parser.add_argument("--batches", default=None, help="batch sizes (default 1,4,16,64; --small: 1,4)")
     parser.add_argument("--dep-q", type=int, default=16, choices=(16, 8),
                         help="inner steps a frame: 16 (PersonaPlex) or 8 (Moshi)")
-    parser.add_argument("--kernels", default="twin,reference", help="the JAX depformer's kernels to time")
-    parser.add_argument("--stacks", default="depformer,frame", help="what to time: depformer, frame")
+    parser.add_argument("--kernels", default="twin,reference", help="the JAX depformer's and codec's kernels to time")
+    parser.add_argument("--stacks", default=",".join(STACKS),
+                        help="what to time, a comma-separated subset of depformer, frame, codec, speech-frame "
+                             "(default: all)")
     parser.add_argument("--warmup", type=int, default=5, help="synchronized warm-up frames after the first call")
     parser.add_argument("--steps", type=int, default=30, help="timed frames per measurement")
     parser.add_argument("--eager-steps", type=int, default=5, help="timed frames of moshi without CUDA graphs")
@@ -381,9 +500,9 @@ def parse_args():
     args.batches = [int(b) for b in (args.batches or ("1,4" if args.small else "1,4,16,64")).split(",") if b]
     args.kernels = [k for k in args.kernels.split(",") if k]
     args.stacks = [s for s in args.stacks.split(",") if s]
-    bad = [s for s in args.stacks if s not in ("depformer", "frame")]
+    bad = [s for s in args.stacks if s not in STACKS]
     if bad or not args.stacks:
-        parser.error(f"--stacks: expected a comma-separated subset of depformer, frame, got {bad or 'nothing'}")
+        parser.error(f"--stacks: expected a comma-separated subset of {', '.join(STACKS)}, got {bad or 'nothing'}")
     bad = [k for k in args.kernels if k not in ("twin", "reference")]
     if bad:
         parser.error(f"--kernels: expected a comma-separated subset of twin, reference, got {bad}")
@@ -410,6 +529,7 @@ def main() -> None:
 
     preset = ("personaplex" if args.dep_q == 16 else "moshi") + ("-small" if args.small else "")
     cfg = FRAME_PRESETS[preset]
+    speech_cfg = SPEECH_PRESETS[preset]  # real sizes: this LM frame with the Mimi codec; small: its own small LM
     bandwidth = copy_bandwidth() if GPU else None
     meta = run_meta()
     meta = {"device": meta["device"], "date": meta["date"], "versions": versions()}
@@ -433,13 +553,19 @@ def main() -> None:
         write()
 
     if not args.no_public:
-        public_note = run_public(cfg, args.stacks, args.batches, args, public, errors, past_budget)
+        public_note = run_public(cfg, args.stacks, args.batches, args, public, errors, past_budget, speech_cfg.codec)
         write()
     if "depformer" in args.stacks:
         bench_depformer(cfg.depformer, args.batches, args.kernels, args, bandwidth, emit, errors, past_budget)
         release()  # its weights (torch's, viewed by JAX)
     if "frame" in args.stacks:
         bench_frame(cfg, args.batches, args, bandwidth, emit, errors, past_budget)
+        release()
+    if "codec" in args.stacks:
+        bench_codec(speech_cfg.codec, args.batches, args.kernels, args, emit, errors, past_budget)
+        release()
+    if "speech-frame" in args.stacks:
+        bench_speech_frame(speech_cfg, args.batches, args, emit, errors, past_budget)
     records = write()
     print(table(records))
     print(json.dumps(sessions_in_80ms(records)))

@@ -11,6 +11,8 @@ examples:
   personaplex-jax crosscheck --checkpoint model.safetensors --dtype bfloat16 --json report.json
   personaplex-jax crosscheck --require close               # in CI: exit status 3 unless it holds
   personaplex-jax crosscheck --stack codec --steps 50       # the Mimi codec: codes and PCM, frame by frame
+  personaplex-jax crosscheck --stack speech-frame --kernels twin   # codec + LM frame, every state tensor
+  personaplex-jax speak --input in.wav --output out.wav     # a WAV through the JAX speech frame, the reply out
 """
 
 from __future__ import annotations
@@ -68,16 +70,19 @@ def _parser() -> argparse.ArgumentParser:
                         description="Run the torch path and the JAX path side by side on one schedule of "
                                     "inputs, active masks and recycle operations, and report for each tensor "
                                     "whether the two are bit-identical.")
-    cc.add_argument("--stack", choices=["temporal", "mimi-encoder", "mimi-decoder", "codec", "depformer", "frame"],
+    cc.add_argument("--stack", choices=["temporal", "mimi-encoder", "mimi-decoder", "codec", "depformer", "frame",
+                                        "speech-frame"],
                     default="temporal", help="which stack; codec: the whole Mimi codec, frame by frame, codes and "
                     "PCM compared; depformer and frame: the language model's depformer and whole frame "
-                    "(PersonaPlex sizes, small on the CPU) (default: %(default)s)")
+                    "(PersonaPlex sizes, small on the CPU); speech-frame: codec encode, LM frame, codec decode, "
+                    "PCM, codes and every state tensor compared (PersonaPlex's sizes, --size small: its small "
+                    "preset, the CPU's default) (default: %(default)s)")
     cc.add_argument("--steps", type=_positive_int, default=None,
                     help="steps to run (default: 300; temporal and Mimi on the CPU with the twin kernels: three "
                          "ring wraps, 72 and 15 steps of the small presets; codec on the CPU with the twin kernels: 8; "
-                         "depformer and "
-                         "frame: 40, on the CPU with the twin kernels 3 and 8, the Triton interpreter taking "
-                         "seconds a frame)")
+                         "depformer, "
+                         "frame and speech-frame: 40, on the CPU with the twin kernels 3, 8 and 6, the Triton "
+                         "interpreter taking seconds a frame)")
     cc.add_argument("--batch", type=_positive_int, default=4, help="rows (sessions) (default: %(default)s)")
     cc.add_argument("--frames", type=_positive_int, default=None,
                     help="T, frames per step (default: 1 for temporal, 2 for Mimi)")
@@ -132,6 +137,27 @@ def _parser() -> argparse.ArgumentParser:
                     help="plot per-step differences and ms/step (needs matplotlib: pip install personaplex-jax[plot])")
     cc.add_argument("-q", "--quiet", action="store_true",
                     help="no progress on stderr (a bar on a terminal, else a line every few seconds)")
+    sp = sub.add_parser("speak", help="a WAV file through the JAX speech frame, the model's reply to a WAV file",
+                        description="Stream a WAV file (mono 16-bit PCM at the codec's rate, 24 kHz in the real "
+                                    "sizes) through the JAX speech frame (codec encode, LM frame, codec decode) at "
+                                    "12.5 Hz and write the model's reply; print the real-time factor and the "
+                                    "per-frame latency. Random weights unless --checkpoint-dir: the reply is then "
+                                    "noise from random weights.")
+    sp.add_argument("--input", required=True, metavar="IN.wav", help="the user's speech")
+    sp.add_argument("--output", required=True, metavar="OUT.wav", help="the model's reply (same rate, 16-bit)")
+    sp.add_argument("--checkpoint-dir", metavar="DIR",
+                    help="released files: the LM's model.safetensors (Moshi layout) and the Mimi "
+                         "tokenizer-*.safetensors, for --preset's sizes (default: random weights)")
+    sp.add_argument("--preset", choices=list(_speech_presets()), default=None,
+                    help="sizes (default: personaplex on a GPU, personaplex-small on the CPU: seconds a run)")
+    sp.add_argument("--kernels", choices=["reference", "twin"], default="reference",
+                    help="the JAX step's kernels (default: %(default)s; twin runs interpreted on the CPU)")
+    sp.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="weights and state (default: bfloat16 on a GPU, float32 on the CPU)")
+    sp.add_argument("--device", default=None, help="torch device of the weights (default: cuda if available)")
+    sp.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the random weights (default: 0)")
+    sp.add_argument("-q", "--quiet", action="store_true",
+                    help="no progress on stderr (a bar on a terminal, else a line every few seconds)")
     st = sub.add_parser("stream", help="stream frames through the torch stacks, print ms/step")
     st.add_argument("--steps", type=_positive_int, default=300,
                     help="steps to stream per stack; the median ms/step is printed (default: %(default)s)")
@@ -139,10 +165,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _speech_presets():
+    from jax_impl.speech_frame_config import SPEECH_PRESETS
+
+    return SPEECH_PRESETS
+
+
+def _speak(args) -> int:
+    from .crosscheck import progress_lines, resolve_device
+    from .speak import speak
+
+    if args.kernels == "twin" and resolve_device(args.device, "--device") == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the codec's Pallas twins run interpreted too
+    if not os.path.isfile(args.input):
+        raise ValueError(f"--input: no such file: {args.input}")
+    _check_writable("--output", args.output)
+    progress = None
+    if not args.quiet and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        def progress(it):
+            return tqdm(it, desc="speak", unit="frame", leave=False)
+    elif not args.quiet:
+        progress = progress_lines("speak")
+    speak(args.input, args.output, preset=args.preset, checkpoint_dir=args.checkpoint_dir, kernels=args.kernels,
+          dtype=args.dtype, device=args.device, seed=args.seed, progress=progress)
+    return 0
+
+
 def _crosscheck(args) -> int:
     from .crosscheck import crosscheck, progress_lines, resolve_device
 
-    args.kernels = args.kernels or ("reference" if args.stack == "codec" else "twin")
+    args.kernels = args.kernels or ("reference" if args.stack in ("codec", "speech-frame") else "twin")
     if args.kernels == "twin" and resolve_device(args.device, "--device") == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton runs on the CPU only interpreted
     progress = None
@@ -153,7 +207,7 @@ def _crosscheck(args) -> int:
             return tqdm(it, desc=f"crosscheck {args.stack}", unit="step", leave=False)
     elif not args.quiet:  # a log or a pipe: a plain line every few seconds
         progress = progress_lines(f"crosscheck {args.stack}")
-    if args.stack in ("depformer", "frame"):
+    if args.stack in ("depformer", "frame", "speech-frame"):
         return _crosscheck_lm(args, progress)
 
     device = args.device
@@ -205,10 +259,13 @@ def _require_matplotlib() -> None:
 
 
 def _crosscheck_lm(args, progress) -> int:
-    """`crosscheck --stack depformer|frame` (`crosscheck_lm`): the flags of a stack's config do not apply."""
+    """`crosscheck --stack depformer|frame|speech-frame` (`crosscheck_lm`, `crosscheck_speech_frame`):
+    the flags of a stack's config do not apply."""
     from .crosscheck_lm import crosscheck_lm
+    from .crosscheck_speech import crosscheck_speech_frame
 
     given = [flag for flag, value in (("--checkpoint", args.checkpoint), ("--config", args.config_json),
+                                      ("--convention", args.convention),
                                       ("--frames", args.frames), ("--num-heads", args.num_heads),
                                       ("--context", args.context), ("--max-period", args.max_period),
                                       ("--norm-eps", args.norm_eps)) if value is not None]
@@ -218,9 +275,15 @@ def _crosscheck_lm(args, progress) -> int:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             _check_writable(flag, path)
-    report = crosscheck_lm(args.stack, steps=args.steps, batch=args.batch, dtype=args.dtype, device=args.device,
-                           seed=args.seed, recycle=not args.no_recycle, threads=args.threads or 1,
-                           kernels=args.kernels, progress=progress)
+    if args.stack == "speech-frame":
+        preset = {"auto": None, "small": "personaplex-small", "full": "personaplex"}[args.size]
+        report = crosscheck_speech_frame(steps=args.steps, batch=args.batch, dtype=args.dtype, preset=preset,
+                                         device=args.device, seed=args.seed, recycle=not args.no_recycle,
+                                         threads=args.threads, kernels=args.kernels, progress=progress)
+    else:
+        report = crosscheck_lm(args.stack, steps=args.steps, batch=args.batch, dtype=args.dtype, device=args.device,
+                               seed=args.seed, recycle=not args.no_recycle, threads=args.threads or 1,
+                               kernels=args.kernels, progress=progress)
     print(report.summary())
     if args.json:
         report.write_json(args.json)
@@ -380,7 +443,7 @@ def _stream(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _crosscheck(args) if args.command == "crosscheck" else _stream(args)
+        return {"crosscheck": _crosscheck, "speak": _speak, "stream": _stream}[args.command](args)
     except KeyboardInterrupt:
         print("personaplex-jax: interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,215 @@
+"""The whole speech frame (codec encode -> LM frame -> codec decode): the JAX step and its torch twin
+bit for bit on the twin kernels, the torch reference frame against moshi's `MimiModel` + `LMGen`
+serving loop, inert and recycled rows, a NaN row kept to itself, bad input refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from jax_impl import speech_frame as sf
+from jax_impl.speech_frame_config import SPEECH_PRESETS, SpeechFrameConfig
+from tests.moshi_oracle import moshi_mimi
+from tests.test_frame import moshi_lm
+from torch_bridge.speech_frame import SpeechFrame
+
+TINY = SPEECH_PRESETS["moshi-tiny"]
+
+
+def random_frame(cfg, kernels="reference", seed=0) -> SpeechFrame:
+    frame = SpeechFrame.from_config(cfg, kernels=kernels)
+    frame.init_weights(lm_std=0.3, generator=torch.Generator().manual_seed(seed))
+    return frame
+
+
+def pcm_frames(cfg, n: int, batch: int, seed: int = 1) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((batch, 1, cfg.frame_size)).astype(np.float32) for _ in range(n)]
+
+
+def host_state(state) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in sf.speech_state_arrays(state).items()}
+
+
+def row(name: str, x, b: int):
+    return x[:, b] if name.endswith((".k", ".v")) else x[b]
+
+
+def test_config_refuses_a_codec_that_does_not_fit_the_lm():
+    small = SPEECH_PRESETS["moshi-small"]
+    with pytest.raises(ValueError, match="codebook_size"):
+        SpeechFrameConfig(TINY.codec, small.lm)
+    lm = dataclasses.replace(small.lm, n_q=small.lm.n_q + 1, delays=(*small.lm.delays, 0))
+    with pytest.raises(ValueError, match="user and model codebooks"):
+        SpeechFrameConfig(small.codec, lm)
+    assert SPEECH_PRESETS["moshi"].user_path == "user_tokens" and SPEECH_PRESETS["personaplex"].dep_q_exit == 8
+
+
+@pytest.mark.parametrize("preset", ["moshi-tiny", "personaplex-tiny"])
+def test_twin_speech_frame_jax_equals_torch_bit_for_bit(preset):
+    """PCM, codes, tokens and every state tensor identical, frame by frame, with an idle row and a recycled one."""
+    cfg, B = SPEECH_PRESETS[preset], 3
+    frame = random_frame(cfg, "twin")
+    codec_freqs, lm_freqs = frame.rope_freqs()
+    step = sf.make_speech_frame_step(cfg, kernels="twin", codec_rope_freqs=codec_freqs, lm_rope_freqs=lm_freqs)
+    params = frame.jax_params()
+    state = sf.init_speech_frame_state(cfg, B)
+    frame.streaming_init(B)
+    ready = 0
+    for t, pcm in enumerate(pcm_frames(cfg, 5, B)):
+        if t == 4:
+            frame.reset_slot(2)
+            state = sf.jit_speech_reset_slot(state, 2)
+        active = np.array([True, t != 1, True])
+        ours = frame.step(torch.from_numpy(pcm), torch.from_numpy(active))
+        theirs, state = step(params, state, pcm, active)
+        for name in ours._fields:
+            assert np.array_equal(getattr(ours, name).numpy(), np.asarray(getattr(theirs, name))), (name, t)
+        for name, value in frame.state_arrays().items():
+            assert np.array_equal(value.numpy(), np.asarray(sf.speech_state_arrays(state)[name])), (name, t)
+        ready += int(ours.ready.sum())
+    assert ready >= 4 and np.abs(np.asarray(theirs.pcm)).max() > 0  # the decoder ran: not a comparison of zeros
+
+
+def test_reference_speech_frame_is_moshis_serving_loop():
+    """moshi's `MimiModel` + `LMGen`, run as moshi's serving loop (encode, `LMGen.step`, decode the
+    tokens it returns): the same codes, tokens and PCM bits, and the same frames without output."""
+    cfg, B = TINY, 2
+    mimi = moshi_mimi(cfg.codec)
+    frame = SpeechFrame.from_config(cfg)
+    frame.codec.load_weights(mimi.state_dict())
+    frame.lm.init_weights(std=0.3, generator=torch.Generator().manual_seed(0))
+    lm, model = moshi_lm(cfg.lm, frame.lm)
+    gen = lm.LMGen(model, use_sampling=False)
+    frame.streaming_init(B)
+    decoded = 0
+    with torch.no_grad(), mimi.streaming(B), gen.streaming(B):
+        for pcm in pcm_frames(cfg, 8, B):
+            pcm = torch.from_numpy(pcm)
+            out = frame.step(pcm)
+            codes = mimi.encode(pcm)
+            assert torch.equal(out.user_codes, codes[..., 0])
+            tokens = gen.step(codes)
+            assert bool(out.ready.any()) == (tokens is not None)
+            if tokens is None:
+                assert not out.pcm.any()
+                continue
+            assert torch.equal(out.tokens, tokens[..., 0])
+            assert torch.equal(out.pcm, mimi.decode(tokens[:, 1:1 + cfg.num_codebooks]))
+            decoded += 1
+    assert decoded == 8 - cfg.max_delay
+
+
+def test_inert_rows_nan_rows_and_recycling():
+    """JAX reference step: an inactive row's state does not move; a NaN / Inf row's PCM reaches no
+    other row (outputs and states bit-identical to a run without it) and stays in its own row's
+    state (until flushed or reset_slot), after which the row is a fresh state's row and steps as the clean run's."""
+    cfg, B = TINY, 3
+    frame = random_frame(cfg)
+    params = frame.jax_params()
+    step = sf.make_speech_frame_step(cfg)
+    clean, poisoned = sf.init_speech_frame_state(cfg, B), sf.init_speech_frame_state(cfg, B)
+    fresh = host_state(sf.init_speech_frame_state(cfg, B))
+    for t, pcm in enumerate(pcm_frames(cfg, 7, B)):
+        if t == 5:
+            clean, poisoned = sf.jit_speech_reset_slot(clean, 1), sf.jit_speech_reset_slot(poisoned, 1)
+            for name, value in host_state(poisoned).items():
+                assert np.array_equal(row(name, value, 1), row(name, fresh[name], 1)), name
+        bad = pcm.copy()
+        if t in (1, 2):
+            bad[1, 0, 7] = np.nan if t == 1 else np.inf
+        active = np.array([True, True, t != 3])
+        before = host_state(clean)
+        a, clean = step(params, clean, pcm, active)
+        b, poisoned = step(params, poisoned, bad, active)
+        if t == 3:  # row 2 idle: its whole state as it was, its outputs empty
+            for name, value in host_state(clean).items():
+                assert np.array_equal(row(name, value, 2), row(name, before[name], 2)), name
+            assert not np.asarray(a.pcm)[2].any() and (np.asarray(a.tokens)[2] == -2).all()
+        rows = [0, 2] if t < 5 else [0, 1, 2]
+        for name in a._fields:
+            assert np.array_equal(np.asarray(getattr(a, name))[rows], np.asarray(getattr(b, name))[rows]), (name, t)
+        clean_rows, poisoned_rows = host_state(clean), host_state(poisoned)
+        for name, value in poisoned_rows.items():
+            for r in rows:
+                assert np.array_equal(row(name, value, r), row(name, clean_rows[name], r)), (name, t)
+        carried = [np.isfinite(row(n, v, 1)).all() for n, v in poisoned_rows.items() if n.startswith("codec.encoder")]
+        if t in (1, 2, 3):  # the NaN / Inf in its own row's carries and ring (flushed by frame 4 in this size)
+            assert not all(carried), t
+
+
+def test_bad_input_is_refused_and_changes_nothing():
+    cfg, B = TINY, 2
+    frame = random_frame(cfg)
+    params = frame.jax_params()
+    step = sf.make_speech_frame_step(cfg)
+    state = sf.init_speech_frame_state(cfg, B)
+    pcm = pcm_frames(cfg, 1, B)[0]
+    _, state = step(params, state, pcm)
+    before = host_state(state)
+    frame.streaming_init(B)
+    for bad, match in ((pcm[:, :, :-1], "shape"), (pcm[:, 0], "rank 3"), (pcm.astype(np.float64), "dtype float64"),
+                       (pcm.astype(np.int16), "dtype int16"), ([[0.0]], "array")):
+        with pytest.raises(ValueError, match=f"pcm.*{match}|{match}.*pcm"):
+            step(params, state, bad)
+        with pytest.raises((ValueError, TypeError), match="pcm"):
+            frame.step(torch.as_tensor(np.asarray(bad)) if not isinstance(bad, list) else bad)
+    with pytest.raises(ValueError, match="active"):
+        step(params, state, pcm, np.ones(B + 1, bool))
+    with pytest.raises(IndexError):
+        sf.jit_speech_reset_slot(state, B)
+    for name, value in host_state(state).items():
+        assert np.array_equal(value, before[name]), name
+    assert not frame.lm.frame_offset.any() and not frame.codec.state.first.logical_not().any()
+
+
+def write_test_wav(path, samples: int, rate: int = 24000, channels: int = 1) -> None:
+    import wave
+
+    x = (0.3 * np.sin(np.arange(samples * channels) * 2 * np.pi * 220 / rate) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(channels)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(x.tobytes())
+
+
+def test_speak_cli_writes_the_reply(tmp_path, capsys):
+    """`speak` on the CPU: the reply has the padded input's length and rate, the random-weights notice,
+    the real-time factor and latencies are printed; a WAV of another rate, a missing checkpoint file,
+    are refused naming what they found."""
+    import wave
+
+    from torch_bridge.cli import main
+    from torch_bridge.speak import RANDOM_NOTICE
+
+    src, out = tmp_path / "in.wav", tmp_path / "out.wav"
+    fs = SPEECH_PRESETS["personaplex-small"].frame_size
+    write_test_wav(src, 4 * fs + 100)
+    assert main(["speak", "--input", str(src), "--output", str(out), "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert RANDOM_NOTICE in printed and "zero-padded by 1820 samples" in printed
+    assert "real-time factor" in printed and "median" in printed and "p90" in printed
+    with wave.open(str(out)) as f:
+        assert (f.getnframes(), f.getframerate(), f.getnchannels(), f.getsampwidth()) == (5 * fs, 24000, 1, 2)
+        assert np.frombuffer(f.readframes(5 * fs), "<i2")[3 * fs:].any()  # the reply after the delays
+    write_test_wav(src, fs, rate=16000)
+    assert main(["speak", "--input", str(src), "--output", str(out), "-q"]) == 1
+    assert "expected mono 16-bit PCM at 24000 Hz, found 1 channel(s), 16-bit, 16000 Hz" in capsys.readouterr().err
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert main(["speak", "--input", str(src), "--output", str(out), "--checkpoint-dir", str(tmp_path)]) == 1
+    assert "missing tokenizer-*.safetensors" in capsys.readouterr().err
+
+
+def test_crosscheck_speech_frame_cli(capsys):
+    from torch_bridge.cli import main
+
+    assert main(["crosscheck", "--stack", "speech-frame", "--steps", "4", "--batch", "2", "--require", "close",
+                 "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert "cross-check speech-frame: personaplex-small" in printed and "tokens        yes" in printed
+    assert main(["crosscheck", "--stack", "speech-frame", "--convention", "moshi"]) == 1
+    assert "--convention: not taken by --stack speech-frame" in capsys.readouterr().err

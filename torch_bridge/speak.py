@@ -1,0 +1,174 @@
+"""`personaplex-jax speak`: a WAV file through the JAX speech frame at 12.5 Hz, the model's reply out.
+
+    result = speak("in.wav", "out.wav")                     # random weights: the reply is noise
+    result = speak("in.wav", "out.wav", checkpoint_dir="personaplex-7b-v1/", preset="personaplex")
+
+The input is read with the standard library's `wave`: mono 16-bit PCM at the codec's rate (24 kHz
+in the real sizes) is expected, anything else is refused naming the file and what it holds (no
+resampling: nothing this package ships resamples exactly). It is cut in frames of `frame_size`
+samples (80 ms), the last one zero-padded (said when it is), and streamed one frame a step through
+`jax_impl.speech_frame` (B = 1); the reply has one frame out per frame in, so as many samples as the
+padded input, at the same rate, 16-bit (samples outside [-1, 1] clipped, and counted). The reply
+starts `max_delay` frames late (the LM's delays: silence before, as moshi's serving loop).
+
+Weights: random by default (the LM's N(0, 0.02), the codec's `init_weights`), and then the reply
+is noise from random weights, which the run says. `checkpoint_dir`: the released files, the LM's
+`model.safetensors` (Moshi layout) and the Mimi `tokenizer-*.safetensors`, checked against the
+preset (`CheckpointError` listing every missing or misshaped tensor).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+import wave
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from jax_impl.checkpoint import read_safetensors, read_safetensors_shapes
+from jax_impl.speech_frame_config import SPEECH_PRESETS
+
+from .crosscheck import resolve_device
+from .speech_frame import SpeechFrame
+
+LM_FILE = "model.safetensors"
+CODEC_GLOB = "tokenizer-*.safetensors"
+RANDOM_NOTICE = ("note: random weights (no --checkpoint-dir): the output is noise from random weights, not a "
+                 "model's speech")
+
+
+class SpeakResult(NamedTuple):
+    """frames: frames streamed; padded: zero samples added to the last one; rtf: compute time /
+    audio time (frame 0, which compiles the step, left out); median_ms, p90_ms: per-frame latency
+    (the same frames); compile_s: frame 0's time; clipped: reply samples outside [-1, 1]."""
+
+    frames: int
+    padded: int
+    rtf: float
+    median_ms: float
+    p90_ms: float
+    compile_s: float
+    clipped: int
+
+
+def default_preset(device: str) -> str:
+    """PersonaPlex's sizes on a GPU; on the CPU its small preset (the real 80 ms frames, narrow: seconds a run)."""
+    return "personaplex" if device.startswith("cuda") else "personaplex-small"
+
+
+def read_wav(path: str, rate: int) -> np.ndarray:
+    """The samples of a mono 16-bit PCM WAV at `rate` Hz as float32 in [-1, 1); ValueError naming
+    the file and what it holds otherwise."""
+    try:
+        with wave.open(path, "rb") as f:
+            channels, width, found, n = f.getnchannels(), f.getsampwidth(), f.getframerate(), f.getnframes()
+            data = f.readframes(n)
+    except wave.Error as err:
+        raise ValueError(f"--input {path}: not a PCM WAV file ({err})") from None
+    if (channels, width, found) != (1, 2, rate):
+        raise ValueError(f"--input {path}: expected mono 16-bit PCM at {rate} Hz, found {channels} channel(s), "
+                         f"{8 * width}-bit, {found} Hz (convert it first, e.g. sox in.wav -r {rate} -c 1 -b 16 "
+                         f"out.wav)")
+    if not n:
+        raise ValueError(f"--input {path}: no samples")
+    return np.frombuffer(data, "<i2").astype(np.float32) / 32768.0
+
+
+def write_wav(path: str, samples: np.ndarray, rate: int) -> int:
+    """samples (float, [-1, 1]) as a mono 16-bit PCM WAV; returns how many were clipped to [-1, 1]."""
+    clipped = int(np.count_nonzero(np.abs(samples) > 1))
+    ints = np.round(np.clip(samples, -1, 1) * 32767).astype("<i2")
+    with wave.open(path, "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(ints.tobytes())
+    return clipped
+
+
+def checkpoint_files(directory: str) -> tuple[str, str]:
+    """(the LM file, the Mimi file) of a released checkpoint directory; ValueError naming what is missing."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"--checkpoint-dir: no such directory: {directory}")
+    lm = os.path.join(directory, LM_FILE)
+    codec = sorted(glob.glob(os.path.join(directory, CODEC_GLOB)))
+    missing = ([LM_FILE] if not os.path.isfile(lm) else []) + ([CODEC_GLOB] if not codec else [])
+    if missing:
+        raise ValueError(f"--checkpoint-dir {directory}: missing {' and '.join(missing)} (the LM's Moshi-layout "
+                         f"weights and the Mimi codec's)")
+    if len(codec) > 1:
+        raise ValueError(f"--checkpoint-dir {directory}: several {CODEC_GLOB} files: {codec}; keep one")
+    return lm, codec[0]
+
+
+def speak(input_path: str, output_path: str, *, preset: str | None = None, checkpoint_dir: str | None = None,
+          kernels: str = "reference", dtype: str | None = None, device: str | None = None, seed: int = 0,
+          progress=None, say=print) -> SpeakResult:
+    """Stream `input_path` through the JAX speech frame and write the reply to `output_path` (module
+    docstring). preset: a `SPEECH_PRESETS` name (default: `default_preset`); kernels: "reference" or
+    "twin"; dtype: "float32" or "bfloat16" (default: bfloat16 on a GPU, float32 on the CPU); device:
+    torch's, where the weights live (JAX reads them in place); progress: wraps the frame range;
+    say: prints the run's lines."""
+    import jax
+
+    from jax_impl import speech_frame as sf
+
+    device = resolve_device(device)
+    preset = preset or default_preset(device)
+    if preset not in SPEECH_PRESETS:
+        raise ValueError(f"--preset must be one of {list(SPEECH_PRESETS)}, got {preset!r}")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    cfg = SPEECH_PRESETS[preset]
+    files = checkpoint_files(checkpoint_dir) if checkpoint_dir else None
+    samples = read_wav(input_path, cfg.codec.sample_rate)
+    fs = cfg.frame_size
+    frames = -(-samples.size // fs)
+    padded = frames * fs - samples.size
+
+    # the torch frame holds the weights (JAX reads them in place) and the RoPE tables; the JAX step
+    # runs the frame on `kernels`
+    frame = SpeechFrame.from_config(cfg, dtype=getattr(torch, dtype), device=device)
+    if files:
+        lm_file, codec_file = files
+        frame.load_weights(read_safetensors(lm_file, read_safetensors_shapes(lm_file), "pt", device=device),
+                           read_safetensors(codec_file, read_safetensors_shapes(codec_file), "pt", device=device),
+                           lm_source=lm_file, codec_source=codec_file)
+        say(f"weights: {lm_file}, {codec_file}")
+    else:
+        frame.init_weights(generator=torch.Generator(device=device).manual_seed(seed))
+        say(RANDOM_NOTICE)
+    params = frame.jax_params()
+    where = params.codec.codebooks.devices().pop()
+    state = sf.init_speech_frame_state(cfg, 1, params.codec.codebooks.dtype, device=where)
+    codec_freqs, lm_freqs = frame.rope_freqs()
+    step = sf.make_speech_frame_step(cfg, kernels=kernels, codec_rope_freqs=codec_freqs, lm_rope_freqs=lm_freqs)
+    say(f"{preset} ({dtype}, kernels {kernels}) on {where}: {input_path}, {samples.size} samples = {frames} frames "
+        f"of {fs}" + (f" (the last zero-padded by {padded} samples)" if padded else ""))
+
+    source = np.pad(samples, (0, padded)).reshape(frames, 1, 1, fs)
+    reply = np.empty((frames, fs), np.float32)
+    seconds = []
+    for i in range(frames) if progress is None else progress(range(frames)):
+        t0 = time.perf_counter()
+        pcm = jax.device_put(source[i], where).astype(params.codec.codebooks.dtype)
+        out, state = step(params, state, pcm)
+        reply[i] = np.asarray(out.pcm[0, 0], np.float32)  # the host has the frame: its latency ends here
+        seconds.append(time.perf_counter() - t0)
+    clipped = write_wav(output_path, reply.reshape(-1), cfg.codec.sample_rate)
+    timed = np.asarray(seconds[1:] or seconds) * 1e3
+    rtf = float(timed.sum() / (len(timed) * 1e3 * fs / cfg.codec.sample_rate))
+    result = SpeakResult(frames, padded, rtf, float(np.median(timed)), float(np.percentile(timed, 90)), seconds[0],
+                         clipped)
+    say(f"reply: {output_path}, {frames * fs} samples at {cfg.codec.sample_rate} Hz (silent for the first "
+        f"{cfg.max_delay} frames: the LM's delays)" + (f"; {clipped} samples clipped to [-1, 1]" if clipped else ""))
+    say(f"real-time factor {rtf:.3f} (compute / audio time); per-frame latency median {result.median_ms:.2f} ms, "
+        f"p90 {result.p90_ms:.2f} ms (frame 0, {result.compile_s:.1f} s with the compile, left out)")
+    return result
+
+
+__all__ = ["RANDOM_NOTICE", "SpeakResult", "checkpoint_files", "read_wav", "speak", "write_wav"]

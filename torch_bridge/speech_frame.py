@@ -1,0 +1,165 @@
+"""The whole speech frame, PyTorch: `MimiCodec` + `LMFrame`, the torch twin of `jax_impl.speech_frame`.
+
+    frame = SpeechFrame.from_config(SPEECH_PRESETS["moshi-small"])
+    frame.load_weights(lm_state_dict, codec_state_dict)    # or init_weights(...)
+    frame.streaming_init(batch_size=4)
+    out = frame.step(pcm, active)                            # SpeechFrameOutput: pcm, user_codes, tokens, ready
+    frame.reset_slot(2)                                      # row 2: a fresh session
+
+A frame: `codec.encode_frame` -> the user's codes -> `LMFrame.step` (as user tokens on Moshi's
+layout, as the depformer's replaced tail on PersonaPlex's: `jax_impl.speech_frame_config`) -> the
+model's codes (the undelayed tokens 1..num_codebooks) -> `codec.decode_frame` -> PCM. As moshi's
+serving loop (`moshi/run_inference.py`), the decoder runs only on frames whose tokens the LM
+returned: until a row's delays pass its PCM is zeros and its decoder state does not move.
+
+kernels="reference": moshi's bits (the codec is bit-exact with its streaming `MimiModel`, the LM
+frame with `LMGen.step`): a `MimiModel` + `LMGen` loop run the same way gives the same codes and PCM.
+kernels="twin": the Triton twins, the bits of `jax_impl.speech_frame.make_speech_frame_step(kernels="twin")`
+for the PCM, every code and every state tensor (`state_arrays`), whatever the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from jax_impl.checkpoint import CheckpointError
+from jax_impl.frame_config import check_frame_kernels
+from jax_impl.snapshot import exact_float_cast
+from jax_impl.speech_frame_config import SpeechFrameConfig, SpeechFrameOutput
+
+from .codec import MimiCodec
+from .frame import LMFrame, jax_frame_params
+
+
+class SpeechFrame(nn.Module):
+    """The Mimi codec (`codec`) around the LM frame (`lm`), one frame a `step`."""
+
+    def __init__(self, config: SpeechFrameConfig, dtype=torch.float32, device=None, kernels: str = "reference"):
+        super().__init__()
+        if not isinstance(config, SpeechFrameConfig):
+            raise TypeError(f"config must be a SpeechFrameConfig, got {type(config).__name__}")
+        self.config, self.kernels = config, check_frame_kernels(config.lm, kernels)
+        self.codec = MimiCodec.from_config(config.codec, dtype=dtype, device=device, kernels=kernels)
+        self.lm = LMFrame.from_config(config.lm, dtype=dtype, device=device, kernels=kernels)
+
+    @classmethod
+    def from_config(cls, config: SpeechFrameConfig, *, dtype=torch.float32, device=None, kernels: str = "reference"):
+        return cls(config, dtype=dtype, device=device, kernels=kernels)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.device
+
+    # ----------------------------------------------------------------------------- weights
+    def init_weights(self, *, lm_std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Random weights: the codec's `init_weights`, the LM frame's N(0, lm_std)."""
+        self.codec.init_weights(generator=generator)
+        self.lm.init_weights(std=lm_std, generator=generator)
+
+    def load_weights(self, lm_state_dict: Mapping, codec_state_dict: Mapping, *, lm_source: str = "lm state_dict",
+                     codec_source: str = "codec state_dict") -> None:
+        """The LM's (a released `model.safetensors`'s or a moshi `LMModel.state_dict()`'s names) and the
+        codec's (`tokenizer-*.safetensors`, a moshi `MimiModel.state_dict()`) weights. Each part checks
+        every key, shape and dtype before writing (`CheckpointError` listing every problem);
+        the codec's is loaded first and put back as it was if the LM's is refused: all or nothing."""
+        before = {k: v.clone() for k, v in self.codec.state_dict().items()}
+        self.codec.load_weights(codec_state_dict, source=codec_source)
+        try:
+            self.lm.load_weights(lm_state_dict, source=lm_source)
+        except CheckpointError:
+            self.codec.load_state_dict(before)
+            raise
+
+    def rope_freqs(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(the codec transformers' RoPE table, the temporal stack's): the JAX twin step's
+        `codec_rope_freqs`, `lm_rope_freqs`."""
+        return self.codec.rope_freqs(), self.lm.temporal.rope_freqs()
+
+    def jax_params(self):
+        """The JAX frame's `SpeechFrameParams` as DLPack views of this frame's buffers (no copy)."""
+        from jax_impl.speech_frame import SpeechFrameParams
+
+        return SpeechFrameParams(self.codec.jax_params(), jax_frame_params(self.lm))
+
+    # ----------------------------------------------------------------------------- streaming
+    def streaming_init(self, batch_size: int) -> None:
+        """A fresh stream of `batch_size` rows (the codec's and the LM frame's)."""
+        self.codec.streaming_init(batch_size)
+        self.lm.streaming_init(batch_size)
+
+    @property
+    def batch_size(self) -> int:
+        return self.lm.batch_size
+
+    def reset_slot(self, b: int) -> None:
+        """Row b starts a fresh session: the codec's `reset_slot` and the LM frame's `reset_rows` (its
+        ring zeroed, positions, frame offset and token cache a fresh row's): nothing of the old
+        session is left in any part of the state."""
+        B = self.batch_size
+        if not isinstance(b, int) or isinstance(b, bool):
+            raise TypeError(f"reset_slot(b): b must be an int row index, got {type(b).__name__}")
+        if not 0 <= b < B:
+            raise IndexError(f"reset_slot(b): b={b} is out of range for batch_size {B}")
+        self.codec.reset_slot(b)
+        self.lm.reset_rows(torch.arange(B, device=self.device) == b)
+
+    def state_arrays(self) -> dict[str, torch.Tensor]:
+        """Every state tensor by name, as `jax_impl.speech_frame.speech_state_arrays` names the JAX
+        state's (the tensors themselves)."""
+        s = self.codec.state
+        out = {f"codec.encoder.{i}": x for i, x in enumerate(s.encoder)}
+        out |= {f"codec.decoder.{i}": x for i, x in enumerate(s.decoder)}
+        out["codec.first"] = s.first
+        for name, ring in (("codec.encoder_transformer", self.codec.encoder_transformer.state),
+                           ("codec.decoder_transformer", self.codec.decoder_transformer.state),
+                           ("lm.temporal", self.lm.temporal.state)):
+            out |= {f"{name}.{k}": getattr(ring, k) for k in ("k", "v", "offset", "start_offset")}
+        out["lm.token_cache"] = self.lm.token_cache
+        out["lm.frame_offset"] = self.lm.frame_offset
+        return out
+
+    # ----------------------------------------------------------------------------- one frame
+    @torch.no_grad()
+    def step(self, pcm: torch.Tensor, active: torch.Tensor | None = None, *, seeds=None, temperature: float = 0.0,
+             top_k: int = 0, text_temperature: float = 0.0, text_top_k: int = 0) -> SpeechFrameOutput:
+        """One frame for every row: pcm [B, 1, frame_size] (the frame's dtype, or one that widens to it
+        exactly) -> `SpeechFrameOutput`. active bool [B] (default: every row; an inactive row is inert).
+        seeds, temperature, top_k, text_temperature, text_top_k: the LM frame's sampling."""
+        c, B = self.config, self.batch_size
+        if not isinstance(pcm, torch.Tensor):
+            raise TypeError(f"pcm must be a torch tensor [B={B}, 1, {c.frame_size}], got {type(pcm).__name__}")
+        if tuple(pcm.shape) != (B, 1, c.frame_size):
+            raise ValueError(f"pcm must have shape [B={B}, 1, frame_size={c.frame_size}] (rank 3), got "
+                             f"{list(pcm.shape)}")
+        have, want = str(pcm.dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch.")
+        if not pcm.is_floating_point() or not exact_float_cast(have, want):
+            raise ValueError(f"pcm has dtype {have}; the frame holds {want} and takes only a float dtype that casts "
+                             f"to it exactly")
+        if pcm.device != self.device:
+            raise ValueError(f"pcm is on {pcm.device}; the frame is on {self.device}")
+        if active is None:
+            active = torch.ones(B, dtype=torch.bool, device=self.device)
+        elif not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (B,):
+            raise ValueError(f"active must be a torch.bool tensor of shape [{B}], got "
+                             f"{getattr(active, 'dtype', type(active).__name__)} {list(getattr(active, 'shape', []))}")
+        sampling = {"seeds": seeds, "temperature": temperature, "top_k": top_k, "text_temperature": text_temperature,
+                    "text_top_k": text_top_k}
+        codes = self.codec.encode_frame(pcm, active)
+        if c.user_path == "user_tokens":
+            out = self.lm.step(codes, active, **sampling)
+        else:
+            out = self.lm.step(None, active, replace_audio=codes, dep_q_exit=c.dep_q_exit, **sampling)
+        model_codes = out.tokens[:, 1:1 + c.num_codebooks]
+        ready = model_codes[:, 0] >= 0
+        pcm_out = self.codec.decode_frame(torch.where(ready[:, None], model_codes, 0), ready)
+        return SpeechFrameOutput(pcm_out, codes, out.tokens, ready)
+
+
+__all__ = ["SpeechFrame"]
