@@ -15,7 +15,8 @@ layers, the layer driver) -> `model` (the Flax stacks) -> `step` (the jitted ste
 (the one `kernels` vocabulary, framework-neutral); `weights` (parameters in and out) and `parity`
 (bit / ULP distances) beside them; `snapshot` (the stream snapshot format, shared with torch,
 framework-neutral) and `stream_io` (a `StreamState` to a snapshot / file and back); `wait`
-(`until_ready`: a synchronized loop's wait on the GPU's stream order); `sharding` (the
+(`until_ready`: a synchronized loop's wait on the GPU's stream order); `lora` (LoRA adapters of the
+temporal stack's reference layer, for fine-tuning); `sharding` (the
 multi-device steps: `sessions`, `tensor_parallel`, `placement`).
 Names are imported on first use: the torch path reads `jax_impl.config`, `jax_impl.checkpoint`,
 `jax_impl.snapshot`, `jax_impl.kernel_choice` and `jax_impl.twin_layers` without importing jax.
@@ -37,6 +38,7 @@ _EXPORTS = {
                      "params_from_checkpoint", "params_from_stacked", "save_safetensors"], "weights"),
     **dict.fromkeys(["SnapshotError", "check_snapshot_layout"], "snapshot"),
     **dict.fromkeys(["read_stream", "state_from_snapshot", "state_snapshot", "write_stream"], "stream_io"),
+    **dict.fromkeys(["LORA_TARGETS", "LoRA", "check_lora", "init_lora", "with_lora"], "lora"),
     "until_ready": "wait",
     **dict.fromkeys(["DEPFORMER_PRESETS", "DepformerConfig"], "depformer_config"),
     **dict.fromkeys(["check_depformer_params", "depformer_frame", "make_depformer_step"], "depformer"),

@@ -10,7 +10,7 @@ all-reduce injected into the out-projections (`out_linear`). kernels="twin" runs
 programs (`twin_layers`, shared with the torch step) on the Pallas twins instead.
 `run_layers` applies the L layers as one `lax.scan` over the stacked weights
 (`layer_loop="scan"`, the layer index traced) or as a Python loop with static indexes
-(`layer_loop="python"`).
+(`layer_loop="python"`), each layer rematerialized in the backward pass if asked (`remat_layers`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,16 @@ from kernels_pallas import twin_attention, twin_entry, twin_linear, twin_norm
 
 from . import twin_layers
 from .config import MimiConfig, StackConfig, TemporalConfig
+from .lora import layer_linears
 from .ops import layer_norm, linear, ring_attention, rms_norm_f32
 from .state import StreamState
 from .tables import StepTables, visible_mask
 
 LAYER_LOOPS = ("scan", "python")
+# What a rematerialized layer keeps for its backward pass: the attention's reads of its ring slice
+# ([B, H, C, D] each). Recomputing them would need the whole stacked ring, which jax.checkpoint
+# would then keep at every layer (L copies of it).
+REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("ring_k", "ring_v")
 # The Pallas twins, as the twin layer programs call them (the torch step hands in the Triton twins).
 PALLAS_TWINS = twin_layers.TwinKernels(twin_linear.linear, twin_linear.linear_rope_write, twin_attention.attention,
                                        twin_norm.norm, twin_norm.split)
@@ -41,17 +46,25 @@ def temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables,
 
     out_linear(a, w) -> a @ w.T: the attention's and the FFN's out-projections (the
     tensor-parallel step's partial products, all-reduced); in_proj and linear_in may come
-    [3, H, D, dim] / [2, hidden, dim] (its shards: the same rows, reshaped)."""
+    [3, H, D, dim] / [2, hidden, dim] (its shards: the same rows, reshaped). w["lora"], where
+    present: this layer's slice of a `lora.LoRA`, applied to the in-projection's q and v rows and
+    the FFN's linears (`lora.layer_linears`; one device's layer only)."""
     del active  # the writes follow tables.write_mask
+    in_linear = ffn_in = linear
+    ffn_out = out_linear
+    if "lora" in w:
+        if out_linear is not linear:
+            raise ValueError("lora: adapters run on the one-device step, not on sharded out-projections")
+        in_linear, ffn_in, ffn_out = layer_linears(w["lora"])
     x, ring_k, ring_v = carry
     h = rms_norm_f32(x, w["norm1_alpha"], c.norm_eps)
     a, ring_k, ring_v = ring_attention(h, w["in_proj"], w["out_proj"], c.head_dim, ring_k, ring_v, layer, tables,
-                                       exact_rope, kernels, c.context, out_linear)
+                                       exact_rope, kernels, c.context, out_linear, in_linear)
     x = x + a
     h = rms_norm_f32(x, w["norm2_alpha"], c.norm_eps)
     B, T, dim = h.shape
-    gate_in = linear(h, w["linear_in"].reshape(-1, dim)).reshape(B, T, 2, -1)
-    x = x + out_linear(jax.nn.silu(gate_in[..., 0, :]) * gate_in[..., 1, :], w["linear_out"])
+    gate_in = ffn_in(h, w["linear_in"].reshape(-1, dim)).reshape(B, T, 2, -1)
+    x = x + ffn_out(jax.nn.silu(gate_in[..., 0, :]) * gate_in[..., 1, :], w["linear_out"])
     return x, ring_k, ring_v
 
 
@@ -90,11 +103,14 @@ def twin_first_carry(c: StackConfig, stacked: dict, x, ring_k, ring_v, sems) -> 
 
 def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables: StepTables, active, *,
                layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True,
-               kernels: str = "reference"):
-    """Apply the L layers to carry; stacked: name -> [L, ...] weights. Returns (x, ring_k, ring_v).
+               kernels: str = "reference", remat_layers: bool = False):
+    """Apply the L layers to carry; stacked: name -> [L, ...] weights (any pytree of them, e.g.
+    a `lora.LoRA` under "lora"). Returns (x, ring_k, ring_v).
 
     "scan": one `lax.scan` over (layer index, weight slices), compiled once whatever L;
     "python": a loop with constant layer indexes, so XLA slices weights and rings statically.
+    remat_layers: each reference layer under `jax.checkpoint` (`REMAT_POLICY`): its backward pass
+    recomputes the layer's activations from its input instead of keeping them.
     kernels="twin": the twin layer program of c (`twin_layers`, on the Pallas twins), which reads
     the stacked weights in place at the (traced) layer index, so the loop carries no weight
     slices (`lax.fori_loop`, whose counter is that index); carry as `twin_first_carry` makes it,
@@ -113,15 +129,19 @@ def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables:
         # the loop's own counter is the layer index (scanning over an arange copies each index
         # out of it: a 4-byte copy a layer on the GPU)
         return lax.fori_loop(0, c.num_layers, twin_fn, carry, unroll=scan_unroll)[:3]
+    def apply(w, carry, layer):
+        return layer_fn(c, w, carry, layer, tables, active, exact_rope, kernels)
+
+    if remat_layers:
+        apply = jax.checkpoint(apply, policy=REMAT_POLICY, static_argnums=(2,) if layer_loop == "python" else ())
     if layer_loop == "python":
         for layer in range(c.num_layers):
-            w = {name: a[layer] for name, a in stacked.items()}
-            carry = layer_fn(c, w, carry, layer, tables, active, exact_rope, kernels)
+            carry = apply(jax.tree.map(lambda a, i=layer: a[i], stacked), carry, layer)
         return carry
 
     def body(carry, xs):
         layer, w = xs
-        return layer_fn(c, w, carry, layer, tables, active, exact_rope, kernels), None
+        return apply(w, carry, layer), None
 
     carry, _ = lax.scan(body, carry, (jnp.arange(c.num_layers), stacked), unroll=scan_unroll)
     return carry

@@ -29,6 +29,7 @@ from .layers import (
     twin_entry_tables,
     twin_first_carry,
 )
+from .lora import LoRA, check_lora
 from .ops import linear, rms_norm_f32
 from .state import StreamState
 from .tables import rope_freqs, step_tables
@@ -74,10 +75,13 @@ class _StackBase(nn.Module):
     exact_rope: bool = True          # keep RoPE products unfused (bit-identical to torch's rope)
     rope_freqs: tuple | None = None  # RoPE frequency table override (default: tables.rope_freqs)
     kernels: str = "reference"       # "reference", "pallas" (see ops.attend) or "twin" (twin_layers)
+    remat_layers: bool = False       # each layer under jax.checkpoint (layers.run_layers)
 
-    def _layers(self, layer_fn, state: StreamState, x, active):
+    def _layers(self, layer_fn, state: StreamState, x, active, lora: LoRA | None):
         c = self.config
         stacked = _LayerWeights(c, self.param_dtype, name="layers")()
+        if lora is not None:
+            stacked = {**stacked, "lora": check_lora(c, lora, self.kernels)}
         if self.kernels == "twin":
             freqs = rope_freqs(c.head_dim, c.max_period) if self.rope_freqs is None else self.rope_freqs
             tables, write_mask, x, sems = twin_entry_tables(c, state, x, active, freqs)
@@ -90,7 +94,7 @@ class _StackBase(nn.Module):
         self.sow("intermediates", "tables", tables)  # what every layer used (step_fn(capture=...))
         x, k, v = run_layers(layer_fn, c, stacked, carry, layer_tables, active,
                              layer_loop=self.layer_loop, scan_unroll=self.scan_unroll,
-                             exact_rope=self.exact_rope, kernels=self.kernels)
+                             exact_rope=self.exact_rope, kernels=self.kernels, remat_layers=self.remat_layers)
         return x, state._replace(k=k, v=v, offset=tables.end_offset)
 
     def _top(self, name: str) -> jax.Array:
@@ -99,12 +103,12 @@ class _StackBase(nn.Module):
 
 
 class TemporalStack(_StackBase):
-    """Helium temporal stack: (state, x [B, T, dim], active [B] or None: every row) ->
-    ((out [B, T, dim], text_logits [B, 1, T, text_card]), new_state)."""
+    """Helium temporal stack: (state, x [B, T, dim], active [B] or None: every row, lora: `lora.LoRA`
+    adapters or None) -> ((out [B, T, dim], text_logits [B, 1, T, text_card]), new_state)."""
 
     @nn.compact
-    def __call__(self, state: StreamState, x, active):
-        x, state = self._layers(temporal_layer, state, x, active)
+    def __call__(self, state: StreamState, x, active, lora: LoRA | None = None):
+        x, state = self._layers(temporal_layer, state, x, active, lora)
         alpha, text_linear = self._top("out_norm_alpha"), self._top("text_linear")
         if self.kernels == "twin":
             head = {"out_norm_alpha": alpha, "text_linear": text_linear}
@@ -114,16 +118,17 @@ class TemporalStack(_StackBase):
 
 
 class MimiStack(_StackBase):
-    """Mimi codec transformer: (state, x [B, T, dim], active [B] or None: every row) -> (out [B, T, dim], new_state)."""
+    """Mimi codec transformer: (state, x [B, T, dim], active [B] or None: every row) -> (out [B, T, dim], new_state).
+    lora: refused (`lora.check_lora`: adapters are the temporal stack's)."""
 
     @nn.compact
-    def __call__(self, state: StreamState, x, active):
-        return self._layers(mimi_layer, state, x, active)
+    def __call__(self, state: StreamState, x, active, lora: LoRA | None = None):
+        return self._layers(mimi_layer, state, x, active, lora)
 
 
 def stack_module(config: StackConfig, param_dtype=jnp.float32, *, layer_loop: str = "scan",
                  scan_unroll: int = 1, exact_rope: bool = True, rope_freqs: tuple | None = None,
-                 kernels: str = "reference") -> nn.Module:
+                 kernels: str = "reference", remat_layers: bool = False) -> nn.Module:
     """The Flax module of a stack (`TemporalStack` or `MimiStack`); options as on `_StackBase`.
 
     scan_unroll: 1 by default, also for the twin kernels, whose loop counter is a launch a layer:
@@ -139,7 +144,7 @@ def stack_module(config: StackConfig, param_dtype=jnp.float32, *, layer_loop: st
         raise ValueError(f"scan_unroll must be a positive int, got {scan_unroll!r}")
     cls = TemporalStack if isinstance(config, TemporalConfig) else MimiStack
     return cls(config, param_dtype=jnp.dtype(param_dtype), layer_loop=layer_loop, scan_unroll=scan_unroll,
-               exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=kernels)
+               exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=kernels, remat_layers=remat_layers)
 
 
 def init_params(config: StackConfig, key: jax.Array, dtype=jnp.float32) -> dict:

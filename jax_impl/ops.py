@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from kernels_pallas import mrope
 from kernels_pallas.ring_attention import MIN_QUERIES, fits_int32
@@ -146,7 +147,9 @@ def attend(qkv, ring_k, ring_v, layer, tables: StepTables, exact_rope: bool = Tr
     scatter only the T new slots into the ring (in place under donation); the writes follow
     `tables.write_mask` (the step's active rows, positions below start_offset dropped). Writing
     them inside the attention kernel instead (aliased rings) was measured slower on the H200.
-    H may be a shard of the heads (the tensor-parallel step's own).
+    H may be a shard of the heads (the tensor-parallel step's own). The reference attention's reads
+    of the layer's ring are named "ring_k" / "ring_v" (`checkpoint_name`: what a rematerialized
+    layer keeps, `layers.REMAT_POLICY`).
     """
     B, T, _, H, D = qkv.shape
     v = qkv[:, :, 2].transpose(0, 2, 1, 3)
@@ -161,18 +164,20 @@ def attend(qkv, ring_k, ring_v, layer, tables: StepTables, exact_rope: bool = Tr
         out = pallas_ring_attention(q.astype(ring_k.dtype), ring_k, ring_v, layer, tables.positions, tables.q_pos,
                                     context=context)
     else:
-        out = masked_attention(q.astype(ring_k.dtype), ring_k[layer], ring_v[layer], tables.mask)
+        keys, values = checkpoint_name(ring_k[layer], "ring_k"), checkpoint_name(ring_v[layer], "ring_v")
+        out = masked_attention(q.astype(ring_k.dtype), keys, values, tables.mask)
     return out.transpose(0, 2, 1, 3).reshape(B, T, H * D).astype(qkv.dtype), ring_k, ring_v
 
 
 def ring_attention(h, in_proj, out_proj, head_dim: int, ring_k, ring_v, layer, tables: StepTables,
                    exact_rope: bool = True, kernels: str = "reference", context: int | None = None,
-                   out_linear=linear):
+                   out_linear=linear, in_linear=linear):
     """Fused-projection self-attention over the ring (`attend` between the two projections);
     returns (out [B, T, dim], ring_k, ring_v). in_proj: [3*H*D, dim], or any shape of those rows
-    ([3, H, D, dim]: a shard of the heads); out_linear(a, w): the out-projection a @ w.T."""
+    ([3, H, D, dim]: a shard of the heads); in_linear(h, w), out_linear(a, w): the projections
+    h @ w.T (w [3*H*D, dim]) and a @ w.T."""
     B, T, dim = h.shape
-    qkv = linear(h, in_proj.reshape(-1, dim)).reshape(B, T, 3, -1, head_dim)
+    qkv = in_linear(h, in_proj.reshape(-1, dim)).reshape(B, T, 3, -1, head_dim)
     out, ring_k, ring_v = attend(qkv, ring_k, ring_v, layer, tables, exact_rope, kernels, context)
     return out_linear(out, out_proj), ring_k, ring_v
 

@@ -23,6 +23,7 @@ import numpy as np
 from . import state as st
 from .config import StackConfig
 from .kernel_choice import JAX_KERNELS, check_kernels
+from .lora import split_lora
 from .model import stack_module
 from .ops import pick_kernels
 from .snapshot import check_restore_batch, check_snapshot_layout, exact_float_cast
@@ -109,7 +110,7 @@ class HostCheckedStep:
 
 def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True,
             rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto",
-            capture: tuple[str, ...] = ()) -> Callable:
+            capture: tuple[str, ...] = (), remat_layers: bool = False) -> Callable:
     """The pure step `(params, state, x, active=None) -> (outputs, new_state)` (not jitted).
 
     outputs: (out [B, T, dim], text_logits [B, 1, T, text_card]) for the temporal stack, out [B, T, dim]
@@ -126,6 +127,10 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int =
     kernels="twin").
     capture: Flax collections the stack sows into (e.g. ("intermediates",): the `StepTables`
     the layers used); when given, the step returns (outputs, new_state, captured).
+    remat_layers: each layer under `jax.checkpoint` (its activations recomputed in a backward pass;
+    `layers.REMAT_POLICY` says what it keeps).
+    params may carry LoRA adapters of the temporal stack under "lora" (`lora.with_lora`), applied
+    on kernels "reference" and "pallas".
     """
     check_kernels("step_fn(kernels)", kernels, JAX_KERNELS)
 
@@ -134,10 +139,11 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int =
         x = jnp.asarray(x).astype(state.k.dtype)  # an exact widening (checked), or x itself
         impl = pick_kernels(kernels, config, state.batch_size, x.shape[1])
         module = stack_module(config, state.k.dtype, layer_loop=layer_loop, scan_unroll=scan_unroll,
-                              exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=impl)
+                              exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=impl, remat_layers=remat_layers)
+        variables, lora = split_lora(params)
         if not capture:
-            return module.apply(params, state, x, active)
-        (outputs, new_state), captured = module.apply(params, state, x, active, mutable=list(capture))
+            return module.apply(variables, state, x, active, lora)
+        (outputs, new_state), captured = module.apply(variables, state, x, active, lora, mutable=list(capture))
         return outputs, new_state, captured
 
     return step
