@@ -306,9 +306,11 @@ def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, cos_ptr, sin_pt
                 v_ptr, M, eps, rms_eps, RMS: tl.constexpr, RMS_INV_K: tl.constexpr, K: tl.constexpr, B: tl.constexpr,
                 T: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                 D: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
-                INV_K: tl.constexpr, NORM_UNROLL: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+                INV_K: tl.constexpr, NORM_UNROLL: tl.constexpr, ROPE: tl.constexpr, STAGES: tl.constexpr,
+                INTERPRETED: tl.constexpr):
     """Program (i, j): the MMA form's columns j*BN .. of rows i*R .. of qkv, then rope_write's
-    epilogue (the Pallas twin `_qkv_kernel`: a program's columns lie in one head, whole GPT-J pairs)."""
+    epilogue (the Pallas twin `_qkv_kernel`: a program's columns lie in one head, whole GPT-J pairs;
+    ROPE: rotate q and k, else cos_ptr and sin_ptr are unread)."""
     layer = tl.load(layer_ptr).to(tl.int64)
     n0 = tl.program_id(1) * BN
     n = n0 + tl.arange(0, BN)
@@ -325,14 +327,15 @@ def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, cos_ptr, sin_pt
     h = (n0 // D) % H
     d0 = n0 % D
     HALF: tl.constexpr = BN // 2
-    cs = m[:, None] * (D // 2) + d0 // 2 + tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_ptr + cs, mask=m_ok[:, None], other=0.0)
-    sin = tl.load(sin_ptr + cs, mask=m_ok[:, None], other=0.0)
-    r, i = tl.split(tl.reshape(y.to(tl.float32), [R, HALF, 2]))
-    r2, i2 = twin_rope.rotate(r, i, cos, sin, dtype, INTERPRETED)
     out = y
-    if part < 2:  # v is not rotated
-        out = tl.reshape(tl.join(r2, i2), [R, BN])
+    if ROPE:
+        cs = m[:, None] * (D // 2) + d0 // 2 + tl.arange(0, HALF)[None, :]
+        cos = tl.load(cos_ptr + cs, mask=m_ok[:, None], other=0.0)
+        sin = tl.load(sin_ptr + cs, mask=m_ok[:, None], other=0.0)
+        r, i = tl.split(tl.reshape(y.to(tl.float32), [R, HALF, 2]))
+        r2, i2 = twin_rope.rotate(r, i, cos, sin, dtype, INTERPRETED)
+        if part < 2:  # v is not rotated
+            out = tl.reshape(tl.join(r2, i2), [R, BN])
     cols = d0 + tl.arange(0, BN)[None, :]
     b = (m // T)[:, None]
     t = (m % T)[:, None]
@@ -349,14 +352,14 @@ def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, cos_ptr, sin_pt
             tl.store(v_ptr + ring, out, mask=written)
 
 
-def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor,
+def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor | None, sin: torch.Tensor | None,
                       ring_k: torch.Tensor, ring_v: torch.Tensor, write_index: torch.Tensor, write_mask: torch.Tensor, *,
                       norm: TwinNorm | None = None, rms: TwinRms | None = None, block_m: int | None = None,
                       block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                       form: str | None = None):
     """The qkv projection with the RoPE rotation and the ring write in its epilogue (the Pallas
-    twin's signature and bits): `linear` then `twin_rope.rope_write`, one kernel in the MMA form.
-    Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place."""
+    twin's signature and bits): `linear` then `twin_rope.rope_write`, one kernel in the MMA form;
+    cos = sin = None: no rotation. Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place."""
     B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     interpreted = interpreting(_qkv_kernel)
     chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpreted, form, block_n)
@@ -367,17 +370,18 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
     for name, t in (("x", x), ("w", w), ("cos", cos), ("sin", sin), ("ring_k", ring_k), ("ring_v", ring_v),
                     ("rms.ss", x if rms is None else rms.ss)):
-        if not t.is_contiguous():
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"linear_rope_write({name}): must be contiguous, got strides {t.stride()}")
     BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
     layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear_rope_write")
     x, (nw, nb, eps), norm_consts = _mma_norm(x, norm, layer_t, K)
     q = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)
     _qkv_kernel[(triton.cdiv(M, R), N // BN)](
-        layer_t, x, w, nw, nb, x if rms is None else rms.ss, cos, sin, write_index.to(torch.int32).contiguous(),
+        layer_t, x, w, nw, nb, x if rms is None else rms.ss, x if cos is None else cos, x if sin is None else sin,
+        write_index.to(torch.int32).contiguous(),
         write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, M, eps, 0.0 if rms is None else rms.eps,
         RMS=rms is not None, RMS_INV_K=float(np.float32(1.0 / K)), K=K, B=B, T=T, H=H,
-        C=ring_k.shape[3], D=D, R=R, BN=BN, BK=BK, **norm_consts,
+        C=ring_k.shape[3], D=D, R=R, BN=BN, BK=BK, **norm_consts, ROPE=cos is not None,
         STAGES=num_stages or twin_mma_stages(N, BN, BK, rows=R, M=M), INTERPRETED=interpreted, num_warps=num_warps,
         enable_fp_fusion=False)
     return q, ring_k, ring_v
