@@ -342,7 +342,8 @@ def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, norm=None,
 def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, R, BN, BK, B, T, H, C, D, norm, eps, rms, rope, gpu):
     """Program (i, j): columns j*BN.. of rows i*R.. of qkv = x @ w[layer].T (the MMA form), then
     `twin_rope.rope_write`'s epilogue on them: a program's columns lie in one head of q, k or v
-    (BN | D) and hold whole GPT-J pairs. q is rotated into q_ref [B*H*T, D]; k rotated and v as it
+    (BN | D) and hold whole GPT-J pairs. layer_ref: the weights' layer, then the rings'. q is
+    rotated into q_ref [B*H*T, D]; k rotated and v as it
     is go into the rings [L*B*H, C, D] at the write slots where the write mask is set (rope False:
     no rotation). Row m is (b, t) = (m // T, m % T). Stores use the unclamped rows (masked rows
     never alias valid ones). refs: the fused norm's weight and bias (norm: its kind,
@@ -372,16 +373,16 @@ def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, R, BN, BK, B, T, H, C, D, 
     full = (R, BN)
     pltriton.store(q_ref.at[(b * H + h) * T + t, cols], out, mask=jnp.broadcast_to(ok & (part == 0), full))
     written = ok & (pltriton.load(wmask_ref.at[rows]) != 0)
-    ring_row, slot = (layer_ref[0] * B + b) * H + h, pltriton.load(slot_ref.at[rows])
+    ring_row, slot = (layer_ref[1] * B + b) * H + h, pltriton.load(slot_ref.at[rows])  # the rings' layer
     for ref, p in ((k_ref, 1), (v_ref, 2)):
         pltriton.store(ref.at[ring_row, slot, cols], out, mask=jnp.broadcast_to(written & (part == p), full))
 
 
 def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, sin: jax.Array | None,
-                      ring_k: jax.Array, ring_v: jax.Array, write_index: jax.Array, write_mask: jax.Array, *, norm: TwinNorm | None = None,
-                      rms: TwinRms | None = None, block_m: int | None = None, block_n: int | None = None,
-                      num_warps: int = 4, num_stages: int | None = None, form: str | None = None,
-                      interpret: bool | None = None):
+                      ring_k: jax.Array, ring_v: jax.Array, write_index: jax.Array, write_mask: jax.Array, *,
+                      norm: TwinNorm | None = None, rms: TwinRms | None = None, ring_layer=None,
+                      block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
+                      num_stages: int | None = None, form: str | None = None, interpret: bool | None = None):
     """The qkv projection with the RoPE rotation and the ring write in its epilogue: the bits of
     `linear(x, w, layer, norm=norm)` reshaped to [B, T, 3, H, D], then `twin_rope.rope_write`.
 
@@ -389,6 +390,8 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     None (no rotation: q as projected, k and v written as they are, `twin_rope.rope_write`); ring_k,
     ring_v: [L, B, H, C, D] in x's dtype (aliased to the outputs); write_index, write_mask: [B, T].
     rms: the split RMSNorm's (`contract.norm.TwinSplit`; x is its u; the MMA form only).
+    ring_layer: the rings' layer index where it is not the weights' `layer` (None: `layer`; a stack
+    whose weights come in sets per layer, the depformer's: w[layer * sets + set], ring[layer]).
     Returns (q [B, H, T, D], ring_k, ring_v). The MMA form runs it as one kernel after the norm's
     (`contract.linear.twin_qkv_plan`); the lane form as `linear` then `rope_write`, the same bits as ever.
     block_m, block_n, num_warps, num_stages: speed only, as in `linear`.
@@ -401,7 +404,8 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     if chosen == "lanes":
         qkv = linear(x, w, layer, norm=norm, block_m=block_m, block_n=block_n, num_warps=num_warps,
                      num_stages=num_stages, form="lanes", interpret=interpret).reshape(B, T, 3, H, D)
-        return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, interpret=interpret)
+        return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
+                                    write_index, write_mask, interpret=interpret)
     BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
     norm, (x, *norm_refs) = _mma_norm(x, norm, layer, K, interpret)
     norm_refs += [] if rms is None else [rms.ss]
@@ -409,7 +413,8 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     rows = (L * B * H, C, D)  # the rings as [L*B*H, C, D], indexed per dimension (64-bit addresses when large)
     rope = cos is not None
     tables = (cos.reshape(M, D // 2), sin.reshape(M, D // 2)) if rope else ()
-    operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w, *norm_refs, *tables,
+    layers = jnp.stack([jnp.asarray(i, jnp.int32) for i in (layer, layer if ring_layer is None else ring_layer)])
+    operands = [layers, x, w, *norm_refs, *tables,
                 write_index.astype(jnp.int32).reshape(M), write_mask.astype(jnp.int32).reshape(M),
                 ring_k.reshape(rows), ring_v.reshape(rows)]
     ring_at = len(operands) - 2
@@ -459,13 +464,14 @@ def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm
     return _epilogue(acc, x.dtype, act, s, residual, False)
 
 
-def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, *, norm=None, form=None,
-                             **_):
+def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, *, norm=None,
+                             ring_layer=None, form=None, **_):
     """The plain jax.numpy reference of `linear_rope_write`'s lane form: `linear_native` then
     `twin_rope.rope_write_native`, the same signature and bits (the MMA form's bits are the tensor cores')."""
     B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     qkv = linear_native(x, w, layer, norm=norm, form=form).reshape(B, T, 3, H, D)
-    return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
+    return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
+                                       write_index, write_mask)
 
 
 __all__ = ["linear", "linear_native", "linear_rope_write", "linear_rope_write_native"]
