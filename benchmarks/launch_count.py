@@ -3,7 +3,7 @@
 into fewer kernels), and in a compiled module's HLO text (on the GPU: custom calls and fusions).
 
     python -m benchmarks.launch_count                      # the depformer frame at real sizes, traced
-    python -m benchmarks.launch_count --preset moshi-small --kernels twin,reference
+    python -m benchmarks.launch_count --preset moshi-small --kernels twin,reference --scan
 
 On the CPU the twins run interpreted: the linears take the lane form, whose qkv projection and
 cache write are two kernels where the GPU's MMA form runs one, and whose norm is fused into the
@@ -97,8 +97,9 @@ def hlo_counts(hlo_text: str) -> collections.Counter:
     return counts
 
 
-def depformer_counts(preset: str, kernels: str, B: int = 1) -> dict:
-    """The depformer frame's counts per inner step (jaxpr, traced on abstract inputs: any size)."""
+def depformer_counts(preset: str, kernels: str, B: int = 1, unroll: bool | None = True) -> dict:
+    """The depformer frame's counts per inner step (jaxpr, traced on abstract inputs: any size);
+    unroll: `depformer_frame`'s (True: the GPU's twin frame)."""
     from jax_impl.depformer import depformer_frame
     from jax_impl.depformer_config import DEPFORMER_PRESETS, buffer_shapes
 
@@ -106,9 +107,10 @@ def depformer_counts(preset: str, kernels: str, B: int = 1) -> dict:
     params = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16) for k, s in buffer_shapes(cfg).items()}
     text = jax.ShapeDtypeStruct((B,), jnp.int32)
     out = jax.ShapeDtypeStruct((B, 1, cfg.temporal_dim), jnp.bfloat16)
-    frame = functools.partial(depformer_frame, cfg, kernels=kernels)
+    frame = functools.partial(depformer_frame, cfg, kernels=kernels, unroll=unroll)
     jaxpr = jax.make_jaxpr(frame)(params, text, out).jaxpr
-    return {"preset": preset, "kernels": kernels, "B": B, "dep_q": cfg.dep_q, "backend": jax.default_backend(),
+    return {"preset": preset, "kernels": kernels, "B": B, "dep_q": cfg.dep_q, "unroll": unroll,
+            "backend": jax.default_backend(),
             **summarize(jaxpr_counts(jaxpr), per=cfg.dep_q)}
 
 
@@ -118,9 +120,10 @@ def main(argv=None) -> None:
     parser.add_argument("--kernels", default="twin", help="comma-separated: twin, reference")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--names", action="store_true", help="print the count of each kernel and operation")
+    parser.add_argument("--scan", action="store_true", help="the inner steps as a lax.scan (the CPU's default)")
     args = parser.parse_args(argv)
     for kind in args.kernels.split(","):
-        record = depformer_counts(args.preset, kind, args.batch)
+        record = depformer_counts(args.preset, kind, args.batch, unroll=not args.scan)
         if not args.names:
             record.pop("per_name")
         print(json.dumps(record))
