@@ -1,4 +1,4 @@
-"""The depformer, JAX side: one frame's dep_q inner steps as a `lax.scan`, functional.
+"""The depformer, JAX side: one frame's dep_q inner steps, functional.
 
     params = jx.depformer.check_depformer_params(cfg, {k: to_jax(v) for k, v in dep.weights().items()})
     step = jx.make_depformer_step(cfg)                       # jitted
@@ -6,11 +6,11 @@
     # -> codes [B, dep_q] int32, logits [B, dep_q, card] float32
 
 The parameters are the torch `Depformer`'s buffers under the same names (`buffer_shapes`): each
-weight set stored once, `[L, weight_sets, ...]`; step k reads set `step_sets[k]` in place, by a
-traced index (an array of the step -> set map scanned with the steps). The scan's carry is the
-frame's state: the previous token and the K/V cache `[L, B, H, dep_q, head_dim]` (zeros at the
-frame's start, slot k written at step k, slots 0..k attended: causal over the inner steps, no
-positional embedding). The same operations as the torch reference, in its order.
+weight set stored once, `[L, weight_sets, ...]`; step k reads set `step_sets[k]` in place (the
+reference path: a `lax.scan`, by a traced index, an array of the step -> set map scanned with the
+steps; the twin path: unrolled, by a static one). The steps carry the frame's state: the previous
+token and the K/V cache `[L, B, H, dep_q, head_dim]` (zeros at the frame's start, slot k written
+at step k, slots 0..k attended: causal over the inner steps, no positional embedding). The same operations as the torch reference, in its order.
 
 `kernels` picks who computes the floats:
 
@@ -18,16 +18,19 @@ positional embedding). The same operations as the torch reference, in its order.
   it by the matmuls' summation order (XLA's, not oneDNN's), the codes agree.
 - "twin": every float operation in a Pallas twin kernel (`kernels_pallas.twin_*`), the torch
   `Depformer(kernels="twin")`'s Triton twins in the same order: the same bits (codes and logits),
-  and a row's bits do not depend on the batch. Per layer: RMSNorm (`twin_norm`), the qkv
-  projection (`twin_linear`), the K/V write (a copy), the attention over the frame's cache
-  (`twin_attention`, the cache as a ring whose slot c holds position c, queried at the step
-  index: slots 0..k visible, no positional embedding), the out-projection with the residual in its
-  epilogue, RMSNorm, the gated in-projection (`act="silu_gate"`), the down-projection with the
-  residual; `depformer_in` with the token's embedding as its residual, the head a twin linear.
-  The weight sets are read in place at the traced index `layer * weight_sets + set` of the
-  buffers viewed as `[L * weight_sets, N, K]` (a reshape, no copy). The embedding lookup and the
-  sampler are exact (a gather, integer and compare work; the sampler's few float operations are
-  rounded one by one on both sides, `jax_impl.sampling`).
+  and a row's bits do not depend on the batch. Per layer: the RMSNorm and the qkv projection
+  with the K/V write into the frame's cache in its epilogue (`twin_linear.linear_rope_write`, no
+  rotation, `norm=`: fused into the kernel where its form fuses it, else the norm kernel first, the
+  same bits), the attention over the cache (`twin_attention`, the cache as a ring whose slot c
+  holds position c, queried at the step index: slots 0..k visible, no positional embedding), the
+  out-projection with the residual in its epilogue, the RMSNorm and the gated in-projection
+  (`act="silu_gate"`, `norm=`), the down-projection with the residual; `depformer_in` with the
+  token's embedding as its residual, the head a twin linear. The inner steps are unrolled: the
+  step, its weight set (read in place at index `layer * weight_sets + set` of the buffers viewed
+  as `[L * weight_sets, N, K]`, a reshape, no copy) and the step's tables are constants, so
+  between the kernels run only the embedding lookup and the sampler, exact (a gather, integer and
+  compare work; the sampler's few float operations are rounded one by one on both sides,
+  `jax_impl.sampling`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels_pallas import twin_attention, twin_linear, twin_norm
+from kernels_pallas import twin_attention, twin_linear
+from kernels_pallas.contract.norm import TwinNorm
 
 from .depformer_config import DepformerConfig, buffer_shapes
 from .sampling import sample
@@ -107,28 +111,46 @@ def _per_set(w, cfg: DepformerConfig):
     return w.reshape(cfg.num_layers * cfg.weight_sets, *w.shape[2:])
 
 
-def _twin_layer(cfg: DepformerConfig, p, x, layer: int, s, step, cache_k, cache_v):
-    """One layer at inner step `step` with weight set `s` (both traced) on the Pallas twins (module
-    docstring). x [B, dim]; cache_k, cache_v [L, B, H, dep_q, head_dim]."""
+def _twin_alphas(cfg: DepformerConfig, p) -> tuple[jax.Array, jax.Array]:
+    """The two RMSNorms' alphas [L, dim] as the twin linears' `norm=` reads them: repeated per weight
+    set, [L * weight_sets, dim], indexed as the linear's weights (once a frame)."""
+    return tuple(jnp.repeat(p[name], cfg.weight_sets, axis=0) for name in ("norm1_alpha", "norm2_alpha"))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _twin_layer(cfg: DepformerConfig, p, alphas, x, at, layer, slot, positions, cache_k, cache_v):
+    """One layer on the Pallas twins (module docstring): x [B, dim] at weight index `at` = layer *
+    weight_sets + set and cache layer `layer` (int32 scalars); slot [B, 1] int32: the step (the K/V
+    write slot and the query's position); positions [B, dep_q] int32: slot c holds position c;
+    cache_k, cache_v [L, B, H, dep_q, head_dim], written in place at `slot` by the qkv projection's
+    kernel; alphas: `_twin_alphas`. Jitted: an unrolled frame traces and lowers it once, and its
+    calls pass constants (XLA inlines them and folds the index arithmetic: no work between kernels)."""
     B = x.shape[0]
-    H, D, eps = cfg.num_heads, cfg.head_dim, cfg.norm_eps
-    at = layer * cfg.weight_sets + s
-    h = twin_norm.norm(x, p["norm1_alpha"], None, layer, kind="rms", eps=eps)
-    qkv = twin_linear.linear(h, _per_set(p["in_proj"], cfg), at).reshape(B, 3, H, D)
-    cache_k = cache_k.at[layer, :, :, step].set(qkv[:, 1])
-    cache_v = cache_v.at[layer, :, :, step].set(qkv[:, 2])
-    positions = jnp.broadcast_to(jnp.arange(cfg.dep_q, dtype=jnp.int32), (B, cfg.dep_q))
-    q_pos = jnp.full((B, 1), step, jnp.int32)
-    att = twin_attention.attention(qkv[:, 0, :, None], cache_k, cache_v, layer, positions, q_pos, context=cfg.dep_q)
+    norm1, norm2 = (TwinNorm("rms", a, None, cfg.norm_eps) for a in alphas)
+    q, cache_k, cache_v = twin_linear.linear_rope_write(
+        x, _per_set(p["in_proj"], cfg), at, None, None, cache_k, cache_v, slot, jnp.ones((B, 1), bool),
+        norm=norm1, ring_layer=layer)
+    att = twin_attention.attention(q, cache_k, cache_v, layer, positions, slot, context=cfg.dep_q)
     x = twin_linear.linear(att.reshape(B, cfg.dim), _per_set(p["out_proj"], cfg), at, residual=x)
-    h = twin_norm.norm(x, p["norm2_alpha"], None, layer, kind="rms", eps=eps)
-    gated = twin_linear.linear(h, _per_set(p["linear_in"], cfg), at, act="silu_gate")
+    gated = twin_linear.linear(x, _per_set(p["linear_in"], cfg), at, act="silu_gate", norm=norm2)
     return twin_linear.linear(gated, _per_set(p["linear_out"], cfg), at, residual=x), cache_k, cache_v
+
+
+def _twin_layers(cfg: DepformerConfig, p, alphas, x, s, step, cache_k, cache_v):
+    """The layers of inner step `step` with weight set s (ints when unrolled, else traced) on the twins."""
+    B = x.shape[0]
+    static = isinstance(step, int)
+    slot = np.full((B, 1), step, np.int32) if static else jnp.full((B, 1), step, jnp.int32)
+    positions = np.broadcast_to(np.arange(cfg.dep_q, dtype=np.int32), (B, cfg.dep_q))
+    for layer in range(cfg.num_layers):
+        at = np.int32(layer * cfg.weight_sets + s) if static else layer * cfg.weight_sets + s
+        x, cache_k, cache_v = _twin_layer(cfg, p, alphas, x, at, np.int32(layer), slot, positions, cache_k, cache_v)
+    return x, cache_k, cache_v
 
 
 def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, audio_tokens=None, audio_provided=None,
                     seeds=None, counter=0, *, temperature: float = 0.0, top_k: int = 0, kernels: str = "reference",
-                    steps: int | None = None):
+                    steps: int | None = None, unroll: bool | None = None):
     """One frame (traceable): codes [B, dep_q] int32 and logits [B, dep_q, card] float32.
 
     text_token [B] int; transformer_out [B, 1, temporal_dim] (the params' dtype); audio_tokens
@@ -136,38 +158,68 @@ def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, a
     counter: sampling (`jax_impl.sampling`, step k at counter * dep_q + k) when temperature > 0.
     kernels: "reference" or "twin" (module docstring).
     steps (static): run the first `steps` inner steps only (None: all); codes [B, steps].
+    unroll (static): the inner steps as a Python loop (the step, its weight set and embedding table
+    static: no loop bookkeeping, no index arithmetic between the kernels) rather than a `lax.scan`;
+    the same bits. None: unrolled on the twins compiled for the GPU; a scan elsewhere (interpreted on
+    the CPU, each unrolled kernel is a loop of its own to compile: 6 s against 67 s at the small preset).
     """
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     twin = kernels == "twin"
+    if unroll is None:
+        unroll = twin and jax.default_backend() == "gpu"
     B = transformer_out.shape[0]
     dtype = params["in_proj"].dtype
     x_in = transformer_out[:, 0]
+    alphas = _twin_alphas(cfg, params) if twin else None
+    shape = (cfg.num_layers, B, cfg.num_heads, cfg.dep_q, cfg.head_dim)
+    caches = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def step(prev, k, s, table, cache_k, cache_v):
+        """Inner step k with weight set s and embedding table `table` (step k - 1's; 0 at k = 0)
+        -> (token [B], logits [B, card] float32, cache_k, cache_v)."""
+        if isinstance(k, int):
+            token_in = _embed(params["text_emb"] if k == 0 else params["emb"][table], prev)
+        else:
+            token_in = jnp.where(k == 0, _embed(params["text_emb"], prev), _embed(params["emb"][table], prev))
+        if twin:
+            x = twin_linear.linear(x_in, params["depformer_in"], s, residual=token_in)
+            x, cache_k, cache_v = _twin_layers(cfg, params, alphas, x, s, k, cache_k, cache_v)
+            logits = twin_linear.linear(x, params["linears"], s).astype(F32)
+        else:
+            x = _linear(x_in, params["depformer_in"][s]) + token_in
+            for layer in range(cfg.num_layers):
+                x, cache_k, cache_v = _layer(cfg, params, x, layer, s, k, cache_k, cache_v)
+            logits = _linear(x, params["linears"][s]).astype(F32)
+        draw_counter = jnp.asarray(counter, jnp.uint32) * jnp.uint32(cfg.dep_q) + jnp.asarray(k).astype(jnp.uint32)
+        return sample(logits, seeds, draw_counter, temperature=temperature, top_k=top_k), logits, cache_k, cache_v
+
+    prev = text_token.astype(jnp.int32)
+    tables = (0, *cfg.step_tables)
+    if unroll:
+        codes, logits_all = [], []
+        for k, s in enumerate(cfg.step_sets[:steps]):
+            token, logits, *caches = step(prev, k, s, tables[k], *caches)
+            codes.append(token)
+            logits_all.append(logits)
+            prev = token if audio_tokens is None else \
+                jnp.where(audio_provided[:, k], audio_tokens[:, k].astype(jnp.int32), token)
+        return jnp.stack(codes, axis=1), jnp.stack(logits_all, axis=1)
+
     if audio_tokens is None:
         audio_tokens = jnp.zeros((B, cfg.dep_q), jnp.int32)
         audio_provided = jnp.zeros((B, cfg.dep_q), bool)
-    cache = jnp.zeros((cfg.num_layers, B, cfg.num_heads, cfg.dep_q, cfg.head_dim), dtype)
-    xs = (jnp.arange(cfg.dep_q), jnp.asarray(cfg.step_sets, jnp.int32), jnp.asarray((0, *cfg.step_tables), jnp.int32),
+    xs = (jnp.arange(cfg.dep_q), jnp.asarray(cfg.step_sets, jnp.int32), jnp.asarray(tables, jnp.int32),
           audio_tokens.T.astype(jnp.int32), audio_provided.T)
     xs = tuple(a[:steps] for a in xs)
 
-    def step(carry, xs_k):
+    def scan_step(carry, xs_k):
         prev, cache_k, cache_v = carry
         k, s, table, forced, provided = xs_k
-        token_in = jnp.where(k == 0, _embed(params["text_emb"], prev), _embed(params["emb"][table], prev))
-        if twin:
-            x = twin_linear.linear(x_in, params["depformer_in"], s, residual=token_in)
-        else:
-            x = _linear(x_in, params["depformer_in"][s]) + token_in
-        for layer in range(cfg.num_layers):
-            x, cache_k, cache_v = (_twin_layer if twin else _layer)(cfg, params, x, layer, s, k, cache_k, cache_v)
-        logits = (twin_linear.linear(x, params["linears"], s) if twin else _linear(x, params["linears"][s])).astype(F32)
-        draw_counter = jnp.asarray(counter, jnp.uint32) * jnp.uint32(cfg.dep_q) + k.astype(jnp.uint32)
-        token = sample(logits, seeds, draw_counter, temperature=temperature, top_k=top_k)
+        token, logits, cache_k, cache_v = step(prev, k, s, table, cache_k, cache_v)
         return (jnp.where(provided, forced, token), cache_k, cache_v), (token, logits)
 
-    carry = (text_token.astype(jnp.int32), cache, cache)
-    _, (codes, logits) = lax.scan(step, carry, xs)
+    _, (codes, logits) = lax.scan(scan_step, (prev, *caches), xs)
     return codes.T, jnp.swapaxes(logits, 0, 1)
 
 
@@ -177,20 +229,23 @@ def _check_ids(name: str, ids, high: int) -> None:
         raise ValueError(f"{name} must hold token ids in 0..{high} or -1 (no token), got {ids[(ids < -1) | (ids > high)][0]}")
 
 
-def make_depformer_step(cfg: DepformerConfig, kernels: str = "reference", *, temperature: float = 0.0, top_k: int = 0):
+def make_depformer_step(cfg: DepformerConfig, kernels: str = "reference", *, temperature: float = 0.0, top_k: int = 0,
+                        unroll: bool | None = None):
     """A jitted frame: step(params, text_token, transformer_out, audio_tokens=None, audio_provided=None,
     seeds=None, counter=0) -> (codes [B, dep_q] int32, logits [B, dep_q, card] float32).
 
     The arguments are checked (shapes, dtypes, token ids: 0..text_card / 0..card or -1) before
     anything runs. kernels: "reference" or "twin" (module docstring). temperature, top_k: the
-    sampler's (static; temperature 0: greedy).
+    sampler's (static; temperature 0: greedy). unroll: `depformer_frame`'s (None: unrolled on the
+    twins on the GPU).
     """
     if not isinstance(cfg, DepformerConfig):
         raise TypeError(f"cfg must be a DepformerConfig, got {type(cfg).__name__}")
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     check_sampling(temperature, top_k, cfg.card)
-    frame = jax.jit(functools.partial(depformer_frame, cfg, temperature=temperature, top_k=top_k, kernels=kernels))
+    frame = jax.jit(functools.partial(depformer_frame, cfg, temperature=temperature, top_k=top_k, kernels=kernels,
+                                      unroll=unroll))
 
     def step(params, text_token, transformer_out, audio_tokens=None, audio_provided=None, seeds=None, counter=0):
         dtype = params["in_proj"].dtype

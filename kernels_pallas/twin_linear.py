@@ -42,8 +42,9 @@ The weights are read in place from the stacked `w [L, N, K]` at a layer index th
 traced (no per-layer copy under `lax.scan`); `layer=None` takes a plain `[N, K]`.
 
 `linear_rope_write` is the attention's qkv projection with `twin_rope.rope_write`'s contract in
-its epilogue (rotate q and k, write k and v into the ring): one kernel in the MMA form, a linear
-then `rope_write` in the lane form; the same bits as the two calls either way.
+its epilogue (rotate q and k, write k and v into the ring; without cos and sin, no rotation: the
+depformer's K/V cache write): one kernel in the MMA form, a linear then `rope_write` in the lane
+form; the same bits as the two calls either way.
 """
 
 from __future__ import annotations
@@ -338,19 +339,21 @@ def _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, starts, norm=None,
     return lax.fori_loop(0, K // BK, body, (zeros,) * len(starts)), ok, rows
 
 
-def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, R, BN, BK, B, T, H, C, D, norm, eps, rms, gpu):
+def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, R, BN, BK, B, T, H, C, D, norm, eps, rms, rope, gpu):
     """Program (i, j): columns j*BN.. of rows i*R.. of qkv = x @ w[layer].T (the MMA form), then
     `twin_rope.rope_write`'s epilogue on them: a program's columns lie in one head of q, k or v
-    (BN | D) and hold whole GPT-J pairs. q is rotated into q_ref [B*H*T, D]; k rotated and v as it
-    is go into the rings [L*B*H, C, D] at the write slots where the write mask is set. Row m is
-    (b, t) = (m // T, m % T). Stores use the unclamped rows (masked rows never alias valid ones).
-    refs: the fused norm's weight and bias (norm: its kind, `_mma_accumulate`), then cos, sin, the
-    slots, the write mask, the rings in, q and the rings out (aliased to the rings in); rms: the
-    split norm's eps (its ss ref before cos), or None."""
+    (BN | D) and hold whole GPT-J pairs. layer_ref: the weights' layer, then the rings'. q is
+    rotated into q_ref [B*H*T, D]; k rotated and v as it
+    is go into the rings [L*B*H, C, D] at the write slots where the write mask is set (rope False:
+    no rotation). Row m is (b, t) = (m // T, m % T). Stores use the unclamped rows (masked rows
+    never alias valid ones). refs: the fused norm's weight and bias (norm: its kind,
+    `_mma_accumulate`), then cos and sin (rope), the slots, the write mask, the rings in, q and the
+    rings out (aliased to the rings in); rms: the split norm's eps (its ss ref before cos), or None."""
     refs = list(refs)
     fused = (norm, eps, refs.pop(0), refs.pop(0)) if norm else None
     ss_ref = refs.pop(0) if rms is not None else None
-    cos_ref, sin_ref, slot_ref, wmask_ref, _, _, q_ref, k_ref, v_ref = refs
+    cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if rope else (None, None)
+    slot_ref, wmask_ref, _, _, q_ref, k_ref, v_ref = refs
     n0 = pl.program_id(1) * BN
     m = pl.program_id(0) * R + jnp.arange(R, dtype=jnp.int32)
     (acc,), ok, rows = _mma_accumulate(layer_ref, x_ref, w_ref, m, M, K, BN, BK, (n0,), fused, gpu)
@@ -358,32 +361,37 @@ def _qkv_kernel(layer_ref, x_ref, w_ref, *refs, M, K, R, BN, BK, B, T, H, C, D, 
     acc = acc.T if rms is None else tm.mul(acc.T, twin_norm.split_r(ss_ref, rows, ok, K, rms, gpu), gpu)
     y = tm.to_dtype(acc, dtype)                                       # [R, BN]: what `linear` returns
     part, h, d0 = n0 // (H * D), (n0 // D) % H, n0 % D
-    freq = d0 // 2 + jnp.arange(BN // 2, dtype=jnp.int32)[None, :]
-    cos, sin = (pltriton.load(ref.at[rows, freq]) for ref in (cos_ref, sin_ref))     # [R, BN/2]
-    r, i = (a[..., 0] for a in jnp.split(y.astype(tm.F32).reshape(R, BN // 2, 2), 2, axis=-1))
-    rotated = jnp.stack(twin_rope.rotate(r, i, cos, sin, dtype, gpu), axis=-1).reshape(R, BN)
-    out = jnp.where(part < 2, rotated, y)                             # v is not rotated
+    out = y
+    if rope:
+        freq = d0 // 2 + jnp.arange(BN // 2, dtype=jnp.int32)[None, :]
+        cos, sin = (pltriton.load(ref.at[rows, freq]) for ref in (cos_ref, sin_ref))     # [R, BN/2]
+        r, i = (a[..., 0] for a in jnp.split(y.astype(tm.F32).reshape(R, BN // 2, 2), 2, axis=-1))
+        rotated = jnp.stack(twin_rope.rotate(r, i, cos, sin, dtype, gpu), axis=-1).reshape(R, BN)
+        out = jnp.where(part < 2, rotated, y)                         # v is not rotated
     cols = d0 + jnp.arange(BN, dtype=jnp.int32)[None, :]
     b, t = (m // T)[:, None], (m % T)[:, None]
     full = (R, BN)
     pltriton.store(q_ref.at[(b * H + h) * T + t, cols], out, mask=jnp.broadcast_to(ok & (part == 0), full))
     written = ok & (pltriton.load(wmask_ref.at[rows]) != 0)
-    ring_row, slot = (layer_ref[0] * B + b) * H + h, pltriton.load(slot_ref.at[rows])
+    ring_row, slot = (layer_ref[1] * B + b) * H + h, pltriton.load(slot_ref.at[rows])  # the rings' layer
     for ref, p in ((k_ref, 1), (v_ref, 2)):
         pltriton.store(ref.at[ring_row, slot, cols], out, mask=jnp.broadcast_to(written & (part == p), full))
 
 
-def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: jax.Array, ring_k: jax.Array,
-                      ring_v: jax.Array, write_index: jax.Array, write_mask: jax.Array, *, norm: TwinNorm | None = None,
-                      rms: TwinRms | None = None, block_m: int | None = None, block_n: int | None = None,
-                      num_warps: int = 4, num_stages: int | None = None, form: str | None = None,
-                      interpret: bool | None = None):
+def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, sin: jax.Array | None,
+                      ring_k: jax.Array, ring_v: jax.Array, write_index: jax.Array, write_mask: jax.Array, *,
+                      norm: TwinNorm | None = None, rms: TwinRms | None = None, ring_layer=None,
+                      block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
+                      num_stages: int | None = None, form: str | None = None, interpret: bool | None = None):
     """The qkv projection with the RoPE rotation and the ring write in its epilogue: the bits of
     `linear(x, w, layer, norm=norm)` reshaped to [B, T, 3, H, D], then `twin_rope.rope_write`.
 
-    x: [B*T, K]; w: [L, 3*H*D, K] (layer may be traced); cos, sin: float32 [B, T, D/2]; ring_k,
+    x: [B*T, K]; w: [L, 3*H*D, K] (layer may be traced); cos, sin: float32 [B, T, D/2], or both
+    None (no rotation: q as projected, k and v written as they are, `twin_rope.rope_write`); ring_k,
     ring_v: [L, B, H, C, D] in x's dtype (aliased to the outputs); write_index, write_mask: [B, T].
     rms: the split RMSNorm's (`contract.norm.TwinSplit`; x is its u; the MMA form only).
+    ring_layer: the rings' layer index where it is not the weights' `layer` (None: `layer`; a stack
+    whose weights come in sets per layer, the depformer's: w[layer * sets + set], ring[layer]).
     Returns (q [B, H, T, D], ring_k, ring_v). The MMA form runs it as one kernel after the norm's
     (`contract.linear.twin_qkv_plan`); the lane form as `linear` then `rope_write`, the same bits as ever.
     block_m, block_n, num_warps, num_stages: speed only, as in `linear`.
@@ -396,21 +404,25 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array, sin: ja
     if chosen == "lanes":
         qkv = linear(x, w, layer, norm=norm, block_m=block_m, block_n=block_n, num_warps=num_warps,
                      num_stages=num_stages, form="lanes", interpret=interpret).reshape(B, T, 3, H, D)
-        return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, interpret=interpret)
+        return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
+                                    write_index, write_mask, interpret=interpret)
     BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
     norm, (x, *norm_refs) = _mma_norm(x, norm, layer, K, interpret)
     norm_refs += [] if rms is None else [rms.ss]
     L, C = ring_k.shape[0], ring_k.shape[3]
     rows = (L * B * H, C, D)  # the rings as [L*B*H, C, D], indexed per dimension (64-bit addresses when large)
-    operands = [jnp.asarray(layer, jnp.int32).reshape(1), x, w, *norm_refs, cos.reshape(M, D // 2),
-                sin.reshape(M, D // 2), write_index.astype(jnp.int32).reshape(M),
-                write_mask.astype(jnp.int32).reshape(M), ring_k.reshape(rows), ring_v.reshape(rows)]
+    rope = cos is not None
+    tables = (cos.reshape(M, D // 2), sin.reshape(M, D // 2)) if rope else ()
+    layers = jnp.stack([jnp.asarray(i, jnp.int32) for i in (layer, layer if ring_layer is None else ring_layer)])
+    operands = [layers, x, w, *norm_refs, *tables,
+                write_index.astype(jnp.int32).reshape(M), write_mask.astype(jnp.int32).reshape(M),
+                ring_k.reshape(rows), ring_v.reshape(rows)]
     ring_at = len(operands) - 2
     q_flat = jax.ShapeDtypeStruct((B * H * T, D), x.dtype)
     q, k, v = pl.pallas_call(
         functools.partial(_qkv_kernel, M=M, K=K, R=R, BN=BN, BK=BK, B=B, T=T, H=H, C=C, D=D,
                           norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
-                          rms=None if rms is None else rms.eps, gpu=not interpret),
+                          rms=None if rms is None else rms.eps, rope=rope, gpu=not interpret),
         out_shape=(q_flat, jax.ShapeDtypeStruct(rows, ring_k.dtype), jax.ShapeDtypeStruct(rows, ring_v.dtype)),
         grid=(-(-M // R), N // BN),  # row blocks first, as in `linear`
         in_specs=[_whole(a) for a in operands],
@@ -452,13 +464,14 @@ def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm
     return _epilogue(acc, x.dtype, act, s, residual, False)
 
 
-def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, *, norm=None, form=None,
-                             **_):
+def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, *, norm=None,
+                             ring_layer=None, form=None, **_):
     """The plain jax.numpy reference of `linear_rope_write`'s lane form: `linear_native` then
     `twin_rope.rope_write_native`, the same signature and bits (the MMA form's bits are the tensor cores')."""
     B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     qkv = linear_native(x, w, layer, norm=norm, form=form).reshape(B, T, 3, H, D)
-    return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
+    return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
+                                       write_index, write_mask)
 
 
 __all__ = ["linear", "linear_native", "linear_rope_write", "linear_rope_write_native"]

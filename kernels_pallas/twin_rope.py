@@ -6,7 +6,9 @@ Contract (beside `twin_math`'s):
     tables:  angle[b, t, i] = (float32(offset[b]) + t) * freqs[i];  (sin, cos) = twin_math.sincos(angle)
              (made by the step's entry kernel, `twin_entry`, with the rest of the step's tables)
     rotate:  GPT-J pairs (r, i) = (x[2j], x[2j+1]) of q and k, in float32:
-             r' = to_dtype(r*cos - i*sin),  i' = to_dtype(r*sin + i*cos)   (each product rounded)
+             r' = to_dtype(r*cos - i*sin),  i' = to_dtype(r*sin + i*cos)   (each product rounded);
+             with cos = sin = None, no rotation: q and k as projected (a stack without a positional
+             embedding, the depformer's)
     write:   ring_k[layer, b, h, write_index[b, t]] = k'[b, h, t], ring_v[...] = v[b, h, t] where
              write_mask[b, t] (`StepTables.write_mask`: the row is active and the position not
              recycled away); nothing else of the ring is touched (rings aliased to the outputs, so
@@ -82,12 +84,15 @@ def rotate(r, i, cos, sin, dtype, gpu):
     return (tm.to_dtype(mul(r, cos) - mul(i, sin), dtype), tm.to_dtype(mul(r, sin) + mul(i, cos), dtype))
 
 
-def _write_kernel(layer_ref, qkv_ref, cos_ref, sin_ref, slot_ref, wmask_ref, k_in, v_in,
-                  q_ref, k_ref, v_ref, *, B, T, H, C, D, gpu):
-    """Program (b*T + t, h): one head of one query. Flat offsets (1-D refs) except into the rings,
-    [L*B*H, C, D] indexed per dimension: past 2**32 bytes the lowering computes those addresses in
-    64 bits (a flat int32 offset overflows once L*B*H*C*D > 2**31: the temporal ring at B >= 6)."""
-    del k_in, v_in  # aliased to k_ref, v_ref
+def _write_kernel(layer_ref, qkv_ref, *refs, B, T, H, C, D, rope, gpu):
+    """Program (b*T + t, h): one head of one query. refs: cos and sin (rope: rotate q and k), the
+    slots, the write mask, the rings in, q and the rings out (aliased to the rings in). Flat offsets
+    (1-D refs) except into the rings, [L*B*H, C, D] indexed per dimension: past 2**32 bytes the
+    lowering computes those addresses in 64 bits (a flat int32 offset overflows once L*B*H*C*D >
+    2**31: the temporal ring at B >= 6)."""
+    refs = list(refs)
+    cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if rope else (None, None)
+    slot_ref, wmask_ref, _, _, q_ref, k_ref, v_ref = refs  # the rings in: aliased to k_ref, v_ref
     bt, h = pl.program_id(0), pl.program_id(1)
     b, t = bt // T, bt % T
     half = D // 2
@@ -97,17 +102,21 @@ def _write_kernel(layer_ref, qkv_ref, cos_ref, sin_ref, slot_ref, wmask_ref, k_i
         base = (bt * 3 + part) * H * D + h * D + j2
         return (pltriton.load(qkv_ref.at[base]).astype(tm.F32), pltriton.load(qkv_ref.at[base + 1]).astype(tm.F32))
 
-    cs = bt * half + jnp.arange(half, dtype=jnp.int32)
-    cos, sin = pltriton.load(cos_ref.at[cs]), pltriton.load(sin_ref.at[cs])
     dtype = q_ref.dtype
-    q0, q1 = rotate(*pairs(0), cos, sin, dtype, gpu)
+    cs = bt * half + jnp.arange(half, dtype=jnp.int32)
+    cos, sin = (pltriton.load(cos_ref.at[cs]), pltriton.load(sin_ref.at[cs])) if rope else (None, None)
+
+    def turn(pair):  # q or k: rotated (rope), else as projected
+        return rotate(*pair, cos, sin, dtype, gpu) if rope else tuple(tm.to_dtype(x, dtype) for x in pair)
+
+    q0, q1 = turn(pairs(0))
     q_out = ((b * H + h) * T + t) * D + j2                                     # q [B, H, T, D]
     pltriton.store(q_ref.at[q_out], q0)
     pltriton.store(q_ref.at[q_out + 1], q1)
 
     @pl.when(wmask_ref[bt] != 0)
     def _():
-        k0, k1 = rotate(*pairs(1), cos, sin, dtype, gpu)
+        k0, k1 = turn(pairs(1))
         v0, v1 = (tm.to_dtype(x, dtype) for x in pairs(2))
         row, slot = (layer_ref[0] * B + b) * H + h, slot_ref[bt]
         for ref, (e, o) in ((k_ref, (k0, k1)), (v_ref, (v0, v1))):           # ring [L*B*H, C, D]
@@ -115,12 +124,13 @@ def _write_kernel(layer_ref, qkv_ref, cos_ref, sin_ref, slot_ref, wmask_ref, k_i
             pltriton.store(ref.at[row, slot, j2 + 1], o)
 
 
-def rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer,
-               write_index: jax.Array, write_mask: jax.Array, *, interpret: bool | None = None):
+def rope_write(qkv: jax.Array, cos: jax.Array | None, sin: jax.Array | None, ring_k: jax.Array, ring_v: jax.Array,
+               layer, write_index: jax.Array, write_mask: jax.Array, *, interpret: bool | None = None):
     """Rotate q, k and write k, v into layer `layer` of the rings; returns (q, ring_k, ring_v).
 
     qkv: [B, T, 3, H, D] (the in-projection's output, Moshi's `b t (p h d)` split); cos, sin:
-    float32 [B, T, D/2]; ring_k, ring_v: [L, B, H, C, D] in qkv's dtype (aliased to the outputs);
+    float32 [B, T, D/2], or both None (no rotation: q as projected, k and v written as they are);
+    ring_k, ring_v: [L, B, H, C, D] in qkv's dtype (aliased to the outputs);
     layer: int or int32 scalar (may be traced); write_index: int [B, T]; write_mask: bool [B, T]
     (or int32, nonzero where written: the kernel reads int32).
     q comes back as [B, H, T, D].
@@ -128,31 +138,38 @@ def rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, ring_k: jax.Array
     B, T, H, D, (_L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    kernel = functools.partial(_write_kernel, B=B, T=T, H=H, C=C, D=D, gpu=not interpret)
+    rope = cos is not None
+    kernel = functools.partial(_write_kernel, B=B, T=T, H=H, C=C, D=D, rope=rope, gpu=not interpret)
     rows = (ring_k.shape[0] * B * H, C, D)  # the rings as [L*B*H, C, D] (see _write_kernel)
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), qkv.reshape(-1), *((cos.reshape(-1), sin.reshape(-1))
+                                                                            if rope else ()),
+                write_index.astype(jnp.int32).reshape(-1), write_mask.astype(jnp.int32).reshape(-1),
+                ring_k.reshape(rows), ring_v.reshape(rows)]
+    ring_at = len(operands) - 2
     q, k, v = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((B * H * T * D,), qkv.dtype),
                    jax.ShapeDtypeStruct(rows, ring_k.dtype), jax.ShapeDtypeStruct(rows, ring_v.dtype)),
         grid=(B * T, H),
-        input_output_aliases={6: 1, 7: 2},
+        input_output_aliases={ring_at: 1, ring_at + 1: 2},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(),  # Triton, not whatever the default backend is
         name="twin_rope_write",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), qkv.reshape(-1), cos.reshape(-1), sin.reshape(-1),
-      write_index.astype(jnp.int32).reshape(-1), write_mask.astype(jnp.int32).reshape(-1), ring_k.reshape(rows),
-      ring_v.reshape(rows))
+    )(*operands)
     return q.reshape(B, H, T, D), k.reshape(ring_k.shape), v.reshape(ring_v.shape)
 
 
 def rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, **_):
     """The plain jax.numpy reference of `rope_write` (same signature and bits)."""
     B, T, H, D, (_L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
-    x = qkv.astype(tm.F32).reshape(B, T, 3, H, D // 2, 2)
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    rot = [jnp.stack(rotate(x[:, :, p, :, :, 0], x[:, :, p, :, :, 1], c, s, qkv.dtype, False), -1)
-           for p in (0, 1)]
-    q, k = (r.reshape(B, T, H, D).transpose(0, 2, 1, 3) for r in rot)             # [B, H, T, D]
+    if cos is None:  # no rotation: q and k as projected
+        q, k = (qkv[:, :, p].transpose(0, 2, 1, 3) for p in (0, 1))                # [B, H, T, D]
+    else:
+        x = qkv.astype(tm.F32).reshape(B, T, 3, H, D // 2, 2)
+        c, s = cos[:, :, None, :], sin[:, :, None, :]
+        rot = [jnp.stack(rotate(x[:, :, p, :, :, 0], x[:, :, p, :, :, 1], c, s, qkv.dtype, False), -1)
+               for p in (0, 1)]
+        q, k = (r.reshape(B, T, H, D).transpose(0, 2, 1, 3) for r in rot)         # [B, H, T, D]
     v = qkv[:, :, 2].transpose(0, 2, 1, 3)
     slot = jnp.where(write_mask, write_index, C + jnp.arange(T))                  # not written: dropped
     bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]

@@ -302,13 +302,15 @@ def _mma_norm(x, norm: TwinNorm | None, layer_t, K: int):
 
 
 @triton.jit
-def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, q_ptr, k_ptr,
+def _qkv_kernel(layer_ptr, ring_layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, q_ptr, k_ptr,
                 v_ptr, M, eps, rms_eps, RMS: tl.constexpr, RMS_INV_K: tl.constexpr, K: tl.constexpr, B: tl.constexpr,
                 T: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
                 D: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
-                INV_K: tl.constexpr, NORM_UNROLL: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr):
+                INV_K: tl.constexpr, NORM_UNROLL: tl.constexpr, ROPE: tl.constexpr, STAGES: tl.constexpr,
+                INTERPRETED: tl.constexpr):
     """Program (i, j): the MMA form's columns j*BN .. of rows i*R .. of qkv, then rope_write's
-    epilogue (the Pallas twin `_qkv_kernel`: a program's columns lie in one head, whole GPT-J pairs)."""
+    epilogue (the Pallas twin `_qkv_kernel`: a program's columns lie in one head, whole GPT-J pairs;
+    ROPE: rotate q and k, else cos_ptr and sin_ptr are unread; ring_layer_ptr: the rings' layer)."""
     layer = tl.load(layer_ptr).to(tl.int64)
     n0 = tl.program_id(1) * BN
     n = n0 + tl.arange(0, BN)
@@ -325,14 +327,15 @@ def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, cos_ptr, sin_pt
     h = (n0 // D) % H
     d0 = n0 % D
     HALF: tl.constexpr = BN // 2
-    cs = m[:, None] * (D // 2) + d0 // 2 + tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_ptr + cs, mask=m_ok[:, None], other=0.0)
-    sin = tl.load(sin_ptr + cs, mask=m_ok[:, None], other=0.0)
-    r, i = tl.split(tl.reshape(y.to(tl.float32), [R, HALF, 2]))
-    r2, i2 = twin_rope.rotate(r, i, cos, sin, dtype, INTERPRETED)
     out = y
-    if part < 2:  # v is not rotated
-        out = tl.reshape(tl.join(r2, i2), [R, BN])
+    if ROPE:
+        cs = m[:, None] * (D // 2) + d0 // 2 + tl.arange(0, HALF)[None, :]
+        cos = tl.load(cos_ptr + cs, mask=m_ok[:, None], other=0.0)
+        sin = tl.load(sin_ptr + cs, mask=m_ok[:, None], other=0.0)
+        r, i = tl.split(tl.reshape(y.to(tl.float32), [R, HALF, 2]))
+        r2, i2 = twin_rope.rotate(r, i, cos, sin, dtype, INTERPRETED)
+        if part < 2:  # v is not rotated
+            out = tl.reshape(tl.join(r2, i2), [R, BN])
     cols = d0 + tl.arange(0, BN)[None, :]
     b = (m // T)[:, None]
     t = (m % T)[:, None]
@@ -342,21 +345,22 @@ def _qkv_kernel(layer_ptr, x_ptr, w_ptr, nw_ptr, nb_ptr, ss_ptr, cos_ptr, sin_pt
     else:
         written = ok & (tl.load(wmask_ptr + m, mask=m_ok, other=0) != 0)[:, None]
         slot = tl.load(slot_ptr + m, mask=m_ok, other=0).to(tl.int64)[:, None]
-        ring = (((layer * B + b) * H + h) * C + slot) * D + cols
+        ring_layer = tl.load(ring_layer_ptr).to(tl.int64)
+        ring = (((ring_layer * B + b) * H + h) * C + slot) * D + cols
         if part == 1:
             tl.store(k_ptr + ring, out, mask=written)
         else:
             tl.store(v_ptr + ring, out, mask=written)
 
 
-def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor,
+def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor | None, sin: torch.Tensor | None,
                       ring_k: torch.Tensor, ring_v: torch.Tensor, write_index: torch.Tensor, write_mask: torch.Tensor, *,
-                      norm: TwinNorm | None = None, rms: TwinRms | None = None, block_m: int | None = None,
-                      block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                      form: str | None = None):
+                      norm: TwinNorm | None = None, rms: TwinRms | None = None, ring_layer=None,
+                      block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
+                      num_stages: int | None = None, form: str | None = None):
     """The qkv projection with the RoPE rotation and the ring write in its epilogue (the Pallas
-    twin's signature and bits): `linear` then `twin_rope.rope_write`, one kernel in the MMA form.
-    Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place."""
+    twin's signature and bits): `linear` then `twin_rope.rope_write`, one kernel in the MMA form;
+    cos = sin = None: no rotation; ring_layer: the rings' layer where not `layer`. Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place."""
     B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     interpreted = interpreting(_qkv_kernel)
     chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpreted, form, block_n)
@@ -364,20 +368,24 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
     if chosen == "lanes":
         qkv = linear(x, w, layer, norm=norm, block_m=block_m, block_n=block_n, num_warps=num_warps,
                      num_stages=num_stages, form="lanes").view(B, T, 3, H, D)
-        return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
+        return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
+                                    write_index, write_mask)
     for name, t in (("x", x), ("w", w), ("cos", cos), ("sin", sin), ("ring_k", ring_k), ("ring_v", ring_v),
                     ("rms.ss", x if rms is None else rms.ss)):
-        if not t.is_contiguous():
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"linear_rope_write({name}): must be contiguous, got strides {t.stride()}")
     BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
     layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear_rope_write")
+    ring_t = layer_t if ring_layer is None else tm.layer_tensor(ring_layer, ring_k.shape[0], x.device,
+                                                                "linear_rope_write(ring_layer)")
     x, (nw, nb, eps), norm_consts = _mma_norm(x, norm, layer_t, K)
     q = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)
     _qkv_kernel[(triton.cdiv(M, R), N // BN)](
-        layer_t, x, w, nw, nb, x if rms is None else rms.ss, cos, sin, write_index.to(torch.int32).contiguous(),
+        layer_t, ring_t, x, w, nw, nb, x if rms is None else rms.ss, x if cos is None else cos, x if sin is None else sin,
+        write_index.to(torch.int32).contiguous(),
         write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, M, eps, 0.0 if rms is None else rms.eps,
         RMS=rms is not None, RMS_INV_K=float(np.float32(1.0 / K)), K=K, B=B, T=T, H=H,
-        C=ring_k.shape[3], D=D, R=R, BN=BN, BK=BK, **norm_consts,
+        C=ring_k.shape[3], D=D, R=R, BN=BN, BK=BK, **norm_consts, ROPE=cos is not None,
         STAGES=num_stages or twin_mma_stages(N, BN, BK, rows=R, M=M), INTERPRETED=interpreted, num_warps=num_warps,
         enable_fp_fusion=False)
     return q, ring_k, ring_v
@@ -409,13 +417,14 @@ def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm
     return y
 
 
-def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, *, norm=None, form=None,
-                             **_):
+def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, *, norm=None,
+                             ring_layer=None, form=None, **_):
     """The plain torch reference of `linear_rope_write`'s lane form: `linear_native` then
     `twin_rope.rope_write_native` (the rings written in place), the same signature and bits."""
     B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     qkv = linear_native(x, w, layer, norm=norm, form=form).reshape(B, T, 3, H, D)
-    return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
+    return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
+                                       write_index, write_mask)
 
 
 __all__ = ["linear", "linear_native", "linear_rope_write", "linear_rope_write_native"]

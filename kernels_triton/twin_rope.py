@@ -45,30 +45,41 @@ def rotate(r, i, cos, sin, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _turn(qkv_ptr, base, cos_ptr, sin_ptr, bt, HALF: tl.constexpr, dtype: tl.constexpr, ROPE: tl.constexpr,
+          INTERPRETED: tl.constexpr):
+    """The pairs (even, odd) of q or k at qkv_ptr + base [.., HALF]: rotated by row bt's tables (ROPE),
+    else as projected (to_dtype of the dtype's own values: exact)."""
+    r = tl.load(qkv_ptr + base).to(tl.float32)
+    i = tl.load(qkv_ptr + base + 1).to(tl.float32)
+    if ROPE:
+        cos = tl.load(cos_ptr + bt * HALF + tl.arange(0, HALF))[None, :]
+        sin = tl.load(sin_ptr + bt * HALF + tl.arange(0, HALF))[None, :]
+        return rotate(r, i, cos, sin, dtype, INTERPRETED)
+    return tm.to_dtype(r, dtype, INTERPRETED), tm.to_dtype(i, dtype, INTERPRETED)
+
+
+@triton.jit
 def _write_kernel(layer_ptr, qkv_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, q_ptr, k_ptr, v_ptr,
                   B: tl.constexpr, T: tl.constexpr, H: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
-                  HB: tl.constexpr, INTERPRETED: tl.constexpr):
+                  HB: tl.constexpr, ROPE: tl.constexpr, INTERPRETED: tl.constexpr):
     """Program (b*T + t, hb): heads hb*HB .. of query (b, t) (HB = 1 compiled; interpreted, all
-    heads at once, which only saves the interpreter's per-program overhead)."""
+    heads at once, which only saves the interpreter's per-program overhead). ROPE: rotate q and k
+    (else cos_ptr and sin_ptr are unread, q and k as projected)."""
     bt = tl.program_id(0)
     h = (tl.program_id(1) * HB + tl.arange(0, HB))[:, None]                   # [HB, 1]
     b = bt // T
     t = bt % T
     HALF: tl.constexpr = D // 2
     j2 = 2 * tl.arange(0, HALF)[None, :]                                      # [1, HALF]
-    cos = tl.load(cos_ptr + bt * HALF + tl.arange(0, HALF))[None, :]
-    sin = tl.load(sin_ptr + bt * HALF + tl.arange(0, HALF))[None, :]
     dtype = q_ptr.dtype.element_ty
     base = bt * 3 * H * D + h * D + j2
-    q0, q1 = rotate(tl.load(qkv_ptr + base).to(tl.float32), tl.load(qkv_ptr + base + 1).to(tl.float32),
-                     cos, sin, dtype, INTERPRETED)
+    q0, q1 = _turn(qkv_ptr, base, cos_ptr, sin_ptr, bt, HALF, dtype, ROPE, INTERPRETED)
     q_out = ((b * H + h) * T + t) * D + j2
     tl.store(q_ptr + q_out, q0)
     tl.store(q_ptr + q_out + 1, q1)
     if tl.load(wmask_ptr + bt) != 0:
         kb = base + H * D
-        k0, k1 = rotate(tl.load(qkv_ptr + kb).to(tl.float32), tl.load(qkv_ptr + kb + 1).to(tl.float32),
-                         cos, sin, dtype, INTERPRETED)
+        k0, k1 = _turn(qkv_ptr, kb, cos_ptr, sin_ptr, bt, HALF, dtype, ROPE, INTERPRETED)
         vb = base + 2 * H * D
         slot = tl.load(slot_ptr + bt).to(tl.int64)
         layer = tl.load(layer_ptr).to(tl.int64)
@@ -79,18 +90,20 @@ def _write_kernel(layer_ptr, qkv_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, q_p
         tl.store(v_ptr + ring + 1, tl.load(qkv_ptr + vb + 1))
 
 
-def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ring_k: torch.Tensor,
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, ring_k: torch.Tensor,
                ring_v: torch.Tensor, layer, write_index: torch.Tensor, write_mask: torch.Tensor):
-    """Rotate q, k and write k, v into layer `layer` of the rings in place; returns (q, ring_k, ring_v)."""
+    """Rotate q, k and write k, v into layer `layer` of the rings in place; returns (q, ring_k, ring_v).
+    cos = sin = None: no rotation (the Pallas twin's)."""
     B, T, H, D, (L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
     for name, t in (("qkv", qkv), ("ring_k", ring_k), ("ring_v", ring_v), ("cos", cos), ("sin", sin)):
-        if not t.is_contiguous():
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"rope_write({name}): must be contiguous, got strides {t.stride()}")
     q = torch.empty((B, H, T, D), dtype=qkv.dtype, device=qkv.device)
     HB = H if interpreting(_write_kernel) and not H & (H - 1) else 1
     _write_kernel[(B * T, H // HB)](
-        tm.layer_tensor(layer, L, qkv.device, "rope_write"), qkv, cos, sin, write_index.to(torch.int32).contiguous(),
-        write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, B=B, T=T, H=H, C=C, D=D, HB=HB,
+        tm.layer_tensor(layer, L, qkv.device, "rope_write"), qkv, qkv if cos is None else cos,
+        qkv if sin is None else sin, write_index.to(torch.int32).contiguous(), write_mask.to(torch.int32).contiguous(),
+        q, ring_k, ring_v, B=B, T=T, H=H, C=C, D=D, HB=HB, ROPE=cos is not None,
         INTERPRETED=interpreting(_write_kernel), enable_fp_fusion=False)
     return q, ring_k, ring_v
 
@@ -107,9 +120,11 @@ def rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_m
     place where write_mask says; returns (q [B, H, T, D], ring_k, ring_v)), without Triton."""
     B, T, H, D, _ = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
     x = qkv.float().reshape(B, T, 3, H, D // 2, 2)
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
 
     def rotate(p):  # the contract's rotation of q (p=0) or k (p=1), [B, H, T, D] in qkv's dtype
+        if cos is None:  # no rotation: as projected
+            return qkv[:, :, p].transpose(1, 2)
+        c, s = cos[:, :, None, :], sin[:, :, None, :]
         r, i = x[:, :, p, :, :, 0], x[:, :, p, :, :, 1]
         pairs = torch.stack(((r * c - i * s).to(qkv.dtype), (r * s + i * c).to(qkv.dtype)), -1)
         return pairs.reshape(B, T, H, D).transpose(1, 2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -131,3 +132,21 @@ def test_twin_bad_kernels():
     with pytest.raises(ValueError, match="kernels must be one of"):
         jx.depformer.depformer_frame(cfg, {}, jnp.zeros(1, jnp.int32), jnp.zeros((1, 1, cfg.temporal_dim)),
                                      kernels="fast")
+
+
+def test_twin_unrolled_steps_have_the_bits_of_the_scan():
+    """The twin frame's inner steps unrolled (the GPU's default: static steps and sets, no loop)
+    give the scan's bits, teacher forcing and sampling included (the first 2 steps: one compile of
+    a few kernels, interpreted)."""
+    dep, (text, out, audio, provided), sampling = case_frame("moshi", torch.float32, "forced-sampled")
+    cfg = dep.config
+    params = jx.check_depformer_params(cfg, {k: to_jax(v) for k, v in dep.weights().items()})
+    args = [as_jax(a) for a in (text, out, audio, provided, sampling["seeds"], sampling["counter"])]
+    frames = [jax.jit(functools.partial(jx.depformer_frame, cfg, kernels="twin", steps=2, unroll=unroll,
+                                        temperature=sampling["temperature"], top_k=sampling["top_k"]))(params, *args)
+              for unroll in (False, True)]
+    for a, b in zip(*frames):
+        assert a.shape[1] == 2 and np.array_equal(np.asarray(a), np.asarray(b))
+    codes, logits = dep(text, out, audio, provided, return_logits=True, steps=2, **sampling)
+    assert np.array_equal(np.asarray(frames[1][0]), codes.numpy()) and np.array_equal(np.asarray(frames[1][1]),
+                                                                                      logits.numpy())

@@ -484,6 +484,47 @@ def test_qkv_rope_write_mma_form_has_the_bits_of_linear_then_rope_write():
         pli.linear_rope_write(x, w, 0, cos, sin, ring_k, ring_v, wi, wm, form="mma", block_n=32)  # > D
 
 
+@pytest.mark.parametrize("form", ["lanes", "mma"])
+def test_qkv_write_without_rotation_into_another_ring_layer(form):
+    """linear_rope_write and rope_write with cos = sin = None (no positional embedding, the
+    depformer's cache write): q is the projection's q part, k and v its parts written at the slots
+    where the mask is set, into the rings' layer `ring_layer` (here not the weights'), the rest of
+    the rings untouched; Pallas, Triton and the plain references (the lane form's) give the same
+    bits, with a fused norm; a lone cos is refused."""
+    B, T, H, D, C, L, K = 9, 2, 2, 16, 8, 2, 64  # 18 rows: two row blocks of the MMA form
+    x, w, _, _, ring_k, ring_v, wi, wm, norm = _qkv_case(B, T, H, D, C, L, K, seed=3)
+    call = jax.jit(lambda *a: pli.linear_rope_write(*a[:2], L - 1, None, None, *a[2:], norm=norm, ring_layer=0,
+                                                    form=form))
+    q, k, v = call(x, w, ring_k, ring_v, wi, wm)
+    qkv = np.array(jax.jit(lambda x, w: pli.linear(x, w, L - 1, norm=norm, form=form))(x, w)).reshape(B, T, 3, H, D)
+    assert_same(q, qkv[:, :, 0].transpose(0, 2, 1, 3), what="q as projected")
+    want_k, want_v = ring_k.copy(), ring_v.copy()
+    for b, t in zip(*np.nonzero(wm)):
+        want_k[0, b, :, wi[b, t]], want_v[0, b, :, wi[b, t]] = qkv[b, t, 1], qkv[b, t, 2]
+    assert_same(k, want_k, what="ring_k")
+    assert_same(v, want_v, what="ring_v")
+    T_ = to_torch
+    tnorm = TwinNorm("rms", T_(norm.weight), None, norm.eps)
+    natives = [] if form == "mma" else [pli.linear_rope_write_native, tli.linear_rope_write_native]
+    for fn in (tli.linear_rope_write, *natives):
+        args = tuple(map(jnp.asarray, (x, w, ring_k, ring_v, wi, wm))) if fn.__module__.startswith("kernels_pallas") \
+            else (T_(x), T_(w), T_(ring_k).clone(), T_(ring_v).clone(), T_(wi), T_(wm))
+        out = fn(*args[:2], L - 1, None, None, *args[2:], norm=tnorm if isinstance(args[0], torch.Tensor) else norm,
+                 ring_layer=0, form=form)
+        for name, a, b in zip(("q", "ring_k", "ring_v"), out, (q, k, v)):
+            assert_same(a, b, what=f"{fn.__module__}.{fn.__name__} {name}")
+    J = jnp.asarray  # rope_write alone, no rotation: the same q and writes on every side
+    for fn, a in ((pr.rope_write, (J(qkv), None, None, J(ring_k), J(ring_v), 0, J(wi), J(wm))),
+                  (pr.rope_write_native, (J(qkv), None, None, J(ring_k), J(ring_v), 0, J(wi), J(wm))),
+                  (tr.rope_write, (T_(qkv), None, None, T_(ring_k).clone(), T_(ring_v).clone(), 0, T_(wi), T_(wm))),
+                  (tr.rope_write_native, (T_(qkv), None, None, T_(ring_k).clone(), T_(ring_v).clone(), 0, T_(wi),
+                                          T_(wm)))):
+        for name, got, want in zip(("q", "ring_k", "ring_v"), fn(*a), (q, k, v)):
+            assert_same(got, want, what=f"{fn.__module__}.{fn.__name__} {name}")
+    with pytest.raises(ValueError, match="cos and sin go together"):
+        pli.linear_rope_write(x, w, 0, jnp.zeros((B, T, D // 2), jnp.float32), None, ring_k, ring_v, wi, wm)
+
+
 @pytest.mark.parametrize("K,kind,act,fuses", [(128, "layer", "gelu", True), (64, "rms", "silu_gate", True),
                                               (128, "rms", None, False)])
 def test_mma_form_fuses_its_norm_over_few_blocks_with_the_bits_of_the_norm_kernel_first(K, kind, act, fuses,

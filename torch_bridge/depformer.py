@@ -268,13 +268,14 @@ class Depformer(nn.Module):
             from . import twin_depformer
 
             weights = self.weights()
+            tables = twin_depformer.frame_tables(c, weights, B, self.device)
         for step, s in enumerate(c.step_sets[:steps]):
             table = self.text_emb if step == 0 else self.emb[c.step_tables[step - 1]]
             token_emb = self._embed(table, prev[:, None])
             if self.kernels == "twin":
                 x = twin_depformer.step_input(self.depformer_in, s, transformer_out[:, 0].contiguous(), token_emb[:, 0])
                 for layer in range(c.num_layers):
-                    x = twin_depformer.layer(c, weights, x, layer, s, step, cache_k, cache_v)
+                    x = twin_depformer.layer(c, weights, tables, x, layer, s, step, cache_k, cache_v)
                 logits = twin_depformer.head(self.linears, s, x).float()  # [B, card]
             else:
                 x = F.linear(transformer_out, self.depformer_in[s]) + token_emb
