@@ -50,7 +50,8 @@ slice kept from the forward), in two Pallas kernels, references `attention_bwd_n
   dq = to_dtype(dq); the statistics (M0, L0, delta) go to the second kernel.
   `_bwd_kv_kernel`, a program a block of BC slots of (b, h): for t = 0 .. T-1 in order, P and ds of
   the block as above from the statistics, dk += ds * q_t, dv += P * dO_t (float32); one rounding each
-  to the ring's dtype at the end.
+  to the ring's dtype at the end. A zero gradient is stored +0 (the sign of a zero is not part of
+  the contract: XLA may fold a `0 + x`).
 
 dO is the output's cotangent in q's dtype, upcast (the forward's final rounding passes it on
 unchanged). Every sum has a fixed order, so the two twins' gradients have the same bits. A query that
@@ -355,6 +356,12 @@ def _bwd_block(q, dO, k, v, visible, stats, scale, gpu):
     return s, p, dp, P, ds
 
 
+def _plus_zero(x):
+    """x with every zero +0: a zero gradient's sign is not part of the contract (XLA may fold a
+    `0 + x` that IEEE would make +0), so the backward stores +0."""
+    return jnp.where(x == 0, tm.F32(0.0), x)
+
+
 def _visible(pos, q_pos, ok, context):
     delta = q_pos - pos
     return ok & (pos >= 0) & (delta >= 0) & (delta < context)
@@ -401,7 +408,7 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, pos_ref, qpos_ref, do_ref, dq_ref, m_ref,
         return dq + tm.tree_sum(tm.mul(ds[:, None], jnp.where(visible[:, None], k, tm.F32(0.0)), gpu).T)[:, 0]
 
     dq = lax.fori_loop(0, blocks, pass_c, jnp.zeros((D,), tm.F32))
-    pltriton.store(dq_ref.at[bht * D + d], tm.to_dtype(dq, dq_ref.dtype))
+    pltriton.store(dq_ref.at[bht * D + d], tm.to_dtype(_plus_zero(dq), dq_ref.dtype))
     for ref, x in ((m_ref, m0), (l_ref, l0), (delta_ref, delta)):
         pltriton.store(ref.at[bht + one], x)
 
@@ -433,8 +440,8 @@ def _bwd_kv_kernel(q_ref, k_ref, v_ref, pos_ref, qpos_ref, do_ref, m_ref, l_ref,
 
     dk, dv = lax.fori_loop(0, T, query, (jnp.zeros((BC, D), tm.F32), jnp.zeros((BC, D), tm.F32)))
     out = (row, j * BC + jnp.arange(BC, dtype=jnp.int32)[:, None], d[None, :])
-    pltriton.store(dk_ref.at[out], tm.to_dtype(dk, dk_ref.dtype))
-    pltriton.store(dv_ref.at[out], tm.to_dtype(dv, dv_ref.dtype))
+    pltriton.store(dk_ref.at[out], tm.to_dtype(_plus_zero(dk), dk_ref.dtype))
+    pltriton.store(dv_ref.at[out], tm.to_dtype(_plus_zero(dv), dv_ref.dtype))
 
 
 def attention_bwd(d_out: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
@@ -545,7 +552,7 @@ def attention_bwd_native(d_out, q, k, v, positions, q_pos, *, context: int, **_)
     for t in range(T):  # the queries in order
         dk = dk + tm.mul(ds[:, :, t, :, None], qf[:, :, t, None, :], False)
         dv = dv + tm.mul(P[:, :, t, :, None], dO[:, :, t, None, :], False)
-    return (tm.to_dtype(dq, q.dtype), tm.to_dtype(dk[:, :, :C], k.dtype), tm.to_dtype(dv[:, :, :C], v.dtype))
+    return tuple(tm.to_dtype(_plus_zero(x), r.dtype) for x, r in ((dq, q), (dk[:, :, :C], k), (dv[:, :, :C], v)))
 
 
 __all__ = ["attention", "attention_bwd", "attention_bwd_native", "attention_native"]
