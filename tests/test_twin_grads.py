@@ -84,9 +84,9 @@ def _dense_attention(q, k, v, positions, q_pos, context):
     return masked_attention(q, k, v, mask).transpose(0, 2, 1, 3)
 
 
-# C=70: two blocks, the second one padded; C=300: several splits in the forward
+# C=70: two blocks, the second one padded; C=130: three splits in the forward
 @pytest.mark.parametrize("B,H,T,D,C,dtype", [(2, 2, 2, 8, 10, "float32"), (2, 2, 1, 8, 70, "bfloat16"),
-                                              (2, 1, 1, 16, 300, "float32")])
+                                              (2, 1, 1, 16, 130, "float32")])
 def test_attention_twin_gradients_same_bits(B, H, T, D, C, dtype):
     """attention's VJP (the Pallas backward kernels) == torch autograd through the Triton twin ==
     attention_bwd_native, bit for bit: dq, and the rings' gradient (layer 1 only). The masked slot 3
@@ -158,3 +158,20 @@ def test_gradients_flow_through_the_ring_over_streamed_steps_same_bits():
     for g, t, what in zip(got, leaves, ("d_qkv", "d_ring_k", "d_ring_v")):
         assert_same(g, t.grad, what=what)
     assert np.asarray(got[0])[0, :, :, 1:].any()  # step 0's k, v: read again at step 1
+
+
+def test_entry_passes_x_cotangent_and_refuses_a_differentiated_freqs():
+    """The twin step's entry kernel: x's copy carries x's cotangent unchanged; the tables stop
+    gradients (rope_write then sees constants); a perturbed freqs is refused."""
+    from kernels_pallas import twin_entry as pe
+
+    freqs, offset, start = jnp.asarray(rope_freqs(8, 10000.0)), jnp.array([0, 3], jnp.int32), jnp.zeros(2, jnp.int32)
+
+    def entry(x, fr, active=None):
+        return pe.entry(offset, start, active, x, fr, capacity=6, convention="personaplex", num_heads=2)
+
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1, 4)), jnp.float32)
+    g = jax.jit(jax.grad(lambda x: jnp.sum(entry(x, freqs).x * w) + jnp.sum(entry(x, freqs).cos)))(jnp.ones((2, 1, 4)))
+    assert_same(g, w, what="dx")
+    with pytest.raises(NotImplementedError, match=r"entry\(freqs\)"):
+        jax.grad(lambda fr: jnp.sum(entry(jnp.ones((2, 1, 4)), fr, jnp.array([True, False])).cos))(freqs)
