@@ -18,6 +18,11 @@ that never wrote has positions all -1 and works as any other.
 Queries are padded to `MIN_QUERIES` rows so both products run on tensor cores.
 
 `ring_attention_native` is the plain jax.numpy reference with the same signature.
+Differentiable (`jax.custom_vjp`): the backward is the `jax.vjp` of `ring_attention_native` on the
+layer's slots (XLA, not a Pallas kernel), with the slots no query of a row sees zeroed first, so
+what they hold (NaN included) reaches no gradient; the rings' cotangent is nonzero on layer
+`layer` only (the cost of the reference path's `ring[layer]`). layer, positions and q_pos are
+integers: no cotangent.
 Offsets are int32: `L*B*H*C*D` must stay below 2**31 (`fits_int32` says whether it does).
 """
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,7 +119,7 @@ def ring_attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, po
     block_c: slots per inner block (a power of two); splits: programs per (b, h) along the
     ring (None: about TARGET_PROGRAMS programs in all).
     """
-    _, B, H, C, D = ring_k.shape
+    _, B, H, _C, D = ring_k.shape
     T = q.shape[2]
     if ring_v.shape != ring_k.shape or q.shape != (B, H, T, D):
         raise ValueError(f"ring_attention: q {q.shape} and rings {ring_k.shape}, {ring_v.shape} do not fit")
@@ -125,12 +131,32 @@ def ring_attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, po
                          "use the XLA attention path")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    options = _Options(context, block_c, splits, num_warps, interpret, ring_k.shape[0])
+    return _differentiable(options, q, ring_k, ring_v, jnp.asarray(layer, jnp.int32), positions, q_pos)
+
+
+class _Options(NamedTuple):
+    """ring_attention's static options (hashable: custom_vjp's non-differentiable argument)."""
+
+    context: int
+    block_c: int
+    splits: int | None
+    num_warps: int
+    interpret: bool
+    layers: int  # L, the stacked rings' layers (the shape of their cotangent)
+
+
+def _forward(o: _Options, q, ring_k, ring_v, layer, positions, q_pos):
+    """The kernel (`ring_attention`, its arguments checked)."""
+    _, B, H, C, D = ring_k.shape
+    T = q.shape[2]
+    block_c, splits, interpret = o.block_c, o.splits, o.interpret
     if splits is None:
         splits = max(1, min(_ceil_div(C, block_c), _ceil_div(TARGET_PROGRAMS, B * H)))
     chunk = _ceil_div(_ceil_div(C, splits), block_c) * block_c  # slots per split, a multiple of block_c
     splits = _ceil_div(C, chunk)
     Tp = MIN_QUERIES
-    kernel = functools.partial(_kernel, B=B, H=H, T=T, C=C, D=D, Tp=Tp, context=context, chunk=chunk,
+    kernel = functools.partial(_kernel, B=B, H=H, T=T, C=C, D=D, Tp=Tp, context=o.context, chunk=chunk,
                                block_c=block_c, splits=splits, scale=1.0 / math.sqrt(D),
                                compiled_gpu=not interpret)
     parts = B * H * splits
@@ -141,12 +167,42 @@ def ring_attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, po
                    jax.ShapeDtypeStruct((parts * Tp,), jnp.float32)),
         grid=(B * H, splits),
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=o.num_warps, num_stages=2),
         name="ring_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1), ring_v.reshape(-1),
       positions.astype(jnp.int32).reshape(-1), q_pos.astype(jnp.int32).reshape(-1))
     return combine(acc.reshape(B, H, splits, Tp, D), m.reshape(B, H, splits, Tp),
                    l.reshape(B, H, splits, Tp))[:, :, :T].astype(q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _differentiable(o: _Options, q, ring_k, ring_v, layer, positions, q_pos):
+    return _forward(o, q, ring_k, ring_v, layer, positions, q_pos)
+
+
+def _differentiable_fwd(o: _Options, q, ring_k, ring_v, layer, positions, q_pos):
+    """The kernel's output, and the residuals: the layer's slots (a slice, not the stacked rings:
+    under a scan over layers the residuals are stacked per layer), the integer tables."""
+    k, v = (lax.dynamic_index_in_dim(r, layer, keepdims=False) for r in (ring_k, ring_v))
+    return _forward(o, q, ring_k, ring_v, layer, positions, q_pos), (q, k, v, layer, positions, q_pos)
+
+
+def _differentiable_bwd(o: _Options, residuals, d_out):
+    q, k, v, layer, positions, q_pos = residuals
+    delta = q_pos[:, :, None] - positions[:, None, :]
+    seen = jnp.any((positions[:, None, :] >= 0) & (delta >= 0) & (delta < o.context), axis=1)  # [B, C]
+    k, v = (jnp.where(seen[:, None, :, None], r, jnp.zeros((), r.dtype)) for r in (k, v))
+    _, vjp = jax.vjp(lambda q, k, v: ring_attention_native(q, k[None], v[None], 0, positions, q_pos,
+                                                           context=o.context), q, k, v)
+    dq, dk, dv = vjp(d_out)
+
+    def ring(d):  # the layer's cotangent placed in the stacked rings' shape
+        return lax.dynamic_update_index_in_dim(jnp.zeros((o.layers, *d.shape), d.dtype), d, layer, 0)
+
+    return dq, ring(dk), ring(dv), None, None, None
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
 def combine(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:

@@ -34,16 +34,42 @@ program to finish (`sems`: an int32 counter per query, counted up by each split 
 its partials are stored, with acquire-release order, and set back to 0 by the last one), which
 loads the S partials in order: the same bits whichever program is last. Masked slots never enter the arithmetic (k, v of a recycled or never-written slot may
 hold anything, NaN included). The ring is read in place at a layer index that may be traced.
+
+Derivative (`attention` is a `jax.custom_vjp`; Triton twin: an autograd.Function, the same bits).
+The backward runs the lane form whichever form the forward ran, on the layer's slots (a [B, H, C, D]
+slice kept from the forward), in two Pallas kernels, references `attention_bwd_native`:
+
+  `_bwd_q_kernel`, a program a query (b, h, t), three passes over the ring's blocks of BC slots in order
+  (`AttentionBlocks.for_shapes(C).block_slots`), s and the visibility as the forward's:
+    A:  M = max of s over the visible slots (exact in any order);  M0 = M where finite, else 0
+    B:  p = exp(s - M0) (0 where not visible);  dp = tree_sum(dO * v')  (v' = 0 where not visible)
+        l += p,  g += p * dp  (per lane);  L = tree_sum(l), G = tree_sum(g);  L0 = L, or 1 where L == 0
+        delta = G / L0
+    C:  P = p / L0;  ds = (P * (dp - delta)) * scale (0 where not visible);
+        dq = dq + tree_sum_c(ds * k')  (k' = 0 where not visible)
+  dq = to_dtype(dq); the statistics (M0, L0, delta) go to the second kernel.
+  `_bwd_kv_kernel`, a program a block of BC slots of (b, h): for t = 0 .. T-1 in order, P and ds of
+  the block as above from the statistics, dk += ds * q_t, dv += P * dO_t (float32); one rounding each
+  to the ring's dtype at the end. A zero gradient is stored +0 (the sign of a zero is not part of
+  the contract: XLA may fold a `0 + x`).
+
+dO is the output's cotangent in q's dtype, upcast (the forward's final rounding passes it on
+unchanged). Every sum has a fixed order, so the two twins' gradients have the same bits. A query that
+sees nothing has P = 0: no gradient; a slot no query sees gets 0 and never enters the arithmetic
+(NaN there stays out); a NaN a query sees reaches its gradients. The rings' cotangent is nonzero on
+layer `layer` only; layer, positions and q_pos are integers (no cotangent); sems are counters.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -233,21 +259,40 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     at most `_FEW_QUERIES` queries B*H*T, and `_STAGES`, read at call time).
     Returns [B, T, H, D] in q's dtype (the layout the out-projection reads), and sems if given.
     """
-    B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
+    B, H, T, _D, _C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: jnp.zeros((n,), jnp.int32))
-    plan = AttentionBlocks.for_shapes(C)
-    BC, chunk, S = plan.block_slots, plan.chunk, plan.splits
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    gpu = not interpret
-    mma = twin_attention_form(D, BC, q.dtype, compiled=gpu, form=form) == "mma"
-    kernel = functools.partial(_split_kernel, B=B, H=H, T=T, C=C, D=D, context=context, chunk=chunk, BC=BC,
+    options = _Options(context, num_warps, num_stages, interpret, form, ring_k.shape[0])
+    out, sems = _differentiable(options, q, ring_k, ring_v, jnp.asarray(layer, jnp.int32), positions, q_pos, sems)
+    return (out, sems) if given else out
+
+
+class _Options(NamedTuple):
+    """attention's static options (custom_vjp's non-differentiable argument)."""
+
+    context: int
+    num_warps: int | None
+    num_stages: int | None
+    interpret: bool
+    form: str | None
+    layers: int  # L, the stacked rings' layers (the shape of their cotangent)
+
+
+def _forward(o: _Options, q, ring_k, ring_v, layer, positions, q_pos, sems):
+    """The forward kernel: (out [B, T, H, D], sems)."""
+    B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
+    plan = AttentionBlocks.for_shapes(C)
+    BC, chunk, S = plan.block_slots, plan.chunk, plan.splits
+    gpu = not o.interpret
+    mma = twin_attention_form(D, BC, q.dtype, compiled=gpu, form=o.form) == "mma"
+    kernel = functools.partial(_split_kernel, B=B, H=H, T=T, C=C, D=D, context=o.context, chunk=chunk, BC=BC,
                                S=S, scale=1.0 / math.sqrt(D), gpu=gpu, mma=mma,
                                splits_first=contract.TWIN_ATTENTION_SPLITS_FIRST)
     parts = B * H * T * S
     out_flat = jax.ShapeDtypeStruct((B * T * H * D,), q.dtype)
-    operands = [jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(-1), ring_k.reshape(-1, C, D),
+    operands = [layer.reshape(1), q.reshape(-1), ring_k.reshape(-1, C, D),
                 ring_v.reshape(-1, C, D), positions.astype(jnp.int32).reshape(-1), q_pos.astype(jnp.int32).reshape(-1)]
     if S == 1:  # combined in the split's program: no partials, no counters
         out_shape, aliases = (out_flat,), {}
@@ -257,14 +302,182 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
                      jax.ShapeDtypeStruct((parts,), tm.F32), out_flat, jax.ShapeDtypeStruct(sems.shape, sems.dtype))
         aliases = {len(operands) - 1: 4}
     outs = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(parts,), input_output_aliases=aliases, interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps or _warps(B * H * T),
-                                                num_stages=num_stages or contract.TWIN_PALLAS_ATTENTION_STAGES),
+        kernel, out_shape=out_shape, grid=(parts,), input_output_aliases=aliases, interpret=o.interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=o.num_warps or _warps(B * H * T),
+                                                num_stages=o.num_stages or contract.TWIN_PALLAS_ATTENTION_STAGES),
         name="twin_attention",
     )(*operands)
     out = outs[0 if S == 1 else 3].reshape(B, T, H, D)
-    sems = sems if S == 1 else outs[4]
-    return (out, sems) if given else out
+    return out, (sems if S == 1 else outs[4])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _differentiable(o: _Options, q, ring_k, ring_v, layer, positions, q_pos, sems):
+    return _forward(o, q, ring_k, ring_v, layer, positions, q_pos, sems)
+
+
+def _differentiable_fwd(o: _Options, q, ring_k, ring_v, layer, positions, q_pos, sems):
+    """The output, and the residuals: the layer's slots (a slice: under a scan over layers the
+    residuals are stacked per layer, the stacked rings would be L times over), the integer tables."""
+    k, v = (lax.dynamic_index_in_dim(r, layer, keepdims=False) for r in (ring_k, ring_v))
+    return _forward(o, q, ring_k, ring_v, layer, positions, q_pos, sems), (q, k, v, layer, positions, q_pos)
+
+
+def _differentiable_bwd(o: _Options, residuals, cotangents):
+    q, k, v, layer, positions, q_pos = residuals
+    d_out = cotangents[0]
+    if isinstance(d_out, SymbolicZero):
+        d_out = jnp.zeros(d_out.shape, d_out.dtype)
+    dq, dk, dv = attention_bwd(d_out, q, k, v, positions, q_pos, context=o.context, interpret=o.interpret)
+
+    def ring(d):  # the layer's cotangent placed in the stacked rings' shape
+        return lax.dynamic_update_index_in_dim(jnp.zeros((o.layers, *d.shape), d.dtype), d, layer, 0)
+
+    return dq, ring(dk), ring(dv), None, None, None, None
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+
+
+def _bwd_block(q, dO, k, v, visible, stats, scale, gpu):
+    """A block of BC slots of one query in the backward: q, dO [D], k, v [BC, D] float32, visible [BC];
+    stats (M0, L0, delta), each [1] (None before pass C: P and ds not yet defined).
+    Returns (s [BC] scaled, with -inf where not visible; p, dp [BC]; P, ds [BC] or None)."""
+    s = jnp.where(visible, tm.mul(tm.tree_sum(tm.mul(q[None, :], k, gpu))[:, 0], tm.F32(scale), gpu), NEG_INF)
+    if stats is None:
+        return s, None, None, None, None
+    m0, l0, delta = stats
+    p = jnp.where(visible, tm.exp(s - m0, gpu), tm.F32(0.0))
+    dp = tm.tree_sum(tm.mul(dO[None, :], jnp.where(visible[:, None], v, tm.F32(0.0)), gpu))[:, 0]
+    if l0 is None:
+        return s, p, dp, None, None
+    P = tm.div(p, l0, gpu)
+    ds = jnp.where(visible, tm.mul(tm.mul(P, dp - delta, gpu), tm.F32(scale), gpu), tm.F32(0.0))
+    return s, p, dp, P, ds
+
+
+def _plus_zero(x):
+    """x with every zero +0: a zero gradient's sign is not part of the contract (XLA may fold a
+    `0 + x` that IEEE would make +0), so the backward stores +0."""
+    return jnp.where(x == 0, tm.F32(0.0), x)
+
+
+def _visible(pos, q_pos, ok, context):
+    delta = q_pos - pos
+    return ok & (pos >= 0) & (delta >= 0) & (delta < context)
+
+
+def _bwd_q_kernel(q_ref, k_ref, v_ref, pos_ref, qpos_ref, do_ref, dq_ref, m_ref, l_ref, delta_ref, *,
+                  H, T, C, D, context, BC, blocks, scale, gpu):
+    """Program bht = (b*H + h)*T + t: passes A, B, C of the module docstring; k, v: the layer's [B*H, C, D]."""
+    bht = pl.program_id(0)
+    b, h, t = bht // (H * T), (bht // T) % H, bht % T
+    d = jnp.arange(D, dtype=jnp.int32)
+    one = jnp.arange(1, dtype=jnp.int32)
+    q_pos = qpos_ref[b * T + t]
+    q = pltriton.load(q_ref.at[bht * D + d]).astype(tm.F32)
+    dO = pltriton.load(do_ref.at[((b * T + t) * H + h) * D + d]).astype(tm.F32)     # dO [B, T, H, D]
+
+    def load(i):
+        c = i * BC + jnp.arange(BC, dtype=jnp.int32)
+        ok = c < C
+        cc = jnp.where(ok, c, 0)
+        visible = _visible(jnp.where(ok, pltriton.load(pos_ref.at[b * C + cc]), -1), q_pos, ok, context)
+        at = (bht // T, cc[:, None], d[None, :])
+        return pltriton.load(k_ref.at[at]).astype(tm.F32), pltriton.load(v_ref.at[at]).astype(tm.F32), visible
+
+    def pass_a(i, m):
+        s = _bwd_block(q, dO, *load(i), None, scale, gpu)[0]
+        return jnp.maximum(m, jnp.max(s, keepdims=True))
+
+    m0 = _safe(lax.fori_loop(0, blocks, pass_a, jnp.full((1,), NEG_INF, tm.F32)))
+
+    def pass_b(i, carry):
+        l, g = carry
+        _, p, dp, _, _ = _bwd_block(q, dO, *load(i), (m0, None, None), scale, gpu)
+        return l + p, g + tm.mul(p, dp, gpu)
+
+    l, g = lax.fori_loop(0, blocks, pass_b, (jnp.zeros((BC,), tm.F32), jnp.zeros((BC,), tm.F32)))
+    L = tm.tree_sum(l[None, :])[0]
+    l0 = jnp.where(L == 0, tm.F32(1.0), L)
+    delta = tm.div(tm.tree_sum(g[None, :])[0], l0, gpu)
+
+    def pass_c(i, dq):
+        k, v, visible = load(i)
+        ds = _bwd_block(q, dO, k, v, visible, (m0, l0, delta), scale, gpu)[4]
+        return dq + tm.tree_sum(tm.mul(ds[:, None], jnp.where(visible[:, None], k, tm.F32(0.0)), gpu).T)[:, 0]
+
+    dq = lax.fori_loop(0, blocks, pass_c, jnp.zeros((D,), tm.F32))
+    pltriton.store(dq_ref.at[bht * D + d], tm.to_dtype(_plus_zero(dq), dq_ref.dtype))
+    for ref, x in ((m_ref, m0), (l_ref, l0), (delta_ref, delta)):
+        pltriton.store(ref.at[bht + one], x)
+
+
+def _bwd_kv_kernel(q_ref, k_ref, v_ref, pos_ref, qpos_ref, do_ref, m_ref, l_ref, delta_ref, dk_ref, dv_ref, *,
+                   H, T, C, D, context, BC, blocks, scale, gpu):
+    """Program (b*H + h)*blocks + j: slots j*BC .. of (b, h), the queries t in order; dk, dv out as
+    [B*H, blocks*BC, D] (the slots past C are cut off by the caller: no masked store)."""
+    row, j = pl.program_id(0) // blocks, pl.program_id(0) % blocks
+    b, h = row // H, row % H
+    d = jnp.arange(D, dtype=jnp.int32)
+    one = jnp.arange(1, dtype=jnp.int32)
+    c = j * BC + jnp.arange(BC, dtype=jnp.int32)
+    ok = c < C
+    cc = jnp.where(ok, c, 0)
+    pos = jnp.where(ok, pltriton.load(pos_ref.at[b * C + cc]), -1)
+    at = (row, cc[:, None], d[None, :])
+    k, v = pltriton.load(k_ref.at[at]).astype(tm.F32), pltriton.load(v_ref.at[at]).astype(tm.F32)
+
+    def query(t, carry):
+        dk, dv = carry
+        bht = row * T + t
+        q = pltriton.load(q_ref.at[bht * D + d]).astype(tm.F32)
+        dO = pltriton.load(do_ref.at[((b * T + t) * H + h) * D + d]).astype(tm.F32)
+        stats = tuple(pltriton.load(ref.at[bht + one]) for ref in (m_ref, l_ref, delta_ref))
+        visible = _visible(pos, qpos_ref[b * T + t], ok, context)
+        _, _, _, P, ds = _bwd_block(q, dO, k, v, visible, stats, scale, gpu)
+        return dk + tm.mul(ds[:, None], q[None, :], gpu), dv + tm.mul(P[:, None], dO[None, :], gpu)
+
+    dk, dv = lax.fori_loop(0, T, query, (jnp.zeros((BC, D), tm.F32), jnp.zeros((BC, D), tm.F32)))
+    out = (row, j * BC + jnp.arange(BC, dtype=jnp.int32)[:, None], d[None, :])
+    pltriton.store(dk_ref.at[out], tm.to_dtype(_plus_zero(dk), dk_ref.dtype))
+    pltriton.store(dv_ref.at[out], tm.to_dtype(_plus_zero(dv), dv_ref.dtype))
+
+
+def attention_bwd(d_out: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                  q_pos: jax.Array, *, context: int, interpret: bool | None = None):
+    """The backward of `attention` over one layer's slots (module docstring): (dq [B, H, T, D] in q's
+    dtype, dk, dv [B, H, C, D] in the ring's dtype).
+
+    d_out: [B, T, H, D] in q's dtype (the output's cotangent); q: [B, H, T, D]; k, v: [B, H, C, D]
+    (the layer's slots); positions: int [B, C]; q_pos: int [B, T].
+    """
+    B, H, T, D, C = check_twin_attention(q, k[None], v[None], positions, q_pos)
+    if tuple(d_out.shape) != (B, T, H, D) or d_out.dtype != q.dtype:
+        raise ValueError(f"attention_bwd(d_out): expected [{B}, {T}, {H}, {D}] in {q.dtype}, "
+                         f"got {d_out.dtype}{list(d_out.shape)}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    BC = AttentionBlocks.for_shapes(C).block_slots
+    blocks = -(-C // BC)
+    statics = {"H": H, "T": T, "C": C, "D": D, "context": context, "BC": BC, "blocks": blocks,
+               "scale": 1.0 / math.sqrt(D), "gpu": not interpret}
+    ints = (positions.astype(jnp.int32).reshape(-1), q_pos.astype(jnp.int32).reshape(-1))
+    slots = (q.reshape(-1), k.reshape(-1, C, D), v.reshape(-1, C, D))
+    stat = jax.ShapeDtypeStruct((B * H * T,), tm.F32)
+    dq, *stats = pl.pallas_call(
+        functools.partial(_bwd_q_kernel, **statics),
+        out_shape=(jax.ShapeDtypeStruct((B * H * T * D,), q.dtype), stat, stat, stat),
+        grid=(B * H * T,), interpret=interpret, compiler_params=pltriton.CompilerParams(),
+        name="twin_attention_bwd_q",
+    )(*slots, *ints, d_out.reshape(-1))
+    padded = jax.ShapeDtypeStruct((B * H, blocks * BC, D), k.dtype)
+    dk, dv = pl.pallas_call(
+        functools.partial(_bwd_kv_kernel, **statics),
+        out_shape=(padded, padded), grid=(B * H * blocks,), interpret=interpret,
+        compiler_params=pltriton.CompilerParams(), name="twin_attention_bwd_kv",
+    )(*slots, *ints, d_out.reshape(-1), *stats)
+    return dq.reshape(B, H, T, D), dk[:, :C].reshape(B, H, C, D), dv[:, :C].reshape(B, H, C, D)
 
 
 def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, **_):
@@ -299,4 +512,47 @@ def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int
     return per_b(q.astype(tm.F32), k, v, pos, q_pos.astype(jnp.int32)).transpose(0, 2, 1, 3)
 
 
-__all__ = ["attention", "attention_native"]
+def attention_bwd_native(d_out, q, k, v, positions, q_pos, *, context: int, **_):
+    """The plain jax.numpy reference of `attention_bwd` (same signature and bits)."""
+    B, H, T, D, C = check_twin_attention(q, k[None], v[None], positions, q_pos)
+    BC = AttentionBlocks.for_shapes(C).block_slots
+    blocks = -(-C // BC)
+    pad = blocks * BC - C
+    kf, vf = (jnp.pad(r.astype(tm.F32), ((0, 0), (0, 0), (0, pad), (0, 0))) for r in (k, v))
+    pos = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+    scale = 1.0 / math.sqrt(D)
+    qf, dO = q.astype(tm.F32), d_out.astype(tm.F32).transpose(0, 2, 1, 3)          # [B, H, T, D]
+
+    def query(qv, dov, kv, vv, posv, qp):  # one query: its dq [D], and its P, ds [blocks, BC]
+        visible = _visible(posv, qp, jnp.ones_like(posv, bool), context).reshape(blocks, BC)
+        ks, vs = kv.reshape(blocks, BC, D), vv.reshape(blocks, BC, D)
+        m = jnp.full((1,), NEG_INF, tm.F32)
+        for i in range(blocks):
+            m = jnp.maximum(m, jnp.max(_bwd_block(qv, dov, ks[i], vs[i], visible[i], None, scale, False)[0],
+                                       keepdims=True))
+        m0 = _safe(m)
+        l = g = jnp.zeros((BC,), tm.F32)
+        for i in range(blocks):
+            _, p, dp, _, _ = _bwd_block(qv, dov, ks[i], vs[i], visible[i], (m0, None, None), scale, False)
+            l, g = l + p, g + tm.mul(p, dp, False)
+        L = tm.tree_sum(l[None, :])[0]
+        l0 = jnp.where(L == 0, tm.F32(1.0), L)
+        stats = (m0, l0, tm.div(tm.tree_sum(g[None, :])[0], l0, False))
+        dq, Ps, dss = jnp.zeros((D,), tm.F32), [], []
+        for i in range(blocks):
+            _, _, _, P, ds = _bwd_block(qv, dov, ks[i], vs[i], visible[i], stats, scale, False)
+            dq = dq + tm.tree_sum(tm.mul(ds[:, None], jnp.where(visible[i][:, None], ks[i], tm.F32(0.0)), False).T)[:, 0]
+            Ps.append(P), dss.append(ds)
+        return dq, jnp.concatenate(Ps), jnp.concatenate(dss)
+
+    per_t = jax.vmap(query, in_axes=(0, 0, None, None, None, 0))
+    per_h = jax.vmap(per_t, in_axes=(0, 0, 0, 0, None, None))
+    dq, P, ds = jax.vmap(per_h)(qf, dO, kf, vf, pos, q_pos.astype(jnp.int32))      # P, ds [B, H, T, blocks*BC]
+    dk = dv = jnp.zeros((B, H, blocks * BC, D), tm.F32)
+    for t in range(T):  # the queries in order
+        dk = dk + tm.mul(ds[:, :, t, :, None], qf[:, :, t, None, :], False)
+        dv = dv + tm.mul(P[:, :, t, :, None], dO[:, :, t, None, :], False)
+    return tuple(tm.to_dtype(_plus_zero(x), r.dtype) for x, r in ((dq, q), (dk[:, :, :C], k), (dv[:, :, :C], v)))
+
+
+__all__ = ["attention", "attention_bwd", "attention_bwd_native", "attention_native"]

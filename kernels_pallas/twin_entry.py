@@ -20,6 +20,10 @@ Program b (one per row) writes, for that row:
 
 end_offset is written over offset (aliased: in place when the state is donated). Nothing here is
 summed or rounded across rows: batch-invariant by construction.
+
+Derivative (`entry` is a `jax.custom_vjp`): x's cotangent is the copy's, unchanged (no kernel);
+the tables are functions of the integer offsets and of freqs, which is not differentiated (a
+perturbed freqs raises NotImplementedError), and cos, sin come back behind `lax.stop_gradient`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -149,9 +154,17 @@ def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array | None, 
     capacity: the ring's slots C; convention: the ring convention (`contract.rope.RING_CONVENTIONS`);
     num_heads: H (the counters are `contract.attention.twin_sems_size(B, H, T)`).
     """
-    B, T, half = _check(offset, start_offset, active, x, freqs)
+    _check(offset, start_offset, active, x, freqs)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    out = _differentiable((capacity, convention, num_heads, interpret), offset, start_offset, active, x, freqs)
+    return out._replace(cos=lax.stop_gradient(out.cos), sin=lax.stop_gradient(out.sin))
+
+
+def _forward(statics, offset, start_offset, active, x, freqs) -> Entry:
+    """The kernel (`entry`, its arguments checked); statics: (capacity, convention, num_heads, interpret)."""
+    capacity, convention, num_heads, interpret = statics
+    B, T, half = _check(offset, start_offset, active, x, freqs)
     idx = offset.dtype
     HT, X = num_heads * T, T * x.shape[2]
     kernel = functools.partial(_entry_kernel, T=T, C=capacity, HT=HT, X=X, convention=convention,
@@ -170,6 +183,30 @@ def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array | None, 
     end, cos, sin, q_pos, slot, wmask, pos, sems, x_out = outs
     return Entry(end, cos.reshape(B, T, half), sin.reshape(B, T, half), q_pos.reshape(B, T), slot.reshape(B, T),
                  wmask.reshape(B, T), pos.reshape(B, capacity), sems, x_out.reshape(x.shape))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _differentiable(statics, offset, start_offset, active, x, freqs) -> Entry:
+    return _forward(statics, offset, start_offset, active, x, freqs)
+
+
+def _differentiable_fwd(statics, offset, start_offset, active, x, freqs):
+    """symbolic_zeros: each primal comes with `.perturbed` (refuse a differentiated freqs)."""
+    if freqs.perturbed:
+        raise NotImplementedError("entry(freqs): the RoPE frequencies have no derivative here; "
+                                  "differentiate x only")
+    values = [None if a is None else a.value for a in (offset, start_offset, active, x, freqs)]
+    return _forward(statics, *values), None
+
+
+def _differentiable_bwd(statics, _residuals, cotangents: Entry):
+    dx = cotangents.x
+    if isinstance(dx, SymbolicZero):
+        dx = jnp.zeros(dx.shape, dx.dtype)
+    return None, None, None, dx, None
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd, symbolic_zeros=True)
 
 
 def entry_native(offset, start_offset, active, x, freqs, *, capacity: int, convention: str, num_heads: int,

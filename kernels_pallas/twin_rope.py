@@ -15,6 +15,22 @@ Contract (beside `twin_math`'s):
              under donation the write is in place).
 
 Everything is elementwise per (b, t): batch-invariant by construction.
+
+Derivative (`rope_write` is a `jax.custom_vjp`; the backward is the Pallas kernel `rope_write_bwd`,
+reference `rope_write_bwd_native`, Triton twin `kernels_triton.twin_rope.rope_write_bwd`):
+
+    dq, dk:  the rotation by -theta of the cotangent, `rotate(dr, di, cos, -sin)`: each product
+             rounded, one rounding to qkv's dtype (a rotation's transpose is its inverse);
+             cos = sin = None (no rotation): the cotangent as it is
+    dk, dv:  read from the ring cotangent at [layer, b, h, write_index[b, t]] where write_mask[b, t],
+             else 0; dv unrounded (a copy)
+    rings:   the ring cotangent with the written slots set to 0 (they were overwritten), in place
+             (aliased); every other slot passes through
+
+Nothing is summed: the bits are fixed by the rotation's roundings alone. cos, sin get no cotangent
+(tables of the integer positions: `twin_entry.entry` refuses to differentiate its frequencies,
+and `rope_write` refuses a perturbed table with NotImplementedError); layer, write_index and
+write_mask are integers.
 """
 
 from __future__ import annotations
@@ -23,6 +39,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -133,11 +150,18 @@ def rope_write(qkv: jax.Array, cos: jax.Array | None, sin: jax.Array | None, rin
     ring_k, ring_v: [L, B, H, C, D] in qkv's dtype (aliased to the outputs);
     layer: int or int32 scalar (may be traced); write_index: int [B, T]; write_mask: bool [B, T]
     (or int32, nonzero where written: the kernel reads int32).
-    q comes back as [B, H, T, D].
+    q comes back as [B, H, T, D]. Differentiable in qkv and the rings (module docstring).
     """
-    B, T, H, D, (_L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
+    check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    return _differentiable(interpret, qkv, cos, sin, ring_k, ring_v, jnp.asarray(layer, jnp.int32),
+                           write_index, write_mask)
+
+
+def _forward(interpret: bool, qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask):
+    """The forward kernel (`rope_write`, its arguments checked)."""
+    B, T, H, D, (_L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
     rope = cos is not None
     kernel = functools.partial(_write_kernel, B=B, T=T, H=H, C=C, D=D, rope=rope, gpu=not interpret)
     rows = (ring_k.shape[0] * B * H, C, D)  # the rings as [L*B*H, C, D] (see _write_kernel)
@@ -159,6 +183,109 @@ def rope_write(qkv: jax.Array, cos: jax.Array | None, sin: jax.Array | None, rin
     return q.reshape(B, H, T, D), k.reshape(ring_k.shape), v.reshape(ring_v.shape)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _differentiable(interpret, qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask):
+    return _forward(interpret, qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)
+
+
+def _differentiable_fwd(interpret, qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask):
+    """symbolic_zeros: each primal comes with `.perturbed` (refuse a differentiated table)."""
+    if any(t is not None and t.perturbed for t in (cos, sin)):
+        raise NotImplementedError("rope_write(cos, sin): the RoPE tables have no derivative here (functions of "
+                                  "integer positions); differentiate qkv and the rings only")
+    args = [None if a is None else a.value for a in (qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)]
+    return _forward(interpret, *args), (args[1], args[2], args[5], args[6], args[7])
+
+
+def _differentiable_bwd(interpret, residuals, cotangents):
+    cos, sin, layer, write_index, write_mask = residuals
+    dq, d_ring_k, d_ring_v = (jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cotangents)
+    d_qkv, d_ring_k, d_ring_v = rope_write_bwd(dq, cos, sin, d_ring_k, d_ring_v, layer, write_index, write_mask,
+                                               interpret=interpret)
+    return d_qkv, None, None, d_ring_k, d_ring_v, None, None, None
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd, symbolic_zeros=True)
+
+
+def _bwd_kernel(layer_ref, dq_ref, *refs, B, T, H, C, D, rope, gpu):
+    """Program (b*T + t, h): the cotangent of one head of one query (the forward's `_write_kernel`
+    transposed). refs: cos and sin (rope), the slots, the write mask, dk_in, dv_in (aliased to dk_ref,
+    dv_ref: read, the written slot zeroed), d_qkv, dk_ref, dv_ref."""
+    refs = list(refs)
+    cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if rope else (None, None)
+    slot_ref, wmask_ref, dk_in, dv_in, dqkv_ref, dk_ref, dv_ref = refs
+    bt, h = pl.program_id(0), pl.program_id(1)
+    b, t = bt // T, bt % T
+    half = D // 2
+    j2 = 2 * jnp.arange(half, dtype=jnp.int32)
+    cs = bt * half + jnp.arange(half, dtype=jnp.int32)
+    dtype = dqkv_ref.dtype
+    if rope:
+        cos, nsin = pltriton.load(cos_ref.at[cs]), -pltriton.load(sin_ref.at[cs])
+
+    def back(r, i):  # the rotation by -theta (rope), else the cotangent as it is, in d_qkv's dtype
+        return rotate(r, i, cos, nsin, dtype, gpu) if rope else (tm.to_dtype(r, dtype), tm.to_dtype(i, dtype))
+
+    def store(part, pair):  # into d_qkv [B, T, 3, H, D]
+        base = (bt * 3 + part) * H * D + h * D + j2
+        pltriton.store(dqkv_ref.at[base], pair[0])
+        pltriton.store(dqkv_ref.at[base + 1], pair[1])
+
+    q_at = ((b * H + h) * T + t) * D + j2                                       # dq [B, H, T, D]
+    store(0, back(pltriton.load(dq_ref.at[q_at]).astype(tm.F32), pltriton.load(dq_ref.at[q_at + 1]).astype(tm.F32)))
+    written = wmask_ref[bt] != 0
+    row, slot = (layer_ref[0] * B + b) * H + h, slot_ref[bt]                   # rings [L*B*H, C, D]
+
+    def pair(ref):
+        return pltriton.load(ref.at[row, slot, j2]), pltriton.load(ref.at[row, slot, j2 + 1])
+
+    dk = back(*(x.astype(tm.F32) for x in pair(dk_in)))
+    zero = jnp.zeros((half,), dtype)
+    store(1, tuple(jnp.where(written, x, zero) for x in dk))
+    store(2, tuple(jnp.where(written, x.astype(dtype), zero) for x in pair(dv_in)))
+
+    @pl.when(written)
+    def _():
+        for ref in (dk_ref, dv_ref):
+            pltriton.store(ref.at[row, slot, j2], jnp.zeros((half,), ref.dtype))
+            pltriton.store(ref.at[row, slot, j2 + 1], jnp.zeros((half,), ref.dtype))
+
+
+def rope_write_bwd(dq: jax.Array, cos: jax.Array | None, sin: jax.Array | None, d_ring_k: jax.Array, d_ring_v: jax.Array, layer,
+                   write_index: jax.Array, write_mask: jax.Array, *, interpret: bool | None = None):
+    """The backward of `rope_write` (module docstring): (d_qkv [B, T, 3, H, D], d_ring_k, d_ring_v).
+
+    dq: [B, H, T, D] (q's cotangent, the qkv dtype); d_ring_k, d_ring_v: [L, B, H, C, D] (the rings'
+    cotangents after the write, aliased to the ones returned: the written slots come back 0);
+    the rest as `rope_write`'s.
+    """
+    B, H, T, D = dq.shape
+    check_twin_rope(jax.ShapeDtypeStruct((B, T, 3, H, D), dq.dtype), cos, sin, d_ring_k, d_ring_v, write_index,
+                    write_mask)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    C = d_ring_k.shape[3]
+    rows = (d_ring_k.shape[0] * B * H, C, D)
+    rope = cos is not None
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), dq.reshape(-1),
+                *((cos.reshape(-1), sin.reshape(-1)) if rope else ()),
+                write_index.astype(jnp.int32).reshape(-1), write_mask.astype(jnp.int32).reshape(-1),
+                d_ring_k.reshape(rows), d_ring_v.reshape(rows)]
+    ring_at = len(operands) - 2
+    d_qkv, dk, dv = pl.pallas_call(
+        functools.partial(_bwd_kernel, B=B, T=T, H=H, C=C, D=D, rope=rope, gpu=not interpret),
+        out_shape=(jax.ShapeDtypeStruct((B * T * 3 * H * D,), dq.dtype),
+                   jax.ShapeDtypeStruct(rows, d_ring_k.dtype), jax.ShapeDtypeStruct(rows, d_ring_v.dtype)),
+        grid=(B * T, H),
+        input_output_aliases={ring_at: 1, ring_at + 1: 2},
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(),
+        name="twin_rope_write_bwd",
+    )(*operands)
+    return d_qkv.reshape(B, T, 3, H, D), dk.reshape(d_ring_k.shape), dv.reshape(d_ring_v.shape)
+
+
 def rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, **_):
     """The plain jax.numpy reference of `rope_write` (same signature and bits)."""
     B, T, H, D, (_L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
@@ -178,4 +305,27 @@ def rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_m
     return q, ring_k, ring_v
 
 
-__all__ = ["rope_write", "rope_write_native", "tables", "tables_native"]
+def rope_write_bwd_native(dq, cos, sin, d_ring_k, d_ring_v, layer, write_index, write_mask, **_):
+    """The plain jax.numpy reference of `rope_write_bwd` (same signature and bits)."""
+    B, H, T, D = dq.shape
+    C = d_ring_k.shape[3]
+
+    def back(x):  # [B, H, T, D] -> the rotation by -theta (or none), [B, T, H, D] in dq's dtype
+        if cos is None:
+            return x.astype(dq.dtype).transpose(0, 2, 1, 3)
+        c, ns = cos[:, None], -sin[:, None]                                      # [B, 1, T, D/2]
+        x = x.astype(tm.F32).reshape(B, H, T, D // 2, 2)
+        return jnp.stack(rotate(x[..., 0], x[..., 1], c, ns, dq.dtype, False), -1).reshape(B, H, T, D).transpose(0, 2, 1, 3)
+
+    bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+    slot = write_index.astype(jnp.int32)[:, None, :]
+    at = (layer, bi, hi, slot)
+    written = write_mask.astype(bool)[:, :, None, None]                          # [B, T, 1, 1]
+    dk, dv = (jnp.where(written, x, jnp.zeros((), dq.dtype)) for x in (back(d_ring_k[at]), d_ring_v[at].transpose(0, 2, 1, 3)))
+    drop = jnp.where(write_mask.astype(bool), write_index, C + jnp.arange(T))[:, None, :]
+    zero = (layer, bi, hi, drop)
+    return (jnp.stack([back(dq), dk, dv], axis=2), d_ring_k.at[zero].set(0, mode="drop"),
+            d_ring_v.at[zero].set(0, mode="drop"))
+
+
+__all__ = ["rope_write", "rope_write_bwd", "rope_write_bwd_native", "rope_write_native", "tables", "tables_native"]

@@ -1,5 +1,7 @@
 """Batch-invariant decode attention over the stacked ring as Triton kernels: the twins of
-`kernels_pallas.twin_attention` (its docstring states the contract; same signature, same bits)."""
+`kernels_pallas.twin_attention` (its docstring states the contract and its derivative; same
+signature, same bits). `attention` is a `torch.autograd.Function` where autograd records; its
+backward (`attention_bwd`) has the Pallas backward's bits."""
 
 from __future__ import annotations
 
@@ -149,7 +151,17 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
               form: str | None = None):
     """The Pallas twin's signature and bits; returns [B, T, H, D] in q's dtype, and sems if given
     (its counters counted on in place and left all 0). form: as the Pallas twin's (None:
-    `contract.attention.twin_attention_form`, compiled being not interpreted)."""
+    `contract.attention.twin_attention_form`, compiled being not interpreted). Differentiable in q
+    and the rings where autograd records (`_Attention`)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, ring_k, ring_v)):
+        return _Attention.apply(q, ring_k, ring_v, layer, positions, q_pos, context, sems, num_warps, num_stages,
+                                form)
+    return _forward(q, ring_k, ring_v, layer, positions, q_pos, context=context, sems=sems, num_warps=num_warps,
+                    num_stages=num_stages, form=form)
+
+
+def _forward(q, ring_k, ring_v, layer, positions, q_pos, *, context, sems, num_warps, num_stages, form):
+    """The forward kernel: `attention` without autograd."""
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: torch.zeros(n, dtype=torch.int32, device=q.device))
@@ -179,6 +191,162 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
         R=TWIN_MMA_ROWS, SPLITS_FIRST=contract.TWIN_ATTENTION_SPLITS_FIRST, INTERPRETED=interpreted,
         num_warps=num_warps, enable_fp_fusion=False)
     return (out, sems) if given else out
+
+class _Attention(torch.autograd.Function):
+    """`attention` for autograd. Saves the layer's slots (a copy: the stacked rings are written in
+    place by later layers and steps); the rings' gradient is nonzero on that layer only."""
+
+    @staticmethod
+    def forward(ctx, q, ring_k, ring_v, layer, positions, q_pos, context, sems, num_warps, num_stages, form):
+        res = _forward(q, ring_k, ring_v, layer, positions, q_pos, context=context, sems=sems, num_warps=num_warps,
+                       num_stages=num_stages, form=form)
+        at = tm.layer_tensor(layer, ring_k.shape[0], q.device, "attention").long()
+        k, v = (r.index_select(0, at)[0] for r in (ring_k, ring_v))
+        ctx.save_for_backward(q, k, v, positions, q_pos, at)
+        ctx.context, ctx.layers = context, ring_k.shape[0]
+        if sems is not None:
+            ctx.mark_non_differentiable(res[1])
+        return res
+
+    @staticmethod
+    def backward(ctx, d_out, *_):
+        q, k, v, positions, q_pos, at = ctx.saved_tensors
+        dq, dk, dv = attention_bwd(d_out.contiguous(), q, k, v, positions, q_pos, context=ctx.context)
+
+        def ring(d):  # the layer's gradient placed in the stacked rings' shape
+            return torch.zeros((ctx.layers, *d.shape), dtype=d.dtype, device=d.device).index_copy_(0, at, d[None])
+
+        return dq, ring(dk), ring(dv), None, None, None, None, None, None, None, None
+
+
+@triton.jit
+def _bwd_block(q, dO, k, v, visible, m0, l0, delta, scale, STATS: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
+    """The Pallas twin's `_bwd_block`: q, dO [D], k, v [BC, D] float32, visible [BC]; STATS: 0 (s only),
+    1 (and p, dp from m0), 2 (and P, ds from m0, l0, delta). Returns (s, p, dp, P, ds), [BC] each."""
+    s = tl.where(visible, tm.tree_sum(q[None, :] * k, BC, D, True) * scale, float("-inf"))
+    p = s
+    dp = s
+    P = s
+    ds = s
+    if STATS >= 1:
+        p = tl.where(visible, tm.exp(s - m0), 0.0)
+        dp = tm.tree_sum(dO[None, :] * tl.where(visible[:, None], v, 0.0), BC, D, True)
+    if STATS >= 2:
+        P = tl.math.div_rn(p, l0)
+        ds = tl.where(visible, (P * (dp - delta)) * scale, 0.0)
+    return s, p, dp, P, ds
+
+
+@triton.jit
+def _bwd_q_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, do_ptr, dq_ptr, m_ptr, l_ptr, delta_ptr, scale,
+                  H: tl.constexpr, T: tl.constexpr, C: tl.constexpr, D: tl.constexpr, CONTEXT: tl.constexpr,
+                  BC: tl.constexpr, BLOCKS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program bht = (b*H + h)*T + t: the Pallas twin's `_bwd_q_kernel` (passes A, B, C)."""
+    bht = tl.program_id(0)
+    b = bht // (H * T)
+    h = (bht // T) % H
+    t = bht % T
+    d = tl.arange(0, D)
+    q_pos = tl.load(qpos_ptr + b * T + t)
+    q = tl.load(q_ptr + bht * D + d).to(tl.float32)
+    dO = tl.load(do_ptr + ((b * T + t) * H + h) * D + d).to(tl.float32)
+    row = (bht // T).to(tl.int64) * C
+    m = tl.max(tl.full([BC], float("-inf"), tl.float32), axis=0)  # scalars: m, l0, delta
+    for i in range(BLOCKS):  # pass A
+        c = i * BC + tl.arange(0, BC)
+        ok = c < C
+        pos = tl.load(pos_ptr + b * C + c, mask=ok, other=-1)
+        visible = ok & (pos >= 0) & (q_pos - pos >= 0) & (q_pos - pos < CONTEXT)
+        k = tl.load(k_ptr + (row + c[:, None]) * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        s, _, _, _, _ = _bwd_block(q, dO, k, k, visible, 0.0, 1.0, 0.0, scale, 0, BC, D)
+        m = tl.maximum(m, tl.max(s, axis=0))
+    m0 = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.zeros([BC], tl.float32)
+    g = tl.zeros([BC], tl.float32)
+    for i in range(BLOCKS):  # pass B
+        c = i * BC + tl.arange(0, BC)
+        ok = c < C
+        pos = tl.load(pos_ptr + b * C + c, mask=ok, other=-1)
+        visible = ok & (pos >= 0) & (q_pos - pos >= 0) & (q_pos - pos < CONTEXT)
+        k = tl.load(k_ptr + (row + c[:, None]) * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + (row + c[:, None]) * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        _, p, dp, _, _ = _bwd_block(q, dO, k, v, visible, m0, 1.0, 0.0, scale, 1, BC, D)
+        l = l + p
+        g = g + p * dp
+    L = tl.sum(tm.tree_sum(l[None, :], 1, BC), axis=0)  # [1] -> a scalar (one element: exact)
+    l0 = tl.where(L == 0, 1.0, L)
+    delta = tl.math.div_rn(tl.sum(tm.tree_sum(g[None, :], 1, BC), axis=0), l0)
+    dq = tl.zeros([D], tl.float32)
+    for i in range(BLOCKS):  # pass C
+        c = i * BC + tl.arange(0, BC)
+        ok = c < C
+        pos = tl.load(pos_ptr + b * C + c, mask=ok, other=-1)
+        visible = ok & (pos >= 0) & (q_pos - pos >= 0) & (q_pos - pos < CONTEXT)
+        k = tl.load(k_ptr + (row + c[:, None]) * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + (row + c[:, None]) * D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        _, _, _, _, ds = _bwd_block(q, dO, k, v, visible, m0, l0, delta, scale, 2, BC, D)
+        dq = dq + tm.tree_sum(tl.trans(ds[:, None] * tl.where(visible[:, None], k, 0.0)), D, BC, True)
+    tl.store(dq_ptr + bht * D + d, tm.to_dtype(tl.where(dq == 0, 0.0, dq), dq_ptr.dtype.element_ty, INTERPRETED))
+    tl.store(m_ptr + bht, m0)
+    tl.store(l_ptr + bht, l0)
+    tl.store(delta_ptr + bht, delta)
+
+
+@triton.jit
+def _bwd_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, qpos_ptr, do_ptr, m_ptr, l_ptr, delta_ptr, dk_ptr, dv_ptr, scale,
+                   H: tl.constexpr, T: tl.constexpr, C: tl.constexpr, D: tl.constexpr, CONTEXT: tl.constexpr,
+                   BC: tl.constexpr, BLOCKS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program (b*H + h)*BLOCKS + j: the Pallas twin's `_bwd_kv_kernel` (the queries in order)."""
+    row = tl.program_id(0) // BLOCKS
+    j = tl.program_id(0) % BLOCKS
+    b = row // H
+    h = row % H
+    d = tl.arange(0, D)
+    c = j * BC + tl.arange(0, BC)
+    ok = c < C
+    pos = tl.load(pos_ptr + b * C + c, mask=ok, other=-1)
+    offs = (row.to(tl.int64) * C + c[:, None]) * D + d[None, :]
+    k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    dk = tl.zeros([BC, D], tl.float32)
+    dv = tl.zeros([BC, D], tl.float32)
+    for t in range(T):
+        bht = row * T + t
+        q = tl.load(q_ptr + bht * D + d).to(tl.float32)
+        dO = tl.load(do_ptr + ((b * T + t) * H + h) * D + d).to(tl.float32)
+        q_pos = tl.load(qpos_ptr + b * T + t)
+        visible = ok & (pos >= 0) & (q_pos - pos >= 0) & (q_pos - pos < CONTEXT)
+        _, _, _, P, ds = _bwd_block(q, dO, k, v, visible, tl.load(m_ptr + bht), tl.load(l_ptr + bht),
+                                    tl.load(delta_ptr + bht), scale, 2, BC, D)
+        dk = dk + ds[:, None] * q[None, :]
+        dv = dv + P[:, None] * dO[None, :]
+    tl.store(dk_ptr + offs, tm.to_dtype(tl.where(dk == 0, 0.0, dk), dk_ptr.dtype.element_ty, INTERPRETED), mask=ok[:, None])
+    tl.store(dv_ptr + offs, tm.to_dtype(tl.where(dv == 0, 0.0, dv), dv_ptr.dtype.element_ty, INTERPRETED), mask=ok[:, None])
+
+
+def attention_bwd(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  q_pos: torch.Tensor, *, context: int):
+    """The Pallas twin's `attention_bwd` (same signature and bits): (dq [B, H, T, D], dk, dv [B, H, C, D])."""
+    B, H, T, D, C = check_twin_attention(q, k[None], v[None], positions, q_pos)
+    if tuple(d_out.shape) != (B, T, H, D) or d_out.dtype != q.dtype:
+        raise ValueError(f"attention_bwd(d_out): expected [{B}, {T}, {H}, {D}] in {q.dtype}, "
+                         f"got {d_out.dtype}{list(d_out.shape)}")
+    for name, t in (("d_out", d_out), ("q", q), ("k", k), ("v", v)):
+        if not t.is_contiguous():
+            raise ValueError(f"attention_bwd({name}): must be contiguous, got strides {t.stride()}")
+    BC = AttentionBlocks.for_shapes(C).block_slots
+    blocks = -(-C // BC)
+    dev = q.device
+    dq = torch.empty_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    m, l, delta = (torch.empty(B * H * T, dtype=torch.float32, device=dev) for _ in range(3))
+    ints = (positions.to(torch.int32).contiguous(), q_pos.to(torch.int32).contiguous())
+    scale = float(torch.tensor(1.0 / math.sqrt(D), dtype=torch.float32))
+    statics = {"H": H, "T": T, "C": C, "D": D, "CONTEXT": context, "BC": BC, "BLOCKS": blocks,
+               "INTERPRETED": interpreting(_bwd_q_kernel), "enable_fp_fusion": False}
+    _bwd_q_kernel[(B * H * T,)](q, k, v, *ints, d_out, dq, m, l, delta, scale, **statics)
+    _bwd_kv_kernel[(B * H * blocks,)](q, k, v, *ints, d_out, m, l, delta, dk, dv, scale, **statics)
+    return dq, dk, dv
 
 # ------------------------------------------------------------------------------- the plain reference
 def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, **_):
