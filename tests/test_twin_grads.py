@@ -37,14 +37,21 @@ def _rope_case(dtype, B=2, T=3, H=2, D=8, L=2, C=5, seed=0):
     return qkv, cos, sin, rk, rv, wi, wm, cts
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_rope_write_twin_gradients_same_bits(dtype):
+@pytest.mark.parametrize("dtype,rope", [("float32", True), ("bfloat16", True), ("bfloat16", False)])
+def test_rope_write_twin_gradients_same_bits(dtype, rope):
     """rope_write's VJP (the Pallas backward kernel) == torch autograd through the Triton twin ==
     both backward references, bit for bit (nothing is summed: each element is one rotation's
     roundings); XLA's derivative of rope_write_native (which may fuse a product into its add) within
-    one rounding of the dtype."""
+    one rounding of the dtype. Without rotation (cos = sin = None) the cotangents pass as they are."""
     qkv, cos, sin, rk, rv, wi, wm, cts = _rope_case(dtype)
-    J = jnp.asarray
+    if not rope:
+        cos = sin = None
+
+    def J(a):
+        return None if a is None else jnp.asarray(a)
+
+    def T(a):
+        return None if a is None else to_torch(a)
 
     def vjp(fn):
         _, back = jax.vjp(lambda a, k, v: fn(a, J(cos), J(sin), k, v, jnp.int32(1), J(wi), J(wm)), J(qkv), J(rk), J(rv))
@@ -55,10 +62,10 @@ def test_rope_write_twin_gradients_same_bits(dtype):
     ref = pr.rope_write_bwd_native(*(J(a) for a in (cts[0], cos, sin, cts[1], cts[2])), 1, J(wi), J(wm))
 
     leaves = [to_torch(a).clone().requires_grad_() for a in (qkv, rk, rv)]
-    q, ring_k, ring_v = tr.rope_write(leaves[0], to_torch(cos), to_torch(sin), leaves[1].clone(), leaves[2].clone(),
+    q, ring_k, ring_v = tr.rope_write(leaves[0], T(cos), T(sin), leaves[1].clone(), leaves[2].clone(),
                                       1, to_torch(wi), to_torch(wm))
     torch.autograd.backward((q, ring_k, ring_v), tuple(to_torch(c) for c in cts))
-    tref = tr.rope_write_bwd_native(to_torch(cts[0]), to_torch(cos), to_torch(sin), to_torch(cts[1]).clone(),
+    tref = tr.rope_write_bwd_native(to_torch(cts[0]), T(cos), T(sin), to_torch(cts[1]).clone(),
                                     to_torch(cts[2]).clone(), 1, to_torch(wi), to_torch(wm))
     for i, what in enumerate(("d_qkv", "d_ring_k", "d_ring_v")):
         assert_same(got[i], ref[i], leaves[i].grad, tref[i], what=what)
