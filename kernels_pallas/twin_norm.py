@@ -37,7 +37,7 @@ from kernels_pallas.contract.norm import (
 from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, twin_lanes
 
 
-def _row_sum(load, D, BK, unroll):
+def row_sum(load, D, BK, unroll):
     """S(.) of the contract: lanes over the D / BK blocks in order from +0, then the tree;
     load(kb) -> [BM, BK] (kb may be traced); returns [BM, 1].
 
@@ -75,19 +75,19 @@ def normalize(xf, w, b, stats, kind, gpu):
 def row_stats(load_x, D, BK, kind, eps, gpu, unroll=None):
     """The contract's per-row statistics, (r,) for rms or (mean, r) for layer, each [BM, 1];
     load_x(kb) -> float32 [BM, BK], block kb of the rows (kb is traced when unroll < D / BK;
-    twin_linear's fused norm calls this too); unroll: see `_row_sum` (None: all blocks)."""
+    twin_linear's fused norm calls this too); unroll: see `row_sum` (None: all blocks)."""
     unroll = D // BK if unroll is None else unroll
     f32 = tm.F32
     inv_d = f32(1.0 / D)
     if kind == "rms":
-        return (_rms_r(_row_sum(lambda kb: tm.mul(load_x(kb), load_x(kb), gpu), D, BK, unroll), D, eps, gpu),)
-    mean = tm.mul(_row_sum(load_x, D, BK, unroll), inv_d, gpu)
+        return (_rms_r(row_sum(lambda kb: tm.mul(load_x(kb), load_x(kb), gpu), D, BK, unroll), D, eps, gpu),)
+    mean = tm.mul(row_sum(load_x, D, BK, unroll), inv_d, gpu)
 
     def centered_sq(kb):
         c = load_x(kb) - mean
         return tm.mul(c, c, gpu)
 
-    var = tm.mul(_row_sum(centered_sq, D, BK, unroll), inv_d, gpu)
+    var = tm.mul(row_sum(centered_sq, D, BK, unroll), inv_d, gpu)
     return mean, tm.div(f32(1.0), tm.sqrt(var + f32(eps), gpu), gpu)
 
 

@@ -179,11 +179,18 @@ def row_stats_native(xf: torch.Tensor, D: int, kind: str, eps: float) -> tuple[t
     layer, each [M, 1] (the kernels' `row_stats`)."""
     BK, inv_d = twin_lanes(D), 1.0 / D
     if kind == "rms":
-        return (1.0 / torch.sqrt(eps + tm.lanes_sum_native(xf * xf, BK) * inv_d),)
+        return (1.0 / _sqrt_rn(eps + tm.lanes_sum_native(xf * xf, BK) * inv_d),)
     mean = tm.lanes_sum_native(xf, BK) * inv_d
     c = xf - mean
     var = tm.lanes_sum_native(c * c, BK) * inv_d
-    return mean, 1.0 / torch.sqrt(var + eps)
+    return mean, 1.0 / _sqrt_rn(var + eps)
+
+
+def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root (the kernels' ``sqrt_rn``): torch's float32 CPU sqrt
+    is not (sqrt(1.0467745065689087) came out 1 ulp off); the float64 root of a float32, rounded to
+    float32, is."""
+    return torch.sqrt(v.double()).float()
 
 
 def norm_native(x, weight, bias=None, layer=None, *, kind: str = "rms", eps: float, **_):
