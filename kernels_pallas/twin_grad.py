@@ -15,13 +15,29 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas import twin_norm
-from kernels_pallas.contract.grad import INV_SQRT_2PI, GradBlocks
+from kernels_pallas.contract.grad import INV_SQRT_2PI, GradBlocks, no_derivative
 from kernels_pallas.contract.linear import LINEAR_ACTS
-from kernels_pallas.contract.norm import TWIN_NORM_WARPS, NormBlocks, check_twin_norm, twin_norm_unroll
-from kernels_pallas.contract.numerics import SQRT1_2, twin_lanes
+from kernels_pallas.contract.numerics import SQRT1_2
 
 F32 = tm.F32
+
+
+def undifferentiated(fn, who: str, what: str):
+    """fn (of arrays or None) as it is, but its derivative raises NotImplementedError naming who and
+    what (JAX would otherwise fail inside Pallas with a bare AssertionError)."""
+    wrapped = jax.custom_vjp(fn)
+
+    def fwd(*_):
+        raise no_derivative(who, what)
+
+    wrapped.defvjp(fwd, lambda *_: None)
+    return wrapped
+
+
+def stacked(w: jax.Array, g: jax.Array, layer) -> jax.Array:
+    """The cotangent of a stacked weight w [L, ...] read at `layer`: g (one layer's, [...]) in its row
+    of an [L, ...] of zeros (`contract.grad`)."""
+    return lax.dynamic_update_index_in_dim(jnp.zeros_like(w), g.astype(w.dtype), layer, 0)
 
 
 def epilogue_grad_math(g, p, s, act, dtype, gpu):
@@ -147,104 +163,6 @@ def epilogue_grad_native(dy, pre, scale=None, layer=None, *, act=None, **_):
     return jnp.concatenate(dpre, axis=1), ts
 
 
-# --------------------------------------------------------------------------------------- the norm
-def norm_grad_rows(load_x, load_dy, load_w, D, BK, kind, eps, gpu, unroll=None):
-    """The norm's derivative (`contract.grad`) of rows given block loaders (kb -> float32 [BM, BK];
-    load_w: the weight's block [1, BK]): (dx(kb), tw(kb)), functions of the block, float32."""
-    unroll = D // BK if unroll is None else unroll
-    inv_d = F32(1.0 / D)
-    stats = twin_norm.row_stats(load_x, D, BK, kind, eps, gpu, unroll)
-
-    def g(kb):
-        return tm.mul(load_dy(kb), load_w(kb), gpu)
-
-    if kind == "rms":
-        (r,) = stats
-        s = twin_norm.row_sum(lambda kb: tm.mul(g(kb), load_x(kb), gpu), D, BK, unroll)
-        c = tm.mul(tm.mul(s, inv_d, gpu), tm.mul(tm.mul(r, r, gpu), r, gpu), gpu)
-        return (lambda kb: tm.mul(g(kb), r, gpu) - tm.mul(load_x(kb), c, gpu),
-                lambda kb: tm.mul(load_dy(kb), tm.mul(load_x(kb), r, gpu), gpu))
-    mean, r = stats
-
-    def xhat(kb):
-        return tm.mul(load_x(kb) - mean, r, gpu)
-
-    mg = tm.mul(twin_norm.row_sum(g, D, BK, unroll), inv_d, gpu)
-    mgx = tm.mul(twin_norm.row_sum(lambda kb: tm.mul(g(kb), xhat(kb), gpu), D, BK, unroll), inv_d, gpu)
-    return (lambda kb: tm.mul(r, (g(kb) - mg) - tm.mul(xhat(kb), mgx, gpu), gpu),
-            lambda kb: tm.mul(load_dy(kb), xhat(kb), gpu))
-
-
-def _norm_kernel(layer_ref, x_ref, dy_ref, w_ref, dx_ref, tw_ref, *, D, BK, kind, eps, gpu):
-    layer = layer_ref[0]
-
-    def loader(ref):
-        return lambda kb: ref[:, pl.ds(kb * BK, BK)].astype(F32)  # [BM, BK]
-
-    dx, tw = norm_grad_rows(loader(x_ref), loader(dy_ref), lambda kb: w_ref[layer, pl.ds(kb * BK, BK)].astype(F32)[None, :],
-                            D, BK, kind, eps, gpu, twin_norm_unroll(D // BK, x_ref.shape[0]))
-    outs = [(tm.to_dtype(dx(kb), dx_ref.dtype), tw(kb)) for kb in range(D // BK)]  # every block before a store
-    for kb, (a, b) in enumerate(outs):
-        dx_ref[:, pl.ds(kb * BK, BK)] = a
-        tw_ref[:, pl.ds(kb * BK, BK)] = b
-
-
-def check_norm_grad(x, dy, weight, bias, kind):
-    """(M, D) of a norm_grad call, checked: x, dy [M, D] of one dtype, the norm's weights."""
-    M, D = check_twin_norm(x, weight, bias, kind)
-    if tuple(dy.shape) != (M, D) or str(dy.dtype) != str(x.dtype):
-        raise ValueError(f"norm_grad(dy): expected {x.dtype} [{M}, {D}], got {dy.dtype} {tuple(dy.shape)}")
-    return M, D
-
-
-def norm_grad(x: jax.Array, dy: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=None, *,
-              kind: str = "rms", eps: float, block_m: int | None = None, interpret: bool | None = None):
-    """The twin norm's derivative (`contract.grad`): x, dy [M, D] in one dtype; weight, bias [L, D] at
-    `layer` (int or traced), or [D] with layer=None (the bias is not read: the derivative does not
-    depend on it). Returns (dx [M, D] in x's dtype, tw float32 [M, D]: the weight's per-row terms,
-    for `batch_sum`)."""
-    if layer is None:
-        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
-    M, D = check_norm_grad(x, dy, weight, bias, kind)
-    BK = twin_lanes(D)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    BM = NormBlocks.for_shapes(M, D, block_m, interpret).block_m
-    Mp = -(-M // BM) * BM
-    pad = ((0, Mp - M), (0, 0))
-    rows = pl.BlockSpec((BM, D), lambda i: (i, 0))
-    dx, tw = pl.pallas_call(
-        functools.partial(_norm_kernel, D=D, BK=BK, kind=kind, eps=eps, gpu=not interpret),
-        out_shape=(jax.ShapeDtypeStruct((Mp, D), x.dtype), jax.ShapeDtypeStruct((Mp, D), F32)),
-        grid=(Mp // BM,),
-        in_specs=[pl.BlockSpec((1,), lambda i: (0,)), rows, rows, pl.BlockSpec(weight.shape, lambda i: (0, 0))],
-        out_specs=(rows, rows),
-        interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=TWIN_NORM_WARPS, num_stages=2),
-        name=f"twin_{kind}_norm_grad",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, pad), jnp.pad(dy, pad), weight)
-    return dx[:M], tw[:M]
-
-
-def norm_grad_native(x, dy, weight, bias=None, layer=None, *, kind: str = "rms", eps: float, **_):
-    """The plain jax.numpy reference of `norm_grad`: the same signature and bits, without Pallas."""
-    if layer is None:
-        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
-    M, D = check_norm_grad(x, dy, weight, bias, kind)
-    BK = twin_lanes(D)
-    w = lax.dynamic_index_in_dim(weight, layer, keepdims=False).astype(F32).reshape(D // BK, BK)
-
-    def loader(a):
-        blocks = a.astype(F32).reshape(M, D // BK, BK)
-        return lambda kb: lax.dynamic_index_in_dim(blocks, kb, axis=1, keepdims=False)
-
-    dx, tw = norm_grad_rows(loader(x), loader(dy), lambda kb: lax.dynamic_index_in_dim(w, kb, keepdims=True),
-                            D, BK, kind, eps, False)
-    nkb = D // BK
-    return (tm.to_dtype(jnp.concatenate([dx(kb) for kb in range(nkb)], axis=1), x.dtype),
-            jnp.concatenate([tw(kb) for kb in range(nkb)], axis=1))
-
-
 # -------------------------------------------------------------------------------- the batch sum
 def _batch_sum_kernel(t_ref, o_ref, *, M, BN):
     cols = pl.ds(pl.program_id(0) * BN, BN)
@@ -286,4 +204,4 @@ def batch_sum_native(t, dtype, **_):
     return tm.to_dtype(acc, dtype)
 
 
-__all__ = ["batch_sum", "batch_sum_native", "epilogue_grad", "epilogue_grad_native", "norm_grad", "norm_grad_native"]
+__all__ = ["batch_sum", "batch_sum_native", "epilogue_grad", "epilogue_grad_native"]

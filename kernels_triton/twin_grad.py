@@ -4,21 +4,37 @@ references (`*_native`) beside them."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.contract.grad import INV_SQRT_2PI, GradBlocks
+from kernels_pallas.contract.grad import INV_SQRT_2PI, GradBlocks, no_derivative
 from kernels_pallas.contract.linear import LINEAR_ACTS
-from kernels_pallas.contract.norm import TWIN_NORM_WARPS, NormBlocks, check_twin_norm, twin_norm_unroll
-from kernels_pallas.contract.numerics import SQRT1_2, twin_lanes
+from kernels_pallas.contract.numerics import SQRT1_2
 from kernels_triton import twin_math as tm
-from kernels_triton import twin_norm
 from kernels_triton.twin_math import interpreting
 
 _INV_SQRT_2PI = tl.constexpr(INV_SQRT_2PI)
 _SQRT1_2 = tl.constexpr(SQRT1_2)
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd records a call on these tensors (None: absent): the twins' public functions
+    run their kernels directly otherwise (no autograd node: inference, CUDA graphs)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def refuse_grad(who: str, what: str, *tensors) -> None:
+    """NotImplementedError naming who and what where autograd would record a call on tensors
+    (the Pallas twin's `undifferentiated`)."""
+    if needs_grad(*tensors):
+        raise no_derivative(who, what)
+
+
+def stacked(w: torch.Tensor, g: torch.Tensor, layer_t: torch.Tensor) -> torch.Tensor:
+    """The cotangent of a stacked weight w [L, ...] read at layer_t (an int32 tensor [1]): g (one
+    layer's, [...]) in its row of an [L, ...] of zeros (`contract.grad`)."""
+    return torch.zeros_like(w).index_copy_(0, layer_t.reshape(1).long(), g.to(w.dtype)[None])
 
 
 def check_epilogue_grad(dy, pre, scale, act):
@@ -131,98 +147,6 @@ def epilogue_grad_native(dy, pre, scale=None, layer=None, *, act=None, **_):
     return g.to(dtype), ts
 
 
-# --------------------------------------------------------------------------------------- the norm
-@triton.jit
-def _norm_kernel(layer_ptr, x_ptr, dy_ptr, w_ptr, dx_ptr, tw_ptr, M, eps, INV_D: tl.constexpr, D: tl.constexpr,
-                 BM: tl.constexpr, BK: tl.constexpr, RMS: tl.constexpr, UNROLL: tl.constexpr,
-                 INTERPRETED: tl.constexpr):
-    """Rows i*BM ..: the forward's statistics, the row sums of the derivative over the BK blocks in
-    order, then each block's dx and tw (`contract.grad`)."""
-    layer = tl.load(layer_ptr).to(tl.int64)
-    m = tl.program_id(0) * BM + tl.arange(0, BM)
-    m_ok = m < M
-    mean, r = twin_norm.row_stats(x_ptr, m, m_ok, eps, INV_D, D, BM, BK, RMS, UNROLL)
-    mean, r = mean[:, None], r[:, None]
-    k = tl.arange(0, BK)
-    w_row = w_ptr + layer * D
-    acc_g = tl.zeros([BM, BK], tl.float32)
-    acc_gx = tl.zeros([BM, BK], tl.float32)
-    for k0 in range(0, D, BK):
-        offs = m[:, None] * D + k0 + k[None, :]
-        x = tl.load(x_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
-        g = tl.load(dy_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32) * \
-            tl.load(w_row + k0 + k).to(tl.float32)[None, :]
-        if RMS:
-            acc_gx = acc_gx + g * x
-        else:
-            acc_g = acc_g + g
-            acc_gx = acc_gx + g * ((x - mean) * r)
-    mgx = (tm.tree_sum(acc_gx, BM, BK) * INV_D)[:, None]
-    mg = (tm.tree_sum(acc_g, BM, BK) * INV_D)[:, None]
-    c = mgx * ((r * r) * r)
-    for k0 in range(0, D, BK):
-        offs = m[:, None] * D + k0 + k[None, :]
-        x = tl.load(x_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
-        g = dy * tl.load(w_row + k0 + k).to(tl.float32)[None, :]
-        if RMS:
-            dx = g * r - x * c
-            tw = dy * (x * r)
-        else:
-            xhat = (x - mean) * r
-            dx = r * ((g - mg) - xhat * mgx)
-            tw = dy * xhat
-        tl.store(dx_ptr + offs, tm.to_dtype(dx, dx_ptr.dtype.element_ty, INTERPRETED), mask=m_ok[:, None])
-        tl.store(tw_ptr + offs, tw, mask=m_ok[:, None])
-
-
-def check_norm_grad(x, dy, weight, bias, kind):
-    """(M, D) of a norm_grad call, checked (the Pallas twin's check)."""
-    M, D = check_twin_norm(x, weight, bias, kind)
-    if tuple(dy.shape) != (M, D) or dy.dtype != x.dtype:
-        raise ValueError(f"norm_grad(dy): expected {x.dtype} [{M}, {D}], got {dy.dtype} {tuple(dy.shape)}")
-    return M, D
-
-
-def norm_grad(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, layer=None,
-              *, kind: str = "rms", eps: float, block_m: int | None = None):
-    """The twin norm's derivative: the Pallas twin's signature and bits; (dx, tw float32)."""
-    if layer is None:
-        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
-    M, D = check_norm_grad(x, dy, weight, bias, kind)
-    x, dy, weight = x.contiguous(), dy.contiguous(), weight.contiguous()
-    interpreted = interpreting(_norm_kernel)
-    blocks = NormBlocks.for_shapes(M, D, block_m, interpreted)
-    BM, BK = blocks.block_m, blocks.block_k
-    dx = torch.empty_like(x)
-    tw = torch.empty((M, D), dtype=torch.float32, device=x.device)
-    _norm_kernel[(triton.cdiv(M, BM),)](
-        tm.layer_tensor(layer, weight.shape[0], x.device, "norm_grad"), x, dy, weight, dx, tw, M, eps,
-        INV_D=float(np.float32(1.0 / D)), D=D, BM=BM, BK=BK, RMS=kind == "rms", UNROLL=twin_norm_unroll(D // BK, BM),
-        INTERPRETED=interpreted, num_warps=TWIN_NORM_WARPS, enable_fp_fusion=False)
-    return dx, tw
-
-
-def norm_grad_native(x, dy, weight, bias=None, layer=None, *, kind: str = "rms", eps: float, **_):
-    """The plain torch reference of `norm_grad`: the same signature and bits, without Triton."""
-    if layer is None:
-        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
-    _, D = check_norm_grad(x, dy, weight, bias, kind)
-    BK, inv_d = twin_lanes(D), 1.0 / D
-    xf, dyf = x.float(), dy.float()
-    g = dyf * weight[int(layer)].float()[None, :]
-    stats = twin_norm.row_stats_native(xf, D, kind, eps)
-    if kind == "rms":
-        (r,) = stats
-        c = (tm.lanes_sum_native(g * xf, BK) * inv_d) * ((r * r) * r)
-        return (g * r - xf * c).to(x.dtype), dyf * (xf * r)
-    mean, r = stats
-    xhat = (xf - mean) * r
-    mg = tm.lanes_sum_native(g, BK) * inv_d
-    mgx = tm.lanes_sum_native(g * xhat, BK) * inv_d
-    return (r * ((g - mg) - xhat * mgx)).to(x.dtype), dyf * xhat
-
-
 # -------------------------------------------------------------------------------- the batch sum
 @triton.jit
 def _batch_sum_kernel(t_ptr, o_ptr, M, N: tl.constexpr, BN: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -261,4 +185,4 @@ def batch_sum_native(t, dtype, **_):
     return acc.to(dtype)
 
 
-__all__ = ["batch_sum", "batch_sum_native", "epilogue_grad", "epilogue_grad_native", "norm_grad", "norm_grad_native"]
+__all__ = ["batch_sum", "batch_sum_native", "epilogue_grad", "epilogue_grad_native"]
