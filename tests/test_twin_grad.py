@@ -25,7 +25,7 @@ from kernels_triton import twin_norm as tn
 
 DTYPES = {"float32": (jnp.float32, torch.float32), "bfloat16": (jnp.bfloat16, torch.bfloat16)}
 # max |grad - grad of the reference| / max |grad of the reference| per gradient, over the cases below:
-# measured float32 <= 2.6e-7 (the references' autodiff sums in other orders), bfloat16 <= 7.9e-3 (their
+# measured float32 <= 4.1e-7 (the references' autodiff sums in other orders), bfloat16 <= 7.5e-3 (their
 # autodiff rounds its intermediates to bfloat16 where the twins keep float32)
 NATIVE_BOUND = {"float32": 2e-6, "bfloat16": 3e-2}
 
@@ -194,7 +194,7 @@ def test_norm_twin_gradients_same_bits_jax_vs_torch_and_close_to_the_reference(d
 def test_grad_under_jit_through_a_layer_loop_reads_the_stacked_weights_in_place():
     """jax.grad of a loss through a fori_loop over layers (the twin step's loop: a traced layer index)
     matches the reference's gradient, and torch's autograd of the same loop gives the same bits."""
-    L, M, K = 3, 4, 64
+    L, M, K = 2, 4, 64
     a = arrays(np.random.default_rng(7), jnp.float32, x=((M, K), 1, 0), w=((L, 2 * K, K), 0.1, 0),
                w2=((L, K, K), 0.1, 0), nw=((L, K), 0.2, 1))
 
