@@ -1,7 +1,8 @@
-"""The twin linears' and norms' backward kernels (Pallas): the epilogue's derivative, the norm's
-derivative and the sum over the batch rows; Triton twin in `kernels_triton.twin_grad`, plain
-references (`*_native`) beside each. Their contract, and how `twin_linear.linear` and
-`twin_norm.norm` differentiate with them: `contract.grad`.
+"""The twin linears' backward kernels (Pallas): the epilogue's derivative and the sum over the batch
+rows (the norm's derivative is `twin_norm.norm_grad`, beside its forward), and the wrappers of what
+is not differentiated; Triton twin in `kernels_triton.twin_grad`, plain references (`*_native`)
+beside each kernel. Their contract, and how `twin_linear.linear` and `twin_norm.norm` differentiate
+with them: `contract.grad`.
 """
 
 from __future__ import annotations

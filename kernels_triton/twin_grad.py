@@ -1,4 +1,4 @@
-"""The twin linears' and norms' backward kernels (Triton): the twin of `kernels_pallas.twin_grad`
+"""The twin linears' backward kernels (Triton): the twin of `kernels_pallas.twin_grad`
 (its docstring and `contract.grad` state the contract; same signatures, same bits), plain torch
 references (`*_native`) beside them."""
 

@@ -27,7 +27,7 @@ The linear, y = epilogue(norm(x) @ w[layer].T) (`twin_linear`), given dy [M, N_o
    over its blocks of rows in increasing order, then the tree; a fixed function of M.
 4. With a fused norm, its derivative (below) of d_norm(x).
 
-The norm of a row x [D] (`twin_norm`), given dy [D], g = dy * w (float32; S: the contract's sum
+The norm of a row x [D] (`twin_norm`; its derivative `twin_norm.norm_grad`), given dy [D], g = dy * w (float32; S: the contract's sum
 over D; r, mean: the forward's statistics, computed again):
        rms:   c = (S(g * x) * inv_D) * ((r * r) * r);  dx = to_dtype(g * r - x * c);  tw = dy * (x * r)
        layer: xhat = (x - mean) * r;  mg = S(g) * inv_D;  mgx = S(g * xhat) * inv_D
@@ -36,7 +36,10 @@ over D; r, mean: the forward's statistics, computed again):
 
 `batch_sum` of t [M, N] (float32 or 16-bit): each column's float32 sum over the rows from +0 in
 increasing row order, rounded once to the weights' dtype: on both sides the same additions in the
-same order. A stacked weight's cotangent is that layer's row or matrix in an [L, ...] of zeros.
+same order. A stacked weight's cotangent is that layer's row or matrix in an [L, ...] of zeros: one
+[L, ...] buffer a call, which a layer loop's transpose (JAX) or autograd (torch) adds into the
+weights' accumulated cotangent. Chosen for correctness: the custom_vjp / autograd.Function of one
+call cannot write into the loop's accumulator; doing so needs a rule for the whole layer loop.
 
 Integer arguments (the layer index) have no cotangent. Not differentiated (NotImplementedError
 naming the argument): the split RMSNorm (`linear(split=, rms=)`, `norm.split`).
