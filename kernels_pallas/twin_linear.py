@@ -50,6 +50,7 @@ form; the same bits as the two calls either way.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +58,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas import twin_grad, twin_norm, twin_rope
 from kernels_pallas import twin_math as tm
-from kernels_pallas import twin_norm, twin_rope
 from kernels_pallas.contract.linear import (
     TWIN_PALLAS_PREFETCH,
     LinearBlocks,
@@ -208,7 +209,98 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     itself. These change the speed, never the bits.
     split, rms (MMA form only): the split RMSNorm (`contract.norm.TwinSplit`); with split the call returns
     (y, u [M, N_out], ss float32 [M, N_out/G]); with rms, x is the split norm's u.
+
+    Differentiable (`jax.custom_vjp`, the backward of `contract.grad` on the twin kernels) in x, w,
+    scale, residual and the norm's weights; the layer index has no cotangent; split and rms raise
+    NotImplementedError under differentiation.
     """
+    w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
+    split = split_one_layer(split)
+    check_twin_linear(x, w, act, scale, residual, norm)
+    opts = _LinearOpts(act, None if norm is None else norm.kind, None if norm is None else norm.eps,
+                       residual is not None, block_m, block_n, num_warps, num_stages, prefetch, form, interpret)
+    layer = jnp.asarray(layer, jnp.int32)
+    if split is not None or rms is not None:  # the split RMSNorm: computed, not differentiated
+        def call(x, w, layer, scale, residual, nw, nb, alpha, ss):
+            return _linear(x, w, layer, **opts.kwargs(scale, residual, nw, nb),
+                           split=None if split is None else split._replace(weight=alpha),
+                           rms=None if rms is None else rms._replace(ss=ss))
+
+        return twin_grad.undifferentiated(call, "linear(split, rms)", "the split RMSNorm")(
+            x, w, layer, scale, residual, *_norm_arrays(norm), None if split is None else split.weight,
+            None if rms is None else rms.ss)
+    return _linear_vjp(x, w, layer, scale, residual, *_norm_arrays(norm), opts)
+
+
+class _LinearOpts(NamedTuple):
+    """A `linear` call's static arguments (hashable: `custom_vjp`'s nondiff argument)."""
+
+    act: str | None
+    norm_kind: str | None
+    norm_eps: float | None
+    has_residual: bool
+    block_m: int | None
+    block_n: int | None
+    num_warps: int
+    num_stages: int | None
+    prefetch: int
+    form: str | None
+    interpret: bool | None
+
+    def kwargs(self, scale, residual, nw, nb) -> dict:
+        """`_linear`'s keyword arguments with these arrays."""
+        norm = None if self.norm_kind is None else TwinNorm(self.norm_kind, nw, nb, self.norm_eps)
+        return {"act": self.act, "scale": scale, "residual": residual, "norm": norm, "block_m": self.block_m,
+                "block_n": self.block_n, "num_warps": self.num_warps, "num_stages": self.num_stages,
+                "prefetch": self.prefetch, "form": self.form, "interpret": self.interpret}
+
+
+def _norm_arrays(norm: TwinNorm | None) -> tuple:
+    return (None, None) if norm is None else (norm.weight, norm.bias)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _linear_vjp(x, w, layer, scale, residual, nw, nb, opts: _LinearOpts):
+    return _linear(x, w, layer, **opts.kwargs(scale, residual, nw, nb))
+
+
+def _linear_fwd(x, w, layer, scale, residual, nw, nb, opts: _LinearOpts):
+    return _linear_vjp(x, w, layer, scale, residual, nw, nb, opts), (x, w, layer, scale, nw, nb)
+
+
+def _linear_bwd(opts: _LinearOpts, saved, dy):
+    """The linear's backward (`contract.grad`, steps 1-4) on the twin kernels."""
+    x, w, layer, scale, nw, nb = saved
+    interpret = opts.interpret
+    norm = None if opts.norm_kind is None else TwinNorm(opts.norm_kind, nw, nb, opts.norm_eps)
+    xn = _norm_first(x, norm, layer, interpret)
+    pre = None
+    if opts.act is not None or scale is not None:  # the projection the epilogue started from, again
+        pre = _linear(xn, w, layer, form=opts.form, interpret=interpret)
+    dpre, ts = twin_grad.epilogue_grad(dy, pre, scale, layer, act=opts.act, interpret=interpret)
+    wl = lax.dynamic_index_in_dim(w, layer, keepdims=False)                          # [N, K]
+    dxn = _linear(dpre, wl.T, interpret=interpret)                                  # [M, K]
+    dw = twin_grad.stacked(w, _linear(dpre.T, xn.T, interpret=interpret), layer)     # [N, K] at layer
+    dscale = None if scale is None else twin_grad.stacked(scale, twin_grad.batch_sum(ts, scale.dtype,
+                                                                                     interpret=interpret), layer)
+    dx, dnw, dnb = dxn, None, None
+    if norm is not None:
+        dx, tw = twin_norm.norm_grad(x, dxn, nw, nb, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
+        dnw = twin_grad.stacked(nw, twin_grad.batch_sum(tw, nw.dtype, interpret=interpret), layer)
+        if nb is not None:
+            dnb = twin_grad.stacked(nb, twin_grad.batch_sum(dxn, nb.dtype, interpret=interpret), layer)
+    return dx, dw, None, dscale, dy if opts.has_residual else None, dnw, dnb
+
+
+_linear_vjp.defvjp(_linear_fwd, _linear_bwd)
+
+
+def _linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
+            residual: jax.Array | None = None, norm: TwinNorm | None = None, split: TwinSplit | None = None,
+            rms: TwinRms | None = None, block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
+            num_stages: int | None = None, prefetch: int = TWIN_PALLAS_PREFETCH, form: str | None = None,
+            interpret: bool | None = None):
+    """`linear`'s kernels, not differentiated (the backward's own products call this)."""
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     split = split_one_layer(split)
     M, K, _, N_out = check_twin_linear(x, w, act, scale, residual, norm)
@@ -419,7 +511,7 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
                 ring_k.reshape(rows), ring_v.reshape(rows)]
     ring_at = len(operands) - 2
     q_flat = jax.ShapeDtypeStruct((B * H * T, D), x.dtype)
-    q, k, v = pl.pallas_call(
+    qkv_kernel = pl.pallas_call(
         functools.partial(_qkv_kernel, M=M, K=K, R=R, BN=BN, BK=BK, B=B, T=T, H=H, C=C, D=D,
                           norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
                           rms=None if rms is None else rms.eps, rope=rope, gpu=not interpret),
@@ -432,7 +524,9 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
         compiler_params=pltriton.CompilerParams(num_warps=num_warps,
                                                 num_stages=num_stages or twin_mma_stages(N, BN, BK, rows=R, M=M)),
         name="twin_qkv_rope_write",
-    )(*operands)
+    )
+    q, k, v = twin_grad.undifferentiated(qkv_kernel, "linear_rope_write(form='mma')",
+                                         "the one-kernel qkv projection with RoPE and the ring write")(*operands)
     return q.reshape(B, H, T, D), k.reshape(ring_k.shape), v.reshape(ring_v.shape)
 
 

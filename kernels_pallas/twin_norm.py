@@ -26,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas import twin_grad
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.norm import (
     TWIN_NORM_WARPS,
@@ -37,7 +38,7 @@ from kernels_pallas.contract.norm import (
 from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, twin_lanes
 
 
-def _row_sum(load, D, BK, unroll):
+def row_sum(load, D, BK, unroll):
     """S(.) of the contract: lanes over the D / BK blocks in order from +0, then the tree;
     load(kb) -> [BM, BK] (kb may be traced); returns [BM, 1].
 
@@ -75,19 +76,19 @@ def normalize(xf, w, b, stats, kind, gpu):
 def row_stats(load_x, D, BK, kind, eps, gpu, unroll=None):
     """The contract's per-row statistics, (r,) for rms or (mean, r) for layer, each [BM, 1];
     load_x(kb) -> float32 [BM, BK], block kb of the rows (kb is traced when unroll < D / BK;
-    twin_linear's fused norm calls this too); unroll: see `_row_sum` (None: all blocks)."""
+    twin_linear's fused norm calls this too); unroll: see `row_sum` (None: all blocks)."""
     unroll = D // BK if unroll is None else unroll
     f32 = tm.F32
     inv_d = f32(1.0 / D)
     if kind == "rms":
-        return (_rms_r(_row_sum(lambda kb: tm.mul(load_x(kb), load_x(kb), gpu), D, BK, unroll), D, eps, gpu),)
-    mean = tm.mul(_row_sum(load_x, D, BK, unroll), inv_d, gpu)
+        return (_rms_r(row_sum(lambda kb: tm.mul(load_x(kb), load_x(kb), gpu), D, BK, unroll), D, eps, gpu),)
+    mean = tm.mul(row_sum(load_x, D, BK, unroll), inv_d, gpu)
 
     def centered_sq(kb):
         c = load_x(kb) - mean
         return tm.mul(c, c, gpu)
 
-    var = tm.mul(_row_sum(centered_sq, D, BK, unroll), inv_d, gpu)
+    var = tm.mul(row_sum(centered_sq, D, BK, unroll), inv_d, gpu)
     return mean, tm.div(f32(1.0), tm.sqrt(var + f32(eps), gpu), gpu)
 
 
@@ -112,7 +113,42 @@ def _kernel(layer_ref, x_ref, w_ref, b_ref, o_ref, *, D, BK, kind, eps, gpu):
 def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=None, *, kind: str = "rms",
          eps: float, block_m: int | None = None, num_warps: int = TWIN_NORM_WARPS, interpret: bool | None = None) -> jax.Array:
     """The contract's norm of each row of x [M, D]; weight, bias [L, D] at `layer` (int or traced
-    int32 scalar), or [D] with layer=None; bias only for kind="layer". Returns x's shape and dtype."""
+    int32 scalar), or [D] with layer=None; bias only for kind="layer". Returns x's shape and dtype.
+
+    Differentiable (`jax.custom_vjp`: `norm_grad` and `twin_grad.batch_sum`, `contract.grad`)
+    in x, weight and bias; the layer index has no cotangent."""
+    if layer is None:
+        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
+    check_twin_norm(x, weight, bias, kind)
+    return _norm_vjp(x, weight, bias, jnp.asarray(layer, jnp.int32), (kind, eps, block_m, num_warps, interpret))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _norm_vjp(x, weight, bias, layer, opts):
+    kind, eps, block_m, num_warps, interpret = opts
+    return _norm(x, weight, bias, layer, kind=kind, eps=eps, block_m=block_m, num_warps=num_warps, interpret=interpret)
+
+
+def _norm_fwd(x, weight, bias, layer, opts):
+    return _norm_vjp(x, weight, bias, layer, opts), (x, weight, bias, layer)
+
+
+def _norm_bwd(opts, saved, dy):
+    x, weight, bias, layer = saved
+    kind, eps, block_m, _, interpret = opts
+    dx, tw = norm_grad(x, dy, weight, bias, layer, kind=kind, eps=eps, block_m=block_m, interpret=interpret)
+    dw = twin_grad.stacked(weight, twin_grad.batch_sum(tw, weight.dtype, interpret=interpret), layer)
+    db = None if bias is None else twin_grad.stacked(bias, twin_grad.batch_sum(dy, bias.dtype, interpret=interpret),
+                                                     layer)
+    return dx, dw, db, None
+
+
+_norm_vjp.defvjp(_norm_fwd, _norm_bwd)
+
+
+def _norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None, layer, *, kind: str, eps: float,
+          block_m: int | None, num_warps: int, interpret: bool | None) -> jax.Array:
+    """`norm`'s kernel, not differentiated."""
     weight, bias, layer = _stacked(weight, bias, layer, kind)
     M, D = check_twin_norm(x, weight, bias, kind)
     BK = twin_lanes(D)
@@ -183,7 +219,7 @@ def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     outs = (jax.ShapeDtypeStruct((M, D), x.dtype), jax.ShapeDtypeStruct((M, D // TWIN_SPLIT_GROUP), jnp.float32))
     whole = [pl.BlockSpec(a.shape, lambda i, j: (0,) * 2) for a in (x, weight, *outs)]  # 2-D, read in place
-    return pl.pallas_call(
+    kernel = pl.pallas_call(
         functools.partial(_split_kernel, M=M, gpu=not interpret),
         out_shape=outs,
         grid=(-(-M // TWIN_MMA_ROWS), D // TWIN_SPLIT_GROUP),
@@ -192,7 +228,8 @@ def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=TWIN_NORM_WARPS, num_stages=1),
         name="twin_rms_split",
-    )(layer, x, weight)
+    )
+    return twin_grad.undifferentiated(kernel, "split", "the split RMSNorm")(layer, x, weight)
 
 
 def split_native(x, weight, layer=None, **_):
@@ -228,4 +265,102 @@ def norm_native(x, weight, bias=None, layer=None, *, kind: str = "rms", eps: flo
     return tm.to_dtype(normalize(xf, w, b, stats, kind, False), x.dtype)
 
 
-__all__ = ["norm", "norm_native", "split", "split_native"]
+# ------------------------------------------------------------------------ the norm's derivative
+# (`contract.grad`; its weights' sums over the batch: `twin_grad.batch_sum`)
+def norm_grad_rows(load_x, load_dy, load_w, D, BK, kind, eps, gpu, unroll=None):
+    """The norm's derivative (`contract.grad`) of rows given block loaders (kb -> float32 [BM, BK];
+    load_w: the weight's block [1, BK]): (dx(kb), tw(kb)), functions of the block, float32."""
+    unroll = D // BK if unroll is None else unroll
+    inv_d = tm.F32(1.0 / D)
+    stats = row_stats(load_x, D, BK, kind, eps, gpu, unroll)
+
+    def g(kb):
+        return tm.mul(load_dy(kb), load_w(kb), gpu)
+
+    if kind == "rms":
+        (r,) = stats
+        s = row_sum(lambda kb: tm.mul(g(kb), load_x(kb), gpu), D, BK, unroll)
+        c = tm.mul(tm.mul(s, inv_d, gpu), tm.mul(tm.mul(r, r, gpu), r, gpu), gpu)
+        return (lambda kb: tm.mul(g(kb), r, gpu) - tm.mul(load_x(kb), c, gpu),
+                lambda kb: tm.mul(load_dy(kb), tm.mul(load_x(kb), r, gpu), gpu))
+    mean, r = stats
+
+    def xhat(kb):
+        return tm.mul(load_x(kb) - mean, r, gpu)
+
+    mg = tm.mul(row_sum(g, D, BK, unroll), inv_d, gpu)
+    mgx = tm.mul(row_sum(lambda kb: tm.mul(g(kb), xhat(kb), gpu), D, BK, unroll), inv_d, gpu)
+    return (lambda kb: tm.mul(r, (g(kb) - mg) - tm.mul(xhat(kb), mgx, gpu), gpu),
+            lambda kb: tm.mul(load_dy(kb), xhat(kb), gpu))
+
+
+def _norm_kernel(layer_ref, x_ref, dy_ref, w_ref, dx_ref, tw_ref, *, D, BK, kind, eps, gpu):
+    layer = layer_ref[0]
+
+    def loader(ref):
+        return lambda kb: ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)  # [BM, BK]
+
+    dx, tw = norm_grad_rows(loader(x_ref), loader(dy_ref), lambda kb: w_ref[layer, pl.ds(kb * BK, BK)].astype(tm.F32)[None, :],
+                            D, BK, kind, eps, gpu, twin_norm_unroll(D // BK, x_ref.shape[0]))
+    outs = [(tm.to_dtype(dx(kb), dx_ref.dtype), tw(kb)) for kb in range(D // BK)]  # every block before a store
+    for kb, (a, b) in enumerate(outs):
+        dx_ref[:, pl.ds(kb * BK, BK)] = a
+        tw_ref[:, pl.ds(kb * BK, BK)] = b
+
+
+def check_norm_grad(x, dy, weight, bias, kind):
+    """(M, D) of a norm_grad call, checked: x, dy [M, D] of one dtype, the norm's weights."""
+    M, D = check_twin_norm(x, weight, bias, kind)
+    if tuple(dy.shape) != (M, D) or str(dy.dtype) != str(x.dtype):
+        raise ValueError(f"norm_grad(dy): expected {x.dtype} [{M}, {D}], got {dy.dtype} {tuple(dy.shape)}")
+    return M, D
+
+
+def norm_grad(x: jax.Array, dy: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=None, *,
+              kind: str = "rms", eps: float, block_m: int | None = None, interpret: bool | None = None):
+    """The twin norm's derivative (`contract.grad`): x, dy [M, D] in one dtype; weight, bias [L, D] at
+    `layer` (int or traced), or [D] with layer=None (the bias is not read: the derivative does not
+    depend on it). Returns (dx [M, D] in x's dtype, tw float32 [M, D]: the weight's per-row terms,
+    for `batch_sum`)."""
+    if layer is None:
+        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
+    M, D = check_norm_grad(x, dy, weight, bias, kind)
+    BK = twin_lanes(D)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    BM = NormBlocks.for_shapes(M, D, block_m, interpret).block_m
+    Mp = -(-M // BM) * BM
+    pad = ((0, Mp - M), (0, 0))
+    rows = pl.BlockSpec((BM, D), lambda i: (i, 0))
+    dx, tw = pl.pallas_call(
+        functools.partial(_norm_kernel, D=D, BK=BK, kind=kind, eps=eps, gpu=not interpret),
+        out_shape=(jax.ShapeDtypeStruct((Mp, D), x.dtype), jax.ShapeDtypeStruct((Mp, D), tm.F32)),
+        grid=(Mp // BM,),
+        in_specs=[pl.BlockSpec((1,), lambda i: (0,)), rows, rows, pl.BlockSpec(weight.shape, lambda i: (0, 0))],
+        out_specs=(rows, rows),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=TWIN_NORM_WARPS, num_stages=2),
+        name=f"twin_{kind}_norm_grad",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, pad), jnp.pad(dy, pad), weight)
+    return dx[:M], tw[:M]
+
+
+def norm_grad_native(x, dy, weight, bias=None, layer=None, *, kind: str = "rms", eps: float, **_):
+    """The plain jax.numpy reference of `norm_grad`: the same signature and bits, without Pallas."""
+    if layer is None:
+        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
+    M, D = check_norm_grad(x, dy, weight, bias, kind)
+    BK = twin_lanes(D)
+    w = lax.dynamic_index_in_dim(weight, layer, keepdims=False).astype(tm.F32).reshape(D // BK, BK)
+
+    def loader(a):
+        blocks = a.astype(tm.F32).reshape(M, D // BK, BK)
+        return lambda kb: lax.dynamic_index_in_dim(blocks, kb, axis=1, keepdims=False)
+
+    dx, tw = norm_grad_rows(loader(x), loader(dy), lambda kb: lax.dynamic_index_in_dim(w, kb, keepdims=True),
+                            D, BK, kind, eps, False)
+    nkb = D // BK
+    return (tm.to_dtype(jnp.concatenate([dx(kb) for kb in range(nkb)], axis=1), x.dtype),
+            jnp.concatenate([tw(kb) for kb in range(nkb)], axis=1))
+
+__all__ = ["norm", "norm_grad", "norm_grad_native", "norm_native", "split", "split_native"]

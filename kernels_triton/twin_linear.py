@@ -37,8 +37,8 @@ from kernels_pallas.contract.norm import (
     twin_norm_unroll,
 )
 from kernels_pallas.contract.numerics import twin_lanes
+from kernels_triton import twin_grad, twin_norm, twin_rope
 from kernels_triton import twin_math as tm
-from kernels_triton import twin_norm, twin_rope
 from kernels_triton.twin_math import interpreting
 
 _GATE_BN = 256  # columns per program of the gate kernel
@@ -210,7 +210,63 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
     block_m (the MMA form's: 16, 32 or 64 rows, `contract.linear.twin_mma_rows`), block_n, num_warps,
     num_stages (of the pipelined loop over K; None: the form's default): speed only, never the bits.
     split, rms: the split RMSNorm (the Pallas twin's).
+
+    Differentiable (a `torch.autograd.Function`: the Pallas twin's backward, `contract.grad`, on the
+    Triton twins, the same bits) in x, w, scale, residual and the norm's weights; split and rms raise
+    NotImplementedError where autograd records the call. Without gradients, the kernels run directly.
     """
+    w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
+    nw, nb = (None, None) if norm is None else (norm.weight, norm.bias)
+    kwargs = {"act": act, "scale": scale, "residual": residual, "norm": norm, "split": split, "rms": rms,
+              "block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "form": form}
+    if not twin_grad.needs_grad(x, w, scale, residual, nw, nb):
+        return _linear(x, w, layer, **kwargs)
+    if split is not None or rms is not None:
+        twin_grad.refuse_grad("linear(split, rms)", "the split RMSNorm", x, w)
+    check_twin_linear(x, w, act, scale, residual, norm)
+    return _Linear.apply(x, w, tm.layer_tensor(layer, w.shape[0], x.device, "linear"), scale, residual, nw, nb,
+                         kwargs)
+
+
+class _Linear(torch.autograd.Function):
+    """`linear` with the backward of `contract.grad` (the Pallas twin's `_linear_bwd`, call for call)."""
+
+    @staticmethod
+    def forward(ctx, x, w, layer_t, scale, residual, nw, nb, kwargs):
+        ctx.save_for_backward(x, w, layer_t, scale, nw, nb)
+        ctx.act, ctx.norm, ctx.form = kwargs["act"], kwargs["norm"], kwargs["form"]
+        ctx.has_residual = residual is not None
+        return _linear(x, w, layer_t, **kwargs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, layer_t, scale, nw, nb = ctx.saved_tensors
+        act, form = ctx.act, ctx.form
+        norm = None if ctx.norm is None else ctx.norm._replace(weight=nw, bias=nb)
+        dy = dy.contiguous()
+        xn = _norm_first(x, norm, layer_t)
+        pre = None
+        if act is not None or scale is not None:  # the projection the epilogue started from, again
+            pre = _linear(xn, w, layer_t, form=form)
+        dpre, ts = twin_grad.epilogue_grad(dy, pre, scale, layer_t, act=act)
+        wl = w.index_select(0, layer_t.long())[0]                                        # [N, K]
+        dxn = _linear(dpre, wl.t().contiguous())                                          # [M, K]
+        dw = twin_grad.stacked(w, _linear(dpre.t().contiguous(), xn.t().contiguous()), layer_t)  # [N, K] at layer
+        dscale = None if scale is None else twin_grad.stacked(scale, twin_grad.batch_sum(ts, scale.dtype), layer_t)
+        dx, dnw, dnb = dxn, None, None
+        if norm is not None:
+            dx, tw = twin_norm.norm_grad(x, dxn, nw, nb, layer_t, kind=norm.kind, eps=norm.eps)
+            dnw = twin_grad.stacked(nw, twin_grad.batch_sum(tw, nw.dtype), layer_t)
+            if nb is not None:
+                dnb = twin_grad.stacked(nb, twin_grad.batch_sum(dxn, nb.dtype), layer_t)
+        return dx, dw, None, dscale, dy if ctx.has_residual else None, dnw, dnb, None
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = None,
+            scale: torch.Tensor | None = None, residual: torch.Tensor | None = None, norm: TwinNorm | None = None,
+            split: TwinSplit | None = None, rms: TwinRms | None = None, block_m: int | None = None,
+            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None, form: str | None = None):
+    """`linear`'s kernels, not differentiated (the backward's own products call this)."""
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     split = split_one_layer(split)
     M, K, N, N_out = check_twin_linear(x, w, act, scale, residual, norm)
@@ -370,6 +426,8 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
                      num_stages=num_stages, form="lanes").view(B, T, 3, H, D)
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
                                     write_index, write_mask)
+    twin_grad.refuse_grad("linear_rope_write(form='mma')", "the one-kernel qkv projection with RoPE and the ring write",
+                          x, w, None if norm is None else norm.weight, None if norm is None else norm.bias)
     for name, t in (("x", x), ("w", w), ("cos", cos), ("sin", sin), ("ring_k", ring_k), ("ring_v", ring_v),
                     ("rms.ss", x if rms is None else rms.ss)):
         if t is not None and not t.is_contiguous():

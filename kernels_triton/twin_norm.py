@@ -16,6 +16,7 @@ from kernels_pallas.contract.norm import (
     twin_norm_unroll,
 )
 from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, twin_lanes
+from kernels_triton import twin_grad
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -97,9 +98,43 @@ def _kernel(layer_ptr, x_ptr, w_ptr, b_ptr, o_ptr, M, eps, INV_D: tl.constexpr, 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, layer=None, *,
          kind: str = "rms", eps: float, block_m: int | None = None, num_warps: int = TWIN_NORM_WARPS) -> torch.Tensor:
-    """The contract's norm of each row of x [M, D] (the Pallas twin's signature and bits)."""
+    """The contract's norm of each row of x [M, D] (the Pallas twin's signature and bits).
+
+    Differentiable (a `torch.autograd.Function`: `norm_grad` and `twin_grad.batch_sum`, the Pallas
+    twin's backward) in x, weight and bias; without gradients the kernel runs directly."""
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
+    check_twin_norm(x, weight, bias, kind)
+    if not twin_grad.needs_grad(x, weight, bias):
+        return _norm(x, weight, bias, layer, kind=kind, eps=eps, block_m=block_m, num_warps=num_warps)
+    return _Norm.apply(x, weight, bias, tm.layer_tensor(layer, weight.shape[0], x.device, "norm"),
+                       (kind, eps, block_m, num_warps))
+
+
+class _Norm(torch.autograd.Function):
+    """`norm` with the backward of `contract.grad` (the Pallas twin's `_norm_bwd`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer_t, opts):
+        ctx.save_for_backward(x, weight, bias, layer_t)
+        ctx.opts = opts
+        kind, eps, block_m, num_warps = opts
+        return _norm(x, weight, bias, layer_t, kind=kind, eps=eps, block_m=block_m, num_warps=num_warps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, layer_t = ctx.saved_tensors
+        kind, eps, block_m, _ = ctx.opts
+        dy = dy.contiguous()
+        dx, tw = norm_grad(x, dy, weight, bias, layer_t, kind=kind, eps=eps, block_m=block_m)
+        dw = twin_grad.stacked(weight, twin_grad.batch_sum(tw, weight.dtype), layer_t)
+        db = None if bias is None else twin_grad.stacked(bias, twin_grad.batch_sum(dy, bias.dtype), layer_t)
+        return dx, dw, db, None, None
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer, *, kind: str, eps: float,
+          block_m: int | None, num_warps: int) -> torch.Tensor:
+    """`norm`'s kernel, not differentiated."""
     M, D = check_twin_norm(x, weight, bias, kind)
     if not x.is_contiguous():
         raise ValueError(f"norm(x): must be contiguous, got strides {x.stride()}")
@@ -162,6 +197,7 @@ def split(x: torch.Tensor, weight: torch.Tensor, layer=None):
     for name, t in (("x", x), ("weight", weight)):
         if not t.is_contiguous():
             raise ValueError(f"split({name}): must be contiguous, got strides {t.stride()}")
+    twin_grad.refuse_grad("split", "the split RMSNorm", x, weight)
     u = torch.empty_like(x)
     ss = torch.empty((M, D // TWIN_SPLIT_GROUP), dtype=torch.float32, device=x.device)
     _split_kernel[(triton.cdiv(M, TWIN_MMA_ROWS), D // TWIN_SPLIT_GROUP)](
@@ -179,11 +215,18 @@ def row_stats_native(xf: torch.Tensor, D: int, kind: str, eps: float) -> tuple[t
     layer, each [M, 1] (the kernels' `row_stats`)."""
     BK, inv_d = twin_lanes(D), 1.0 / D
     if kind == "rms":
-        return (1.0 / torch.sqrt(eps + tm.lanes_sum_native(xf * xf, BK) * inv_d),)
+        return (1.0 / _sqrt_rn(eps + tm.lanes_sum_native(xf * xf, BK) * inv_d),)
     mean = tm.lanes_sum_native(xf, BK) * inv_d
     c = xf - mean
     var = tm.lanes_sum_native(c * c, BK) * inv_d
-    return mean, 1.0 / torch.sqrt(var + eps)
+    return mean, 1.0 / _sqrt_rn(var + eps)
+
+
+def _sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root (the kernels' ``sqrt_rn``): torch's float32 CPU sqrt
+    is not (sqrt(1.0467745065689087) came out 1 ulp off); the float64 root of a float32, rounded to
+    float32, is."""
+    return torch.sqrt(v.double()).float()
 
 
 def norm_native(x, weight, bias=None, layer=None, *, kind: str = "rms", eps: float, **_):
@@ -213,4 +256,96 @@ def split_native(x, weight, layer=None, **_):
     return (xf * alpha).to(x.dtype), ss
 
 
-__all__ = ["norm", "norm_native", "split", "split_native"]
+# ------------------------------------------------------------------------ the norm's derivative
+# (`contract.grad`; its weights' sums over the batch: `twin_grad.batch_sum`)
+@triton.jit
+def _norm_kernel(layer_ptr, x_ptr, dy_ptr, w_ptr, dx_ptr, tw_ptr, M, eps, INV_D: tl.constexpr, D: tl.constexpr,
+                 BM: tl.constexpr, BK: tl.constexpr, RMS: tl.constexpr, UNROLL: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
+    """Rows i*BM ..: the forward's statistics, the row sums of the derivative over the BK blocks in
+    order, then each block's dx and tw (`contract.grad`)."""
+    layer = tl.load(layer_ptr).to(tl.int64)
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_ok = m < M
+    mean, r = row_stats(x_ptr, m, m_ok, eps, INV_D, D, BM, BK, RMS, UNROLL)
+    mean, r = mean[:, None], r[:, None]
+    k = tl.arange(0, BK)
+    w_row = w_ptr + layer * D
+    acc_g = tl.zeros([BM, BK], tl.float32)
+    acc_gx = tl.zeros([BM, BK], tl.float32)
+    for k0 in range(0, D, BK):
+        offs = m[:, None] * D + k0 + k[None, :]
+        x = tl.load(x_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        g = tl.load(dy_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32) * \
+            tl.load(w_row + k0 + k).to(tl.float32)[None, :]
+        if RMS:
+            acc_gx = acc_gx + g * x
+        else:
+            acc_g = acc_g + g
+            acc_gx = acc_gx + g * ((x - mean) * r)
+    mgx = (tm.tree_sum(acc_gx, BM, BK) * INV_D)[:, None]
+    mg = (tm.tree_sum(acc_g, BM, BK) * INV_D)[:, None]
+    c = mgx * ((r * r) * r)
+    for k0 in range(0, D, BK):
+        offs = m[:, None] * D + k0 + k[None, :]
+        x = tl.load(x_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        g = dy * tl.load(w_row + k0 + k).to(tl.float32)[None, :]
+        if RMS:
+            dx = g * r - x * c
+            tw = dy * (x * r)
+        else:
+            xhat = (x - mean) * r
+            dx = r * ((g - mg) - xhat * mgx)
+            tw = dy * xhat
+        tl.store(dx_ptr + offs, tm.to_dtype(dx, dx_ptr.dtype.element_ty, INTERPRETED), mask=m_ok[:, None])
+        tl.store(tw_ptr + offs, tw, mask=m_ok[:, None])
+
+
+def check_norm_grad(x, dy, weight, bias, kind):
+    """(M, D) of a norm_grad call, checked (the Pallas twin's check)."""
+    M, D = check_twin_norm(x, weight, bias, kind)
+    if tuple(dy.shape) != (M, D) or dy.dtype != x.dtype:
+        raise ValueError(f"norm_grad(dy): expected {x.dtype} [{M}, {D}], got {dy.dtype} {tuple(dy.shape)}")
+    return M, D
+
+
+def norm_grad(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, layer=None,
+              *, kind: str = "rms", eps: float, block_m: int | None = None):
+    """The twin norm's derivative: the Pallas twin's signature and bits; (dx, tw float32)."""
+    if layer is None:
+        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
+    M, D = check_norm_grad(x, dy, weight, bias, kind)
+    x, dy, weight = x.contiguous(), dy.contiguous(), weight.contiguous()
+    interpreted = interpreting(_norm_kernel)
+    blocks = NormBlocks.for_shapes(M, D, block_m, interpreted)
+    BM, BK = blocks.block_m, blocks.block_k
+    dx = torch.empty_like(x)
+    tw = torch.empty((M, D), dtype=torch.float32, device=x.device)
+    _norm_kernel[(triton.cdiv(M, BM),)](
+        tm.layer_tensor(layer, weight.shape[0], x.device, "norm_grad"), x, dy, weight, dx, tw, M, eps,
+        INV_D=float(np.float32(1.0 / D)), D=D, BM=BM, BK=BK, RMS=kind == "rms", UNROLL=twin_norm_unroll(D // BK, BM),
+        INTERPRETED=interpreted, num_warps=TWIN_NORM_WARPS, enable_fp_fusion=False)
+    return dx, tw
+
+
+def norm_grad_native(x, dy, weight, bias=None, layer=None, *, kind: str = "rms", eps: float, **_):
+    """The plain torch reference of `norm_grad`: the same signature and bits, without Triton."""
+    if layer is None:
+        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
+    _, D = check_norm_grad(x, dy, weight, bias, kind)
+    BK, inv_d = twin_lanes(D), 1.0 / D
+    xf, dyf = x.float(), dy.float()
+    g = dyf * weight[int(layer)].float()[None, :]
+    stats = row_stats_native(xf, D, kind, eps)
+    if kind == "rms":
+        (r,) = stats
+        c = (tm.lanes_sum_native(g * xf, BK) * inv_d) * ((r * r) * r)
+        return (g * r - xf * c).to(x.dtype), dyf * (xf * r)
+    mean, r = stats
+    xhat = (xf - mean) * r
+    mg = tm.lanes_sum_native(g, BK) * inv_d
+    mgx = tm.lanes_sum_native(g * xhat, BK) * inv_d
+    return (r * ((g - mg) - xhat * mgx)).to(x.dtype), dyf * xhat
+
+__all__ = ["norm", "norm_grad", "norm_grad_native", "norm_native", "split", "split_native"]

@@ -23,7 +23,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TWINS = ("twin_attention", "twin_linear", "twin_norm", "twin_rope")
+TWINS = ("twin_attention", "twin_grad", "twin_linear", "twin_norm", "twin_rope")
 # Parameters one backend has and the other cannot: Pallas picks interpretation per call (`interpret`)
 # and its lane-form linear prefetches weight blocks (`prefetch`); Triton decides interpretation when
 # a kernel is decorated (TRITON_INTERPRET) and pipelines with `num_stages`, which both take.
