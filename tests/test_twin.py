@@ -850,7 +850,7 @@ def test_entry_gpu_tables_same_bits(B, T, H, D, C, dtype, convention):
     _check_entry(B, T, H, D, C, dtype, convention, "cuda")
 
 
-def _attention_case(B, H, T, D, C, dtype):
+def attention_case(B, H, T, D, C, dtype):
     """(q, ring_k, ring_v, positions, q_pos) as numpy: a masked slot 3 holding NaN (v) and Inf (k),
     which must reach no output; row 0 sees nothing; the other rows' slots in a shuffled order."""
     rng = np.random.default_rng(C + D)
@@ -884,7 +884,7 @@ def _attention_distance(out, q, ring_k, ring_v, positions, q_pos, layer=1):
 @pytest.mark.parametrize("B,H,T,D,C,dtype", [(3, 4, 1, 16, 24, "float32"), (2, 4, 2, 8, 10, "bfloat16"),
                                               (2, 2, 1, 16, 300, "float32")])
 def test_attention_twins_same_bits_and_zero_for_a_row_that_sees_nothing(B, H, T, D, C, dtype, monkeypatch):
-    q, ring_k, ring_v, positions, q_pos = case = _attention_case(B, H, T, D, C, dtype)
+    q, ring_k, ring_v, positions, q_pos = case = attention_case(B, H, T, D, C, dtype)
     args = (q, ring_k, ring_v, jnp.int32(1), positions, q_pos)
     o_p = jax.jit(lambda *a: pa.attention(*a, context=C))(*args)
     o_n = jax.jit(lambda *a: pa.attention_native(*a, context=C))(*args)
@@ -928,7 +928,7 @@ def test_attention_propagates_a_visible_nan_and_only_it(dtype, form):
     attentions (`_other_attentions`); the masked slot's NaN and Inf reach no twin output, and a row
     that sees nothing is still +0."""
     B, H, T, D, C = 3, 2, 2, 16, 24
-    q, ring_k, ring_v, positions, q_pos = _attention_case(B, H, T, D, C, dtype)
+    q, ring_k, ring_v, positions, q_pos = attention_case(B, H, T, D, C, dtype)
     positions[1, 5] = C - 2  # visible to both queries of row 1 (q_pos C, C + 1)
     ring_k[1, 1, 0, 5] = np.nan
     want = np.zeros((B, T, H, D), bool)
@@ -974,7 +974,7 @@ def test_attention_mma_form_interpreted_agrees_with_float64(B, H, T, D, C):
     which the GPU test holds the twins to bit for bit), so both twins are held to float64 within
     bf16 rounding; the masking, the online softmax, the split combine and p's two 16-bit parts are
     the code that runs compiled."""
-    q, ring_k, ring_v, positions, q_pos = case = _attention_case(B, H, T, D, C, "bfloat16")
+    q, ring_k, ring_v, positions, q_pos = case = attention_case(B, H, T, D, C, "bfloat16")
     o_p = jax.jit(lambda *a: pa.attention(*a, context=C, form="mma"))(q, ring_k, ring_v, jnp.int32(1), positions,
                                                                       q_pos)
     o_t = ta.attention(to_torch(q), to_torch(ring_k), to_torch(ring_v), 1, torch.from_numpy(positions),
@@ -1001,7 +1001,7 @@ def test_attention_form_is_chosen_by_shape_dtype_and_backend_never_by_batch(monk
                                        S((B, H, 1, D), dtype), S((2, B, H, C, D), dtype), S((B, C), jnp.int32),
                                        S((B, 1), jnp.int32), monkeypatch=monkeypatch, capsys=capsys)
             assert ("tt.dot" in text) == dot, (B, dtype)
-    q, ring_k, _, positions, q_pos = _attention_case(1, 1, 1, 8, 16, "bfloat16")
+    q, ring_k, _, positions, q_pos = attention_case(1, 1, 1, 8, 16, "bfloat16")
     with pytest.raises(ValueError, match=r"attention\(form='mma'\): needs bfloat16/float16"):
         pa.attention(q, ring_k, ring_k, 0, positions, q_pos, context=16, form="mma")
     with pytest.raises(ValueError, match=r"attention\(form\): must be one of"):
@@ -1015,7 +1015,7 @@ def test_attention_mma_form_gpu_twins_same_bits_and_batch_invariant(B, H, T, D, 
     """Compiled on the GPU at the stacks' sizes (temporal; Mimi at T=2 and 10): the Pallas and
     Triton MMA forms give the same bits, another launch of the Triton twin too, a row alone has the
     bits it has among the others, and the output is within bf16 rounding of float64."""
-    q, ring_k, ring_v, positions, q_pos = case = _attention_case(B, H, T, D, C, "bfloat16")
+    q, ring_k, ring_v, positions, q_pos = case = attention_case(B, H, T, D, C, "bfloat16")
     assert ca.twin_attention_form(D, ca.AttentionBlocks.for_shapes(C).block_slots, jnp.dtype(jnp.bfloat16), True) == "mma"
     G = (lambda a: to_torch(a).cuda())
     o_p = jax.jit(lambda *a: pa.attention(*a, context=C))(*(jnp.asarray(a) for a in (q, ring_k, ring_v)), 1,

@@ -270,11 +270,14 @@ class StreamingStack(StackWeights, StackStreamIO, nn.Module):
             return program(self._twins[0], self.config, self.weights(), carry, layer, tables)
         return self._reference_layer(self.config, self._layer_weights(layer), carry, layer, tables, active)
 
-    @torch.no_grad()
     def step(self, x: torch.Tensor, active: torch.Tensor | None = None):
         """One streaming step: x [B, T, dim], active bool [B] (default: all rows).
 
         The tables are built once and every layer uses them. Inactive rows leave the state as is.
+        Differentiable: where autograd records (x or a weight buffer requiring grad) the reference
+        ops and the twin kernels' autograd Functions record, the rings carrying the graph from step
+        to step; the twin gradients are the JAX twin step's bits (`kernels_pallas.contract.grad`).
+        Otherwise nothing is recorded, as under `torch.no_grad`.
         """
         state, active = self._check_step_inputs(x, active)
         if active is None:

@@ -16,7 +16,7 @@ from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_rope as pr
 from kernels_triton import twin_attention as ta
 from kernels_triton import twin_rope as tr
-from tests.test_twin import NP, _attention_case, assert_same, to_torch
+from tests.test_twin import NP, attention_case, assert_same, to_torch
 
 
 def _rope_case(dtype, B=2, T=3, H=2, D=8, L=2, C=5, seed=0):
@@ -101,7 +101,7 @@ def test_attention_twin_gradients_same_bits(B, H, T, D, C, dtype):
     of the reference layer's attention in float32 (on the slots, the masked one zeroed): within 1e-6
     (float32: measured 1.8e-7) and 2**-8 (bfloat16 q and ring: one rounding of gradients below 1;
     measured 6.3e-4)."""
-    q, rk, rv, positions, q_pos = _attention_case(B, H, T, D, C, dtype)
+    q, rk, rv, positions, q_pos = attention_case(B, H, T, D, C, dtype)
     ct = np.asarray(jnp.asarray(np.random.default_rng(5).standard_normal((B, T, H, D)), jnp.float32).astype(q.dtype))
     J = jnp.asarray
     _, back = jax.vjp(lambda a, k, v: pa.attention(a, k, v, jnp.int32(1), J(positions), J(q_pos), context=C),

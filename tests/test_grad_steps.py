@@ -1,5 +1,7 @@
-"""Derivatives of the attention and RoPE kernels: the "pallas" kernels' VJPs against their
-references, and `jax.grad` through the streamed step on those kernels against the reference step."""
+"""Derivatives through whole streamed steps: the "pallas" kernels' VJPs against their references,
+`jax.grad` through the step on the "pallas" and "twin" kernels against the reference step, and the
+twin gradients of the whole step: `jax.grad` through the JAX twin step and torch autograd through
+the torch twin stack give the same bits for every weight's and input's gradient."""
 
 from __future__ import annotations
 
@@ -9,10 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 import jax_impl as jx
 from jax_impl.config import PRESETS
+from jax_impl.weights import nest_params, stacked_weights
 from kernels_pallas.ring_attention import ring_attention, ring_attention_native
+from torch_bridge import MimiTransformer, TemporalStreaming
 
 
 def _ring_case(dtype, T):
@@ -80,8 +85,6 @@ def test_grad_through_streamed_pallas_step_is_the_reference_steps(preset):
     assert any(float(jnp.abs(g).max()) > 1e-3 for g in jax.tree.leaves(got))
 
 
-@pytest.mark.skip(reason="needs VJPs of the twin linear and norm kernels (kernels_pallas.twin_linear, twin_norm); "
-                         "attention, RoPE write and entry have theirs")
 def test_grad_through_streamed_twin_step_is_the_reference_steps():
     """jax.grad over 3 streamed steps through step_fn(kernels="twin"), jitted, within 2e-5 of
     kernels="reference"'s gradient (float32; the twins' sums run in their own fixed order)."""
@@ -103,3 +106,50 @@ def test_grad_through_streamed_twin_step_is_the_reference_steps():
 
     for g, r in zip(jax.tree.leaves(grads("twin")), jax.tree.leaves(grads("reference"))):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("preset", ["temporal-small", "mimi-small"])
+def test_twin_step_gradients_are_the_same_bits_in_jax_and_torch(preset):
+    """Twin gradients of a whole stack: a loss over 3 streamed steps (the ring written at one step
+    is read at the next; a row idle at step 1) through `step_fn(kernels="twin")` under `jax.grad`
+    and through the torch twin stack under autograd (its weight buffers requiring grad): every
+    weight's gradient and x's are the same bits (float32). The loss is linear in the outputs (and
+    the text logits), so its cotangents are the fixed weights themselves in both frameworks."""
+    cfg = PRESETS[preset]
+    cls = TemporalStreaming if preset.startswith("temporal") else MimiTransformer
+    torch.set_num_threads(1)
+    module = cls.from_config(cfg, kernels="twin")
+    module.init_weights(generator=torch.Generator().manual_seed(0))
+    S, B = 3, 2
+    rng = np.random.default_rng(1)
+    xs, wx = (rng.standard_normal((S, B, 1, cfg.dim)).astype(np.float32) for _ in range(2))
+    wl = rng.standard_normal((S, B, 1, 1, getattr(cfg, "text_card", 1))).astype(np.float32)
+    actives = np.array([[True, True], [True, False], [True, True]])
+
+    def weigh(out, s, lib):  # the loss term of step s
+        if isinstance(out, tuple):
+            return (out[0] * lib(wx[s])).sum() + (out[1] * lib(wl[s])).sum()
+        return (out * lib(wx[s])).sum()
+
+    params = nest_params(cfg, {k: jnp.asarray(v.numpy()) for k, v in module.weights().items()})
+    step = jx.step_fn(cfg, kernels="twin", rope_freqs=module.rope_freqs())
+
+    def loss(params, xs):
+        state, total = jx.init_state(cfg, B), 0.0
+        for s in range(S):
+            out, state = step(params, state, xs[s], jnp.asarray(actives[s]))
+            total = total + weigh(out, s, jnp.asarray)
+        return total
+
+    grads, gx = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, jnp.asarray(xs))
+    grads = stacked_weights(cfg, grads)
+
+    for w in module.weights().values():
+        w.requires_grad_(True)
+    module.streaming_init(B)
+    xt = torch.tensor(xs, requires_grad=True)
+    sum(weigh(module.step(xt[s], torch.tensor(actives[s])), s, torch.tensor) for s in range(S)).backward()
+    for name, w in module.weights().items():
+        assert w.grad is not None and w.grad.abs().max() > 0, name
+        assert np.array_equal(np.asarray(grads[name]), w.grad.numpy()), name
+    assert np.array_equal(np.asarray(gx), xt.grad.numpy())
