@@ -16,7 +16,7 @@ from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_rope as pr
 from kernels_triton import twin_attention as ta
 from kernels_triton import twin_rope as tr
-from tests.test_twin import NP, attention_case, assert_same, to_torch
+from tests.test_twin import NP, assert_same, attention_case, to_torch
 
 
 def _rope_case(dtype, B=2, T=3, H=2, D=8, L=2, C=5, seed=0):
