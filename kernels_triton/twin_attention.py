@@ -394,4 +394,59 @@ def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int
     return out.to(q.dtype).transpose(1, 2).contiguous()                                          # [B, T, H, D]
 
 
-__all__ = ["attention", "attention_native"]
+def attention_bwd_native(d_out, q, k, v, positions, q_pos, *, context: int, **_):
+    """The plain torch reference of `attention_bwd` (the Pallas twin's `attention_bwd_native`, same
+    signature and bits): every query at once, the three passes block by block, dk and dv summed
+    over the queries in order."""
+    B, H, T, D, C = check_twin_attention(q, k[None], v[None], positions, q_pos)
+    BC = AttentionBlocks.for_shapes(C).block_slots
+    blocks = -(-C // BC)
+    f32, pad = torch.float32, blocks * BC - C
+    kf, vf = (torch.nn.functional.pad(r.to(f32), (0, 0, 0, pad)) for r in (k, v))            # [B, H, N, D]
+    pos = torch.nn.functional.pad(positions.long(), (0, pad), value=-1)                        # [B, N]
+    delta_pos = q_pos.long()[:, :, None] - pos[:, None, :]                                    # [B, T, N]
+    visible = ((pos[:, None, :] >= 0) & (delta_pos >= 0) & (delta_pos < context))[:, None]   # [B, 1, T, N]
+    scale = 1.0 / math.sqrt(D)
+    qf, dO = q.to(f32), d_out.to(f32).transpose(1, 2)                                         # [B, H, T, D]
+
+    def block(i, stats):  # scores s, p, dp, P, ds of block i: [B, H, T, BC] (the Pallas `_bwd_block`)
+        c = slice(i * BC, (i + 1) * BC)
+        vis = visible[..., c]
+        s = torch.where(vis, tm.tree_sum_native(qf[:, :, :, None, :] * kf[:, :, None, c])[..., 0] * scale, -math.inf)
+        if stats is None:
+            return s, None, None, None, None
+        m0, l0, delta = stats
+        p = torch.where(vis, tm.exp_native(s - m0), 0.0)
+        dp = tm.tree_sum_native(dO[:, :, :, None, :] * torch.where(vis[..., None], vf[:, :, None, c], 0.0))[..., 0]
+        if l0 is None:
+            return s, p, dp, None, None
+        P = p / l0
+        return s, p, dp, P, torch.where(vis, P * (dp - delta) * scale, 0.0)
+
+    m = torch.full((B, H, T, 1), -math.inf, dtype=f32, device=q.device)
+    for i in range(blocks):                                                    # pass A: the maximum
+        m = torch.maximum(m, block(i, None)[0].amax(-1, keepdim=True))
+    m0 = torch.where(m == -math.inf, 0.0, m)
+    l = g = torch.zeros((B, H, T, BC), dtype=f32, device=q.device)
+    for i in range(blocks):                                                    # pass B: the sums
+        _, p, dp, _, _ = block(i, (m0, None, None))
+        l, g = l + p, g + p * dp
+    L = tm.tree_sum_native(l)
+    l0 = torch.where(L == 0, 1.0, L)
+    stats = (m0, l0, tm.tree_sum_native(g) / l0)
+    dq, Ps, dss = torch.zeros_like(qf), [], []
+    for i in range(blocks):                                                    # pass C: P, ds and dq
+        c = slice(i * BC, (i + 1) * BC)
+        _, _, _, P, ds = block(i, stats)
+        kept = torch.where(visible[..., c, None], kf[:, :, None, c], 0.0)                     # [B, H, T, BC, D]
+        dq = dq + tm.tree_sum_native((ds[..., None] * kept).transpose(-1, -2))[..., 0]
+        Ps.append(P), dss.append(ds)
+    P, ds = torch.cat(Ps, -1), torch.cat(dss, -1)                                             # [B, H, T, N]
+    dk = dv = torch.zeros((B, H, blocks * BC, D), dtype=f32, device=q.device)
+    for t in range(T):                                                         # the queries in order
+        dk = dk + ds[:, :, t, :, None] * qf[:, :, t, None, :]
+        dv = dv + P[:, :, t, :, None] * dO[:, :, t, None, :]
+    return tuple(torch.where(x == 0, 0.0, x).to(r.dtype) for x, r in ((dq, q), (dk[:, :, :C], k), (dv[:, :, :C], v)))
+
+
+__all__ = ["attention", "attention_bwd", "attention_bwd_native", "attention_native"]

@@ -96,7 +96,7 @@ def _dense_attention(q, k, v, positions, q_pos, context):
                                               (2, 1, 1, 16, 130, "float32")])
 def test_attention_twin_gradients_same_bits(B, H, T, D, C, dtype):
     """attention's VJP (the Pallas backward kernels) == torch autograd through the Triton twin ==
-    attention_bwd_native, bit for bit: dq, and the rings' gradient (layer 1 only). The masked slot 3
+    both attention_bwd_native (jax.numpy and torch), bit for bit: dq, and the rings' gradient (layer 1 only). The masked slot 3
     (NaN v, Inf k) reaches no gradient; row 0 sees nothing and gets none. Against XLA's derivative
     of the reference layer's attention in float32 (on the slots, the masked one zeroed): within 1e-6
     (float32: measured 1.8e-7) and 2**-8 (bfloat16 q and ring: one rounding of gradients below 1;
@@ -112,10 +112,12 @@ def test_attention_twin_gradients_same_bits(B, H, T, D, C, dtype):
     leaves = [to_torch(a).clone().requires_grad_() for a in (q, rk, rv)]
     out = ta.attention(*leaves, 1, torch.from_numpy(positions), torch.from_numpy(q_pos), context=C)
     out.backward(to_torch(ct))
-    assert_same(got[0], ref[0], leaves[0].grad, what="dq")
+    tref = ta.attention_bwd_native(to_torch(ct), *(to_torch(a) for a in (q, rk[1], rv[1])),
+                                   torch.from_numpy(positions), torch.from_numpy(q_pos), context=C)
+    assert_same(got[0], ref[0], leaves[0].grad, tref[0], what="dq")
     for i, what in ((1, "d_ring_k"), (2, "d_ring_v")):
         assert_same(got[i], leaves[i].grad, what=what)
-        assert_same(got[i][1], ref[i], what=what)
+        assert_same(got[i][1], ref[i], tref[i], what=what)
         g = np.asarray(got[i], np.float32)
         assert not g[0].any() and not g[1, :, :, 3].any() and not g[1, 0].any() and np.isfinite(g).all()
     f32 = [J(np.nan_to_num(a, posinf=0.0).astype(np.float32)) for a in (q, rk[1], rv[1])]
