@@ -74,8 +74,3 @@ class GradBlocks:
         max_bm = numerics.TWIN_INTERPRET_MAX_BM if interpreted else GRAD_MAX_BM
         return cls(min(max_bm, next_pow2(M)), largest_pow2_divisor(N, GRAD_MAX_BN))
 
-
-def no_derivative(who: str, what: str):
-    """The NotImplementedError of a kernel option the twin gradients do not differentiate."""
-    return NotImplementedError(f"{who}: {what} has no derivative in the twin kernels (not differentiated); "
-                               "differentiate a call without it")
