@@ -216,7 +216,7 @@ def test_qkv_rope_write_one_kernel_gradients_are_rope_write_then_linear(norm_for
 
     args = [J(a) for a in (x, w, nw if norm_form == "norm" else ss, ring_k, ring_v)]
     got, want = (jax.jit(lambda *a, f=f: jax.vjp(f, *a)[1](tuple(J(c) for c in cts)))(*args) for f in (fused, two))
-    tt = [to_torch(np.asarray(a)).requires_grad_() for a in args]
+    tt = [to_torch(np.array(a)).requires_grad_() for a in args]
     out = tli.linear_rope_write(tt[0], tt[1], L - 1, to_torch(cos), to_torch(sin), tt[3].clone(), tt[4].clone(),
                                 to_torch(wi), to_torch(wm), form="mma", **kw(tt[2]))
     torch.autograd.backward(out, tuple(to_torch(c) for c in cts))
@@ -229,4 +229,4 @@ def test_qkv_rope_write_one_kernel_gradients_are_rope_write_then_linear(norm_for
     with pytest.raises(NotImplementedError, match=r"linear_rope_write\(cos, sin\)"):
         tli.linear_rope_write(to_torch(x), to_torch(w), L - 1, to_torch(cos).requires_grad_(), to_torch(sin),
                               to_torch(ring_k), to_torch(ring_v), to_torch(wi), to_torch(wm), form="mma",
-                              **kw(to_torch(np.asarray(args[2]))))
+                              **kw(to_torch(np.array(args[2]))))
