@@ -499,6 +499,8 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     Returns (q [B, H, T, D], ring_k, ring_v). The MMA form runs it as one kernel after the norm's
     (`contract.linear.twin_qkv_plan`); the lane form as `linear` then `rope_write`, the same bits as ever.
     block_m, block_n, num_warps, num_stages: speed only, as in `linear`.
+    Differentiable in x, w, the norm's weights, rms.ss and the rings (the one kernel: a `jax.custom_vjp`,
+    rope_write's backward then the linear's, `contract.grad`); cos and sin are refused, as `rope_write` does.
     """
     B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     if interpret is None:

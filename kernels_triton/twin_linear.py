@@ -439,7 +439,8 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
                       num_stages: int | None = None, form: str | None = None):
     """The qkv projection with the RoPE rotation and the ring write in its epilogue (the Pallas
     twin's signature and bits): `linear` then `twin_rope.rope_write`, one kernel in the MMA form;
-    cos = sin = None: no rotation; ring_layer: the rings' layer where not `layer`. Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place."""
+    cos = sin = None: no rotation; ring_layer: the rings' layer where not `layer`. Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place.
+    Differentiable as the Pallas twin (the one kernel: `_QkvRopeWrite`); without gradients, the kernels run directly."""
     B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     interpreted = interpreting(_qkv_kernel)
     chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpreted, form, block_n)
