@@ -49,7 +49,9 @@ composes with anything that uses u or ss):
    epilogue needs it, is the consumer itself without the epilogue (its sums scaled by r, rounded: the
    bits the fused epilogue starts from); dxn = linear(dpre, w[layer]^T), the cotangent of the scaled
    operand r * u; then `split_rms_grad`, per row, with r = 1 / sqrt(eps + tree_sum(ss) * inv_K) (the
-   forward's r, from the same ss in the same order):
+   forward's r, from the same ss in the same order; not `norm_grad` on the producer's y: its S(y * y)
+   adds BK = twin_lanes(K) lanes over the blocks, ss groups of TWIN_SPLIT_GROUP columns then the groups'
+   tree, another order, another r):
        xn = to_dtype(u * r)  (the operand for d_w = linear(dpre^T, xn^T));  du = to_dtype(dxn * r)
        c = (S(dxn * u) * inv_K) * ((r * r) * r);  dss[g] = c * -0.5 for every group g
 6. The producer (`linear(..., split=TwinSplit(alpha, offset))`, `norm.split`), given the cotangents
