@@ -1,6 +1,6 @@
 """The twin linears' backward kernels (Pallas): the epilogue's derivative and the sum over the batch
-rows (the norm's derivative is `twin_norm.norm_grad`, beside its forward), and the wrappers of what
-is not differentiated; Triton twin in `kernels_triton.twin_grad`, plain references (`*_native`)
+rows (the norms' derivatives, the split norm's included, are in `twin_norm`, beside their forwards);
+Triton twin in `kernels_triton.twin_grad`, plain references (`*_native`)
 beside each kernel. Their contract, and how `twin_linear.linear` and `twin_norm.norm` differentiate
 with them: `contract.grad`.
 """
@@ -16,23 +16,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.contract.grad import INV_SQRT_2PI, GradBlocks, no_derivative
+from kernels_pallas.contract.grad import INV_SQRT_2PI, GradBlocks
 from kernels_pallas.contract.linear import LINEAR_ACTS
 from kernels_pallas.contract.numerics import SQRT1_2
 
 F32 = tm.F32
-
-
-def undifferentiated(fn, who: str, what: str):
-    """fn (of arrays or None) as it is, but its derivative raises NotImplementedError naming who and
-    what (JAX would otherwise fail inside Pallas with a bare AssertionError)."""
-    wrapped = jax.custom_vjp(fn)
-
-    def fwd(*_):
-        raise no_derivative(who, what)
-
-    wrapped.defvjp(fwd, lambda *_: None)
-    return wrapped
 
 
 def stacked(w: jax.Array, g: jax.Array, layer) -> jax.Array:

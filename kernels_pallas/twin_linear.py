@@ -55,6 +55,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -211,34 +212,32 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     (y, u [M, N_out], ss float32 [M, N_out/G]); with rms, x is the split norm's u.
 
     Differentiable (`jax.custom_vjp`, the backward of `contract.grad` on the twin kernels) in x, w,
-    scale, residual and the norm's weights; the layer index has no cotangent; split and rms raise
-    NotImplementedError under differentiation.
+    scale, residual, the norm's weights and the split norm's (split.weight, rms.ss; with split, in
+    all three outputs); the layer index has no cotangent.
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     split = split_one_layer(split)
     check_twin_linear(x, w, act, scale, residual, norm)
+    if rms is not None and not isinstance(rms, TwinRms):
+        raise TypeError(f"linear(rms): expected a TwinRms or None, got {type(rms).__name__}")
     opts = _LinearOpts(act, None if norm is None else norm.kind, None if norm is None else norm.eps,
-                       residual is not None, block_m, block_n, num_warps, num_stages, prefetch, form, interpret)
-    layer = jnp.asarray(layer, jnp.int32)
-    if split is not None or rms is not None:  # the split RMSNorm: computed, not differentiated
-        def call(x, w, layer, scale, residual, nw, nb, alpha, ss):
-            return _linear(x, w, layer, **opts.kwargs(scale, residual, nw, nb),
-                           split=None if split is None else split._replace(weight=alpha),
-                           rms=None if rms is None else rms._replace(ss=ss))
-
-        return twin_grad.undifferentiated(call, "linear(split, rms)", "the split RMSNorm")(
-            x, w, layer, scale, residual, *_norm_arrays(norm), None if split is None else split.weight,
-            None if rms is None else rms.ss)
-    return _linear_vjp(x, w, layer, scale, residual, *_norm_arrays(norm), opts)
+                       residual is not None, None if split is None else split.offset,
+                       None if rms is None else rms.eps, block_m, block_n, num_warps, num_stages, prefetch, form,
+                       interpret)
+    return _linear_vjp(x, w, jnp.asarray(layer, jnp.int32), scale, residual, *_norm_arrays(norm),
+                       None if split is None else split.weight, None if rms is None else rms.ss, opts)
 
 
 class _LinearOpts(NamedTuple):
-    """A `linear` call's static arguments (hashable: `custom_vjp`'s nondiff argument)."""
+    """A `linear` call's static arguments (hashable: `custom_vjp`'s nondiff argument); split_offset,
+    rms_eps: the split norm's halves (`TwinSplit.offset`, `TwinRms.eps`), None without them."""
 
     act: str | None
     norm_kind: str | None
     norm_eps: float | None
     has_residual: bool
+    split_offset: int | None
+    rms_eps: float | None
     block_m: int | None
     block_n: int | None
     num_warps: int
@@ -247,10 +246,12 @@ class _LinearOpts(NamedTuple):
     form: str | None
     interpret: bool | None
 
-    def kwargs(self, scale, residual, nw, nb) -> dict:
+    def kwargs(self, scale, residual, nw, nb, alpha, ss) -> dict:
         """`_linear`'s keyword arguments with these arrays."""
         norm = None if self.norm_kind is None else TwinNorm(self.norm_kind, nw, nb, self.norm_eps)
-        return {"act": self.act, "scale": scale, "residual": residual, "norm": norm, "block_m": self.block_m,
+        return {"act": self.act, "scale": scale, "residual": residual, "norm": norm,
+                "split": None if self.split_offset is None else TwinSplit(alpha, self.split_offset),
+                "rms": None if self.rms_eps is None else TwinRms(ss, self.rms_eps), "block_m": self.block_m,
                 "block_n": self.block_n, "num_warps": self.num_warps, "num_stages": self.num_stages,
                 "prefetch": self.prefetch, "form": self.form, "interpret": self.interpret}
 
@@ -259,37 +260,48 @@ def _norm_arrays(norm: TwinNorm | None) -> tuple:
     return (None, None) if norm is None else (norm.weight, norm.bias)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _linear_vjp(x, w, layer, scale, residual, nw, nb, opts: _LinearOpts):
-    return _linear(x, w, layer, **opts.kwargs(scale, residual, nw, nb))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _linear_vjp(x, w, layer, scale, residual, nw, nb, alpha, ss, opts: _LinearOpts):
+    return _linear(x, w, layer, **opts.kwargs(scale, residual, nw, nb, alpha, ss))
 
 
-def _linear_fwd(x, w, layer, scale, residual, nw, nb, opts: _LinearOpts):
-    return _linear_vjp(x, w, layer, scale, residual, nw, nb, opts), (x, w, layer, scale, nw, nb)
+def _linear_fwd(x, w, layer, scale, residual, nw, nb, alpha, ss, opts: _LinearOpts):
+    out = _linear_vjp(x, w, layer, scale, residual, nw, nb, alpha, ss, opts)
+    y = out[0] if opts.split_offset is not None else None  # the rows the split norm's derivative needs
+    return out, (x, w, layer, scale, nw, nb, alpha, ss, y)
 
 
-def _linear_bwd(opts: _LinearOpts, saved, dy):
-    """The linear's backward (`contract.grad`, steps 1-4) on the twin kernels."""
-    x, w, layer, scale, nw, nb = saved
+def _linear_bwd(opts: _LinearOpts, saved, cotangent):
+    """The linear's backward (`contract.grad`, steps 1-4, and the split norm's halves) on the twin kernels."""
+    x, w, layer, scale, nw, nb, alpha, ss, y = saved
     interpret = opts.interpret
+    dy, d_alpha = cotangent, None
+    if opts.split_offset is not None:  # the producer's half: u's and ss's cotangents into y's
+        dy, du, dss = cotangent
+        row = jnp.minimum(layer + opts.split_offset, alpha.shape[0] - 1)
+        dy, ta = twin_norm.split_grad(y, du, dss, alpha, row, dy=dy, interpret=interpret)
+        d_alpha = twin_grad.stacked(alpha, twin_grad.batch_sum(ta, alpha.dtype, interpret=interpret), row)
     norm = None if opts.norm_kind is None else TwinNorm(opts.norm_kind, nw, nb, opts.norm_eps)
+    rms = None if opts.rms_eps is None else TwinRms(ss, opts.rms_eps)
     xn = _norm_first(x, norm, layer, interpret)
     pre = None
     if opts.act is not None or scale is not None:  # the projection the epilogue started from, again
-        pre = _linear(xn, w, layer, form=opts.form, interpret=interpret)
+        pre = _linear(xn, w, layer, rms=rms, form=opts.form, interpret=interpret)
     dpre, ts = twin_grad.epilogue_grad(dy, pre, scale, layer, act=opts.act, interpret=interpret)
     wl = lax.dynamic_index_in_dim(w, layer, keepdims=False)                          # [N, K]
     dxn = _linear(dpre, wl.T, interpret=interpret)                                  # [M, K]
+    dx, dnw, dnb, dss_in = dxn, None, None, None
+    if rms is not None:  # the consumer's half: the scaled operand r * u, and u's and ss's cotangents
+        xn, dx, dss_in = twin_norm.split_rms_grad(x, dxn, ss, eps=rms.eps, interpret=interpret)
     dw = twin_grad.stacked(w, _linear(dpre.T, xn.T, interpret=interpret), layer)     # [N, K] at layer
     dscale = None if scale is None else twin_grad.stacked(scale, twin_grad.batch_sum(ts, scale.dtype,
                                                                                      interpret=interpret), layer)
-    dx, dnw, dnb = dxn, None, None
     if norm is not None:
         dx, tw = twin_norm.norm_grad(x, dxn, nw, nb, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
         dnw = twin_grad.stacked(nw, twin_grad.batch_sum(tw, nw.dtype, interpret=interpret), layer)
         if nb is not None:
             dnb = twin_grad.stacked(nb, twin_grad.batch_sum(dxn, nb.dtype, interpret=interpret), layer)
-    return dx, dw, None, dscale, dy if opts.has_residual else None, dnw, dnb
+    return dx, dw, None, dscale, dy if opts.has_residual else None, dnw, dnb, d_alpha, dss_in
 
 
 _linear_vjp.defvjp(_linear_fwd, _linear_bwd)
@@ -487,6 +499,8 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     Returns (q [B, H, T, D], ring_k, ring_v). The MMA form runs it as one kernel after the norm's
     (`contract.linear.twin_qkv_plan`); the lane form as `linear` then `rope_write`, the same bits as ever.
     block_m, block_n, num_warps, num_stages: speed only, as in `linear`.
+    Differentiable in x, w, the norm's weights, rms.ss and the rings (the one kernel: a `jax.custom_vjp`,
+    rope_write's backward then the linear's, `contract.grad`); cos and sin are refused, as `rope_write` does.
     """
     B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     if interpret is None:
@@ -498,14 +512,28 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
                      num_stages=num_stages, form="lanes", interpret=interpret).reshape(B, T, 3, H, D)
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
                                     write_index, write_mask, interpret=interpret)
+    layers = jnp.stack([jnp.asarray(i, jnp.int32) for i in (layer, layer if ring_layer is None else ring_layer)])
+    lin = _LinearOpts(None, None if norm is None else norm.kind, None if norm is None else norm.eps, False, None,
+                      None if rms is None else rms.eps, block_m, block_n, num_warps, num_stages, TWIN_PALLAS_PREFETCH,
+                      "mma", interpret)
+    return _qkv_vjp(_QkvOpts(lin, block_m, BN, num_warps, num_stages, interpret), x, w, layers,
+                    *_norm_arrays(norm), None if rms is None else rms.ss, cos, sin, ring_k, ring_v, write_index,
+                    write_mask)
+
+
+def _qkv_kernel_call(x, w, layers, norm, rms, cos, sin, ring_k, ring_v, write_index, write_mask, block_m, BN,
+                     num_warps, num_stages, interpret):
+    """`linear_rope_write`'s one kernel (`_qkv_kernel`; its arguments checked, the plan's BN given), not
+    differentiated: (q [B*H*T, D], ring_k, ring_v [L*B*H, C, D])."""
+    (B, T), H, D = write_index.shape, ring_k.shape[2], ring_k.shape[4]
+    M, K, N = x.shape[0], x.shape[1], w.shape[1]
     BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
-    norm, (x, *norm_refs) = _mma_norm(x, norm, layer, K, interpret)
+    norm, (x, *norm_refs) = _mma_norm(x, norm, layers[0], K, interpret)
     norm_refs += [] if rms is None else [rms.ss]
     L, C = ring_k.shape[0], ring_k.shape[3]
     rows = (L * B * H, C, D)  # the rings as [L*B*H, C, D], indexed per dimension (64-bit addresses when large)
     rope = cos is not None
     tables = (cos.reshape(M, D // 2), sin.reshape(M, D // 2)) if rope else ()
-    layers = jnp.stack([jnp.asarray(i, jnp.int32) for i in (layer, layer if ring_layer is None else ring_layer)])
     operands = [layers, x, w, *norm_refs, *tables,
                 write_index.astype(jnp.int32).reshape(M), write_mask.astype(jnp.int32).reshape(M),
                 ring_k.reshape(rows), ring_v.reshape(rows)]
@@ -525,9 +553,55 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
                                                 num_stages=num_stages or twin_mma_stages(N, BN, BK, rows=R, M=M)),
         name="twin_qkv_rope_write",
     )
-    q, k, v = twin_grad.undifferentiated(qkv_kernel, "linear_rope_write(form='mma')",
-                                         "the one-kernel qkv projection with RoPE and the ring write")(*operands)
-    return q.reshape(B, H, T, D), k.reshape(ring_k.shape), v.reshape(ring_v.shape)
+    return qkv_kernel(*operands)
+
+
+class _QkvOpts(NamedTuple):
+    """`linear_rope_write`'s static arguments of its one-kernel form (`custom_vjp`'s nondiff argument):
+    the kernel's (`_qkv_kernel_call`) and the linear's (its backward's)."""
+
+    linear: _LinearOpts
+    block_m: int | None
+    block_n: int | None
+    num_warps: int
+    num_stages: int | None
+    interpret: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _qkv_vjp(opts: _QkvOpts, x, w, layers, nw, nb, ss, cos, sin, ring_k, ring_v, write_index, write_mask):
+    norm = None if opts.linear.norm_kind is None else TwinNorm(opts.linear.norm_kind, nw, nb, opts.linear.norm_eps)
+    rms = None if opts.linear.rms_eps is None else TwinRms(ss, opts.linear.rms_eps)
+    B, T = write_index.shape
+    L, H, C, D = ring_k.shape[0], ring_k.shape[2], ring_k.shape[3], ring_k.shape[4]
+    q, k, v = _qkv_kernel_call(x, w, layers, norm, rms, cos, sin, ring_k, ring_v, write_index, write_mask,
+                               opts.block_m, opts.block_n, opts.num_warps, opts.num_stages, opts.interpret)
+    return q.reshape(B, H, T, D), k.reshape(L, B, H, C, D), v.reshape(L, B, H, C, D)
+
+
+def _qkv_fwd(opts: _QkvOpts, x, w, layers, nw, nb, ss, cos, sin, ring_k, ring_v, write_index, write_mask):
+    """symbolic_zeros: each primal comes with `.perturbed` (refuse a differentiated table, as `rope_write`)."""
+    if any(t is not None and t.perturbed for t in (cos, sin)):
+        raise NotImplementedError("linear_rope_write(cos, sin): the RoPE tables have no derivative here (functions "
+                                  "of integer positions); differentiate x, w, the norm's weights and the rings only")
+    args = [None if a is None else a.value
+            for a in (x, w, layers, nw, nb, ss, cos, sin, ring_k, ring_v, write_index, write_mask)]
+    x, w, layers, nw, nb, ss, cos, sin, _, _, write_index, write_mask = args
+    return _qkv_vjp(opts, *args), (x, w, layers, nw, nb, ss, cos, sin, write_index, write_mask)
+
+
+def _qkv_bwd(opts: _QkvOpts, saved, cotangents):
+    """rope_write's backward (`twin_rope.rope_write_bwd`), then the linear's (`_linear_bwd`)."""
+    x, w, layers, nw, nb, ss, cos, sin, write_index, write_mask = saved
+    dq, d_ring_k, d_ring_v = (jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cotangents)
+    d_qkv, d_ring_k, d_ring_v = twin_rope.rope_write_bwd(dq, cos, sin, d_ring_k, d_ring_v, layers[1], write_index,
+                                                         write_mask, interpret=opts.interpret)
+    dx, dw, _, _, _, dnw, dnb, _, dss = _linear_bwd(opts.linear, (x, w, layers[0], None, nw, nb, None, ss, None),
+                                                    d_qkv.reshape(x.shape[0], w.shape[1]))
+    return dx, dw, None, dnw, dnb, dss, None, None, d_ring_k, d_ring_v, None, None
+
+
+_qkv_vjp.defvjp(_qkv_fwd, _qkv_bwd, symbolic_zeros=True)
 
 
 def _whole(a):

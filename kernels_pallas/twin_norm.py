@@ -28,10 +28,12 @@ from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import twin_grad
 from kernels_pallas import twin_math as tm
+from kernels_pallas.contract.grad import GradBlocks
 from kernels_pallas.contract.norm import (
     TWIN_NORM_WARPS,
     TWIN_SPLIT_GROUP,
     NormBlocks,
+    check_norm_params,
     check_twin_norm,
     twin_norm_unroll,
 )
@@ -209,13 +211,41 @@ def _split_kernel(layer_ref, x_ref, w_ref, u_ref, ss_ref, *, M, gpu):
 def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None = None):
     """The producer's half of the split RMSNorm (`contract.norm.TwinSplit`) of x [M, D] itself: (u [M, D] in
     x's dtype, ss float32 [M, D / TWIN_SPLIT_GROUP]); weight: alpha [L, D] at `layer` (int or
-    traced), or [D] with layer=None. The bits of a linear's `split=` epilogue on output rows x."""
+    traced), or [D] with layer=None. The bits of a linear's `split=` epilogue on output rows x.
+
+    Differentiable (`jax.custom_vjp`: `split_grad` and `twin_grad.batch_sum`, `contract.grad`) in x
+    and weight; the layer index has no cotangent."""
     weight, _, layer = _stacked(weight, None, layer, "rms")
-    M, D = check_twin_norm(x, weight, None, "rms")
+    _, D = check_twin_norm(x, weight, None, "rms")
     if D % TWIN_SPLIT_GROUP:
         raise ValueError(f"split(x): D={D} must be a multiple of {TWIN_SPLIT_GROUP}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    return _split_vjp(interpret, x, weight, jnp.asarray(layer, jnp.int32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _split_vjp(interpret, x, weight, layer):
+    return _split(x, weight, layer, interpret)
+
+
+def _split_fwd(interpret, x, weight, layer):
+    return _split(x, weight, layer, interpret), (x, weight, layer)
+
+
+def _split_bwd(interpret, saved, cotangents):
+    x, weight, layer = saved
+    du, dss = cotangents
+    dx, ta = split_grad(x, du, dss, weight, layer, interpret=interpret)
+    return dx, twin_grad.stacked(weight, twin_grad.batch_sum(ta, weight.dtype, interpret=interpret), layer), None
+
+
+_split_vjp.defvjp(_split_fwd, _split_bwd)
+
+
+def _split(x, weight, layer, interpret: bool):
+    """`split`'s kernel (its arguments checked), not differentiated."""
+    M, D = x.shape
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     outs = (jax.ShapeDtypeStruct((M, D), x.dtype), jax.ShapeDtypeStruct((M, D // TWIN_SPLIT_GROUP), jnp.float32))
     whole = [pl.BlockSpec(a.shape, lambda i, j: (0,) * 2) for a in (x, weight, *outs)]  # 2-D, read in place
@@ -229,7 +259,7 @@ def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None
         compiler_params=pltriton.CompilerParams(num_warps=TWIN_NORM_WARPS, num_stages=1),
         name="twin_rms_split",
     )
-    return twin_grad.undifferentiated(kernel, "split", "the split RMSNorm")(layer, x, weight)
+    return kernel(layer, x, weight)
 
 
 def split_native(x, weight, layer=None, **_):
@@ -363,4 +393,182 @@ def norm_grad_native(x, dy, weight, bias=None, layer=None, *, kind: str = "rms",
     return (tm.to_dtype(jnp.concatenate([dx(kb) for kb in range(nkb)], axis=1), x.dtype),
             jnp.concatenate([tw(kb) for kb in range(nkb)], axis=1))
 
-__all__ = ["norm", "norm_grad", "norm_grad_native", "norm_native", "split", "split_native"]
+
+# ------------------------------------------------------------------ the split RMSNorm's derivative
+# (`contract.grad`): the producer's half (`split_grad`: the cotangents of u and ss into y's, and alpha's
+# per-row terms) and the consumer's (`split_rms_grad`: the cotangent of the scaled operand r * u into
+# u's and ss's, and the operand itself for the weights' gradient)
+def split_grad_math(y, du, dss, alpha, dy, gpu):
+    """`contract.grad`'s producer half on float32 tiles: y, du, dy (or None) [BM, n]; dss [BM, 1] or
+    [BM, n] (the group's); alpha [1, n]. Returns (dx float32, ta float32), both [BM, n]."""
+    dx = tm.mul(du, alpha, gpu) + tm.mul(y + y, dss, gpu)
+    return (dx if dy is None else dy + dx), tm.mul(du, y, gpu)
+
+
+def _split_grad_kernel(row_ref, y_ref, du_ref, dss_ref, alpha_ref, *refs, has_dy, gpu):
+    """Program (i, j): rows block i, columns j*BN.. of y, one group of TWIN_SPLIT_GROUP columns at a time
+    (its dss a column of the dss block)."""
+    dy_ref, dx_ref, ta_ref = refs if has_dy else (None, *refs)
+    G, BN = TWIN_SPLIT_GROUP, y_ref.shape[1]
+    n0 = pl.program_id(1) * BN
+    for j in range(BN // G):
+        cols = pl.ds(j * G, G)
+        alpha = alpha_ref[row_ref[0], pl.ds(n0 + j * G, G)].astype(tm.F32)[None, :]
+        dx, ta = split_grad_math(y_ref[:, cols].astype(tm.F32), du_ref[:, cols].astype(tm.F32),
+                                 dss_ref[:, pl.ds(j, 1)], alpha, None if dy_ref is None else
+                                 dy_ref[:, cols].astype(tm.F32), gpu)
+        dx_ref[:, cols] = tm.to_dtype(dx, dx_ref.dtype)
+        ta_ref[:, cols] = ta
+
+
+def check_split_grad(y, du, dss, weight, dy):
+    """(M, N) of a split_grad call, checked: y, du (and dy) [M, N] of one dtype, dss float32 [M, N / G],
+    weight [L, N]."""
+    if len(y.shape) != 2 or y.shape[1] % TWIN_SPLIT_GROUP:
+        raise ValueError(f"split_grad(y): expected [M, N] with N a multiple of {TWIN_SPLIT_GROUP}, got shape "
+                         f"{tuple(y.shape)}")
+    M, N = y.shape
+    for name, t in (("du", du), ("dy", dy)):
+        if t is not None and (tuple(t.shape) != (M, N) or str(t.dtype) != str(y.dtype)):
+            raise ValueError(f"split_grad({name}): expected {y.dtype} [{M}, {N}], got {t.dtype} {tuple(t.shape)}")
+    if tuple(dss.shape) != (M, N // TWIN_SPLIT_GROUP) or "float32" not in str(dss.dtype):
+        raise ValueError(f"split_grad(dss): expected float32 [{M}, {N // TWIN_SPLIT_GROUP}], got {dss.dtype} "
+                         f"{tuple(dss.shape)}")
+    check_norm_params("rms", weight, None, N, "split_grad({})")
+    return M, N
+
+
+def split_grad(y: jax.Array, du: jax.Array, dss: jax.Array, weight: jax.Array, layer=None, *,
+               dy: jax.Array | None = None, interpret: bool | None = None):
+    """The derivative of the split norm's producer half (`contract.grad`): y [M, N] the rows it split
+    (a linear's output, or `split`'s x); du [M, N] (y's dtype) and dss float32 [M, N / TWIN_SPLIT_GROUP]:
+    the cotangents of u and ss; weight: alpha [L, N] at `layer` (int or traced), or [N] with layer=None;
+    dy: y's own cotangent [M, N] or None. Returns (dx [M, N] in y's dtype: y's whole cotangent,
+    ta float32 [M, N]: alpha's per-row terms, for `twin_grad.batch_sum`)."""
+    if layer is None:
+        weight, layer = weight[None], 0
+    M, N = check_split_grad(y, du, dss, weight, dy)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    blocks = GradBlocks.for_shapes(M, N, interpret)
+    BM, BN, G = blocks.block_m, blocks.block_n, TWIN_SPLIT_GROUP
+    Mp = -(-M // BM) * BM
+    pad = ((0, Mp - M), (0, 0))
+    tile = pl.BlockSpec((BM, BN), lambda i, j: (i, j))
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(y, pad), jnp.pad(du, pad), jnp.pad(dss, pad), weight]
+    in_specs = [pl.BlockSpec((1,), lambda i, j: (0,)), tile, tile, pl.BlockSpec((BM, BN // G), lambda i, j: (i, j)),
+                pl.BlockSpec(weight.shape, lambda i, j: (0, 0))]
+    if dy is not None:
+        operands.append(jnp.pad(dy, pad))
+        in_specs.append(tile)
+    dx, ta = pl.pallas_call(
+        functools.partial(_split_grad_kernel, has_dy=dy is not None, gpu=not interpret),
+        out_shape=(jax.ShapeDtypeStruct((Mp, N), y.dtype), jax.ShapeDtypeStruct((Mp, N), tm.F32)),
+        grid=(Mp // BM, N // BN),
+        in_specs=in_specs,
+        out_specs=(tile, tile),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name="twin_rms_split_grad",
+    )(*operands)
+    return dx[:M], ta[:M]
+
+
+def split_grad_native(y, du, dss, weight, layer=None, *, dy=None, **_):
+    """The plain jax.numpy reference of `split_grad`: the same signature and bits, without Pallas."""
+    if layer is None:
+        weight, layer = weight[None], 0
+    check_split_grad(y, du, dss, weight, dy)
+    alpha = lax.dynamic_index_in_dim(weight, layer, keepdims=False).astype(tm.F32)[None, :]
+    dss = jnp.repeat(dss, TWIN_SPLIT_GROUP, axis=1)
+    dx, ta = split_grad_math(y.astype(tm.F32), du.astype(tm.F32), dss, alpha,
+                             None if dy is None else dy.astype(tm.F32), False)
+    return tm.to_dtype(dx, y.dtype), ta
+
+
+def split_rms_grad_rows(load_u, load_dxn, ss, K, BK, eps, gpu, unroll=None):
+    """`contract.grad`'s consumer half of rows given block loaders (kb -> float32 [BM, BK]) and their
+    partial sums ss float32 [BM, K / TWIN_SPLIT_GROUP]: (xn(kb), du(kb), dss [BM, 1]), float32."""
+    unroll = K // BK if unroll is None else unroll
+    r = _rms_r(tm.tree_sum(ss), K, eps, gpu)                                   # the forward's (`split_r`)
+    s = row_sum(lambda kb: tm.mul(load_dxn(kb), load_u(kb), gpu), K, BK, unroll)
+    c = tm.mul(tm.mul(s, tm.F32(1.0 / K), gpu), tm.mul(tm.mul(r, r, gpu), r, gpu), gpu)
+    return (lambda kb: tm.mul(load_u(kb), r, gpu), lambda kb: tm.mul(load_dxn(kb), r, gpu),
+            tm.mul(c, tm.F32(-0.5), gpu))
+
+
+def _split_rms_grad_kernel(u_ref, dxn_ref, ss_ref, xn_ref, du_ref, dss_ref, *, K, BK, eps, gpu):
+    def loader(ref):
+        return lambda kb: ref[:, pl.ds(kb * BK, BK)].astype(tm.F32)  # [BM, BK]
+
+    xn, du, dss = split_rms_grad_rows(loader(u_ref), loader(dxn_ref), ss_ref[...], K, BK, eps, gpu,
+                                      twin_norm_unroll(K // BK, u_ref.shape[0]))
+    outs = [(tm.to_dtype(xn(kb), xn_ref.dtype), tm.to_dtype(du(kb), du_ref.dtype)) for kb in range(K // BK)]
+    dss_ref[...] = jnp.broadcast_to(dss, dss_ref.shape)
+    for kb, (a, b) in enumerate(outs):  # every block before a store
+        xn_ref[:, pl.ds(kb * BK, BK)] = a
+        du_ref[:, pl.ds(kb * BK, BK)] = b
+
+
+def check_split_rms_grad(u, dxn, ss):
+    """(M, K) of a split_rms_grad call, checked: u, dxn [M, K] of one dtype, ss float32 [M, K / G]
+    with a power-of-two count of groups."""
+    if len(u.shape) != 2:
+        raise ValueError(f"split_rms_grad(u): expected [M, K], got shape {tuple(u.shape)}")
+    M, K = u.shape
+    if tuple(dxn.shape) != (M, K) or str(dxn.dtype) != str(u.dtype):
+        raise ValueError(f"split_rms_grad(dxn): expected {u.dtype} [{M}, {K}], got {dxn.dtype} {tuple(dxn.shape)}")
+    G = K // TWIN_SPLIT_GROUP
+    if K % TWIN_SPLIT_GROUP or G & (G - 1) or tuple(ss.shape) != (M, G) or "float32" not in str(ss.dtype):
+        raise ValueError(f"split_rms_grad(ss): expected float32 [M={M}, K/{TWIN_SPLIT_GROUP}] with a power-of-two "
+                         f"count of groups, got {ss.dtype} {tuple(ss.shape)} (K={K})")
+    return M, K
+
+
+def split_rms_grad(u: jax.Array, dxn: jax.Array, ss: jax.Array, *, eps: float, block_m: int | None = None,
+                   interpret: bool | None = None):
+    """The derivative of the split norm's consumer half (`contract.grad`): u [M, K], the consumer's x;
+    dxn [M, K] in u's dtype: the cotangent of its scaled operand r * u; ss float32 [M, K / G] and eps:
+    its `TwinRms`. Returns (xn [M, K]: to_dtype(r * u), the operand for the weights' gradient; du [M, K]:
+    u's cotangent, both in u's dtype; dss float32 [M, K / G]: ss's cotangent)."""
+    M, K = check_split_rms_grad(u, dxn, ss)
+    BK = twin_lanes(K)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    BM = NormBlocks.for_shapes(M, K, block_m, interpret).block_m
+    Mp = -(-M // BM) * BM
+    pad = ((0, Mp - M), (0, 0))
+    rows = pl.BlockSpec((BM, K), lambda i: (i, 0))
+    groups = pl.BlockSpec((BM, ss.shape[1]), lambda i: (i, 0))
+    xn, du, dss = pl.pallas_call(
+        functools.partial(_split_rms_grad_kernel, K=K, BK=BK, eps=eps, gpu=not interpret),
+        out_shape=(jax.ShapeDtypeStruct((Mp, K), u.dtype), jax.ShapeDtypeStruct((Mp, K), u.dtype),
+                   jax.ShapeDtypeStruct((Mp, ss.shape[1]), tm.F32)),
+        grid=(Mp // BM,),
+        in_specs=[rows, rows, groups],
+        out_specs=(rows, rows, groups),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=TWIN_NORM_WARPS, num_stages=2),
+        name="twin_rms_split_rms_grad",
+    )(jnp.pad(u, pad), jnp.pad(dxn, pad), jnp.pad(ss, pad, constant_values=1.0))  # padded rows: r finite
+    return xn[:M], du[:M], dss[:M]
+
+
+def split_rms_grad_native(u, dxn, ss, *, eps: float, **_):
+    """The plain jax.numpy reference of `split_rms_grad`: the same signature and bits, without Pallas."""
+    M, K = check_split_rms_grad(u, dxn, ss)
+    BK = twin_lanes(K)
+
+    def loader(a):
+        blocks = a.astype(tm.F32).reshape(M, K // BK, BK)
+        return lambda kb: lax.dynamic_index_in_dim(blocks, kb, axis=1, keepdims=False)
+
+    xn, du, dss = split_rms_grad_rows(loader(u), loader(dxn), ss, K, BK, eps, False)
+    nkb = K // BK
+    return (tm.to_dtype(jnp.concatenate([xn(kb) for kb in range(nkb)], axis=1), u.dtype),
+            tm.to_dtype(jnp.concatenate([du(kb) for kb in range(nkb)], axis=1), u.dtype),
+            jnp.broadcast_to(dss, ss.shape))
+
+
+__all__ = ["norm", "norm_grad", "norm_grad_native", "norm_native", "split", "split_grad", "split_grad_native",
+           "split_native", "split_rms_grad", "split_rms_grad_native"]

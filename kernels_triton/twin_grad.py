@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.contract.grad import INV_SQRT_2PI, GradBlocks, no_derivative
+from kernels_pallas.contract.grad import INV_SQRT_2PI, GradBlocks
 from kernels_pallas.contract.linear import LINEAR_ACTS
 from kernels_pallas.contract.numerics import SQRT1_2
 from kernels_triton import twin_math as tm
@@ -22,13 +22,6 @@ def needs_grad(*tensors) -> bool:
     """Whether autograd records a call on these tensors (None: absent): the twins' public functions
     run their kernels directly otherwise (no autograd node: inference, CUDA graphs)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def refuse_grad(who: str, what: str, *tensors) -> None:
-    """NotImplementedError naming who and what where autograd would record a call on tensors
-    (the Pallas twin's `undifferentiated`)."""
-    if needs_grad(*tensors):
-        raise no_derivative(who, what)
 
 
 def stacked(w: torch.Tensor, g: torch.Tensor, layer_t: torch.Tensor) -> torch.Tensor:

@@ -212,54 +212,77 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
     split, rms: the split RMSNorm (the Pallas twin's).
 
     Differentiable (a `torch.autograd.Function`: the Pallas twin's backward, `contract.grad`, on the
-    Triton twins, the same bits) in x, w, scale, residual and the norm's weights; split and rms raise
-    NotImplementedError where autograd records the call. Without gradients, the kernels run directly.
+    Triton twins, the same bits) in x, w, scale, residual, the norm's weights and the split norm's
+    (split.weight, rms.ss). Without gradients, the kernels run directly.
     """
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
+    split = split_one_layer(split)
     nw, nb = (None, None) if norm is None else (norm.weight, norm.bias)
     kwargs = {"act": act, "scale": scale, "residual": residual, "norm": norm, "split": split, "rms": rms,
               "block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "form": form}
-    if not twin_grad.needs_grad(x, w, scale, residual, nw, nb):
+    if rms is not None and not isinstance(rms, TwinRms):
+        raise TypeError(f"linear(rms): expected a TwinRms or None, got {type(rms).__name__}")
+    alpha, ss = None if split is None else split.weight, None if rms is None else rms.ss
+    if not twin_grad.needs_grad(x, w, scale, residual, nw, nb, alpha, ss):
         return _linear(x, w, layer, **kwargs)
-    if split is not None or rms is not None:
-        twin_grad.refuse_grad("linear(split, rms)", "the split RMSNorm", x, w)
     check_twin_linear(x, w, act, scale, residual, norm)
-    return _Linear.apply(x, w, tm.layer_tensor(layer, w.shape[0], x.device, "linear"), scale, residual, nw, nb,
-                         kwargs)
+    return _Linear.apply(x, w, tm.layer_tensor(layer, w.shape[0], x.device, "linear"), scale, residual, nw, nb, alpha,
+                         ss, kwargs)
 
 
 class _Linear(torch.autograd.Function):
     """`linear` with the backward of `contract.grad` (the Pallas twin's `_linear_bwd`, call for call)."""
 
     @staticmethod
-    def forward(ctx, x, w, layer_t, scale, residual, nw, nb, kwargs):
-        ctx.save_for_backward(x, w, layer_t, scale, nw, nb)
+    def forward(ctx, x, w, layer_t, scale, residual, nw, nb, alpha, ss, kwargs):
+        out = _linear(x, w, layer_t, **kwargs)
+        y = out[0] if alpha is not None else None  # the rows the split norm's derivative needs
+        ctx.save_for_backward(x, w, layer_t, scale, nw, nb, alpha, ss, y)
         ctx.act, ctx.norm, ctx.form = kwargs["act"], kwargs["norm"], kwargs["form"]
         ctx.has_residual = residual is not None
-        return _linear(x, w, layer_t, **kwargs)
+        ctx.split_offset = None if alpha is None else kwargs["split"].offset
+        ctx.rms_eps = None if ss is None else kwargs["rms"].eps
+        return out
 
     @staticmethod
-    def backward(ctx, dy):
-        x, w, layer_t, scale, nw, nb = ctx.saved_tensors
-        act, form = ctx.act, ctx.form
+    def backward(ctx, *cotangents):
+        x, w, layer_t, scale, nw, nb, alpha, ss, y = ctx.saved_tensors
         norm = None if ctx.norm is None else ctx.norm._replace(weight=nw, bias=nb)
-        dy = dy.contiguous()
-        xn = _norm_first(x, norm, layer_t)
-        pre = None
-        if act is not None or scale is not None:  # the projection the epilogue started from, again
-            pre = _linear(xn, w, layer_t, form=form)
-        dpre, ts = twin_grad.epilogue_grad(dy, pre, scale, layer_t, act=act)
-        wl = w.index_select(0, layer_t.long())[0]                                        # [N, K]
-        dxn = _linear(dpre, wl.t().contiguous())                                          # [M, K]
-        dw = twin_grad.stacked(w, _linear(dpre.t().contiguous(), xn.t().contiguous()), layer_t)  # [N, K] at layer
-        dscale = None if scale is None else twin_grad.stacked(scale, twin_grad.batch_sum(ts, scale.dtype), layer_t)
-        dx, dnw, dnb = dxn, None, None
-        if norm is not None:
-            dx, tw = twin_norm.norm_grad(x, dxn, nw, nb, layer_t, kind=norm.kind, eps=norm.eps)
-            dnw = twin_grad.stacked(nw, twin_grad.batch_sum(tw, nw.dtype), layer_t)
-            if nb is not None:
-                dnb = twin_grad.stacked(nb, twin_grad.batch_sum(dxn, nb.dtype), layer_t)
-        return dx, dw, None, dscale, dy if ctx.has_residual else None, dnw, dnb, None
+        rms = None if ss is None else TwinRms(ss, ctx.rms_eps)
+        dx, dw, dscale, dres, dnw, dnb, d_alpha, dss = _linear_backward(
+            x, w, layer_t, scale, norm, rms, alpha, ctx.split_offset, y, cotangents, ctx.act, ctx.form,
+            ctx.has_residual)
+        return dx, dw, None, dscale, dres, dnw, dnb, d_alpha, dss, None
+
+
+def _linear_backward(x, w, layer_t, scale, norm, rms, alpha, split_offset, y, cotangents, act, form, has_residual):
+    """The linear's backward (`contract.grad`, steps 1-4, and the split norm's halves): the Pallas twin's
+    `_linear_bwd`, call for call. cotangents: (dy,), or (dy, du, dss) with the split (alpha at
+    split_offset, y the forward's rows). Returns the cotangents of (x, w, scale, residual, the norm's
+    weight and bias, alpha, rms.ss), None where absent."""
+    dy, d_alpha = cotangents[0].contiguous(), None
+    if split_offset is not None:  # the producer's half: u's and ss's cotangents into y's
+        row = torch.clamp(layer_t + split_offset, max=alpha.shape[0] - 1).to(torch.int32)
+        dy, ta = twin_norm.split_grad(y, cotangents[1].contiguous(), cotangents[2].contiguous(), alpha, row, dy=dy)
+        d_alpha = twin_grad.stacked(alpha, twin_grad.batch_sum(ta, alpha.dtype), row)
+    xn = _norm_first(x, norm, layer_t)
+    pre = None
+    if act is not None or scale is not None:  # the projection the epilogue started from, again
+        pre = _linear(xn, w, layer_t, rms=rms, form=form)
+    dpre, ts = twin_grad.epilogue_grad(dy, pre, scale, layer_t, act=act)
+    wl = w.index_select(0, layer_t.long())[0]                                        # [N, K]
+    dxn = _linear(dpre, wl.t().contiguous())                                          # [M, K]
+    dx, dnw, dnb, dss = dxn, None, None, None
+    if rms is not None:  # the consumer's half: the scaled operand r * u, and u's and ss's cotangents
+        xn, dx, dss = twin_norm.split_rms_grad(x, dxn, rms.ss, eps=rms.eps)
+    dw = twin_grad.stacked(w, _linear(dpre.t().contiguous(), xn.t().contiguous()), layer_t)  # [N, K] at layer
+    dscale = None if scale is None else twin_grad.stacked(scale, twin_grad.batch_sum(ts, scale.dtype), layer_t)
+    if norm is not None:
+        dx, tw = twin_norm.norm_grad(x, dxn, norm.weight, norm.bias, layer_t, kind=norm.kind, eps=norm.eps)
+        dnw = twin_grad.stacked(norm.weight, twin_grad.batch_sum(tw, norm.weight.dtype), layer_t)
+        if norm.bias is not None:
+            dnb = twin_grad.stacked(norm.bias, twin_grad.batch_sum(dxn, norm.bias.dtype), layer_t)
+    return dx, dw, dscale, dy if has_residual else None, dnw, dnb, d_alpha, dss
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = None,
@@ -416,7 +439,8 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
                       num_stages: int | None = None, form: str | None = None):
     """The qkv projection with the RoPE rotation and the ring write in its epilogue (the Pallas
     twin's signature and bits): `linear` then `twin_rope.rope_write`, one kernel in the MMA form;
-    cos = sin = None: no rotation; ring_layer: the rings' layer where not `layer`. Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place."""
+    cos = sin = None: no rotation; ring_layer: the rings' layer where not `layer`. Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place.
+    Differentiable as the Pallas twin (the one kernel: `_QkvRopeWrite`); without gradients, the kernels run directly."""
     B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     interpreted = interpreting(_qkv_kernel)
     chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpreted, form, block_n)
@@ -426,16 +450,60 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
                      num_stages=num_stages, form="lanes").view(B, T, 3, H, D)
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
                                     write_index, write_mask)
-    twin_grad.refuse_grad("linear_rope_write(form='mma')", "the one-kernel qkv projection with RoPE and the ring write",
-                          x, w, None if norm is None else norm.weight, None if norm is None else norm.bias)
     for name, t in (("x", x), ("w", w), ("cos", cos), ("sin", sin), ("ring_k", ring_k), ("ring_v", ring_v),
                     ("rms.ss", x if rms is None else rms.ss)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"linear_rope_write({name}): must be contiguous, got strides {t.stride()}")
-    BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
     layer_t = tm.layer_tensor(layer, w.shape[0], x.device, "linear_rope_write")
     ring_t = layer_t if ring_layer is None else tm.layer_tensor(ring_layer, ring_k.shape[0], x.device,
                                                                 "linear_rope_write(ring_layer)")
+    nw, nb = (None, None) if norm is None else (norm.weight, norm.bias)
+    ss = None if rms is None else rms.ss
+    args = (x, w, layer_t, ring_t, nw, nb, ss, cos, sin, ring_k, ring_v, write_index, write_mask)
+    kwargs = {"norm": norm, "rms": rms, "BN": BN, "block_m": block_m, "num_warps": num_warps, "num_stages": num_stages}
+    if twin_grad.needs_grad(x, w, nw, nb, ss, cos, sin, ring_k, ring_v):
+        return _QkvRopeWrite.apply(*args, kwargs)
+    return _qkv_rope_write(*args, **kwargs)
+
+
+class _QkvRopeWrite(torch.autograd.Function):
+    """`linear_rope_write`'s one kernel for autograd: the rings written in place (marked dirty); the
+    backward is `twin_rope.rope_write_bwd` on copies of the rings' cotangents, then the linear's
+    (`_linear_backward`), as the Pallas twin's."""
+
+    @staticmethod
+    def forward(ctx, x, w, layer_t, ring_t, nw, nb, ss, cos, sin, ring_k, ring_v, write_index, write_mask, kwargs):
+        if any(t is not None and t.requires_grad for t in (cos, sin)):
+            raise NotImplementedError("linear_rope_write(cos, sin): the RoPE tables have no derivative here "
+                                      "(functions of integer positions); differentiate x, w, the norm's weights and "
+                                      "the rings only")
+        out = _qkv_rope_write(x, w, layer_t, ring_t, nw, nb, ss, cos, sin, ring_k, ring_v, write_index, write_mask,
+                              **kwargs)
+        ctx.mark_dirty(ring_k, ring_v)
+        ctx.save_for_backward(x, w, layer_t, ring_t, nw, nb, ss, cos, sin, write_index, write_mask)
+        ctx.norm, ctx.rms_eps = kwargs["norm"], None if ss is None else kwargs["rms"].eps
+        return out
+
+    @staticmethod
+    def backward(ctx, dq, d_ring_k, d_ring_v):
+        x, w, layer_t, ring_t, nw, nb, ss, cos, sin, write_index, write_mask = ctx.saved_tensors
+        d_qkv, d_ring_k, d_ring_v = twin_rope.rope_write_bwd(
+            dq.contiguous(), cos, sin, d_ring_k.clone(memory_format=torch.contiguous_format),
+            d_ring_v.clone(memory_format=torch.contiguous_format), ring_t, write_index, write_mask)
+        norm = None if ctx.norm is None else ctx.norm._replace(weight=nw, bias=nb)
+        rms = None if ss is None else TwinRms(ss, ctx.rms_eps)
+        dx, dw, _, _, dnw, dnb, _, dss = _linear_backward(x, w, layer_t, None, norm, rms, None, None, None,
+                                                          (d_qkv.view(x.shape[0], w.shape[1]),), None, "mma", False)
+        return dx, dw, None, None, dnw, dnb, dss, None, None, d_ring_k, d_ring_v, None, None, None
+
+
+def _qkv_rope_write(x, w, layer_t, ring_t, nw, nb, ss, cos, sin, ring_k, ring_v, write_index, write_mask, *, norm,
+                    rms, BN, block_m, num_warps, num_stages):
+    """`linear_rope_write`'s one kernel (`_qkv_kernel`; its arguments checked, the plan's BN given), not
+    differentiated: (q [B, H, T, D], ring_k, ring_v), the rings written in place."""
+    (B, T), H, D = write_index.shape, ring_k.shape[2], ring_k.shape[4]
+    M, K, N = x.shape[0], x.shape[1], w.shape[1]
+    BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
     x, (nw, nb, eps), norm_consts = _mma_norm(x, norm, layer_t, K)
     q = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)
     _qkv_kernel[(triton.cdiv(M, R), N // BN)](
@@ -444,7 +512,7 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
         write_mask.to(torch.int32).contiguous(), q, ring_k, ring_v, M, eps, 0.0 if rms is None else rms.eps,
         RMS=rms is not None, RMS_INV_K=float(np.float32(1.0 / K)), K=K, B=B, T=T, H=H,
         C=ring_k.shape[3], D=D, R=R, BN=BN, BK=BK, **norm_consts, ROPE=cos is not None,
-        STAGES=num_stages or twin_mma_stages(N, BN, BK, rows=R, M=M), INTERPRETED=interpreted, num_warps=num_warps,
+        STAGES=num_stages or twin_mma_stages(N, BN, BK, rows=R, M=M), INTERPRETED=interpreting(_qkv_kernel), num_warps=num_warps,
         enable_fp_fusion=False)
     return q, ring_k, ring_v
 

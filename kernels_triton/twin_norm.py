@@ -8,10 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_pallas.contract.grad import GradBlocks
 from kernels_pallas.contract.norm import (
     TWIN_NORM_WARPS,
     TWIN_SPLIT_GROUP,
     NormBlocks,
+    check_norm_params,
     check_twin_norm,
     twin_norm_unroll,
 )
@@ -188,20 +190,46 @@ def _split_kernel(layer_ptr, x_ptr, w_ptr, u_ptr, ss_ptr, M, D: tl.constexpr, R:
 
 
 def split(x: torch.Tensor, weight: torch.Tensor, layer=None):
-    """The producer's half of the split RMSNorm of x [M, D] itself: (u, ss), the Pallas twin's signature and bits."""
+    """The producer's half of the split RMSNorm of x [M, D] itself: (u, ss), the Pallas twin's signature and bits.
+
+    Differentiable (a `torch.autograd.Function`: `split_grad` and `twin_grad.batch_sum`, the Pallas
+    twin's backward) in x and weight; without gradients the kernel runs directly."""
     if layer is None:
         weight, layer = weight[None], 0
-    M, D = check_twin_norm(x, weight, None, "rms")
+    _, D = check_twin_norm(x, weight, None, "rms")
     if D % TWIN_SPLIT_GROUP:
         raise ValueError(f"split(x): D={D} must be a multiple of {TWIN_SPLIT_GROUP}")
     for name, t in (("x", x), ("weight", weight)):
         if not t.is_contiguous():
             raise ValueError(f"split({name}): must be contiguous, got strides {t.stride()}")
-    twin_grad.refuse_grad("split", "the split RMSNorm", x, weight)
+    layer_t = tm.layer_tensor(layer, weight.shape[0], x.device, "split")
+    if twin_grad.needs_grad(x, weight):
+        return _Split.apply(x, weight, layer_t)
+    return _split(x, weight, layer_t)
+
+
+class _Split(torch.autograd.Function):
+    """`split` with the backward of `contract.grad` (the Pallas twin's `_split_bwd`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, layer_t):
+        ctx.save_for_backward(x, weight, layer_t)
+        return _split(x, weight, layer_t)
+
+    @staticmethod
+    def backward(ctx, du, dss):
+        x, weight, layer_t = ctx.saved_tensors
+        dx, ta = split_grad(x, du.contiguous(), dss.contiguous(), weight, layer_t)
+        return dx, twin_grad.stacked(weight, twin_grad.batch_sum(ta, weight.dtype), layer_t), None
+
+
+def _split(x, weight, layer_t):
+    """`split`'s kernel (its arguments checked), not differentiated."""
+    M, D = x.shape
     u = torch.empty_like(x)
     ss = torch.empty((M, D // TWIN_SPLIT_GROUP), dtype=torch.float32, device=x.device)
     _split_kernel[(triton.cdiv(M, TWIN_MMA_ROWS), D // TWIN_SPLIT_GROUP)](
-        tm.layer_tensor(layer, weight.shape[0], x.device, "split"), x, weight, u, ss, M, D=D, R=TWIN_MMA_ROWS,
+        layer_t, x, weight, u, ss, M, D=D, R=TWIN_MMA_ROWS,
         G=TWIN_SPLIT_GROUP, INTERPRETED=interpreting(_split_kernel), num_warps=TWIN_NORM_WARPS, enable_fp_fusion=False)
     return u, ss
 
@@ -348,4 +376,139 @@ def norm_grad_native(x, dy, weight, bias=None, layer=None, *, kind: str = "rms",
     mgx = tm.lanes_sum_native(g * xhat, BK) * inv_d
     return (r * ((g - mg) - xhat * mgx)).to(x.dtype), dyf * xhat
 
-__all__ = ["norm", "norm_grad", "norm_grad_native", "norm_native", "split", "split_native"]
+
+# ------------------------------------------------------------------ the split RMSNorm's derivative
+# (`contract.grad`; the Pallas twin's `split_grad` and `split_rms_grad`, the same bits)
+@triton.jit
+def _split_grad_kernel(row_ptr, y_ptr, du_ptr, dss_ptr, alpha_ptr, dy_ptr, dx_ptr, ta_ptr, M, N: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, HAS_DY: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Program (i, j): rows i*BM .., columns j*BN .. of y (each column's dss: its group's)."""
+    row = tl.load(row_ptr).to(tl.int64)
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    ok = (m < M)[:, None] & (n < N)[None, :]
+    offs = m[:, None] * N + n[None, :]
+    y = tl.load(y_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    du = tl.load(du_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    dss = tl.load(dss_ptr + m[:, None] * (N // _SPLIT_GROUP) + (n // _SPLIT_GROUP)[None, :], mask=ok, other=0.0)
+    alpha = tl.load(alpha_ptr + row * N + n).to(tl.float32)[None, :]
+    dx = du * alpha + (y + y) * dss
+    if HAS_DY:
+        dx = tl.load(dy_ptr + offs, mask=ok, other=0.0).to(tl.float32) + dx
+    tl.store(dx_ptr + offs, tm.to_dtype(dx, dx_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+    tl.store(ta_ptr + offs, du * y, mask=ok)
+
+
+def check_split_grad(y, du, dss, weight, dy):
+    """(M, N) of a split_grad call, checked (the Pallas twin's check)."""
+    if y.dim() != 2 or y.shape[1] % TWIN_SPLIT_GROUP:
+        raise ValueError(f"split_grad(y): expected [M, N] with N a multiple of {TWIN_SPLIT_GROUP}, got shape "
+                         f"{tuple(y.shape)}")
+    M, N = y.shape
+    for name, t in (("du", du), ("dy", dy)):
+        if t is not None and (tuple(t.shape) != (M, N) or t.dtype != y.dtype):
+            raise ValueError(f"split_grad({name}): expected {y.dtype} [{M}, {N}], got {t.dtype} {tuple(t.shape)}")
+    if tuple(dss.shape) != (M, N // TWIN_SPLIT_GROUP) or dss.dtype != torch.float32:
+        raise ValueError(f"split_grad(dss): expected float32 [{M}, {N // TWIN_SPLIT_GROUP}], got {dss.dtype} "
+                         f"{tuple(dss.shape)}")
+    check_norm_params("rms", weight, None, N, "split_grad({})")
+    return M, N
+
+
+def split_grad(y: torch.Tensor, du: torch.Tensor, dss: torch.Tensor, weight: torch.Tensor, layer=None, *,
+               dy: torch.Tensor | None = None):
+    """The split norm's producer-half derivative: the Pallas twin's signature and bits; (dx, ta float32)."""
+    if layer is None:
+        weight, layer = weight[None], 0
+    M, N = check_split_grad(y, du, dss, weight, dy)
+    y, du, dss, weight = y.contiguous(), du.contiguous(), dss.contiguous(), weight.contiguous()
+    interpreted = interpreting(_split_grad_kernel)
+    blocks = GradBlocks.for_shapes(M, N, interpreted)
+    dx = torch.empty_like(y)
+    ta = torch.empty((M, N), dtype=torch.float32, device=y.device)
+    _split_grad_kernel[(triton.cdiv(M, blocks.block_m), N // blocks.block_n)](
+        tm.layer_tensor(layer, weight.shape[0], y.device, "split_grad"), y, du, dss, weight,
+        y if dy is None else dy.contiguous(), dx, ta, M, N=N, BM=blocks.block_m, BN=blocks.block_n,
+        HAS_DY=dy is not None, INTERPRETED=interpreted, num_warps=4, enable_fp_fusion=False)
+    return dx, ta
+
+
+def split_grad_native(y, du, dss, weight, layer=None, *, dy=None, **_):
+    """The plain torch reference of `split_grad`: the same signature and bits, without Triton."""
+    if layer is None:
+        weight, layer = weight[None], 0
+    check_split_grad(y, du, dss, weight, dy)
+    yf, duf = y.float(), du.float()
+    dx = duf * weight[_layer_index(layer)].float()[None, :] + (yf + yf) * dss.repeat_interleave(TWIN_SPLIT_GROUP, 1)
+    if dy is not None:
+        dx = dy.float() + dx
+    return dx.to(y.dtype), duf * yf
+
+
+@triton.jit
+def _split_rms_grad_kernel(u_ptr, dxn_ptr, ss_ptr, xn_ptr, du_ptr, dss_ptr, M, eps, INV_K: tl.constexpr,
+                           K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Rows i*BM ..: r from the rows' partial sums (the forward's `split_r`), the row sums of dxn * u over
+    the BK blocks in order, then ss's cotangent and each block's xn and du (`contract.grad`)."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_ok = m < M
+    r = split_r(ss_ptr, m, m_ok, eps, INV_K, K, BM)
+    k = tl.arange(0, BK)
+    acc = tl.zeros([BM, BK], tl.float32)
+    for k0 in range(0, K, BK):
+        offs = m[:, None] * K + k0 + k[None, :]
+        acc = acc + tl.load(dxn_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32) * \
+            tl.load(u_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+    c = (tm.tree_sum(acc, BM, BK) * INV_K) * ((r * r) * r)
+    G: tl.constexpr = K // _SPLIT_GROUP
+    g = tl.arange(0, G)
+    tl.store(dss_ptr + m[:, None] * G + g[None, :], tl.broadcast_to((c * -0.5)[:, None], [BM, G]),
+             mask=m_ok[:, None])
+    dtype = xn_ptr.dtype.element_ty
+    for k0 in range(0, K, BK):
+        offs = m[:, None] * K + k0 + k[None, :]
+        u = tl.load(u_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        dxn = tl.load(dxn_ptr + offs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        tl.store(xn_ptr + offs, tm.to_dtype(u * r[:, None], dtype, INTERPRETED), mask=m_ok[:, None])
+        tl.store(du_ptr + offs, tm.to_dtype(dxn * r[:, None], dtype, INTERPRETED), mask=m_ok[:, None])
+
+
+def check_split_rms_grad(u, dxn, ss):
+    """(M, K) of a split_rms_grad call, checked (the Pallas twin's check)."""
+    if u.dim() != 2:
+        raise ValueError(f"split_rms_grad(u): expected [M, K], got shape {tuple(u.shape)}")
+    M, K = u.shape
+    if tuple(dxn.shape) != (M, K) or dxn.dtype != u.dtype:
+        raise ValueError(f"split_rms_grad(dxn): expected {u.dtype} [{M}, {K}], got {dxn.dtype} {tuple(dxn.shape)}")
+    G = K // TWIN_SPLIT_GROUP
+    if K % TWIN_SPLIT_GROUP or G & (G - 1) or tuple(ss.shape) != (M, G) or ss.dtype != torch.float32:
+        raise ValueError(f"split_rms_grad(ss): expected float32 [M={M}, K/{TWIN_SPLIT_GROUP}] with a power-of-two "
+                         f"count of groups, got {ss.dtype} {tuple(ss.shape)} (K={K})")
+    return M, K
+
+
+def split_rms_grad(u: torch.Tensor, dxn: torch.Tensor, ss: torch.Tensor, *, eps: float, block_m: int | None = None):
+    """The split norm's consumer-half derivative: the Pallas twin's signature and bits; (xn, du, dss)."""
+    M, K = check_split_rms_grad(u, dxn, ss)
+    u, dxn, ss = u.contiguous(), dxn.contiguous(), ss.contiguous()
+    interpreted = interpreting(_split_rms_grad_kernel)
+    blocks = NormBlocks.for_shapes(M, K, block_m, interpreted)
+    xn, du = torch.empty_like(u), torch.empty_like(u)
+    dss = torch.empty_like(ss)
+    _split_rms_grad_kernel[(triton.cdiv(M, blocks.block_m),)](
+        u, dxn, ss, xn, du, dss, M, eps, INV_K=float(np.float32(1.0 / K)), K=K, BM=blocks.block_m,
+        BK=blocks.block_k, INTERPRETED=interpreted, num_warps=TWIN_NORM_WARPS, enable_fp_fusion=False)
+    return xn, du, dss
+
+
+def split_rms_grad_native(u, dxn, ss, *, eps: float, **_):
+    """The plain torch reference of `split_rms_grad`: the same signature and bits, without Triton."""
+    _, K = check_split_rms_grad(u, dxn, ss)
+    uf, dxnf = u.float(), dxn.float()
+    r = 1.0 / _sqrt_rn(eps + tm.tree_sum_native(ss) * (1.0 / K))
+    c = (tm.lanes_sum_native(dxnf * uf, twin_lanes(K)) * (1.0 / K)) * ((r * r) * r)
+    return (uf * r).to(u.dtype), (dxnf * r).to(u.dtype), (c * -0.5).expand(ss.shape).contiguous()
+
+
+__all__ = ["norm", "norm_grad", "norm_grad_native", "norm_native", "split", "split_grad", "split_grad_native",
+           "split_native", "split_rms_grad", "split_rms_grad_native"]

@@ -13,8 +13,11 @@ import torch
 from jax_impl.ops import masked_attention
 from jax_impl.tables import rope_freqs
 from kernels_pallas import twin_attention as pa
+from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_rope as pr
+from kernels_pallas.contract.norm import TwinNorm, TwinRms
 from kernels_triton import twin_attention as ta
+from kernels_triton import twin_linear as tli
 from kernels_triton import twin_rope as tr
 from tests.test_twin import NP, assert_same, attention_case, to_torch
 
@@ -184,3 +187,48 @@ def test_entry_passes_x_cotangent_and_refuses_a_differentiated_freqs():
     assert_same(g, w, what="dx")
     with pytest.raises(NotImplementedError, match=r"entry\(freqs\)"):
         jax.grad(lambda fr: jnp.sum(entry(jnp.ones((2, 1, 4)), fr, jnp.array([True, False])).cos))(freqs)
+
+
+@pytest.mark.parametrize("norm_form", ["norm", "rms"])
+def test_qkv_rope_write_one_kernel_gradients_are_rope_write_then_linear(norm_form):
+    """linear_rope_write's one-kernel MMA form (interpreted, bfloat16), with its norm (norm=) or the split
+    norm's consumer half (rms=): the gradients of x, w, the norm's weight or ss, and the rings are the
+    bits of the two calls it fuses (linear(form="mma") then rope_write) differentiated, and torch's
+    autograd through the Triton kernel gives the same bits; a differentiated table is refused."""
+    B, T, H, D, C, L, K = 2, 3, 2, 16, 5, 2, 128
+    _, cos, sin, ring_k, ring_v, wi, wm, _ = _rope_case("bfloat16", B, T, H, D, L, C, seed=4)  # a row not written
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((B * T, K)).astype(NP["bfloat16"])
+    w = (rng.standard_normal((L, 3 * H * D, K)) * 0.1).astype(NP["bfloat16"])
+    nw = (1 + 0.1 * rng.standard_normal((L, K))).astype(NP["bfloat16"])
+    cts = tuple(rng.standard_normal(s).astype(NP["bfloat16"]) for s in ((B, H, T, D), ring_k.shape, ring_v.shape))
+    ss = (rng.random((B * T, K // 64)) * K / 2 + 1).astype(np.float32)
+    names = ("x", "w", "nw" if norm_form == "norm" else "ss", "ring_k", "ring_v")
+    J = jnp.asarray
+
+    def kw(n):
+        return {"norm": TwinNorm("rms", n, None, 1e-5)} if norm_form == "norm" else {"rms": TwinRms(n, 1e-5)}
+
+    def fused(x, w, n, rk, rv):
+        return pli.linear_rope_write(x, w, L - 1, J(cos), J(sin), rk, rv, J(wi), J(wm), form="mma", **kw(n))
+
+    def two(x, w, n, rk, rv):
+        qkv = pli.linear(x, w, L - 1, form="mma", **kw(n)).reshape(B, T, 3, H, D)
+        return pr.rope_write(qkv, J(cos), J(sin), rk, rv, L - 1, J(wi), J(wm))
+
+    args = [J(a) for a in (x, w, nw if norm_form == "norm" else ss, ring_k, ring_v)]
+    got, want = (jax.jit(lambda *a, f=f: jax.vjp(f, *a)[1](tuple(J(c) for c in cts)))(*args) for f in (fused, two))
+    tt = [to_torch(np.array(a)).requires_grad_() for a in args]
+    out = tli.linear_rope_write(tt[0], tt[1], L - 1, to_torch(cos), to_torch(sin), tt[3].clone(), tt[4].clone(),
+                                to_torch(wi), to_torch(wm), form="mma", **kw(tt[2]))
+    torch.autograd.backward(out, tuple(to_torch(c) for c in cts))
+    for n, g, r, t in zip(names, got, want, tt):
+        assert_same(g, r, t.grad, what=n)
+    assert np.asarray(got[0], np.float32).any() and np.asarray(got[2], np.float32).any()
+    with pytest.raises(NotImplementedError, match=r"linear_rope_write\(cos, sin\)"):
+        jax.grad(lambda c: pli.linear_rope_write(*args[:2], L - 1, c, J(sin), *args[3:], J(wi), J(wm), form="mma",
+                                                 **kw(args[2]))[0].astype(jnp.float32).sum())(J(cos))
+    with pytest.raises(NotImplementedError, match=r"linear_rope_write\(cos, sin\)"):
+        tli.linear_rope_write(to_torch(x), to_torch(w), L - 1, to_torch(cos).requires_grad_(), to_torch(sin),
+                              to_torch(ring_k), to_torch(ring_v), to_torch(wi), to_torch(wm), form="mma",
+                              **kw(to_torch(np.array(args[2]))))

@@ -1,5 +1,5 @@
-"""The twin gradients' contract: the backward passes of the twin linears and norms, and the plan
-of their kernels (`GradBlocks`). Both packages' `twin_grad` kernels and the derivative rules of
+"""The twin gradients' contract: the backward passes of the twin linears and norms (the split
+RMSNorm's included), and the plan of their kernels (`GradBlocks`). Both packages' `twin_grad` kernels and the derivative rules of
 `twin_linear.linear` and `twin_norm.norm` (JAX `custom_vjp`, torch `autograd.Function`) follow it,
 so `jax.grad` through the Pallas twins and torch autograd through the Triton twins give the same
 bits. Every operation is the forward contract's (`numerics`): float32, each product rounded on its
@@ -41,8 +41,27 @@ same order. A stacked weight's cotangent is that layer's row or matrix in an [L,
 weights' accumulated cotangent. Chosen for correctness: the custom_vjp / autograd.Function of one
 call cannot write into the loop's accumulator; doing so needs a rule for the whole layer loop.
 
-Integer arguments (the layer index) have no cotangent. Not differentiated (NotImplementedError
-naming the argument): the split RMSNorm (`linear(split=, rms=)`, `norm.split`).
+The split RMSNorm (`contract.norm.TwinSplit`): its derivative is the RMSNorm's, split as its forward
+is, in two kernels of `twin_norm` (each output's cotangent exact up to the roundings, so either half
+composes with anything that uses u or ss):
+
+5. The consumer (`linear(u, w, rms=TwinRms(ss, eps))`, `linear_rope_write(rms=)`): pre, where the
+   epilogue needs it, is the consumer itself without the epilogue (its sums scaled by r, rounded: the
+   bits the fused epilogue starts from); dxn = linear(dpre, w[layer]^T), the cotangent of the scaled
+   operand r * u; then `split_rms_grad`, per row, with r = 1 / sqrt(eps + tree_sum(ss) * inv_K) (the
+   forward's r, from the same ss in the same order; not `norm_grad` on the producer's y: its S(y * y)
+   adds BK = twin_lanes(K) lanes over the blocks, ss groups of TWIN_SPLIT_GROUP columns then the groups'
+   tree, another order, another r):
+       xn = to_dtype(u * r)  (the operand for d_w = linear(dpre^T, xn^T));  du = to_dtype(dxn * r)
+       c = (S(dxn * u) * inv_K) * ((r * r) * r);  dss[g] = c * -0.5 for every group g
+6. The producer (`linear(..., split=TwinSplit(alpha, offset))`, `norm.split`), given the cotangents
+   dy, du, dss of (y, u, ss) and its output y (kept from the forward): `split_grad`, elementwise,
+       dy' = to_dtype(dy + (du * a + (y + y) * dss[g]))  (a = alpha's row, g the column's group)
+       ta = du * y (float32; d_alpha = batch_sum(ta), alpha's row min(layer + offset, L' - 1))
+   then steps 2-4 with dy'. Composed, 5 and 6 give the RMSNorm's dx = g * r - x * c of y (g = dxn * a).
+
+`linear_rope_write`'s one-kernel form differentiates as the two calls it fuses: `twin_rope.rope_write_bwd`,
+then steps 1-5 (no epilogue: no pre). Integer arguments (the layer index) have no cotangent.
 
 Standard library only.
 """
@@ -74,8 +93,3 @@ class GradBlocks:
         max_bm = numerics.TWIN_INTERPRET_MAX_BM if interpreted else GRAD_MAX_BM
         return cls(min(max_bm, next_pow2(M)), largest_pow2_divisor(N, GRAD_MAX_BN))
 
-
-def no_derivative(who: str, what: str):
-    """The NotImplementedError of a kernel option the twin gradients do not differentiate."""
-    return NotImplementedError(f"{who}: {what} has no derivative in the twin kernels (not differentiated); "
-                               "differentiate a call without it")
