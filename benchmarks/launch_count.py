@@ -4,6 +4,7 @@ into fewer kernels), and in a compiled module's HLO text (on the GPU: custom cal
 
     python -m benchmarks.launch_count                      # the depformer frame at real sizes, traced
     python -m benchmarks.launch_count --preset moshi-small --kernels twin,reference --scan
+    python -m benchmarks.launch_count --stack codec --names   # the Mimi codec's encode and decode steps
 
 On the CPU the twins run interpreted: the linears take the lane form, whose qkv projection and
 cache write are two kernels where the GPU's MMA form runs one, and whose norm is fused into the
@@ -114,19 +115,69 @@ def depformer_counts(preset: str, kernels: str, B: int = 1, unroll: bool | None 
             **summarize(jaxpr_counts(jaxpr), per=cfg.dep_q)}
 
 
+def as_gpu(fn, *args):
+    """fn traced to its jaxpr as on the GPU: the kernels choose their compiled forms (the MMA linears,
+    the fused qkv projection) where `jax.default_backend()` says "gpu". Tracing only: nothing runs."""
+    real = jax.default_backend
+    jax.default_backend = lambda: "gpu"
+    try:
+        return jax.make_jaxpr(fn)(*args).jaxpr
+    finally:
+        jax.default_backend = real
+
+
+def codec_counts(preset: str, kernels: str, B: int = 1, gpu: bool = True) -> list[dict]:
+    """The codec's encode and decode steps' counts (jaxpr, abstract bfloat16 inputs: any size); gpu:
+    traced as on the GPU (`as_gpu`), else as here."""
+    from jax_impl import codec
+    from jax_impl.codec_config import CODEC_PRESETS, codec_weight_shapes
+    from jax_impl.model import init_params
+
+    cfg = CODEC_PRESETS[preset]
+    dtype = jnp.bfloat16
+    c, shapes = cfg, codec_weight_shapes(cfg)
+
+    def abstract(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), tree)
+
+    stack = jax.eval_shape(lambda key: init_params(cfg.transformer, key, dtype), jax.random.PRNGKey(0))
+    params = codec.CodecParams(
+        {k: jax.ShapeDtypeStruct(v, dtype) for k, v in shapes.items() if not k.startswith("quantizer.")},
+        jax.ShapeDtypeStruct((c.num_codebooks, c.codebook_size, c.codebook_dim), dtype),
+        jax.ShapeDtypeStruct((2, c.codebook_dim, c.dimension, 1), dtype),
+        jax.ShapeDtypeStruct((2, c.dimension, c.codebook_dim, 1), dtype), abstract(stack), abstract(stack))
+    state = jax.eval_shape(lambda: codec.init_codec_state(cfg, B, dtype))
+    active = jax.ShapeDtypeStruct((B,), jnp.bool_)
+    steps = (("encode", codec.encode_fn(cfg, kernels=kernels), jax.ShapeDtypeStruct((B, 1, cfg.frame_size), dtype)),
+             ("decode", codec.decode_fn(cfg, kernels=kernels), jax.ShapeDtypeStruct((B, cfg.num_codebooks), jnp.int32)))
+    records = []
+    for name, fn, x in steps:
+        jaxpr = as_gpu(fn, params, state, x, active) if gpu else jax.make_jaxpr(fn)(params, state, x, active).jaxpr
+        records.append({"stack": "codec", "step": name, "preset": preset, "kernels": kernels, "B": B,
+                        "traced_as": "gpu" if gpu else jax.default_backend(), **summarize(jaxpr_counts(jaxpr))})
+    return records
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="personaplex", help="a DEPFORMER_PRESETS name")
+    parser.add_argument("--stack", default="depformer", choices=("depformer", "codec"))
+    parser.add_argument("--preset", default=None,
+                        help="a DEPFORMER_PRESETS name (default personaplex) or, with --stack codec, a CODEC_PRESETS "
+                             "name (default mimi)")
     parser.add_argument("--kernels", default="twin", help="comma-separated: twin, reference")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--names", action="store_true", help="print the count of each kernel and operation")
     parser.add_argument("--scan", action="store_true", help="the inner steps as a lax.scan (the CPU's default)")
     args = parser.parse_args(argv)
     for kind in args.kernels.split(","):
-        record = depformer_counts(args.preset, kind, args.batch, unroll=not args.scan)
-        if not args.names:
-            record.pop("per_name")
-        print(json.dumps(record))
+        if args.stack == "codec":
+            records = codec_counts(args.preset or "mimi", kind, args.batch)
+        else:
+            records = [depformer_counts(args.preset or "personaplex", kind, args.batch, unroll=not args.scan)]
+        for record in records:
+            if not args.names:
+                record.pop("per_name")
+            print(json.dumps(record))
 
 
 if __name__ == "__main__":

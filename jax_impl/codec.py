@@ -125,50 +125,65 @@ def _conv_transpose(x, w, spec: ConvSpec):
     return y.reshape(B, spec.out_channels, (T + n - 1) * s)[..., :(T - 1) * s + k]
 
 
-def _reference_conv(spec: ConvSpec, x, weight, bias):
-    y = _conv_transpose(x, weight, spec) if spec.transposed else _conv(x, weight, spec)
-    return y if bias is None else y + bias[:, None]
+def _transposed_carry(y, carry, bias, active):
+    """A transposed convolution's output y [B, out, L] with its overlap-add carry [B, out, W]: the
+    carry added to y's head; (y without its tail, the tail less the bias where active)."""
+    width = carry.shape[-1]
+    if not width:
+        return y, carry
+    y = y.at[..., :width].add(carry)
+    tail = y[..., -width:]
+    if bias is not None:
+        tail = tail - bias[:, None]  # the next frame's head has its own bias
+    return y[..., :-width], jnp.where(active[:, None, None], tail, carry)
 
 
-def _twin_conv(spec: ConvSpec, x, weight, bias):
+def _reference_conv_step(spec: ConvSpec, weight, bias, carry, x, active, first, residual):
+    x = jax.nn.elu(x) if spec.elu else x
     if spec.transposed:
-        return twin_conv.conv_transpose1d(x, weight, bias, stride=spec.stride, groups=spec.groups)
-    return twin_conv.conv1d(x, weight, bias, stride=spec.stride, dilation=spec.dilation)
-
-
-def conv_step(spec: ConvSpec, weight, bias, carry, x, active, first, ops: CodecOps | None = None):
-    """One streaming convolution: (y, new carry); as `torch_bridge.seanet.conv_step`. ops: the
-    kernels' (`codec_ops`; None: the reference ones)."""
-    ops = ops or REFERENCE_OPS
+        y = _conv_transpose(x, weight, spec)
+        return _transposed_carry(y if bias is None else y + bias[:, None], carry, bias, active)
     rows = active[:, None, None]
     width = carry.shape[-1]
-    if spec.transposed:
-        y = ops.conv(spec, x, weight, bias)
-        if not width:
-            return y, carry
-        y = y.at[..., :width].add(carry)
-        tail = y[..., -width:]
-        if bias is not None:
-            tail = tail - bias[:, None]  # the next frame's head has its own bias
-        return y[..., :-width], jnp.where(rows, tail, carry)
     if width:
         if spec.replicate:
             carry = jnp.where(first[:, None, None] & rows, x[..., :1], carry)
         x = jnp.concatenate([carry, x], axis=-1)
-    y = ops.conv(spec, x, weight, bias)
-    return y, (jnp.where(rows, x[..., -width:], carry) if width else carry)
+        carry = jnp.where(rows, x[..., -width:], carry)
+    y = _conv(x, weight, spec)
+    y = y if bias is None else y + bias[:, None]
+    return (y if residual is None else residual + y), carry
+
+
+def _twin_conv_step(spec: ConvSpec, weight, bias, carry, x, active, first, residual):
+    """The twin kernels' streaming convolution: the ELU, the carry's concatenation and update and the
+    taps in one kernel (`twin_conv.taps`, the carry in place), then the linear; bias and residual
+    after it."""
+    if spec.transposed:
+        y = twin_conv.conv_transpose1d(x, weight, bias, stride=spec.stride, groups=spec.groups, elu=spec.elu)
+        return _transposed_carry(y, carry, bias, active)
+    options = {"stride": spec.stride, "dilation": spec.dilation, "residual": residual, "elu": spec.elu}
+    if not carry.shape[-1]:
+        return twin_conv.conv1d(x, weight, bias, **options), carry
+    return twin_conv.conv1d(x, weight, bias, carry=carry, active=active, first=first, replicate=spec.replicate,
+                            **options)
+
+
+def conv_step(spec: ConvSpec, weight, bias, carry, x, active, first, ops: CodecOps | None = None, residual=None):
+    """One streaming convolution: (y, new carry); as `torch_bridge.seanet.conv_step`: the ELU on x
+    first where `spec.elu`, `residual` added last. ops: the kernels' (`codec_ops`; None: the reference ones)."""
+    return (ops or REFERENCE_OPS).conv_step(spec, weight, bias, carry, x, active, first, residual)
 
 
 def run_plan(plan, convs: Mapping[str, jax.Array], carries, x, active, first, ops: CodecOps | None = None):
     """A plan's convolutions on one frame: (y, new carries) (`codec_config.walk_plan`, the walk the
     torch codec runs too)."""
-    ops = ops or REFERENCE_OPS
 
-    def conv(spec: ConvSpec, h, carry):
+    def conv(spec: ConvSpec, h, carry, residual):
         return conv_step(spec, convs[spec.key + ".weight"], convs.get(spec.key + ".bias"), carry, h, active, first,
-                         ops)
+                         ops, residual)
 
-    return walk_plan(plan, x, carries, conv, ops.elu)
+    return walk_plan(plan, x, carries, conv)
 
 
 def quantize(cfg: CodecConfig, params: CodecParams, emb):
@@ -234,17 +249,16 @@ def twin_dequantize(cfg: CodecConfig, params: CodecParams, codes):
 
 
 class CodecOps(NamedTuple):
-    """The float operations of a codec step: elu(x); conv(spec, x, weight, bias) (a convolution or a
-    transposed one, unpadded, bias added); quantize(cfg, params, emb); dequantize(cfg, params, codes)."""
+    """The float operations of a codec step: conv_step(spec, weight, bias, carry, x, active, first,
+    residual) -> (y, carry) (`conv_step`); quantize(cfg, params, emb); dequantize(cfg, params, codes)."""
 
-    elu: Any
-    conv: Any
+    conv_step: Any
     quantize: Any
     dequantize: Any
 
 
-REFERENCE_OPS = CodecOps(jax.nn.elu, _reference_conv, quantize, dequantize)
-TWIN_OPS = CodecOps(twin_conv.elu, _twin_conv, twin_quantize, twin_dequantize)
+REFERENCE_OPS = CodecOps(_reference_conv_step, quantize, dequantize)
+TWIN_OPS = CodecOps(_twin_conv_step, twin_quantize, twin_dequantize)
 CODEC_KERNELS = ("reference", "twin")
 
 

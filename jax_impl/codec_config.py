@@ -239,26 +239,28 @@ def plan_convs(plan: tuple[PlanItem, ...]) -> tuple[ConvSpec, ...]:
     return tuple(c for item in plan for c in (item.convs if isinstance(item, Residual) else (item,)))
 
 
-def walk_plan(plan, x, carries, conv, elu):
-    """A plan's convolutions on one frame, the one walk both frameworks run: `conv(spec, h, carry)
-    -> (y, carry)` is one convolution with its streaming carry, `elu(h)` the activation where
-    `spec.elu` asks for it before the convolution; a `Residual` adds its branch to its input.
-    x: [B, C, L]; carries: one per convolution, in the plan's order. Returns (y, new carries)."""
+def walk_plan(plan, x, carries, conv):
+    """A plan's convolutions on one frame, the one walk both frameworks run: `conv(spec, h, carry,
+    residual) -> (y, carry)` is one convolution with its streaming carry, the ELU on h first where
+    `spec.elu` asks for it and `residual` (or None) added to its output last: a `Residual`'s last
+    convolution adds the block's input (its branch added to its input, as one step of the
+    convolution, where a kernel can fuse it). x: [B, C, L]; carries: one per convolution, in the
+    plan's order. Returns (y, new carries)."""
     carries = list(carries)
     index = 0
 
-    def step(spec: ConvSpec, h):
+    def step(spec: ConvSpec, h, residual=None):
         nonlocal index
-        h, carries[index] = conv(spec, elu(h) if spec.elu else h, carries[index])
+        h, carries[index] = conv(spec, h, carries[index], residual)
         index += 1
         return h
 
     for item in plan:
         if isinstance(item, Residual):
             h = x
-            for spec in item.convs:
-                h = step(spec, h)
-            x = x + h
+            for n, spec in enumerate(item.convs):
+                h = step(spec, h, x if n == len(item.convs) - 1 else None)
+            x = h
         else:
             x = step(item, x)
     return x, carries

@@ -44,6 +44,9 @@ from kernels_pallas.contract.conv import (
     check_conv1d,
     check_conv_transpose1d,
     check_nearest,
+    check_stream,
+    next_pow2,
+    taps_plan,
 )
 from kernels_pallas.contract.numerics import largest_pow2_divisor, twin_lanes
 
@@ -89,35 +92,183 @@ def elu_native(x, **_):
     return tm.to_dtype(_elu_f32(x.astype(tm.F32), False), x.dtype)
 
 
-def _conv1d(x, w, bias, residual, stride, dilation, linear):
-    B, cin, _, cout, k, T = check_conv1d(x, w, bias, residual, stride, dilation)
-    taps = jnp.arange(T)[:, None] * stride + jnp.arange(k)[None, :] * dilation       # [T, k]
-    cols = x[:, :, taps].transpose(0, 2, 1, 3).reshape(B * T, cin * k)               # [B*T, in*k]
+def _activation(x, elu: bool, gpu: bool):
+    """x as the convolution reads it: the contract's ELU rounded to x's dtype (elu), else x."""
+    return tm.to_dtype(_elu_f32(x.astype(tm.F32), gpu), x.dtype) if elu else x
+
+
+def _taps_kernel(*refs, C, L, W, k, stride, dilation, T, RT, BC, elu, replicate, gpu):
+    """Program (b, tile): rows tile * RT.. of batch row b's tap matrix, every column (chunks of BC).
+
+    The source is [carry, act(x)] (W + L samples a channel; act: the ELU where asked), the carry's
+    samples replaced by the row's first act(x) sample where `replicate` and the row is first and
+    active. Loads are clamped in bounds (a value read past the source is never selected); stores
+    past the matrix are masked (their index made out of bounds: interpreted, a masked store writes
+    back what it read). Program (b, 0) holds every row that reads the carry (`taps_plan`) and then
+    writes the new carry in place: its last W source samples where the row is active."""
+    if W:
+        flags_ref, x_ref, carry_ref, cols_ref, carry_out_ref = refs
+    else:
+        x_ref, cols_ref = refs
+    b, tile = pl.program_id(0), pl.program_id(1)
+    one = jnp.arange(1, dtype=jnp.int32)
+    if W:
+        active = pltriton.load(flags_ref.at[2 * b + one]) != 0                              # [1]
+        pad_first = (pltriton.load(flags_ref.at[2 * b + 1 + one]) != 0) & active if replicate else None
+
+    def x_at(i, p):
+        return _activation(pltriton.load(x_ref.at[(b * C + i) * L + jnp.clip(p, 0, L - 1)]), elu, gpu)
+
+    def source(i, pos):  # [carry, act(x)] at channel i, position pos (int32 arrays of one shape)
+        value = x_at(i, pos - W)
+        if not W:
+            return value
+        old = pltriton.load(carry_ref.at[(b * C + i) * W + jnp.clip(pos, 0, W - 1)])
+        if replicate:
+            old = jnp.where(pad_first, x_at(i, jnp.zeros_like(pos)), old)
+        return jnp.where(pos < W, old, value)
+
+    columns = C * k
+    t = tile * RT + jnp.arange(RT, dtype=jnp.int32)[:, None]                                 # [RT, 1]
+    for c0 in range(0, columns, BC):
+        c = c0 + jnp.arange(BC, dtype=jnp.int32)[None, :]                                    # [1, BC]
+        ok = (t < T) & (c < columns)
+        i, j = jnp.minimum(c, columns - 1) // k, c % k
+        value = source(i, jnp.minimum(t, T - 1) * stride + j * dilation)
+        at = jnp.where(ok, (b * T + t) * columns + c, cols_ref.shape[0])
+        pltriton.store(cols_ref.at[at], value, mask=ok)
+    if not W:
+        return
+
+    @pl.when(tile == 0)
+    def _carry():
+        n = next_pow2(C * W)
+        e = jnp.arange(n, dtype=jnp.int32)
+        ok = e < C * W
+        i, w = jnp.minimum(e, C * W - 1) // W, e % W
+        old = pltriton.load(carry_ref.at[(b * C + i) * W + w])
+        new = jnp.where(active, source(i, L + w), old)
+        if gpu:  # every thread's reads of the old carry (above and the taps') before any write
+            pltriton.debug_barrier()
+        pltriton.store(carry_out_ref.at[jnp.where(ok, b * C * W + e, carry_out_ref.shape[0])], new, mask=ok)
+
+
+def taps(x: jax.Array, *, kernel_size: int, stride: int = 1, dilation: int = 1, elu: bool = False,
+         carry: jax.Array | None = None, active: jax.Array | None = None, first: jax.Array | None = None,
+         replicate: bool = False, interpret: bool | None = None):
+    """The tap matrix of a convolution over [carry, act(x)], one kernel: X [B * T, in * k],
+    X[b * T + t, i * k + j] = src[b, i, t * stride + j * dilation] (module docstring), act the
+    contract's ELU where `elu`. Without carry returns X; with carry [B, in, W] (W > 0) returns
+    (X, the new carry), the carry updated in place (`input_output_aliases`: pass a carry you no
+    longer need). active, first: bool [B] (None: every row active, none first)."""
+    B, C, L = x.shape
+    W = 0 if carry is None else carry.shape[2]
+    span = (kernel_size - 1) * dilation + 1
+    T = (W + L - span) // stride + 1
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    RT, BC = taps_plan(T, C * kernel_size, W, stride)
+    kernel = functools.partial(_taps_kernel, C=C, L=L, W=W, k=kernel_size, stride=stride, dilation=dilation, T=T,
+                               RT=RT, BC=BC, elu=elu, replicate=replicate, gpu=not interpret)
+    cols = jax.ShapeDtypeStruct((B * T * C * kernel_size,), x.dtype)
+    operands, out_shape, aliases = [x.reshape(-1)], (cols,), {}
+    if W:
+        active = jnp.ones(B, bool) if active is None else active
+        first = jnp.zeros(B, bool) if first is None else first
+        flags = jnp.stack([active, first], axis=1).astype(jnp.int32).reshape(-1)          # [2B]: active, first
+        operands = [flags, operands[0], carry.reshape(-1)]
+        out_shape, aliases = (cols, jax.ShapeDtypeStruct((B * C * W,), x.dtype)), {2: 1}
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(B, -(-T // RT)),
+        in_specs=[_whole(a) for a in operands],
+        out_specs=tuple(_whole(o) for o in out_shape),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name="twin_conv_taps",
+    )(*operands)
+    X = outs[0].reshape(B * T, C * kernel_size)
+    return (X, outs[1].reshape(carry.shape)) if W else X
+
+
+def _whole(a):
+    """A BlockSpec giving the kernel the whole (flat) array, indexed in place inside."""
+    return pl.BlockSpec(a.shape, lambda *_: (0,) * len(a.shape))
+
+
+def taps_native(x, *, kernel_size, stride=1, dilation=1, elu=False, carry=None, active=None, first=None,
+                replicate=False, **_):
+    """The plain jax.numpy reference of `taps`: the same signature and bits (no carry written in place)."""
+    B, C, _ = x.shape
+    x = elu_native(x) if elu else x
+    new = None
+    if carry is not None:
+        rows = (jnp.ones(B, bool) if active is None else active)[:, None, None]
+        old = carry
+        if replicate:
+            carry = jnp.where((jnp.zeros(B, bool) if first is None else first)[:, None, None] & rows, x[..., :1],
+                              carry)
+        x = jnp.concatenate([carry, x], axis=-1)
+        new = jnp.where(rows, x[..., x.shape[-1] - old.shape[-1]:], old)
+    T = (x.shape[-1] - (kernel_size - 1) * dilation - 1) // stride + 1
+    at = jnp.arange(T)[:, None] * stride + jnp.arange(kernel_size)[None, :] * dilation       # [T, k]
+    X = x[:, :, at].transpose(0, 2, 1, 3).reshape(B * T, C * kernel_size)
+    return X if new is None else (X, new)
+
+
+def _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, replicate, linear, make_taps):
+    width = check_stream("conv1d", x, carry, active, first, replicate)
+    B, cin, _, cout, k, T = check_conv1d(x, w, bias, residual, stride, dilation, width)
+    if k == 1 and stride == 1 and not elu and carry is None:  # the columns as they are: no taps kernel
+        cols, new = x.transpose(0, 2, 1).reshape(B * T, cin), None
+    else:
+        out = make_taps(x, kernel_size=k, stride=stride, dilation=dilation, elu=elu, carry=carry, active=active,
+                        first=first, replicate=replicate)
+        cols, new = out if carry is not None else (out, None)
     y = linear(cols, w.reshape(cout, cin * k)).reshape(B, T, cout).transpose(0, 2, 1)
     if bias is not None:
         y = y + bias[:, None]
-    return y if residual is None else y + residual
+    y = y if residual is None else y + residual
+    return y if carry is None else (y, new)
 
 
 def conv1d(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, stride: int = 1, dilation: int = 1,
-           residual: jax.Array | None = None, interpret: bool | None = None) -> jax.Array:
+           residual: jax.Array | None = None, elu: bool = False, carry: jax.Array | None = None,
+           active: jax.Array | None = None, first: jax.Array | None = None, replicate: bool = False,
+           interpret: bool | None = None):
     """The contract's convolution, unpadded: x [B, in, L], w [out, in, k], bias [out] -> [B, out, T],
-    T = (L - (k - 1) * dilation - 1) // stride + 1; residual [B, out, T] added last."""
-    return _conv1d(x, w, bias, residual, stride, dilation, functools.partial(twin_linear.linear, interpret=interpret))
+    T = (W + L - (k - 1) * dilation - 1) // stride + 1; residual [B, out, T] added last.
+
+    elu: the contract's ELU on x first (in the taps kernel). carry [B, in, W] (a streamed left
+    context, holding values past the ELU): the convolution runs over [carry, act(x)] and returns
+    (y, new carry): the last W samples for the rows of `active` (bool [B], None: all), the old carry
+    for the others; written in place (donate it). replicate: rows that are `first` and active take
+    their first sample as their carry first (the downsample's replicate padding). Two kernels: the
+    taps (`taps`) and the linear."""
+    return _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, replicate,
+                   functools.partial(twin_linear.linear, interpret=interpret),
+                   functools.partial(taps, interpret=interpret))
 
 
-def conv1d_native(x, w, bias=None, *, stride=1, dilation=1, residual=None, **_):
+def conv1d_native(x, w, bias=None, *, stride=1, dilation=1, residual=None, elu=False, carry=None, active=None,
+                  first=None, replicate=False, **_):
     """The plain jax.numpy reference of `conv1d`: the same signature and bits."""
-    return _conv1d(x, w, bias, residual, stride, dilation, functools.partial(twin_linear.linear_native, form="lanes"))
+    return _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, replicate,
+                   functools.partial(twin_linear.linear_native, form="lanes"), taps_native)
 
 
-def _conv_transpose1d(x, w, bias, stride, groups, linear):
+def _conv_transpose1d(x, w, bias, stride, groups, elu, linear, make_taps):
     B, cin, T, cout, k = check_conv_transpose1d(x, w, bias, stride, groups)
+    if groups == 1 or elu:
+        rows = make_taps(x, kernel_size=1, elu=elu)                                          # [B*T, in]
     if groups == 1:
-        rows = x.transpose(0, 2, 1).reshape(B * T, cin)
         z = linear(rows, w.transpose(1, 2, 0).reshape(cout * k, cin)).reshape(B, T, cout, k)
     else:
-        z = x.transpose(0, 2, 1)[..., None] * w[:, 0][None, None]                       # [B, T, C, k]
+        x = rows.reshape(B, T, cin) if elu else x.transpose(0, 2, 1)
+        # [B, T, C, k], each product rounded on its own (no FMA with the adds after it)
+        z = tm.mul(x[..., None], w[:, 0][None, None], False).astype(x.dtype)
     n = -(-k // stride)
     z = jnp.pad(z, ((0, 0), (0, 0), (0, 0), (0, n * stride - k))).reshape(B, T, cout, n, stride)
     y = None
@@ -129,15 +280,18 @@ def _conv_transpose1d(x, w, bias, stride, groups, linear):
 
 
 def conv_transpose1d(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, stride: int = 1, groups: int = 1,
-                     interpret: bool | None = None) -> jax.Array:
+                     elu: bool = False, interpret: bool | None = None) -> jax.Array:
     """The contract's transposed convolution, unpadded: x [B, in, T], w [in, out / groups, k] (groups 1
-    or channel-wise), bias [out] -> [B, out, (T - 1) * stride + k]."""
-    return _conv_transpose1d(x, w, bias, stride, groups, functools.partial(twin_linear.linear, interpret=interpret))
+    or channel-wise), bias [out] -> [B, out, (T - 1) * stride + k]. elu: the contract's ELU on x
+    first, in the kernel that lays x's columns out as the linear's rows (`taps`, kernel 1)."""
+    return _conv_transpose1d(x, w, bias, stride, groups, elu, functools.partial(twin_linear.linear, interpret=interpret),
+                             functools.partial(taps, interpret=interpret))
 
 
-def conv_transpose1d_native(x, w, bias=None, *, stride=1, groups=1, **_):
+def conv_transpose1d_native(x, w, bias=None, *, stride=1, groups=1, elu=False, **_):
     """The plain jax.numpy reference of `conv_transpose1d`: the same signature and bits."""
-    return _conv_transpose1d(x, w, bias, stride, groups, functools.partial(twin_linear.linear_native, form="lanes"))
+    return _conv_transpose1d(x, w, bias, stride, groups, elu,
+                             functools.partial(twin_linear.linear_native, form="lanes"), taps_native)
 
 
 def _distances(x_blocks, e_block, gpu):

@@ -16,6 +16,9 @@ from kernels_pallas.contract.conv import (
     check_conv1d,
     check_conv_transpose1d,
     check_nearest,
+    check_stream,
+    next_pow2,
+    taps_plan,
 )
 from kernels_pallas.contract.numerics import EXP_POLY, LN2_HI, LN2_LO, LOG2E, largest_pow2_divisor, twin_lanes
 from kernels_triton import twin_linear
@@ -72,30 +75,154 @@ def exp_native(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), x, y)
 
 
-def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, stride: int = 1,
-           dilation: int = 1, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The contract's convolution, unpadded: x [B, in, L], w [out, in, k], bias [out] -> [B, out, T];
-    residual [B, out, T] added last. The signature and bits of the Pallas twin."""
-    B, cin, _, cout, k, T = check_conv1d(x, w, bias, residual, stride, dilation)
-    taps = (torch.arange(T, device=x.device)[:, None] * stride
-            + torch.arange(k, device=x.device)[None, :] * dilation)                    # [T, k]
-    cols = x[:, :, taps].permute(0, 2, 1, 3).reshape(B * T, cin * k).contiguous()
-    y = twin_linear.linear(cols, w.reshape(cout, cin * k).contiguous()).reshape(B, T, cout).transpose(1, 2)
+@triton.jit
+def _source(x_ptr, carry_ptr, b, i, pos, pad_first, C: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
+            ELU: tl.constexpr, REPLICATE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """[carry, act(x)] of batch row b at channel i, position pos (`kernels_pallas.twin_conv._taps_kernel`)."""
+    value = _x_at(x_ptr, b, i, pos - W, C, L, ELU, INTERPRETED)
+    if W > 0:
+        old = tl.load(carry_ptr + (b * C + i) * W + tl.minimum(tl.maximum(pos, 0), W - 1))
+        if REPLICATE:
+            old = tl.where(pad_first, _x_at(x_ptr, b, i, pos * 0, C, L, ELU, INTERPRETED), old)
+        value = tl.where(pos < W, old, value)
+    return value
+
+
+@triton.jit
+def _x_at(x_ptr, b, i, p, C: tl.constexpr, L: tl.constexpr, ELU: tl.constexpr, INTERPRETED: tl.constexpr):
+    v = tl.load(x_ptr + (b * C + i) * L + tl.minimum(tl.maximum(p, 0), L - 1))
+    if ELU:
+        f = v.to(tl.float32)
+        v = tm.to_dtype(tl.where(f > 0.0, f, tm.exp(f) - 1.0), x_ptr.dtype.element_ty, INTERPRETED)
+    return v
+
+
+@triton.jit
+def _taps_kernel(x_ptr, carry_ptr, flags_ptr, cols_ptr, carry_out_ptr, C: tl.constexpr, L: tl.constexpr,
+                 W: tl.constexpr, K: tl.constexpr, STRIDE: tl.constexpr, DILATION: tl.constexpr, T: tl.constexpr,
+                 RT: tl.constexpr, BC: tl.constexpr, NW: tl.constexpr, ELU: tl.constexpr, REPLICATE: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
+    """The twin of `kernels_pallas.twin_conv._taps_kernel` (its docstring); the new carry goes to
+    carry_out (a tensor of its own: the torch codec's state is committed by its caller)."""
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    active = True
+    pad_first = False
+    if W > 0:
+        active = tl.load(flags_ptr + 2 * b) != 0
+        if REPLICATE:
+            pad_first = (tl.load(flags_ptr + 2 * b + 1) != 0) & active
+    t = tile * RT + tl.arange(0, RT)[:, None]
+    for c0 in tl.static_range(0, C * K, BC):
+        c = c0 + tl.arange(0, BC)[None, :]
+        ok = (t < T) & (c < C * K)
+        cc = tl.minimum(c, C * K - 1)
+        i = cc // K
+        j = c % K
+        value = _source(x_ptr, carry_ptr, b, i, tl.minimum(t, T - 1) * STRIDE + j * DILATION, pad_first, C, L, W,
+                        ELU, REPLICATE, INTERPRETED)
+        tl.store(cols_ptr + (b * T + t) * (C * K) + c, value, mask=ok)
+    if W > 0:  # noqa: SIM102 (W is a constexpr: compiled out, not a run-time test)
+        if tile == 0:
+            e = tl.arange(0, NW)
+            ok = e < C * W
+            ee = tl.minimum(e, C * W - 1)
+            i = ee // W
+            w = e % W
+            old = tl.load(carry_ptr + (b * C + i) * W + w)
+            new = tl.where(active, _source(x_ptr, carry_ptr, b, i, L + w, pad_first, C, L, W, ELU, REPLICATE,
+                                           INTERPRETED), old)
+            tl.store(carry_out_ptr + b * C * W + e, new, mask=ok)
+
+
+def taps(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation: int = 1, elu: bool = False,
+         carry: torch.Tensor | None = None, active: torch.Tensor | None = None, first: torch.Tensor | None = None,
+         replicate: bool = False):
+    """The tap matrix of a convolution over [carry, act(x)], one kernel: the Pallas twin's
+    signature and bits; with carry returns (X, the new carry), a new tensor (the carry is not written)."""
+    B, C, L = x.shape
+    W = 0 if carry is None else carry.shape[2]
+    T = (W + L - (kernel_size - 1) * dilation - 1) // stride + 1
+    RT, BC = taps_plan(T, C * kernel_size, W, stride)
+    cols = torch.empty(B * T, C * kernel_size, dtype=x.dtype, device=x.device)
+    x = x.contiguous()
+    if W:
+        active = torch.ones(B, dtype=torch.bool, device=x.device) if active is None else active
+        first = torch.zeros(B, dtype=torch.bool, device=x.device) if first is None else first
+        flags = torch.stack([active, first], dim=1).to(torch.int32).reshape(-1)
+        carry, new = carry.contiguous(), torch.empty_like(carry)
+    else:
+        flags = carry = new = x  # unread
+    _taps_kernel[(B, triton.cdiv(T, RT))](x, carry, flags, cols, new, C=C, L=L, W=W, K=kernel_size, STRIDE=stride,
+                                          DILATION=dilation, T=T, RT=RT, BC=BC, NW=next_pow2(C * W), ELU=elu,
+                                          REPLICATE=replicate, INTERPRETED=interpreting(_taps_kernel), num_warps=4,
+                                          enable_fp_fusion=False)
+    return (cols, new) if W else cols
+
+
+def taps_native(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation: int = 1, elu: bool = False,
+                carry: torch.Tensor | None = None, active: torch.Tensor | None = None,
+                first: torch.Tensor | None = None, replicate: bool = False, **_):
+    """The plain torch reference of `taps`: the same signature and bits."""
+    B, C, _ = x.shape
+    x = elu_native(x) if elu else x
+    new = None
+    if carry is not None:
+        rows = (torch.ones(B, dtype=torch.bool, device=x.device) if active is None else active).view(-1, 1, 1)
+        old = carry
+        if replicate:
+            carry = torch.where(first.view(-1, 1, 1) & rows, x[..., :1], carry)
+        x = torch.cat([carry, x], dim=-1)
+        new = torch.where(rows, x[..., x.shape[-1] - old.shape[-1]:], old)
+    T = (x.shape[-1] - (kernel_size - 1) * dilation - 1) // stride + 1
+    at = (torch.arange(T, device=x.device)[:, None] * stride
+          + torch.arange(kernel_size, device=x.device)[None, :] * dilation)                 # [T, k]
+    X = x[:, :, at].permute(0, 2, 1, 3).reshape(B * T, C * kernel_size)
+    return X if new is None else (X, new)
+
+
+def _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, replicate, linear, make_taps):
+    width = check_stream("conv1d", x, carry, active, first, replicate)
+    B, cin, _, cout, k, T = check_conv1d(x, w, bias, residual, stride, dilation, width)
+    if k == 1 and stride == 1 and not elu and carry is None:  # the columns as they are: no taps kernel
+        cols, new = x.transpose(1, 2).reshape(B * T, cin), None
+    else:
+        out = make_taps(x, kernel_size=k, stride=stride, dilation=dilation, elu=elu, carry=carry, active=active,
+                        first=first, replicate=replicate)
+        cols, new = out if carry is not None else (out, None)
+    y = linear(cols.contiguous(), w.reshape(cout, cin * k).contiguous()).reshape(B, T, cout).transpose(1, 2)
     if bias is not None:
         y = y + bias[:, None]
-    return y if residual is None else y + residual
+    y = y if residual is None else y + residual
+    return y if carry is None else (y, new)
 
 
-def conv_transpose1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, stride: int = 1,
-                     groups: int = 1) -> torch.Tensor:
-    """The contract's transposed convolution, unpadded: x [B, in, T], w [in, out / groups, k] (groups 1
-    or channel-wise), bias [out] -> [B, out, (T - 1) * stride + k]. The bits of the Pallas twin."""
+def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, stride: int = 1,
+           dilation: int = 1, residual: torch.Tensor | None = None, elu: bool = False,
+           carry: torch.Tensor | None = None, active: torch.Tensor | None = None, first: torch.Tensor | None = None,
+           replicate: bool = False):
+    """The contract's convolution, unpadded: the signature and bits of the Pallas twin (its
+    docstring), the new carry a new tensor (the carry is not written)."""
+    return _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, replicate, twin_linear.linear,
+                   taps)
+
+
+def conv1d_native(x, w, bias=None, *, stride=1, dilation=1, residual=None, elu=False, carry=None, active=None,
+                  first=None, replicate=False, **_):
+    """The plain torch reference of `conv1d`: the same signature and bits."""
+    return _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, replicate,
+                   twin_linear.linear_native, taps_native)
+
+
+def _conv_transpose1d(x, w, bias, stride, groups, elu, linear, make_taps):
     B, cin, T, cout, k = check_conv_transpose1d(x, w, bias, stride, groups)
+    if groups == 1 or elu:
+        rows = make_taps(x, kernel_size=1, elu=elu)                                         # [B*T, in]
     if groups == 1:
-        rows = x.transpose(1, 2).reshape(B * T, cin).contiguous()
-        z = twin_linear.linear(rows, w.permute(1, 2, 0).reshape(cout * k, cin).contiguous()).reshape(B, T, cout, k)
+        z = linear(rows.contiguous(), w.permute(1, 2, 0).reshape(cout * k, cin).contiguous()).reshape(B, T, cout, k)
     else:
-        z = x.transpose(1, 2)[..., None] * w[:, 0][None, None]                           # [B, T, C, k]
+        x = rows.reshape(B, T, cin) if elu else x.transpose(1, 2)
+        z = x[..., None] * w[:, 0][None, None]                                             # [B, T, C, k]
     n = -(-k // stride)
     z = torch.nn.functional.pad(z, (0, n * stride - k)).reshape(B, T, cout, n, stride)
     y = None
@@ -104,6 +231,17 @@ def conv_transpose1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
         y = block if y is None else y + block
     y = y.permute(0, 2, 1, 3).reshape(B, cout, (T + n - 1) * stride)[..., :(T - 1) * stride + k]
     return y if bias is None else y + bias[:, None]
+
+
+def conv_transpose1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, stride: int = 1,
+                     groups: int = 1, elu: bool = False) -> torch.Tensor:
+    """The contract's transposed convolution, unpadded: the signature and bits of the Pallas twin."""
+    return _conv_transpose1d(x, w, bias, stride, groups, elu, twin_linear.linear, taps)
+
+
+def conv_transpose1d_native(x, w, bias=None, *, stride=1, groups=1, elu=False, **_):
+    """The plain torch reference of `conv_transpose1d`: the same signature and bits."""
+    return _conv_transpose1d(x, w, bias, stride, groups, elu, twin_linear.linear_native, taps_native)
 
 
 @triton.jit
@@ -157,4 +295,5 @@ def nearest_native(x: torch.Tensor, entries: torch.Tensor, **_) -> torch.Tensor:
     return torch.where(dist == best, torch.arange(N, dtype=torch.int32, device=x.device), N).min(dim=1).values
 
 
-__all__ = ["conv1d", "conv_transpose1d", "elu", "elu_native", "nearest", "nearest_native"]
+__all__ = ["conv1d", "conv1d_native", "conv_transpose1d", "conv_transpose1d_native", "elu", "elu_native", "nearest",
+           "nearest_native", "taps", "taps_native"]

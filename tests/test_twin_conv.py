@@ -83,6 +83,53 @@ def test_conv1d(dtype, stride, dilation, k):
     assert same(jitted(pallas.conv1d, **args)(jx[1:2], jw, jb, residual=jr[1:2]), got[1:2])
 
 
+@pytest.mark.parametrize(("dtype", "stride", "dilation", "k", "L", "replicate"), [
+    (torch.float32, 1, 1, 7, 2, False),    # the frame shorter than the carry (the decoder's first conv)
+    (torch.bfloat16, 1, 2, 3, 11, False),  # dilated, a residual block's
+    (torch.bfloat16, 4, 1, 8, 12, False),  # strided (a SEANet stage's)
+    (torch.float32, 2, 1, 4, 2, True),     # the downsample's replicate padding
+])
+def test_streamed_conv1d(dtype, stride, dilation, k, L, replicate):
+    """The ELU, the carry and the residual fused (`taps`): Pallas == Triton == both references == the
+    unfused form (the ELU, the concatenation, the carry's update and the convolution one by one)."""
+    width = (k - 1) * dilation + 1 - stride
+    x, w = randn(3, 5, L, dtype=dtype, seed=11, scale=2.0), randn(6, 5, k, dtype=dtype, seed=12, scale=0.3)
+    bias, carry = randn(6, dtype=dtype, seed=13), randn(3, 5, width, dtype=dtype, seed=14)
+    active, first = torch.tensor([True, False, True]), torch.tensor([True, True, False])
+    T = (width + L - (k - 1) * dilation - 1) // stride + 1
+    residual = randn(3, 6, T, dtype=dtype, seed=15)
+    args = {"stride": stride, "dilation": dilation, "elu": not replicate, "replicate": replicate}
+    y, new = triton_twin.conv1d(x, w, bias, residual=residual, carry=carry, active=active, first=first, **args)
+    j = list(map(to_jax, (x, w, bias, residual, carry, active, first)))
+    for fn in (pallas.conv1d, pallas.conv1d_native):
+        got = jitted(fn, **args)(j[0], j[1], j[2], residual=j[3], carry=j[4] + 0, active=j[5], first=j[6])
+        assert same(got[0], y) and same(got[1], new)
+    assert all(map(same, triton_twin.conv1d_native(x, w, bias, residual=residual, carry=carry, active=active,
+                                                   first=first, **args), (y, new)))
+    h = triton_twin.elu(x) if args["elu"] else x
+    start = torch.where((first & active).view(-1, 1, 1), h[..., :1], carry) if replicate else carry
+    full = torch.cat([start, h], dim=-1)
+    assert same(y, triton_twin.conv1d(full, w, bias, residual=residual, stride=stride, dilation=dilation))
+    assert same(new, torch.where(active.view(-1, 1, 1), full[..., -width:], carry))
+    # batch invariance: a row alone has the bits it has among the others
+    alone = triton_twin.conv1d(x[2:], w, bias, residual=residual[2:], carry=carry[2:], active=active[2:],
+                               first=first[2:], **args)
+    assert same(alone[0], y[2:]) and same(alone[1], new[2:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_transpose1d_elu(dtype):
+    """The ELU fused into the kernel laying x's columns out: the bits of the ELU kernel first."""
+    x, bias = randn(2, 5, 3, dtype=dtype, seed=16, scale=2.0), randn(7, dtype=dtype, seed=18)
+    for w, groups in ((randn(5, 7, 8, dtype=dtype, seed=17, scale=0.3), 1), (randn(5, 1, 4, dtype=dtype, seed=19), 5)):
+        b = bias if groups == 1 else bias[:5]
+        got = triton_twin.conv_transpose1d(x, w, b, stride=4, groups=groups, elu=True)
+        assert same(got, triton_twin.conv_transpose1d(triton_twin.elu(x), w, b, stride=4, groups=groups))
+        jx, jw, jb = map(to_jax, (x, w, b))
+        for fn in (pallas.conv_transpose1d, pallas.conv_transpose1d_native):
+            assert same(got, jitted(fn, stride=4, groups=groups, elu=True)(jx, jw, jb))
+
+
 @pytest.mark.parametrize(("dtype", "stride", "k", "groups"), [(torch.float32, 3, 7, 1), (torch.bfloat16, 4, 8, 1),
                                                               (torch.float32, 2, 4, 5), (torch.bfloat16, 5, 3, 1)])
 def test_conv_transpose1d(dtype, stride, k, groups):
@@ -123,6 +170,9 @@ def test_nearest(dtype, N, D):
     (lambda m, x: m.conv1d(x[0], x), ValueError, r"conv1d\(x\): expected \[B, in, L\]"),
     (lambda m, x: m.conv_transpose1d(x, x[:, :1], groups=2), ValueError, r"conv_transpose1d\(groups\)"),
     (lambda m, x: m.nearest(x[0], x[0, :0]), ValueError, r"nearest\(entries\)"),
+    (lambda m, x: m.conv1d(x, x, carry=x[:, :2]), ValueError, r"conv1d\(carry\): expected \[B=5, in=5, W\]"),
+    (lambda m, x: m.conv1d(x, x, active=x[:, 0, 0] > 0), ValueError, r"conv1d\(carry\): active, first"),
+    (lambda m, x: m.conv1d(x, x, carry=x, replicate=True), ValueError, r"conv1d\(first\)"),
 ])
 def test_bad_arguments_name_them(call, error, message):
     x = randn(5, 5, 5, dtype=torch.float32, seed=0)

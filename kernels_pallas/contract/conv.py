@@ -5,16 +5,36 @@ from __future__ import annotations
 
 ELU_BLOCK = 1024  # elements of an ELU program, compiled (interpreted: one program for the whole array)
 NEAREST_BLOCK = 64  # codebook entries a nearest program scores at once (speed only)
+TAPS_BLOCK = 4096  # elements of the tap matrix a taps program writes at once (speed only)
+TAPS_COLS = 512  # the most tap columns a taps program writes at once (speed only)
 
 
-def check_conv1d(x, w, bias, residual, stride: int, dilation: int) -> tuple[int, int, int, int, int, int]:
-    """(B, in, L, out, k, T) of a twin conv1d call, after checking shapes, dtypes and the geometry."""
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def taps_plan(T: int, columns: int, width: int, stride: int) -> tuple[int, int]:
+    """(rows, cols) of a taps program's tile over the tap matrix [T, columns] of one batch row.
+
+    Powers of two (Triton's blocks). The first tile holds every row that reads the carry (t * stride
+    < width): its program is the only one reading the carry, so it can write the new carry in place
+    after its reads."""
+    cols = min(next_pow2(columns), TAPS_COLS)
+    carry_rows = next_pow2(-(-width // stride))
+    return min(next_pow2(T), max(carry_rows, TAPS_BLOCK // cols)), cols
+
+
+def check_conv1d(x, w, bias, residual, stride: int, dilation: int,
+                 width: int = 0) -> tuple[int, int, int, int, int, int]:
+    """(B, in, L, out, k, T) of a twin conv1d call, after checking shapes, dtypes and the geometry;
+    L counts the carry's `width` samples before x's."""
     for name, v in (("stride", stride), ("dilation", dilation)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"conv1d({name}): expected a positive int, got {v!r}")
     if len(x.shape) != 3:
         raise ValueError(f"conv1d(x): expected [B, in, L], got shape {tuple(x.shape)}")
     B, cin, L = x.shape
+    L += width
     if len(w.shape) != 3 or w.shape[1] != cin:
         raise ValueError(f"conv1d(w): expected [out, in={cin}, k] (groups 1), got shape {tuple(w.shape)}")
     if str(w.dtype) != str(x.dtype):
@@ -29,6 +49,25 @@ def check_conv1d(x, w, bias, residual, stride: int, dilation: int) -> tuple[int,
     if residual is not None and tuple(residual.shape) != (B, cout, T):
         raise ValueError(f"conv1d(residual): expected [{B}, {cout}, {T}], got shape {tuple(residual.shape)}")
     return B, cin, L, cout, k, T
+
+
+def check_stream(who: str, x, carry, active, first, replicate: bool) -> int:
+    """The carry's width W after checking a streamed call's carry [B, in, W], active and first (bool [B])."""
+    B, cin = x.shape[0], x.shape[1]
+    if carry is None:
+        if active is not None or first is not None or replicate:
+            raise ValueError(f"{who}(carry): active, first and replicate stream a carry; got no carry")
+        return 0
+    if len(carry.shape) != 3 or tuple(carry.shape[:2]) != (B, cin):
+        raise ValueError(f"{who}(carry): expected [B={B}, in={cin}, W], got shape {tuple(carry.shape)}")
+    if str(carry.dtype) != str(x.dtype):
+        raise TypeError(f"{who}(carry): dtype {carry.dtype} differs from x's {x.dtype}")
+    for name, v in (("active", active), ("first", first)):
+        if v is not None and (tuple(v.shape) != (B,) or "bool" not in str(v.dtype)):
+            raise ValueError(f"{who}({name}): expected bool [{B}], got {v.dtype} {tuple(v.shape)}")
+    if replicate and first is None:
+        raise ValueError(f"{who}(first): replicate pads a row's first frame: first is required")
+    return carry.shape[2]
 
 
 def check_conv_transpose1d(x, w, bias, stride: int, groups: int) -> tuple[int, int, int, int, int]:
