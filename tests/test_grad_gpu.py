@@ -246,7 +246,7 @@ def _twin_step_gradients(cfg, dtype, device="cuda"):
     return {n: (grads[n], w.grad) for n, w in module.weights().items()}, (gx, xt.grad)
 
 
-SPLIT_TEMPORAL = with_options(PRESETS["temporal-small"], dim=1024, num_heads=8, hidden=1024)  # its norms split
+SPLIT_TEMPORAL = with_options(PRESETS["temporal-small"], dim=4096, num_heads=32, hidden=1024)  # its norms split (Helium's dim)
 
 
 @pytest.mark.parametrize("preset,dtype", [("temporal-small", "float32"), ("temporal-small", "bfloat16"),
@@ -255,7 +255,7 @@ SPLIT_TEMPORAL = with_options(PRESETS["temporal-small"], dim=1024, num_heads=8, 
 def test_twin_step_gradients_gpu_same_bits_jax_vs_torch(preset, dtype):
     """jax.grad through the JAX twin step and torch autograd through the torch twin stack, compiled:
     every weight's gradient and x's the same bits (bfloat16: the MMA forms, the one-kernel qkv; at
-    dim 1024 the Helium norms run split, `twin_split_norm`)."""
+    dim 4096 the Helium norms run split, `twin_split_norm`)."""
     cfg = SPLIT_TEMPORAL if preset == "temporal-split" else PRESETS[preset]
     if preset == "temporal-split":
         assert twin_split_norm(cfg.dim, jnp.bfloat16, compiled=True)
