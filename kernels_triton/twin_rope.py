@@ -53,9 +53,19 @@ def _turn(qkv_ptr, base, cos_ptr, sin_ptr, bt, HALF: tl.constexpr, dtype: tl.con
     else as projected (to_dtype of the dtype's own values: exact)."""
     r = tl.load(qkv_ptr + base).to(tl.float32)
     i = tl.load(qkv_ptr + base + 1).to(tl.float32)
+    return _rotate_row(r, i, cos_ptr, sin_ptr, bt, HALF, dtype, ROPE, False, INTERPRETED)
+
+
+@triton.jit
+def _rotate_row(r, i, cos_ptr, sin_ptr, bt, HALF: tl.constexpr, dtype: tl.constexpr, ROPE: tl.constexpr,
+                BACK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Pairs (r, i) (float32) rotated by row bt's tables, by theta or (BACK) by -theta, in dtype;
+    without ROPE as they are (to_dtype)."""
     if ROPE:
         cos = tl.load(cos_ptr + bt * HALF + tl.arange(0, HALF))[None, :]
         sin = tl.load(sin_ptr + bt * HALF + tl.arange(0, HALF))[None, :]
+        if BACK:
+            sin = -sin
         return rotate(r, i, cos, sin, dtype, INTERPRETED)
     return tm.to_dtype(r, dtype, INTERPRETED), tm.to_dtype(i, dtype, INTERPRETED)
 
@@ -145,17 +155,6 @@ class _RopeWrite(torch.autograd.Function):
 
 
 @triton.jit
-def _back(r, i, cos_ptr, sin_ptr, bt, HALF: tl.constexpr, dtype: tl.constexpr, ROPE: tl.constexpr,
-          INTERPRETED: tl.constexpr):
-    """A cotangent's pairs (float32) rotated by -theta with row bt's tables (ROPE), else as they are, in dtype."""
-    if ROPE:
-        cos = tl.load(cos_ptr + bt * HALF + tl.arange(0, HALF))[None, :]
-        nsin = -tl.load(sin_ptr + bt * HALF + tl.arange(0, HALF))[None, :]
-        return rotate(r, i, cos, nsin, dtype, INTERPRETED)
-    return tm.to_dtype(r, dtype, INTERPRETED), tm.to_dtype(i, dtype, INTERPRETED)
-
-
-@triton.jit
 def _bwd_kernel(layer_ptr, dq_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, dqkv_ptr, dk_ptr, dv_ptr,
                 B: tl.constexpr, T: tl.constexpr, H: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
                 HB: tl.constexpr, ROPE: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -170,16 +169,16 @@ def _bwd_kernel(layer_ptr, dq_ptr, cos_ptr, sin_ptr, slot_ptr, wmask_ptr, dqkv_p
     dtype = dqkv_ptr.dtype.element_ty
     q_at = ((b * H + h) * T + t) * D + j2
     base = bt * 3 * H * D + h * D + j2                                        # d_qkv [B, T, 3, H, D]
-    q0, q1 = _back(tl.load(dq_ptr + q_at).to(tl.float32), tl.load(dq_ptr + q_at + 1).to(tl.float32), cos_ptr, sin_ptr,
-                   bt, HALF, dtype, ROPE, INTERPRETED)
+    q0, q1 = _rotate_row(tl.load(dq_ptr + q_at).to(tl.float32), tl.load(dq_ptr + q_at + 1).to(tl.float32), cos_ptr,
+                         sin_ptr, bt, HALF, dtype, ROPE, True, INTERPRETED)
     tl.store(dqkv_ptr + base, q0)
     tl.store(dqkv_ptr + base + 1, q1)
     written = tl.load(wmask_ptr + bt) != 0
     slot = tl.load(slot_ptr + bt).to(tl.int64)
     layer = tl.load(layer_ptr).to(tl.int64)
     ring = (((layer * B + b) * H + h) * C + slot) * D + j2
-    k0, k1 = _back(tl.load(dk_ptr + ring).to(tl.float32), tl.load(dk_ptr + ring + 1).to(tl.float32), cos_ptr, sin_ptr,
-                   bt, HALF, dtype, ROPE, INTERPRETED)
+    k0, k1 = _rotate_row(tl.load(dk_ptr + ring).to(tl.float32), tl.load(dk_ptr + ring + 1).to(tl.float32), cos_ptr,
+                         sin_ptr, bt, HALF, dtype, ROPE, True, INTERPRETED)
     tl.store(dqkv_ptr + base + H * D, tl.where(written, k0, 0.0).to(dtype))
     tl.store(dqkv_ptr + base + H * D + 1, tl.where(written, k1, 0.0).to(dtype))
     tl.store(dqkv_ptr + base + 2 * H * D, tl.where(written, tl.load(dv_ptr + ring), 0.0).to(dtype))
