@@ -258,7 +258,7 @@ def test_twin_step_gradients_gpu_same_bits_jax_vs_torch(preset, dtype):
     dim 4096 the Helium norms run split, `twin_split_norm`)."""
     cfg = SPLIT_TEMPORAL if preset == "temporal-split" else PRESETS[preset]
     if preset == "temporal-split":
-        assert twin_split_norm(cfg.dim, jnp.bfloat16, compiled=True)
+        assert twin_split_norm(cfg.dim, jnp.dtype(jnp.bfloat16), compiled=True)
     grads, (gx, tx) = _twin_step_gradients(cfg, dtype)
     for name, (g, t) in grads.items():
         assert t is not None and t.abs().max() > 0, name
