@@ -174,7 +174,8 @@ def jax_grad_cost(cfg, args, kernels: str, wrt: str) -> dict:
 
     if wrt == "lora":
         lora = jx.init_lora(cfg, jax.random.key(1), args.rank, scale=SCALE)
-        fn, operands, argnums = (lambda lora, *rest: loss(jx.with_lora(params, lora), *rest)), (lora,), 0
+        # the frozen weights an argument, not a closure: captured, XLA would embed 14 GB of constants
+        fn, operands, argnums = (lambda lora, p, *rest: loss(jx.with_lora(p, lora), *rest)), (lora, params), 0
     else:
         fn, operands, argnums = loss, (params,), (0, 1, 2, 3)
     operands += (state.k, state.v, x)
