@@ -407,6 +407,8 @@ def test_linear_form_is_chosen_by_shape_dtype_and_backend_never_by_batch(monkeyp
     assert cl.twin_linear_form(4096, 4096, b16, compiled=False) == "lanes"
     assert cl.twin_linear_form(4096, 4096, f32, compiled=True) == "lanes"
     assert cl.twin_linear_form(4096, 4104, b16, compiled=True) == "lanes"  # K: 8 lanes
+    with pytest.raises(TypeError, match=r"dtype: expected a dtype .* scalar type"):
+        cl.twin_linear_form(4096, 4096, jnp.bfloat16, compiled=True)  # a class's str names no dtype
     S = jax.ShapeDtypeStruct
     for M in (1, 16):
         for dtype, dot in ((jnp.bfloat16, True), (jnp.float32, False)):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernels_pallas.contract.numerics import SIXTEEN_BIT, choose_form, next_pow2
+from kernels_pallas.contract.numerics import choose_form, next_pow2, sixteen_bit
 
 # the Triton attention's launch (speed only): the fastest of benchmarks/twin_tune_gpu.py on an H200
 TWIN_TRITON_ATTENTION_STAGES = 1  # software-pipeline depth of its loop over a split's blocks (3: -6% at B=1, +2% at B=4)
@@ -57,7 +57,7 @@ def twin_attention_form(D: int, BC: int, dtype, compiled: bool, form: str | None
     (checked), else "mma" where it can (compiled for the GPU, 16-bit q and ring, D and the block's
     BC slots multiples of 16), else "lanes". A function of the shapes, the dtype and the backend,
     never of B: both twins pick the same form, and a row's bits do not depend on the batch."""
-    fits = str(dtype) in SIXTEEN_BIT and D % 16 == 0 and BC % 16 == 0
+    fits = sixteen_bit(dtype) and D % 16 == 0 and BC % 16 == 0
     return choose_form("attention", form, fits, compiled, f"bfloat16/float16 q and ring, a head dim and a block of "
                       f"slots that are multiples of 16; got {dtype}, D={D}, BC={BC}")
 

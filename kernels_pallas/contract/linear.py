@@ -20,11 +20,11 @@ from kernels_pallas.contract.norm import (
     check_norm_params,
 )
 from kernels_pallas.contract.numerics import (
-    SIXTEEN_BIT,
     TWIN_MMA_ROWS,
     choose_form,
     largest_pow2_divisor,
     next_pow2,
+    sixteen_bit,
     twin_lanes,
 )
 from kernels_pallas.contract.rope import check_twin_rope
@@ -55,7 +55,7 @@ def twin_linear_form(N_out: int, K: int, dtype, compiled: bool, form: str | None
     A function of the shapes, the dtype and the backend alone, never of M: both twins pick the
     same form, and a row's bits do not depend on the batch.
     """
-    fits = str(dtype) in SIXTEEN_BIT and twin_lanes(K) >= 16 and N_out % 16 == 0
+    fits = sixteen_bit(dtype) and twin_lanes(K) >= 16 and N_out % 16 == 0
     return choose_form("linear", form, fits, compiled,
                       f"bfloat16/float16 x and w, K and N_out multiples of 16; got {dtype}, K={K}, N_out={N_out}")
 

@@ -58,6 +58,15 @@ TWIN_MMA_ROWS = 16  # rows of the MMA forms' operand: the attention's query, rep
 SIXTEEN_BIT = ("bfloat16", "float16", "torch.bfloat16", "torch.float16")  # dtypes of the MMA forms, as str(dtype)
 
 
+def sixteen_bit(dtype) -> bool:
+    """Whether `dtype` (an array's or tensor's `.dtype`, either framework's) is one the MMA forms take.
+    A scalar type such as `jnp.bfloat16` is refused rather than read as another dtype: its str is the
+    class's, which would quietly choose the lanes form."""
+    if isinstance(dtype, type):
+        raise TypeError(f"dtype: expected a dtype (an array's or tensor's .dtype), got the scalar type {dtype}")
+    return str(dtype) in SIXTEEN_BIT
+
+
 def next_pow2(n):
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()
