@@ -40,15 +40,15 @@ from kernels_pallas import twin_linear
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.conv import (
     ELU_BLOCK,
-    NEAREST_BLOCK,
     check_conv1d,
     check_conv_transpose1d,
     check_nearest,
     check_stream,
+    nearest_plan,
     next_pow2,
     taps_plan,
 )
-from kernels_pallas.contract.numerics import largest_pow2_divisor, twin_lanes
+from kernels_pallas.contract.numerics import twin_lanes
 
 
 def _elu_f32(x, gpu: bool):
@@ -97,20 +97,22 @@ def _activation(x, elu: bool, gpu: bool):
     return tm.to_dtype(_elu_f32(x.astype(tm.F32), gpu), x.dtype) if elu else x
 
 
-def _taps_kernel(*refs, C, L, W, k, stride, dilation, T, RT, BC, elu, replicate, gpu):
-    """Program (b, tile): rows tile * RT.. of batch row b's tap matrix, every column (chunks of BC).
+def _taps_kernel(*refs, C, L, W, k, stride, dilation, T, RT, CH, BC, elu, replicate, gpu):
+    """Program (b, tile, block): rows tile * RT.. of batch row b's tap matrix, the columns of channels
+    block * CH.. (every tap of each; `taps_plan`).
 
     The source is [carry, act(x)] (W + L samples a channel; act: the ELU where asked), the carry's
     samples replaced by the row's first act(x) sample where `replicate` and the row is first and
     active. Loads are clamped in bounds (a value read past the source is never selected); stores
     past the matrix are masked (their index made out of bounds: interpreted, a masked store writes
-    back what it read). Program (b, 0) holds every row that reads the carry (`taps_plan`) and then
-    writes the new carry in place: its last W source samples where the row is active."""
+    back what it read). Program (b, 0, block) holds every row that reads its channels' carry
+    (`taps_plan`), the only program that reads it, and then writes their new carry in place: its last
+    W source samples where the row is active."""
     if W:
         flags_ref, x_ref, carry_ref, cols_ref, carry_out_ref = refs
     else:
         x_ref, cols_ref = refs
-    b, tile = pl.program_id(0), pl.program_id(1)
+    b, tile, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     one = jnp.arange(1, dtype=jnp.int32)
     if W:
         active = pltriton.load(flags_ref.at[2 * b + one]) != 0                              # [1]
@@ -130,21 +132,19 @@ def _taps_kernel(*refs, C, L, W, k, stride, dilation, T, RT, BC, elu, replicate,
 
     columns = C * k
     t = tile * RT + jnp.arange(RT, dtype=jnp.int32)[:, None]                                 # [RT, 1]
-    for c0 in range(0, columns, BC):
-        c = c0 + jnp.arange(BC, dtype=jnp.int32)[None, :]                                    # [1, BC]
-        ok = (t < T) & (c < columns)
-        i, j = jnp.minimum(c, columns - 1) // k, c % k
-        value = source(i, jnp.minimum(t, T - 1) * stride + j * dilation)
-        at = jnp.where(ok, (b * T + t) * columns + c, cols_ref.shape[0])
-        pltriton.store(cols_ref.at[at], value, mask=ok)
+    c = block * (CH * k) + jnp.arange(BC, dtype=jnp.int32)[None, :]                          # [1, BC]
+    ok = (t < T) & (c < jnp.minimum((block + 1) * (CH * k), columns))
+    i, j = jnp.minimum(c, columns - 1) // k, c % k
+    value = source(i, jnp.minimum(t, T - 1) * stride + j * dilation)
+    at = jnp.where(ok, (b * T + t) * columns + c, cols_ref.shape[0])
+    pltriton.store(cols_ref.at[at], value, mask=ok)
     if not W:
         return
 
     @pl.when(tile == 0)
     def _carry():
-        n = next_pow2(C * W)
-        e = jnp.arange(n, dtype=jnp.int32)
-        ok = e < C * W
+        e = block * (CH * W) + jnp.arange(next_pow2(CH * W), dtype=jnp.int32)
+        ok = (e < (block + 1) * (CH * W)) & (e < C * W)
         i, w = jnp.minimum(e, C * W - 1) // W, e % W
         old = pltriton.load(carry_ref.at[(b * C + i) * W + w])
         new = jnp.where(active, source(i, L + w), old)
@@ -167,9 +167,9 @@ def taps(x: jax.Array, *, kernel_size: int, stride: int = 1, dilation: int = 1, 
     T = (W + L - span) // stride + 1
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    RT, BC = taps_plan(T, C * kernel_size, W, stride)
+    RT, CH, BC = taps_plan(T, C, kernel_size, W, stride)
     kernel = functools.partial(_taps_kernel, C=C, L=L, W=W, k=kernel_size, stride=stride, dilation=dilation, T=T,
-                               RT=RT, BC=BC, elu=elu, replicate=replicate, gpu=not interpret)
+                               RT=RT, CH=CH, BC=BC, elu=elu, replicate=replicate, gpu=not interpret)
     cols = jax.ShapeDtypeStruct((B * T * C * kernel_size,), x.dtype)
     operands, out_shape, aliases = [x.reshape(-1)], (cols,), {}
     if W:
@@ -181,7 +181,7 @@ def taps(x: jax.Array, *, kernel_size: int, stride: int = 1, dilation: int = 1, 
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(B, -(-T // RT)),
+        grid=(B, -(-T // RT), -(-C // CH)),
         in_specs=[_whole(a) for a in operands],
         out_specs=tuple(_whole(o) for o in out_shape),
         input_output_aliases=aliases,
@@ -313,37 +313,48 @@ def _first_min(dist, first, N):
     return best, index
 
 
-def _nearest_kernel(x_ref, e_ref, o_ref, *, N, D, BN, BK, gpu):
+def _nearest_kernel(x_ref, e_ref, best_ref, arg_ref, *, N, D, split, BN, BK, gpu):
+    """Program (m, s): the first least entry of row m among entries s * split.. (`nearest_plan`)."""
     x_blocks = [x_ref[:, pl.ds(kb * BK, BK)].astype(tm.F32) for kb in range(D // BK)]   # [1, BK] each
+    start = pl.program_id(1) * split
 
     def block(nb, carry):
         best, arg = carry
         dist = _distances(x_blocks, lambda kb: e_ref[pl.ds(nb * BN, BN), pl.ds(kb * BK, BK)].astype(tm.F32), gpu)
-        m, i = _first_min(dist, nb * BN, N)
+        m, i = _first_min(dist, start + nb * BN, N)
         take = m < best  # strict: an equal distance in a later block keeps the earlier entry
         return jnp.where(take, m, best), jnp.where(take, i, arg)
 
-    _, arg = lax.fori_loop(0, N // BN, block, (tm.F32(jnp.inf), jnp.int32(0)))
-    o_ref[...] = jnp.full(o_ref.shape, arg, jnp.int32)
+    best, arg = lax.fori_loop(0, split // BN, block, (tm.F32(jnp.inf), start))
+    best_ref[...] = jnp.full(best_ref.shape, best, tm.F32)
+    arg_ref[...] = jnp.full(arg_ref.shape, arg, jnp.int32)
 
 
-def nearest(x: jax.Array, entries: jax.Array, *, interpret: bool | None = None) -> jax.Array:
-    """The contract's nearest entry of each row: x [M, D], entries [N, D] -> int32 [M]."""
+def nearest(x: jax.Array, entries: jax.Array, *, split: int | None = None, interpret: bool | None = None) -> jax.Array:
+    """The contract's nearest entry of each row: x [M, D], entries [N, D] -> int32 [M]. split: the
+    entries a program searches (`contract.conv.nearest_plan`; speed only)."""
     M, N, D = check_nearest(x, entries)
+    split, BN = nearest_plan(N, split)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    BK, BN = twin_lanes(D), largest_pow2_divisor(N, NEAREST_BLOCK)
-    out = pl.pallas_call(
-        functools.partial(_nearest_kernel, N=N, D=D, BN=BN, BK=BK, gpu=not interpret),
-        out_shape=jax.ShapeDtypeStruct((M, 1), jnp.int32),
-        grid=(M,),
-        in_specs=[pl.BlockSpec((1, D), lambda m: (m, 0)), pl.BlockSpec((N, D), lambda m: (0, 0))],
-        out_specs=pl.BlockSpec((1, 1), lambda m: (m, 0)),
+    S = N // split
+    best, arg = pl.pallas_call(
+        functools.partial(_nearest_kernel, N=N, D=D, split=split, BN=BN, BK=twin_lanes(D), gpu=not interpret),
+        out_shape=(jax.ShapeDtypeStruct((M, S), tm.F32), jax.ShapeDtypeStruct((M, S), jnp.int32)),
+        grid=(M, S),
+        in_specs=[pl.BlockSpec((1, D), lambda m, s: (m, 0)), pl.BlockSpec((split, D), lambda m, s: (s, 0))],
+        out_specs=(pl.BlockSpec((1, 1), lambda m, s: (m, s)), pl.BlockSpec((1, 1), lambda m, s: (m, s))),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         name="twin_nearest",
     )(x, entries)
-    return out[:, 0]
+    return _first_least(best, arg, N)
+
+
+def _first_least(best, arg, N):
+    """The first entry among the least of the programs' [M, S] (best, arg): exact, any split."""
+    least = jnp.min(best, axis=1, keepdims=True)
+    return jnp.min(jnp.where(best == least, arg, N), axis=1)
 
 
 def nearest_native(x, entries, **_):

@@ -12,15 +12,15 @@ import triton.language as tl
 
 from kernels_pallas.contract.conv import (
     ELU_BLOCK,
-    NEAREST_BLOCK,
     check_conv1d,
     check_conv_transpose1d,
     check_nearest,
     check_stream,
+    nearest_plan,
     next_pow2,
     taps_plan,
 )
-from kernels_pallas.contract.numerics import EXP_POLY, LN2_HI, LN2_LO, LOG2E, largest_pow2_divisor, twin_lanes
+from kernels_pallas.contract.numerics import EXP_POLY, LN2_HI, LN2_LO, LOG2E, twin_lanes
 from kernels_triton import twin_linear
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
@@ -100,12 +100,13 @@ def _x_at(x_ptr, b, i, p, C: tl.constexpr, L: tl.constexpr, ELU: tl.constexpr, I
 @triton.jit
 def _taps_kernel(x_ptr, carry_ptr, flags_ptr, cols_ptr, carry_out_ptr, C: tl.constexpr, L: tl.constexpr,
                  W: tl.constexpr, K: tl.constexpr, STRIDE: tl.constexpr, DILATION: tl.constexpr, T: tl.constexpr,
-                 RT: tl.constexpr, BC: tl.constexpr, NW: tl.constexpr, ELU: tl.constexpr, REPLICATE: tl.constexpr,
-                 INTERPRETED: tl.constexpr):
+                 RT: tl.constexpr, CH: tl.constexpr, BC: tl.constexpr, NW: tl.constexpr, ELU: tl.constexpr,
+                 REPLICATE: tl.constexpr, INTERPRETED: tl.constexpr):
     """The twin of `kernels_pallas.twin_conv._taps_kernel` (its docstring); the new carry goes to
     carry_out (a tensor of its own: the torch codec's state is committed by its caller)."""
     b = tl.program_id(0)
     tile = tl.program_id(1)
+    block = tl.program_id(2)
     active = True
     pad_first = False
     if W > 0:
@@ -113,19 +114,18 @@ def _taps_kernel(x_ptr, carry_ptr, flags_ptr, cols_ptr, carry_out_ptr, C: tl.con
         if REPLICATE:
             pad_first = (tl.load(flags_ptr + 2 * b + 1) != 0) & active
     t = tile * RT + tl.arange(0, RT)[:, None]
-    for c0 in tl.static_range(0, C * K, BC):
-        c = c0 + tl.arange(0, BC)[None, :]
-        ok = (t < T) & (c < C * K)
-        cc = tl.minimum(c, C * K - 1)
-        i = cc // K
-        j = c % K
-        value = _source(x_ptr, carry_ptr, b, i, tl.minimum(t, T - 1) * STRIDE + j * DILATION, pad_first, C, L, W,
-                        ELU, REPLICATE, INTERPRETED)
-        tl.store(cols_ptr + (b * T + t) * (C * K) + c, value, mask=ok)
+    c = block * (CH * K) + tl.arange(0, BC)[None, :]
+    ok = (t < T) & (c < tl.minimum((block + 1) * (CH * K), C * K))
+    cc = tl.minimum(c, C * K - 1)
+    i = cc // K
+    j = c % K
+    value = _source(x_ptr, carry_ptr, b, i, tl.minimum(t, T - 1) * STRIDE + j * DILATION, pad_first, C, L, W,
+                    ELU, REPLICATE, INTERPRETED)
+    tl.store(cols_ptr + (b * T + t) * (C * K) + c, value, mask=ok)
     if W > 0:  # noqa: SIM102 (W is a constexpr: compiled out, not a run-time test)
         if tile == 0:
-            e = tl.arange(0, NW)
-            ok = e < C * W
+            e = block * (CH * W) + tl.arange(0, NW)
+            ok = (e < (block + 1) * (CH * W)) & (e < C * W)
             ee = tl.minimum(e, C * W - 1)
             i = ee // W
             w = e % W
@@ -143,7 +143,7 @@ def taps(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation: int = 
     B, C, L = x.shape
     W = 0 if carry is None else carry.shape[2]
     T = (W + L - (kernel_size - 1) * dilation - 1) // stride + 1
-    RT, BC = taps_plan(T, C * kernel_size, W, stride)
+    RT, CH, BC = taps_plan(T, C, kernel_size, W, stride)
     cols = torch.empty(B * T, C * kernel_size, dtype=x.dtype, device=x.device)
     x = x.contiguous()
     if W:
@@ -153,10 +153,10 @@ def taps(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation: int = 
         carry, new = carry.contiguous(), torch.empty_like(carry)
     else:
         flags = carry = new = x  # unread
-    _taps_kernel[(B, triton.cdiv(T, RT))](x, carry, flags, cols, new, C=C, L=L, W=W, K=kernel_size, STRIDE=stride,
-                                          DILATION=dilation, T=T, RT=RT, BC=BC, NW=next_pow2(C * W), ELU=elu,
-                                          REPLICATE=replicate, INTERPRETED=interpreting(_taps_kernel), num_warps=4,
-                                          enable_fp_fusion=False)
+    grid = (B, triton.cdiv(T, RT), triton.cdiv(C, CH))
+    _taps_kernel[grid](x, carry, flags, cols, new, C=C, L=L, W=W, K=kernel_size, STRIDE=stride, DILATION=dilation,
+                       T=T, RT=RT, CH=CH, BC=BC, NW=next_pow2(CH * W), ELU=elu, REPLICATE=replicate,
+                       INTERPRETED=interpreting(_taps_kernel), num_warps=4, enable_fp_fusion=False)
     return (cols, new) if W else cols
 
 
@@ -245,12 +245,14 @@ def conv_transpose1d_native(x, w, bias=None, *, stride=1, groups=1, elu=False, *
 
 
 @triton.jit
-def _nearest_kernel(x_ptr, e_ptr, o_ptr, N: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    m = tl.program_id(0)
+def _nearest_kernel(x_ptr, e_ptr, best_ptr, arg_ptr, N: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+                    SPLIT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program (m, s): the first least entry of row m among entries s * SPLIT.. (`nearest_plan`)."""
+    m, s = tl.program_id(0), tl.program_id(1)
     best = tl.full([], float("inf"), tl.float32)
-    arg = tl.full([], 0, tl.int32)
-    for nb in range(N // BN):
-        rows = nb * BN + tl.arange(0, BN)
+    arg = s * SPLIT
+    for nb in range(SPLIT // BN):
+        rows = s * SPLIT + nb * BN + tl.arange(0, BN)
         acc = tl.zeros([BN, BK], tl.float32)
         for kb in tl.static_range(D // BK):
             cols = kb * BK + tl.arange(0, BK)
@@ -264,18 +266,28 @@ def _nearest_kernel(x_ptr, e_ptr, o_ptr, N: tl.constexpr, D: tl.constexpr, BN: t
         take = least < best  # strict: an equal distance in a later block keeps the earlier entry
         best = tl.where(take, least, best)
         arg = tl.where(take, index, arg)
-    tl.store(o_ptr + m, arg)
+    tl.store(best_ptr + m * S + s, best)
+    tl.store(arg_ptr + m * S + s, arg)
 
 
-def nearest(x: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-    """The contract's nearest entry of each row: x [M, D], entries [N, D] -> int32 [M]."""
+def nearest(x: torch.Tensor, entries: torch.Tensor, *, split: int | None = None) -> torch.Tensor:
+    """The contract's nearest entry of each row: x [M, D], entries [N, D] -> int32 [M]. split: the
+    entries a program searches (`contract.conv.nearest_plan`; speed only)."""
     M, N, D = check_nearest(x, entries)
-    out = torch.empty(M, dtype=torch.int32, device=x.device)
+    split, BN = nearest_plan(N, split)
+    S = N // split
+    best = torch.empty(M, S, dtype=torch.float32, device=x.device)
+    arg = torch.empty(M, S, dtype=torch.int32, device=x.device)
     if M:
-        _nearest_kernel[(M,)](x.contiguous(), entries.contiguous(), out, N=N, D=D,
-                              BN=largest_pow2_divisor(N, NEAREST_BLOCK), BK=twin_lanes(D), num_warps=4,
-                              enable_fp_fusion=False)
-    return out
+        _nearest_kernel[(M, S)](x.contiguous(), entries.contiguous(), best, arg, N=N, D=D, S=S, SPLIT=split, BN=BN,
+                                BK=twin_lanes(D), num_warps=4, enable_fp_fusion=False)
+    return _first_least(best, arg, N)
+
+
+def _first_least(best: torch.Tensor, arg: torch.Tensor, N: int) -> torch.Tensor:
+    """The first entry among the least of the programs' [M, S] (best, arg): exact, any split."""
+    least = best.min(dim=1, keepdim=True).values
+    return torch.where(best == least, arg, N).min(dim=1).values
 
 
 def nearest_native(x: torch.Tensor, entries: torch.Tensor, **_) -> torch.Tensor:

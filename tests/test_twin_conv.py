@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels_pallas import twin_conv as pallas
+from kernels_pallas.contract.conv import TAPS_COLS, taps_plan
 from kernels_triton import twin_conv as triton_twin
 from torch_bridge.dlpack import to_jax
 
@@ -83,20 +84,22 @@ def test_conv1d(dtype, stride, dilation, k):
     assert same(jitted(pallas.conv1d, **args)(jx[1:2], jw, jb, residual=jr[1:2]), got[1:2])
 
 
-@pytest.mark.parametrize(("dtype", "stride", "dilation", "k", "L", "replicate"), [
-    (torch.float32, 1, 1, 7, 2, False),    # the frame shorter than the carry (the decoder's first conv)
-    (torch.bfloat16, 1, 2, 3, 11, False),  # dilated, a residual block's
-    (torch.bfloat16, 4, 1, 8, 12, False),  # strided (a SEANet stage's)
-    (torch.float32, 2, 1, 4, 2, True),     # the downsample's replicate padding
+@pytest.mark.parametrize(("dtype", "stride", "dilation", "k", "L", "replicate", "cin"), [
+    (torch.float32, 1, 1, 7, 2, False, 75),    # the frame shorter than the carry (the decoder's first conv)
+    (torch.bfloat16, 1, 2, 3, 11, False, 5),   # dilated, a residual block's
+    (torch.bfloat16, 4, 1, 8, 12, False, 5),   # strided (a SEANet stage's)
+    (torch.float32, 2, 1, 4, 2, True, 130),    # the downsample's replicate padding
 ])
-def test_streamed_conv1d(dtype, stride, dilation, k, L, replicate):
+def test_streamed_conv1d(dtype, stride, dilation, k, L, replicate, cin):
     """The ELU, the carry and the residual fused (`taps`): Pallas == Triton == both references == the
-    unfused form (the ELU, the concatenation, the carry's update and the convolution one by one)."""
+    unfused form (the ELU, the concatenation, the carry's update and the convolution one by one).
+    cin * k over `TAPS_COLS` columns: the taps and the carry run in blocks of whole channels."""
     width = (k - 1) * dilation + 1 - stride
-    x, w = randn(3, 5, L, dtype=dtype, seed=11, scale=2.0), randn(6, 5, k, dtype=dtype, seed=12, scale=0.3)
-    bias, carry = randn(6, dtype=dtype, seed=13), randn(3, 5, width, dtype=dtype, seed=14)
+    x, w = randn(3, cin, L, dtype=dtype, seed=11, scale=2.0), randn(6, cin, k, dtype=dtype, seed=12, scale=0.3)
+    bias, carry = randn(6, dtype=dtype, seed=13), randn(3, cin, width, dtype=dtype, seed=14)
     active, first = torch.tensor([True, False, True]), torch.tensor([True, True, False])
     T = (width + L - (k - 1) * dilation - 1) // stride + 1
+    assert (taps_plan(T, cin, k, width, stride)[1] < cin) == (cin * k > TAPS_COLS)
     residual = randn(3, 6, T, dtype=dtype, seed=15)
     args = {"stride": stride, "dilation": dilation, "elu": not replicate, "replicate": replicate}
     y, new = triton_twin.conv1d(x, w, bias, residual=residual, carry=carry, active=active, first=first, **args)
@@ -147,17 +150,21 @@ def test_conv_transpose1d(dtype, stride, k, groups):
     assert same(triton_twin.conv_transpose1d(x[2:], w, bias, stride=stride, groups=groups), got[2:])
 
 
-@pytest.mark.parametrize(("dtype", "N", "D"), [(torch.float32, 64, 24), (torch.bfloat16, 13, 8)])
-def test_nearest(dtype, N, D):
+@pytest.mark.parametrize(("dtype", "N", "D", "split"), [(torch.float32, 64, 24, 16), (torch.bfloat16, 13, 8, None)])
+def test_nearest(dtype, N, D, split):
+    """The first least entry of each row, the same on both sides and in both references, whatever the
+    entries a program searches: the tie below spans two programs (split 16 of 64; 13 entries: 13
+    programs of one by default), and one program for the whole row gives the same codes."""
     x, entries = randn(6, D, dtype=dtype, seed=9), randn(N, D, dtype=dtype, seed=10)
     entries[N - 1] = entries[1]  # a tie: the first entry wins
     x[2] = entries[1]
     x[3, 0] = float("nan")  # a NaN row: entry 0
-    got = triton_twin.nearest(x, entries)
+    got = triton_twin.nearest(x, entries, split=split)
     jx, je = to_jax(x), to_jax(entries)
     assert got.dtype == torch.int32
-    assert same(got, jitted(pallas.nearest)(jx, je), jitted(pallas.nearest_native)(jx, je),
-                triton_twin.nearest_native(x, entries))
+    assert same(got, jitted(pallas.nearest, split=split)(jx, je), jitted(pallas.nearest_native)(jx, je),
+                triton_twin.nearest_native(x, entries), triton_twin.nearest(x, entries, split=N),
+                jitted(pallas.nearest, split=N)(jx, je))
     assert got[2] == 1 and got[3] == 0
     dist = torch.cdist(x.float()[[0, 1, 4, 5]], entries.float())
     assert torch.equal(got[[0, 1, 4, 5]].long(), dist.argmin(dim=1))
@@ -170,6 +177,7 @@ def test_nearest(dtype, N, D):
     (lambda m, x: m.conv1d(x[0], x), ValueError, r"conv1d\(x\): expected \[B, in, L\]"),
     (lambda m, x: m.conv_transpose1d(x, x[:, :1], groups=2), ValueError, r"conv_transpose1d\(groups\)"),
     (lambda m, x: m.nearest(x[0], x[0, :0]), ValueError, r"nearest\(entries\)"),
+    (lambda m, x: m.nearest(x[0], x[0], split=2), ValueError, r"nearest\(split\): expected a positive divisor of the 5"),
     (lambda m, x: m.conv1d(x, x, carry=x[:, :2]), ValueError, r"conv1d\(carry\): expected \[B=5, in=5, W\]"),
     (lambda m, x: m.conv1d(x, x, active=x[:, 0, 0] > 0), ValueError, r"conv1d\(carry\): active, first"),
     (lambda m, x: m.conv1d(x, x, carry=x, replicate=True), ValueError, r"conv1d\(first\)"),
