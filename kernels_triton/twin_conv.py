@@ -123,16 +123,15 @@ def _taps_kernel(x_ptr, carry_ptr, flags_ptr, cols_ptr, carry_out_ptr, C: tl.con
                     ELU, REPLICATE, INTERPRETED)
     tl.store(cols_ptr + (b * T + t) * (C * K) + c, value, mask=ok)
     if W > 0:  # noqa: SIM102 (W is a constexpr: compiled out, not a run-time test)
-        if tile == 0:
+        if tile == 0:  # names of their own: a branch may not give the taps' names another shape
             e = block * (CH * W) + tl.arange(0, NW)
-            ok = (e < (block + 1) * (CH * W)) & (e < C * W)
-            ee = tl.minimum(e, C * W - 1)
-            i = ee // W
+            kept = (e < (block + 1) * (CH * W)) & (e < C * W)
+            channel = tl.minimum(e, C * W - 1) // W
             w = e % W
-            old = tl.load(carry_ptr + (b * C + i) * W + w)
-            new = tl.where(active, _source(x_ptr, carry_ptr, b, i, L + w, pad_first, C, L, W, ELU, REPLICATE,
+            old = tl.load(carry_ptr + (b * C + channel) * W + w)
+            new = tl.where(active, _source(x_ptr, carry_ptr, b, channel, L + w, pad_first, C, L, W, ELU, REPLICATE,
                                            INTERPRETED), old)
-            tl.store(carry_out_ptr + b * C * W + e, new, mask=ok)
+            tl.store(carry_out_ptr + b * C * W + e, new, mask=kept)
 
 
 def taps(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation: int = 1, elu: bool = False,
