@@ -135,7 +135,7 @@ def stack_module(config: StackConfig, param_dtype=jnp.float32, *, layer_loop: st
     Mimi's 8 layers unrolled launched 46 kernels a step against 56 (before the entry kernel: 50 rolled
     now, the counter's 8 included), but synchronized its step was
     0.78 ms against 0.44 rolled on an H200 for a caller that holds each step's output while it
-    calls the next (benchmarks/sync_gap_gpu.py): XLA puts temporaries into the output's allocation,
+    calls the next (RESULTS.md, "Waiting for a step"): XLA puts temporaries into the output's allocation,
     whose address then changes at every call, and the unrolled step's one CUDA graph of 46 nodes is
     brought up to date each time (~180 us), the rolled loop's small ones in ~11 us."""
     if layer_loop not in LAYER_LOOPS:

@@ -4,7 +4,7 @@
 a function of N, K, the dtype and the backend): the lane form (`LinearBlocks`) and the MMA form
 (`MmaBlocks`, `twin_mma_stages`). Of a plan, only the lanes of the sum over K (`numerics.twin_lanes`)
 fix bits; every other tile size is speed only. The defaults are the fastest of
-`benchmarks/twin_tune_gpu.py` and `benchmarks/linear_occupancy_gpu.py` on an H200 (RESULTS.md).
+`benchmarks/twin_tune_gpu.py` on an H200 (RESULTS.md).
 Standard library only.
 """
 
