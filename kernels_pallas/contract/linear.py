@@ -30,7 +30,9 @@ from kernels_pallas.contract.numerics import (
 from kernels_pallas.contract.rope import check_twin_rope
 
 TWIN_MAX_BN = 8    # output columns per program of the lane form (speed only; compiled)
-TWIN_MAX_BM = 8    # output rows per program of the lane form (speed only; compiled)
+TWIN_MAX_BM = 8    # output rows per program of the lane form (speed only; compiled) ...
+TWIN_LANE_PRODUCTS = 8192  # ... or more, up to this many products a step of its loop over K (BM * BN * BK) ...
+TWIN_LANE_MAX_BM = 128     # ... and this many rows (`LinearBlocks.for_shapes`)
 TWIN_INTERPRET_MAX_BN = 256  # interpreted (CPU), fewer, larger programs: each costs Python overhead
 TWIN_TRITON_LINEAR_STAGES = 4  # the Triton lane form's software-pipeline depth over K (twin_tune_gpu's fastest)
 TWIN_PALLAS_PREFETCH = 1  # weight blocks the Pallas linear loads ahead of their use (speed only)
@@ -201,16 +203,24 @@ class LinearBlocks:
                    interpreted: bool = False, masked_n: bool = False) -> LinearBlocks:
         """The plan of a lane-form linear over x [M, K] into N columns; block_m, block_n: the caller's.
 
-        The defaults are the fastest tiles of `benchmarks/twin_tune_gpu.py` on an H200 (RESULTS.md).
+        The defaults are the fastest tiles of `benchmarks/twin_tune_gpu.py` on an H200 (RESULTS.md):
+        BM up to TWIN_MAX_BM rows, more where a program's step over K would be small (BN * BK under
+        TWIN_LANE_PRODUCTS / TWIN_MAX_BM): the codec's first convolution (K = 7: one lane, 8 columns a
+        program) took 75 us at B=64 in programs of 8 rows, 21.5 in programs of 128 (RESULTS.md).
         masked_n: the kernel masks columns past N, so block_n need not divide N (Triton's).
         """
-        max_bn, max_bm = (TWIN_INTERPRET_MAX_BN, numerics.TWIN_INTERPRET_MAX_BM) if interpreted else (TWIN_MAX_BN, TWIN_MAX_BM)
-        BM = min(max_bm, next_pow2(M)) if block_m is None else block_m
-        BN = largest_pow2_divisor(N, max_bn) if block_n is None else block_n
-        for name, v, total in (("block_m", BM, None), ("block_n", BN, None if masked_n else N)):
+        def checked(name, v, total):
             if v <= 0 or v & (v - 1) or (total is not None and total % v):
                 raise ValueError(f"twin linear: {name} must be a power of two dividing {total or 'any M'}, got {v}")
-        return cls(BM, BN, twin_lanes(K))
+            return v
+
+        max_bn, max_bm = (TWIN_INTERPRET_MAX_BN, numerics.TWIN_INTERPRET_MAX_BM) if interpreted else (TWIN_MAX_BN, TWIN_MAX_BM)
+        BN = checked("block_n", largest_pow2_divisor(N, max_bn) if block_n is None else block_n, None if masked_n else N)
+        BK = twin_lanes(K)
+        if not interpreted:  # few columns and lanes (the codec's first and last convolutions): more rows
+            max_bm = max(max_bm, min(TWIN_LANE_MAX_BM, TWIN_LANE_PRODUCTS // (BN * BK)))
+        BM = checked("block_m", min(max_bm, next_pow2(M)) if block_m is None else block_m, None)
+        return cls(BM, BN, BK)
 
 
 def twin_split_norm(K: int, dtype, compiled: bool) -> bool:
