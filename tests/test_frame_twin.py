@@ -49,14 +49,15 @@ def state_pairs(frame: LMFrame, state: jf.FrameState, rows=slice(None)) -> dict:
 
 
 # Between them: PersonaPlex's config (16 depformer steps) and Moshi's (8, with the caller's codebooks),
-# both dtypes, greedy and sampled, a batch of 2 and one of 4. Each exits the depformer early (3 steps;
-# the rest of the audio is the caller's): the Triton interpreter's depformer is most of a torch frame's
-# cost, and a whole depformer is the same code with more steps (its twins' test, tests/test_depformer_twin.py;
-# the frame without an exit: tests/test_frame.py). The costs: the interpreter's programs (a program a
-# row in the attention; bfloat16's twice float32's) and the JAX frame's compile (a few seconds a shape).
+# both dtypes, greedy and sampled, a batch of 2 and one of 4. Each exits the depformer early (2 steps: the
+# text-fed first step and an audio-fed one; the rest of the audio is the caller's): each step costs the
+# Triton interpreter ~0.3 s at B=4, about what the temporal stack costs, and a whole depformer is the same
+# code with more steps (its twins' test, tests/test_depformer_twin.py; the frame without an exit:
+# tests/test_frame.py). The costs: the interpreter's programs (a program a row in the attention; bfloat16's
+# twice float32's) and the JAX frame's compile (a few seconds a shape).
 SAMPLED = {"temperature": 0.9, "top_k": 6, "text_temperature": 0.8, "text_top_k": 12}
 CASES = [("personaplex-small", torch.float32, SAMPLED, 4), ("moshi-small", torch.bfloat16, {}, 2)]
-DEP_Q_EXIT = 3
+DEP_Q_EXIT = 2
 
 
 def frames(cfg, B: int, sampled: bool):

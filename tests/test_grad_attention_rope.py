@@ -94,16 +94,16 @@ def _dense_attention(q, k, v, positions, q_pos, context):
     return masked_attention(q, k, v, mask).transpose(0, 2, 1, 3)
 
 
-# C=70: two blocks, the second one padded; C=130: three splits in the forward
-@pytest.mark.parametrize("B,H,T,D,C,dtype", [(2, 2, 2, 8, 10, "float32"), (2, 2, 1, 8, 70, "bfloat16"),
-                                              (2, 1, 1, 16, 130, "float32")])
+# C=10: one block; C=130: three blocks, the last one padded, three splits in the forward
+@pytest.mark.parametrize("B,H,T,D,C,dtype", [(2, 2, 2, 8, 10, "float32"), (2, 1, 1, 16, 130, "bfloat16")])
 def test_attention_twin_gradients_same_bits(B, H, T, D, C, dtype):
     """attention's VJP (the Pallas backward kernels) == torch autograd through the Triton twin ==
     both attention_bwd_native (jax.numpy and torch), bit for bit: dq, and the rings' gradient (layer 1 only). The masked slot 3
     (NaN v, Inf k) reaches no gradient; row 0 sees nothing and gets none. Against XLA's derivative
     of the reference layer's attention in float32 (on the slots, the masked one zeroed): within 1e-6
     (float32: measured 1.8e-7) and 2**-8 (bfloat16 q and ring: one rounding of gradients below 1;
-    measured 6.3e-4)."""
+    measured 3.6e-4). The blocks, the padded last block and the splits are dtype-independent code:
+    the ring of several runs in bfloat16, the 16-bit loads' case."""
     q, rk, rv, positions, q_pos = attention_case(B, H, T, D, C, dtype)
     ct = np.asarray(jnp.asarray(np.random.default_rng(5).standard_normal((B, T, H, D)), jnp.float32).astype(q.dtype))
     J = jnp.asarray

@@ -26,7 +26,7 @@ from kernels_triton import twin_norm as tn
 
 DTYPES = {"float32": (jnp.float32, torch.float32), "bfloat16": (jnp.bfloat16, torch.bfloat16)}
 # max |grad - grad of the reference| / max |grad of the reference| per gradient, over the cases below:
-# measured float32 <= 4.1e-7 (the references' autodiff sums in other orders), bfloat16 <= 7.5e-3 (their
+# measured float32 <= 4.5e-7 (the references' autodiff sums in other orders), bfloat16 <= 7.5e-3 (their
 # autodiff rounds its intermediates to bfloat16 where the twins keep float32)
 NATIVE_BOUND = {"float32": 2e-6, "bfloat16": 3e-2}
 
@@ -151,7 +151,7 @@ def test_linear_twin_gradients_same_bits_jax_vs_torch_and_close_to_the_reference
     pallas = jax.jit(lambda lay: jax_grads(pli.linear, lay))(jnp.int32(layer))
     tt = {n: to_torch(a[n]).requires_grad_() for n in names}
     call(tli.linear, tt, layer).backward(to_torch(cot))
-    ref_jax = jax_grads(pli.linear_native, layer)
+    ref_jax = jax.jit(lambda: jax_grads(pli.linear_native, layer))()
     tt_ref = {n: to_torch(a[n]).requires_grad_() for n in names}
     call(tli.linear_native, tt_ref, layer).backward(to_torch(cot))
     for n, g, r in zip(names, pallas, ref_jax):
@@ -180,7 +180,7 @@ def test_norm_twin_gradients_same_bits_jax_vs_torch_and_close_to_the_reference(d
         return vjp(a["cot"])
 
     pallas = jax.jit(lambda lay: jax_grads(pn.norm, lay))(jnp.int32(1) if stacked else None)
-    ref = jax_grads(pn.norm_native, layer)
+    ref = jax.jit(lambda: jax_grads(pn.norm_native, layer))()
     for fn, dest in ((tn.norm, "triton"), (tn.norm_native, "ref")):
         tt = {n: to_torch(a[n]).requires_grad_() for n in names}
         fn(tt["x"], tt["w"], tt.get("b"), layer, kind=kind, eps=1e-5).backward(to_torch(a["cot"]))
@@ -219,7 +219,7 @@ def test_grad_under_jit_through_a_layer_loop_reads_the_stacked_weights_in_place(
 
     twin = jax.jit(jax.grad(jax_loss(pli.linear, pn.norm, fori), argnums=(0, 1, 2, 3)))(a["x"], a["w"], a["w2"],
                                                                                           a["nw"])
-    ref = jax.grad(jax_loss(pli.linear_native, pn.norm_native, unrolled), argnums=(0, 1, 2, 3))(
+    ref = jax.jit(jax.grad(jax_loss(pli.linear_native, pn.norm_native, unrolled), argnums=(0, 1, 2, 3)))(
         a["x"], a["w"], a["w2"], a["nw"])
     tt = [to_torch(a[n]).requires_grad_() for n in ("x", "w", "w2", "nw")]
     (layers(tli.linear, tn.norm, *tt, unrolled) ** 2).sum().backward()
@@ -307,7 +307,8 @@ def test_split_norm_twin_gradients_same_bits_jax_vs_torch_and_close_to_the_refer
 
     got = jax.jit(lambda *v: jax.vjp(lambda *v: layer(pli.linear, v), *v)[1]((a["cg"], a["cy"])))(
         *(a[n] for n in names))
-    ref = jax.vjp(lambda *v: layer(pli.linear_native, v, True), *(a[n] for n in names))[1]((a["cg"], a["cy"]))
+    ref = jax.jit(lambda *v: jax.vjp(lambda *v: layer(pli.linear_native, v, True), *v)[1]((a["cg"], a["cy"])))(
+        *(a[n] for n in names))
     tt = [to_torch(a[n]).requires_grad_() for n in names]
     torch.autograd.backward(layer(tli.linear, tt), (to_torch(a["cg"]), to_torch(a["cy"])))
     for n, g, r, t in zip(names, got, ref, tt):
@@ -326,7 +327,8 @@ def test_split_alone_twin_gradients_same_bits_jax_vs_torch_and_close_to_the_refe
     css = jnp.asarray(np.random.default_rng(14).standard_normal((M, N // 64)), jnp.float32)
     got = jax.jit(lambda x, al: jax.vjp(lambda x, al: pn.split(x, al, 1), x, al)[1]((a["cu"], css)))(a["x"],
                                                                                                    a["alpha"])
-    ref = jax.vjp(lambda x, al: pn.split_native(x, al, 1), a["x"], a["alpha"])[1]((a["cu"], css))
+    ref = jax.jit(lambda x, al: jax.vjp(lambda x, al: pn.split_native(x, al, 1), x, al)[1]((a["cu"], css)))(
+        a["x"], a["alpha"])
     tt = [to_torch(a[n]).requires_grad_() for n in ("x", "alpha")]
     torch.autograd.backward(tn.split(*tt, 1), (to_torch(a["cu"]), to_torch(css)))
     for n, g, r, t in zip(("x", "alpha"), got, ref, tt):

@@ -50,7 +50,8 @@ def test_config_refuses_a_codec_that_does_not_fit_the_lm():
 
 @pytest.mark.parametrize("preset", ["moshi-tiny", "personaplex-tiny"])
 def test_twin_speech_frame_jax_equals_torch_bit_for_bit(preset):
-    """PCM, codes, tokens and every state tensor identical, frame by frame, with an idle row and a recycled one."""
+    """PCM, codes, tokens and every state tensor identical, frame by frame, with an idle row (row 1 at
+    frame 1) and a recycled one (row 2 before frame 3); the model's PCM comes out of frames 2 and 3."""
     cfg, B = SPEECH_PRESETS[preset], 3
     frame = random_frame(cfg, "twin")
     codec_freqs, lm_freqs = frame.rope_freqs()
@@ -59,8 +60,8 @@ def test_twin_speech_frame_jax_equals_torch_bit_for_bit(preset):
     state = sf.init_speech_frame_state(cfg, B)
     frame.streaming_init(B)
     ready = 0
-    for t, pcm in enumerate(pcm_frames(cfg, 5, B)):
-        if t == 4:
+    for t, pcm in enumerate(pcm_frames(cfg, 4, B)):
+        if t == 3:
             frame.reset_slot(2)
             state = sf.jit_speech_reset_slot(state, 2)
         active = np.array([True, t != 1, True])
@@ -103,14 +104,19 @@ def test_reference_speech_frame_is_moshis_serving_loop():
     assert decoded == 8 - cfg.max_delay
 
 
-def test_inert_rows_nan_rows_and_recycling():
+@pytest.fixture(scope="module")
+def reference_step():
+    """(params, the jitted JAX reference step) of TINY's random frame: one compile for the tests of
+    the reference step, which step batches of 3 (the step is a pure function; each test makes its states)."""
+    return random_frame(TINY).jax_params(), sf.make_speech_frame_step(TINY)
+
+
+def test_inert_rows_nan_rows_and_recycling(reference_step):
     """JAX reference step: an inactive row's state does not move; a NaN / Inf row's PCM reaches no
     other row (outputs and states bit-identical to a run without it) and stays in its own row's
     state (until flushed or reset_slot), after which the row is a fresh state's row and steps as the clean run's."""
     cfg, B = TINY, 3
-    frame = random_frame(cfg)
-    params = frame.jax_params()
-    step = sf.make_speech_frame_step(cfg)
+    params, step = reference_step
     clean, poisoned = sf.init_speech_frame_state(cfg, B), sf.init_speech_frame_state(cfg, B)
     fresh = host_state(sf.init_speech_frame_state(cfg, B))
     for t, pcm in enumerate(pcm_frames(cfg, 7, B)):
@@ -141,11 +147,10 @@ def test_inert_rows_nan_rows_and_recycling():
             assert not all(carried), t
 
 
-def test_bad_input_is_refused_and_changes_nothing():
-    cfg, B = TINY, 2
+def test_bad_input_is_refused_and_changes_nothing(reference_step):
+    cfg, B = TINY, 3
     frame = random_frame(cfg)
-    params = frame.jax_params()
-    step = sf.make_speech_frame_step(cfg)
+    params, step = reference_step
     state = sf.init_speech_frame_state(cfg, B)
     pcm = pcm_frames(cfg, 1, B)[0]
     _, state = step(params, state, pcm)

@@ -509,19 +509,23 @@ def test_qkv_write_without_rotation_into_another_ring_layer(form):
     tnorm = TwinNorm("rms", T_(norm.weight), None, norm.eps)
     natives = [] if form == "mma" else [pli.linear_rope_write_native, tli.linear_rope_write_native]
     for fn in (tli.linear_rope_write, *natives):
-        args = tuple(map(jnp.asarray, (x, w, ring_k, ring_v, wi, wm))) if fn.__module__.startswith("kernels_pallas") \
-            else (T_(x), T_(w), T_(ring_k).clone(), T_(ring_v).clone(), T_(wi), T_(wm))
-        out = fn(*args[:2], L - 1, None, None, *args[2:], norm=tnorm if isinstance(args[0], torch.Tensor) else norm,
-                 ring_layer=0, form=form)
+        if fn.__module__.startswith("kernels_pallas"):  # jitted, as a step runs it (not an XLA program an op)
+            out = jax.jit(lambda *a, fn=fn: fn(*a[:2], L - 1, None, None, *a[2:], norm=norm, ring_layer=0,
+                                               form=form))(x, w, ring_k, ring_v, wi, wm)
+        else:
+            out = fn(T_(x), T_(w), L - 1, None, None, T_(ring_k).clone(), T_(ring_v).clone(), T_(wi), T_(wm),
+                     norm=tnorm, ring_layer=0, form=form)
         for name, a, b in zip(("q", "ring_k", "ring_v"), out, (q, k, v)):
             assert_same(a, b, what=f"{fn.__module__}.{fn.__name__} {name}")
-    J = jnp.asarray  # rope_write alone, no rotation: the same q and writes on every side
-    for fn, a in ((pr.rope_write, (J(qkv), None, None, J(ring_k), J(ring_v), 0, J(wi), J(wm))),
-                  (pr.rope_write_native, (J(qkv), None, None, J(ring_k), J(ring_v), 0, J(wi), J(wm))),
-                  (tr.rope_write, (T_(qkv), None, None, T_(ring_k).clone(), T_(ring_v).clone(), 0, T_(wi), T_(wm))),
-                  (tr.rope_write_native, (T_(qkv), None, None, T_(ring_k).clone(), T_(ring_v).clone(), 0, T_(wi),
-                                          T_(wm)))):
-        for name, got, want in zip(("q", "ring_k", "ring_v"), fn(*a), (q, k, v)):
+    # rope_write alone, no rotation: the same q and writes on every side
+    for fn in (pr.rope_write, pr.rope_write_native):
+        out = jax.jit(lambda qkv, rk, rv, wi, wm, fn=fn: fn(qkv, None, None, rk, rv, 0, wi, wm))(qkv, ring_k, ring_v,
+                                                                                                wi, wm)
+        for name, got, want in zip(("q", "ring_k", "ring_v"), out, (q, k, v)):
+            assert_same(got, want, what=f"{fn.__module__}.{fn.__name__} {name}")
+    for fn in (tr.rope_write, tr.rope_write_native):
+        out = fn(T_(qkv), None, None, T_(ring_k).clone(), T_(ring_v).clone(), 0, T_(wi), T_(wm))
+        for name, got, want in zip(("q", "ring_k", "ring_v"), out, (q, k, v)):
             assert_same(got, want, what=f"{fn.__module__}.{fn.__name__} {name}")
     with pytest.raises(ValueError, match="cos and sin go together"):
         pli.linear_rope_write(x, w, 0, jnp.zeros((B, T, D // 2), jnp.float32), None, ring_k, ring_v, wi, wm)
@@ -586,15 +590,17 @@ def test_split_norm_producer_has_the_bits_of_linear_then_split(layer, offset):
     M, N, K, L = 5, 128, 64, 2
     a, w, r, alpha = _split_case(M, N, K, L)
     row = min(layer + offset, L - 1)
-    J, T_ = jnp.asarray, to_torch
-    y, u, ss = pli.linear(J(a), J(w), layer, residual=J(r), split=TwinSplit(J(alpha), offset), form="mma")
+    T_ = to_torch
+    y, u, ss = jax.jit(lambda a, w, r, al: pli.linear(a, w, layer, residual=r, split=TwinSplit(al, offset),
+                                                      form="mma"))(a, w, r, alpha)
     ty, tu, tss = tli.linear(T_(a), T_(w), layer, residual=T_(r), split=TwinSplit(T_(alpha), offset), form="mma")
-    assert_same(y, pli.linear(J(a), J(w), layer, residual=J(r), form="mma"), what="pallas y")
+    assert_same(y, jax.jit(lambda a, w, r: pli.linear(a, w, layer, residual=r, form="mma"))(a, w, r), what="pallas y")
     assert_same(ty, tli.linear(T_(a), T_(w), layer, residual=T_(r), form="mma"), what="triton y")
-    u_ref, ss_ref = pn.split_native(y, J(alpha), row)
+    u_ref, ss_ref = jax.jit(lambda y, al: pn.split_native(y, al, row))(y, alpha)
+    splits = (jax.jit(lambda y, al: pn.split(y, al, row))(y, alpha), tn.split(ty, T_(alpha), row),
+              tn.split_native(ty, T_(alpha), row))
     for i, name in enumerate(("u", "ss")):
-        got = (u if i == 0 else ss, tn.split(ty, T_(alpha), row)[i], pn.split(y, J(alpha), row)[i],
-               tu if i == 0 else tss, tn.split_native(ty, T_(alpha), row)[i])
+        got = (u if i == 0 else ss, tu if i == 0 else tss, *(split[i] for split in splits))
         assert_same(u_ref if name == "u" else ss_ref, *got, what=f"split {name}")
     assert ss.dtype == jnp.float32 and ss.shape == (M, N // cn.TWIN_SPLIT_GROUP)
 
@@ -793,17 +799,18 @@ def _check_entry(B, T, H, D, C, dtype, convention, device):
     freqs = rope_freqs(D, 10000.0)
     kw = {"capacity": C, "convention": convention, "num_heads": H}
     e = jax.jit(lambda *a: pe.entry(*a, **kw))(offset, start, active, x, freqs)
-    e_n = pe.entry_native(*map(jnp.asarray, (offset, start, active, x, freqs)), **kw)
+    e_n = jax.jit(lambda *a: pe.entry_native(*a, **kw))(offset, start, active, x, freqs)
     for name, a, n in zip(pe.Entry._fields, e, e_n):
         assert_same(a, n, what=name)
     every_row = jax.jit(lambda *a: pe.entry(a[0], a[1], None, *a[2:], **kw))(offset, start, x, freqs)
-    for name, a, n in zip(pe.Entry._fields, every_row, pe.entry(offset, start, np.ones(B, bool), x, freqs, **kw)):
+    all_true = jax.jit(lambda *a: pe.entry(*a, **kw))(offset, start, np.ones(B, bool), x, freqs)
+    for name, a, n in zip(pe.Entry._fields, every_row, all_true):
         assert_same(a, n, what=f"{name}, active None")  # None: every row, as all True
     t = (lambda a: torch.from_numpy(a).to(device))
     c_t, s_t = tr.tables(t(offset), T, t(freqs))
     c_tn, s_tn = tr.tables_native(t(offset), T, t(freqs))
     c_p, s_p = jax.jit(pr.tables, static_argnums=1)(offset, T, freqs)
-    c_n, s_n = pr.tables_native(jnp.asarray(offset), T, jnp.asarray(freqs))
+    c_n, s_n = jax.jit(pr.tables_native, static_argnums=1)(offset, T, freqs)
     assert_same(e.cos, c_t.cpu(), c_tn.cpu(), c_p, c_n, what="cos")
     assert_same(e.sin, s_t.cpu(), s_tn.cpu(), s_p, s_n, what="sin")
     want = build_torch_tables(*map(t, (offset, start, active)), T, capacity=C, context=C,
