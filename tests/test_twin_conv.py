@@ -5,6 +5,9 @@ odd sizes, whatever the batch; bad arguments are refused naming them."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -187,3 +190,53 @@ def test_bad_arguments_name_them(call, error, message):
     for module, arg in ((triton_twin, x), (pallas, to_jax(x))):
         with pytest.raises(error, match=message):
             call(module, arg)
+
+
+# Run in a process of its own without TRITON_INTERPRET, where the kernels are Triton's JIT functions.
+_COMPILE_FOR_H200 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels_pallas.contract.conv import ELU_BLOCK, nearest_plan, next_pow2, taps_plan
+from kernels_pallas.contract.numerics import twin_lanes
+from kernels_triton import twin_conv
+
+def compile_for_h200(fn, types, constants):
+    names = fn.arg_names
+    signature = {n: types.get(n, "constexpr") for n in names}
+    constexprs = {(names.index(k),): v for k, v in constants.items()}
+    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4, "enable_fp_fusion": False})
+
+compiled = 0
+for C, L, W, k, stride, elu, replicate in {GEOMETRIES}:
+    T = (W + L - k) // stride + 1
+    RT, CH, BC = taps_plan(T, C, k, W, stride)
+    compile_for_h200(twin_conv._taps_kernel,
+                     dict(x_ptr="*bf16", carry_ptr="*bf16", flags_ptr="*i32", cols_ptr="*bf16", carry_out_ptr="*bf16"),
+                     dict(C=C, L=L, W=W, K=k, STRIDE=stride, DILATION=1, T=T, RT=RT, CH=CH, BC=BC,
+                          NW=next_pow2(CH * W), ELU=elu, REPLICATE=replicate, INTERPRETED=False))
+    compiled += 1
+compile_for_h200(twin_conv._elu_kernel, dict(x_ptr="*bf16", o_ptr="*bf16", n="i32"),
+                 dict(BLOCK=ELU_BLOCK, INTERPRETED=False))
+split, BN = nearest_plan(2048)
+compile_for_h200(twin_conv._nearest_kernel, dict(x_ptr="*bf16", e_ptr="*bf16", best_ptr="*fp32", arg_ptr="*i32"),
+                 dict(N=2048, D=256, S=2048 // split, SPLIT=split, BN=BN, BK=twin_lanes(256)))
+print("compiled", compiled + 2)
+"""
+
+
+def test_codec_triton_kernels_compile_for_an_h200():
+    """The interpreter runs a Triton kernel as Python and misses what only the compiler refuses (a name
+    given another shape inside a branch once kept the taps kernel from compiling for the GPU): each of
+    the codec's Triton kernels, every code path of the taps (no carry, a carry, one longer than the
+    frame in channel blocks, replicate padding, with and without the ELU) at the real codec's plans,
+    compiles for an H200 (sm_90, Triton's own ptxas; no GPU needed)."""
+    geometries = [(1, 1920, 6, 7, 1, False, False), (64, 1920, 2, 3, 1, True, False), (32, 1920, 0, 1, 1, True, False),
+                  (512, 2, 6, 7, 1, False, False), (512, 2, 2, 4, 2, False, True)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H200.replace("{GEOMETRIES}", repr(geometries))],
+                         check=False, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["compiled", str(len(geometries) + 2)]
