@@ -352,7 +352,8 @@ def nearest(x: jax.Array, entries: jax.Array, *, split: int | None = None, inter
 
 
 def _first_least(best, arg, N):
-    """The first entry among the least of the programs' [M, S] (best, arg): exact, any split."""
+    """The first entry among the least of [M, S] distances `best` at entries `arg` (the programs' or
+    every entry's; broadcast to best): exact, any split."""
     least = jnp.min(best, axis=1, keepdims=True)
     return jnp.min(jnp.where(best == least, arg, N), axis=1)
 
@@ -364,5 +365,4 @@ def nearest_native(x, entries, **_):
     xf, ef = x.astype(tm.F32), entries.astype(tm.F32)
     dist = jax.vmap(lambda row: _distances([row[None, kb * BK:(kb + 1) * BK] for kb in range(D // BK)],
                                            lambda kb: ef[:, kb * BK:(kb + 1) * BK], False))(xf)   # [M, N]
-    best = jnp.min(dist, axis=1, keepdims=True)
-    return jnp.min(jnp.where(dist == best, jnp.arange(N, dtype=jnp.int32)[None, :], N), axis=1)
+    return _first_least(dist, jnp.arange(N, dtype=jnp.int32)[None, :], N)

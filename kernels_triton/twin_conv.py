@@ -284,7 +284,8 @@ def nearest(x: torch.Tensor, entries: torch.Tensor, *, split: int | None = None)
 
 
 def _first_least(best: torch.Tensor, arg: torch.Tensor, N: int) -> torch.Tensor:
-    """The first entry among the least of the programs' [M, S] (best, arg): exact, any split."""
+    """The first entry among the least of [M, S] distances `best` at entries `arg` (the programs' or
+    every entry's; broadcast to best): exact, any split."""
     least = best.min(dim=1, keepdim=True).values
     return torch.where(best == least, arg, N).min(dim=1).values
 
@@ -302,8 +303,7 @@ def nearest_native(x: torch.Tensor, entries: torch.Tensor, **_) -> torch.Tensor:
         half = acc.shape[-1] // 2
         acc = acc[..., :half] + acc[..., half:]
     dist = acc[..., 0].nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
-    best = dist.min(dim=1, keepdim=True).values
-    return torch.where(dist == best, torch.arange(N, dtype=torch.int32, device=x.device), N).min(dim=1).values
+    return _first_least(dist, torch.arange(N, dtype=torch.int32, device=x.device), N)
 
 
 __all__ = ["conv1d", "conv1d_native", "conv_transpose1d", "conv_transpose1d_native", "elu", "elu_native", "nearest",

@@ -19,29 +19,16 @@ from jax_impl import codec as jax_codec
 from jax_impl.codec_config import CODEC_PRESETS
 from kernels_pallas import twin_conv as pallas
 from kernels_triton import twin_conv as triton_twin
-from tests.test_twin import NP, to_torch
+from tests.test_grad_gpu import C, rand
+from tests.test_twin_conv import host, same
 from torch_bridge.codec import MimiCodec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or jax.default_backend() != "gpu",
                                 reason="needs a CUDA GPU: the compiled codec twins (CPU-only machine)")
 
 ROWS = 3
+BF16 = "bfloat16"
 ACTIVE, FIRST = np.array([True, False, True]), np.array([True, True, False])
-
-
-def bits(a) -> np.ndarray:
-    """The bit patterns of a JAX array or torch tensor, every NaN as one pattern (payloads are not
-    part of the contract)."""
-    a = a.detach().cpu() if isinstance(a, torch.Tensor) else a
-    a = np.asarray(a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a, np.float32)
-    return np.where(np.isnan(a), np.float32(np.nan), a).view(np.uint32)
-
-
-def assert_same(p, t, what: str) -> None:
-    P, T = bits(p), bits(t)
-    assert P.shape == T.shape, (what, P.shape, T.shape)
-    bad = np.flatnonzero(P.ravel() != T.ravel())
-    assert bad.size == 0, f"{what}: {bad.size} of {P.size} elements differ, first at {bad[:5]}"
 
 
 def codec_convolutions() -> list[tuple[str, dict]]:
@@ -76,10 +63,6 @@ def codec_convolutions() -> list[tuple[str, dict]]:
             for kind, x, w, b, r, width, static in seen]
 
 
-def rand(rng, shape, scale=1.0) -> np.ndarray:
-    return (rng.standard_normal(shape) * scale).astype(NP["bfloat16"])
-
-
 def test_every_codec_convolution_pallas_equals_triton():
     """Each convolution of the real codec's encode and decode, on random bf16 inputs with a NaN in one
     row: the Pallas twin compiled for the GPU and the Triton twin give the same bits, output and
@@ -89,23 +72,23 @@ def test_every_codec_convolution_pallas_equals_triton():
     assert kinds == {"conv1d", "conv_transpose1d"} and len(convolutions) >= 20, (kinds, len(convolutions))
     rng = np.random.default_rng(0)
     for kind, a in convolutions:
-        x = rand(rng, a["x"], 2.0)
+        x = rand(rng, a["x"], BF16, 2.0)
         x[1, 0, -1] = np.nan
-        w = rand(rng, a["w"], 0.3)
-        bias = rand(rng, (a["w"][0] if kind == "conv1d" else a["w"][1] * a.get("groups", 1),)) if a["bias"] else None
+        w = rand(rng, a["w"], BF16, 0.3)
+        bias = rand(rng, (a["w"][0] if kind == "conv1d" else a["w"][1] * a.get("groups", 1),), BF16) if a["bias"] else None
         what = f"{kind} x{a['x']} w{a['w']} {a}"
         if kind == "conv_transpose1d":
             static = {k: a[k] for k in ("stride", "groups", "elu") if k in a}
             got = jax.jit(lambda x, w, b, static=static: pallas.conv_transpose1d(x, w, b, **static))(
                 jnp.asarray(x), jnp.asarray(w), None if bias is None else jnp.asarray(bias))
             want = triton_twin.conv_transpose1d(C(x), C(w), C(bias), **static)
-            assert_same(got, want, what)
+            assert same(got, want.cpu()), what
             continue
         static = {k: a[k] for k in ("stride", "dilation", "elu", "replicate") if k in a}
-        residual = None if a["residual"] is None else rand(rng, a["residual"])
+        residual = None if a["residual"] is None else rand(rng, a["residual"], BF16)
         streamed = {}
         if a["width"] is not None:
-            carry = rand(rng, a["x"][:2] + (a["width"],))
+            carry = rand(rng, a["x"][:2] + (a["width"],), BF16)
             streamed = {"carry": carry, "active": ACTIVE, "first": FIRST}
         got = jax.jit(lambda x, w, b, r, s, static=static: pallas.conv1d(x, w, b, residual=r, **s, **static))(
             jnp.asarray(x), jnp.asarray(w), None if bias is None else jnp.asarray(bias),
@@ -114,16 +97,8 @@ def test_every_codec_convolution_pallas_equals_triton():
                                   **{k: C(v) for k, v in streamed.items()}, **static)
         got, want = (got, want) if streamed else ((got,), (want,))
         for g, t, part in zip(got, want, ("y", "new carry"), strict=False):
-            assert_same(g, t, f"{what}: {part}")
-        y = bits(want[0])
-        assert not np.isnan(y[[0, 2]].view(np.float32)).any(), f"{what}: the NaN reached another row"
-
-
-def C(a):
-    """numpy (bf16 or bool) -> a torch CUDA tensor with the same bits; None stays None."""
-    if a is None:
-        return None
-    return (torch.from_numpy(a) if a.dtype == np.bool_ else to_torch(a)).cuda()
+            assert same(g, t.cpu()), f"{what}: {part}"
+        assert not np.isnan(host(want[0].cpu())[[0, 2]]).any(), f"{what}: the NaN reached another row"
 
 
 def test_nearest_over_a_real_codebook_pallas_equals_triton():
@@ -131,9 +106,9 @@ def test_nearest_over_a_real_codebook_pallas_equals_triton():
     whose copy sits at entry 2,000 (another program's: the first wins); a NaN row (entry 0); a row whose
     distances overflow to inf (entry 0); the rest random, where the search agrees with torch.cdist."""
     rng = np.random.default_rng(1)
-    entries = rand(rng, (2048, 256))
+    entries = rand(rng, (2048, 256), BF16)
     entries[2000] = entries[5]
-    x = rand(rng, (64, 256))
+    x = rand(rng, (64, 256), BF16)
     x[0], x[1, 7], x[2] = entries[5], np.nan, np.float32(3e38)
     got = jax.jit(pallas.nearest)(jnp.asarray(x), jnp.asarray(entries))
     want = triton_twin.nearest(C(x), C(entries))
