@@ -119,17 +119,19 @@ def interleaved_medians_us(calls: dict, steps: int, warmup: int = 0) -> dict:
 def time_step(step, params, state, x, active, steps: int, wait=until_ready, warmup: int = 3):
     """(sync_ms, pipelined_ms, state) of a donated step `step(params, state, x, active)`.
 
-    Synchronized: each step's outputs and state are ready before the next is launched (median),
-    waited for by `wait` (`jax_impl.until_ready`, the GPU's stream order; `jax.block_until_ready`
-    waits for PjRt's ready futures instead: a step 0.25-0.56 ms longer on an H200, RESULTS.md,
-    "scale_bench");
+    Synchronized: each step's output is ready before the next is launched (median), waited for by
+    `wait` (`jax_impl.until_ready`, the GPU's stream order; `jax.block_until_ready` waits for PjRt's
+    ready futures instead: a step 0.25-0.56 ms longer on an H200, RESULTS.md, "scale_bench"). The
+    wait takes the output alone: the arrays one jitted call returns are made ready by one completion
+    event, so the state is ready with it, and each array more costs the host a DLPack export (~10 us
+    on an H200: 0.4 ms for the codec's 40 state arrays, RESULTS.md, "frame_bench");
     pipelined: `steps` launches back to back, then one wait (mean). `warmup` synchronized steps first.
     """
     holder = {"state": state}
 
     def one():
         out, holder["state"] = step(params, holder["state"], x, active)
-        wait((out, holder["state"]))
+        wait(out)
 
     for _ in range(warmup):
         one()

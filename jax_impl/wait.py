@@ -15,6 +15,10 @@ wait for the array on the GPU, and the host then waits for that stream, polling 
 export takes no copy and holds the buffer only until the capsule is dropped, here at once, so a
 later donation is not blocked. Arrays on other platforms (the CPU), or any array when the driver is
 not found, take `jax.block_until_ready`. Same contract: returns `tree`, every array in it ready.
+
+Each array costs the host its export, ~10 us on an H200 (0.4 ms for a tree of 40 arrays already
+ready). A stepping loop waits on its step's output alone: the arrays one jitted call returns are made
+ready by one completion event on the GPU, so the new state is ready with the output.
 """
 
 from __future__ import annotations
