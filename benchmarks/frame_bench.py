@@ -27,7 +27,7 @@ For each B of --batches (default 1,4,16,64), one record
   encode, LM frame, codec decode), the LM's ring full and its delays passed (every frame decodes);
   no public figure (moshi's is the sum of its codec's and its `LMGen.step`'s: the two stacks above);
 - sync_ms: median of synchronized frames (outputs ready before the next frame, waited for by
-  `jax_impl.until_ready`); pipelined_ms: frames launched back to back, one wait (mean); after the
+  `jax_impl.until_ready` on the output: `timing.time_step`, `timing.time_call`); pipelined_ms: frames launched back to back, one wait (mean); after the
   first call (compile_s) --warmup frames (5), then --steps timed (30); --quick: 2 and 10;
 - floor_ms: the weight bytes a frame must read at the copy rate measured in this run (bytes read +
   written per second, `timing.copy_bandwidth`): each distinct depformer weight set once (8), and for
