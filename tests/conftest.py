@@ -10,7 +10,8 @@ share through the environment (JAX_COMPILATION_CACHE_DIR, which JAX reads when i
 entry from another run or checkout. Many tests jit a function object of their own
 (`jax.jit(jx.step_fn(cfg))`, `make_step` of a config another test steps too) whose program was
 compiled already, in this process or the other worker; XLA then loads the executable instead of
-compiling it again (~20 s of the suite's compile time). The executable is the same, so is every
+compiling it again (in half the suite measured: 26 loads, ~16 s saved, about as much spent writing
+entries no test reads again). The executable is the same, so is every
 bit. Programs compiled in under 0.3 s are not written (the one-op programs of eager jax.numpy
 calls, cached in memory anyway). An entry that cannot be read (the other worker still writing
 it) is a warning and a normal compile.
