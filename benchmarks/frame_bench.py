@@ -12,6 +12,8 @@ For each B of --batches (default 1,4,16,64), one record
      kernels_per_inner_step, compile_s, public_graph_ms, public_eager_ms, public_kernels_per_frame,
      public_note, device, date, versions}
 
+(codec records also `sync_interleaved_ms`, `public_interleaved_ms`: below)
+
 - stack "depformer": the JAX depformer frame (`make_depformer_step(cfg, kernels)`, host checks
   included, greedy) for each of --kernels (twin, reference) on fixed inputs (a text token and a
   temporal output per row);
@@ -22,7 +24,11 @@ For each B of --batches (default 1,4,16,64), one record
   the codec's state after a warm start (its rings fill over the timed frames); public: moshi's
   streaming `MimiModel` (`get_mimi(None, ...)`, random weights and codebooks, bf16 on the GPU)
   `decode(encode(pcm))` under `streaming(B)`: public_graph_ms with moshi's own CUDA graphs (an
-  outer graph cannot capture it: moshi graphs parts of it itself), public_eager_ms without;
+  outer graph cannot capture it: moshi graphs parts of it itself), public_eager_ms without; and,
+  where moshi is importable, ours and moshi's (its graphs) called in turn --steps times each after the
+  other measurements, sync_interleaved_ms and public_interleaved_ms the medians: their ratio is the
+  one the host's drift between measurements does not move (moshi's codec took 4.2-6.2 ms in one run
+  and 7.3-11.7 in another the same day);
 - stack "speech-frame": the whole JAX speech frame (`make_speech_frame_step(kernels="twin")`: codec
   encode, LM frame, codec decode), the LM's ring full and its delays passed (every frame decodes);
   no public figure (moshi's is the sum of its codec's and its `LMGen.step`'s: the two stacks above);
@@ -57,6 +63,7 @@ the tests. On the CPU (--small) the GPU-only fields are null.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.metadata
 import json
@@ -75,7 +82,15 @@ import torch
 
 import jax_impl
 from benchmarks.scale_bench import full_state, profile_step
-from benchmarks.timing import copy_bandwidth, host_ms, kernel_profile, run_meta, time_call, time_step
+from benchmarks.timing import (
+    copy_bandwidth,
+    host_ms,
+    interleaved_medians_us,
+    kernel_profile,
+    run_meta,
+    time_call,
+    time_step,
+)
 from jax_impl import codec as jax_codec
 from jax_impl import frame as jax_frame
 from jax_impl import speech_frame as jax_speech
@@ -206,16 +221,23 @@ def moshi_frame(lm, mcompile, model, cfg: FrameConfig, B: int, args) -> dict:
         return time_moshi(lambda: gen.step(user), args.warmup, args.steps, args.eager_steps, mcompile)
 
 
-@torch.no_grad()
-def moshi_codec(codec_cfg: CodecConfig, B: int, args, mcompile) -> dict:
-    """moshi's streaming `MimiModel`: `decode(encode(pcm))` of one frame, its own CUDA graphs / eager."""
+@contextlib.contextmanager
+def moshi_codec_call(codec_cfg: CodecConfig, B: int):
+    """moshi's streaming `MimiModel` (random weights and codebooks; bf16 on the GPU, float32 on the
+    CPU): `decode(encode(pcm))` of one frame as a call, inside its `streaming(B)`."""
     from tests.moshi_oracle import moshi_mimi
 
     mimi = moshi_mimi(codec_cfg).to(device=DEVICE, dtype=DTYPE if GPU else torch.float32)
     pcm = torch.randn(B, 1, codec_cfg.frame_size, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(B))
     pcm = pcm.to(next(mimi.parameters()).dtype)
-    with mimi.streaming(B):
-        return time_moshi(lambda: mimi.decode(mimi.encode(pcm)), args.warmup, args.steps, args.eager_steps, mcompile)
+    with torch.no_grad(), mimi.streaming(B):
+        yield lambda: mimi.decode(mimi.encode(pcm))
+
+
+def moshi_codec(codec_cfg: CodecConfig, B: int, args, mcompile) -> dict:
+    """moshi's codec frame (`moshi_codec_call`), its own CUDA graphs / eager."""
+    with moshi_codec_call(codec_cfg, B) as call:
+        return time_moshi(call, args.warmup, args.steps, args.eager_steps, mcompile)
 
 
 def run_public(cfg: FrameConfig, stacks: list[str], batches: list[int], args, public: dict, errors: dict,
@@ -354,8 +376,10 @@ def bench_frame(cfg: FrameConfig, batches: list[int], args, bandwidth, emit, err
 
 
 def bench_codec(cfg: CodecConfig, batches: list[int], kernels: list[str], args, emit, errors: dict,
-                past_budget) -> None:
-    """The JAX codec's encode + decode of one frame, one jitted program, for each kernels and B."""
+                past_budget, moshi: bool) -> None:
+    """The JAX codec's encode + decode of one frame, one jitted program, for each kernels and B; with
+    `moshi` (importable), each also called in turn with moshi's (`interleaved_with_moshi`)."""
+
     codec = MimiCodec.from_config(cfg, dtype=DTYPE, device=DEVICE)
     codec.init_weights(generator=torch.Generator(device=DEVICE).manual_seed(0))
     params = codec.jax_params()
@@ -376,8 +400,13 @@ def bench_codec(cfg: CodecConfig, batches: list[int], kernels: list[str], args, 
             try:
                 state = jax_codec.init_codec_state(cfg, B, jnp.bfloat16)
                 pcm = jax.random.normal(jax.random.key(B), (B, 1, cfg.frame_size), jnp.bfloat16)
-                emit({"stack": "codec", "B": B, "dep_q": None, "kernels": kind,
-                      **time_stateful(step, params, state, pcm, jnp.ones((B,), bool), args),
+                active = jnp.ones((B,), bool)
+                record = time_stateful(step, params, state, pcm, active, args)
+                state = record.pop("state")
+                ours, theirs, state = (interleaved_with_moshi(step, params, state, pcm, active, cfg, B, args)
+                                       if moshi else (None, None, state))
+                emit({"stack": "codec", "B": B, "dep_q": None, "kernels": kind, **record,
+                      "sync_interleaved_ms": ours, "public_interleaved_ms": theirs,
                       "floor_ms": None, "floor_every_step_ms": None, "kernels_per_inner_step": None})
             except Exception as err:  # noqa: BLE001 (recorded)
                 errors[name] = f"{type(err).__name__}: {err}"[:1000]
@@ -386,15 +415,34 @@ def bench_codec(cfg: CodecConfig, batches: list[int], kernels: list[str], args, 
             release()
 
 
+def interleaved_with_moshi(step, params, state, pcm, active, cfg: CodecConfig, B: int, args):
+    """(ours, moshi's, state): the medians, ms, of our synchronized codec frame and moshi's
+    (`moshi_codec_call`, its CUDA graphs, then synchronized) called in turn, args.steps times each
+    (`timing.interleaved_medians_us`): the host's drift, which moved moshi's codec by 2x between runs,
+    hits both alike."""
+    holder = {"state": state}
+
+    def ours():
+        out, holder["state"] = step(params, holder["state"], pcm, active)
+        jax_impl.until_ready(out)
+
+    with moshi_codec_call(cfg, B) as call:
+        medians = interleaved_medians_us({"ours": ours, "moshi": lambda: (call(), sync())}, args.steps,
+                                         warmup=max(args.warmup, 3))  # moshi's graphs: captured by the third
+    return medians["ours"] / 1e3, medians["moshi"] / 1e3, holder["state"]
+
+
 def time_stateful(step, params, state, x, active, args) -> dict:
-    """compile_s, sync_ms, pipelined_ms, kernels_per_frame (GPU) of a donated `step(params, state, x, active)`."""
+    """compile_s, sync_ms, pipelined_ms, kernels_per_frame (GPU) of a donated `step(params, state, x,
+    active)`, and the state after them (`state`)."""
     t0 = time.perf_counter()
     out, state = step(params, state, x, active)
     jax_impl.until_ready((out, state))
     compile_s = time.perf_counter() - t0
     sync_ms, pipelined_ms, state = time_step(step, params, state, x, active, args.steps, warmup=args.warmup)
     launches, _, state = profile_step(step, params, state, x, active)
-    return {"sync_ms": sync_ms, "pipelined_ms": pipelined_ms, "kernels_per_frame": launches, "compile_s": compile_s}
+    return {"sync_ms": sync_ms, "pipelined_ms": pipelined_ms, "kernels_per_frame": launches, "compile_s": compile_s,
+            "state": state}
 
 
 def bench_speech_frame(cfg: SpeechFrameConfig, batches: list[int], args, emit, errors: dict, past_budget) -> None:
@@ -415,8 +463,9 @@ def bench_speech_frame(cfg: SpeechFrameConfig, batches: list[int], args, emit, e
             state = jax_speech.SpeechFrameState(jax_codec.init_codec_state(cfg.codec, B, jnp.bfloat16),
                                                 frame_state(cfg.lm, B))
             pcm = jax.random.normal(jax.random.key(B), (B, 1, cfg.frame_size), jnp.bfloat16)
-            emit({"stack": "speech-frame", "B": B, "dep_q": cfg.lm.dep_q, "kernels": kernels,
-                  **time_stateful(step, params, state, pcm, jnp.ones((B,), bool), args),
+            record = time_stateful(step, params, state, pcm, jnp.ones((B,), bool), args)
+            state = record.pop("state")
+            emit({"stack": "speech-frame", "B": B, "dep_q": cfg.lm.dep_q, "kernels": kernels, **record,
                   "floor_ms": None, "floor_every_step_ms": None, "kernels_per_inner_step": None})
         except Exception as err:  # noqa: BLE001 (recorded)
             errors[name] = f"{type(err).__name__}: {err}"[:1000]
@@ -462,12 +511,12 @@ def merge(ours: list[dict], public: dict, public_note: str | None, dep_q: int, m
 def table(records: list[dict]) -> str:
     cols = ("stack", "B", "dep_q", "kernels", "sync_ms", "pipelined_ms", "floor_ms", "floor_every_step_ms",
             "kernels_per_frame", "kernels_per_inner_step", "public_graph_ms", "public_eager_ms",
-            "public_kernels_per_frame")
+            "public_kernels_per_frame", "sync_interleaved_ms", "public_interleaved_ms")
 
     def cell(v):
         return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
-    rows = [cols] + [tuple(cell(r[c]) for c in cols) for r in records]
+    rows = [cols] + [tuple(cell(r.get(c)) for c in cols) for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows)
 
@@ -562,7 +611,8 @@ def main() -> None:
         bench_frame(cfg, args.batches, args, bandwidth, emit, errors, past_budget)
         release()
     if "codec" in args.stacks:
-        bench_codec(speech_cfg.codec, args.batches, args.kernels, args, emit, errors, past_budget)
+        bench_codec(speech_cfg.codec, args.batches, args.kernels, args, emit, errors, past_budget,
+                    moshi=not args.no_public and public_note is None)
         release()
     if "speech-frame" in args.stacks:
         bench_speech_frame(speech_cfg, args.batches, args, emit, errors, past_budget)
