@@ -88,6 +88,7 @@ from benchmarks.timing import (
     interleaved_medians_us,
     kernel_profile,
     run_meta,
+    synchronized_step,
     time_call,
     time_step,
 )
@@ -379,7 +380,6 @@ def bench_codec(cfg: CodecConfig, batches: list[int], kernels: list[str], args, 
                 past_budget, moshi: bool) -> None:
     """The JAX codec's encode + decode of one frame, one jitted program, for each kernels and B; with
     `moshi` (importable), each also called in turn with moshi's (`interleaved_with_moshi`)."""
-
     codec = MimiCodec.from_config(cfg, dtype=DTYPE, device=DEVICE)
     codec.init_weights(generator=torch.Generator(device=DEVICE).manual_seed(0))
     params = codec.jax_params()
@@ -401,8 +401,7 @@ def bench_codec(cfg: CodecConfig, batches: list[int], kernels: list[str], args, 
                 state = jax_codec.init_codec_state(cfg, B, jnp.bfloat16)
                 pcm = jax.random.normal(jax.random.key(B), (B, 1, cfg.frame_size), jnp.bfloat16)
                 active = jnp.ones((B,), bool)
-                record = time_stateful(step, params, state, pcm, active, args)
-                state = record.pop("state")
+                record, state = time_stateful(step, params, state, pcm, active, args)
                 ours, theirs, state = (interleaved_with_moshi(step, params, state, pcm, active, cfg, B, args)
                                        if moshi else (None, None, state))
                 emit({"stack": "codec", "B": B, "dep_q": None, "kernels": kind, **record,
@@ -420,29 +419,24 @@ def interleaved_with_moshi(step, params, state, pcm, active, cfg: CodecConfig, B
     (`moshi_codec_call`, its CUDA graphs, then synchronized) called in turn, args.steps times each
     (`timing.interleaved_medians_us`): the host's drift, which moved moshi's codec by 2x between runs,
     hits both alike."""
-    holder = {"state": state}
-
-    def ours():
-        out, holder["state"] = step(params, holder["state"], pcm, active)
-        jax_impl.until_ready(out)
-
+    ours, holder = synchronized_step(step, params, state, pcm, active)
     with moshi_codec_call(cfg, B) as call:
         medians = interleaved_medians_us({"ours": ours, "moshi": lambda: (call(), sync())}, args.steps,
                                          warmup=max(args.warmup, 3))  # moshi's graphs: captured by the third
     return medians["ours"] / 1e3, medians["moshi"] / 1e3, holder["state"]
 
 
-def time_stateful(step, params, state, x, active, args) -> dict:
-    """compile_s, sync_ms, pipelined_ms, kernels_per_frame (GPU) of a donated `step(params, state, x,
-    active)`, and the state after them (`state`)."""
+def time_stateful(step, params, state, x, active, args) -> tuple[dict, object]:
+    """({compile_s, sync_ms, pipelined_ms, kernels_per_frame (GPU)}, the state after them) of a donated
+    `step(params, state, x, active)`."""
     t0 = time.perf_counter()
     out, state = step(params, state, x, active)
     jax_impl.until_ready((out, state))
     compile_s = time.perf_counter() - t0
     sync_ms, pipelined_ms, state = time_step(step, params, state, x, active, args.steps, warmup=args.warmup)
     launches, _, state = profile_step(step, params, state, x, active)
-    return {"sync_ms": sync_ms, "pipelined_ms": pipelined_ms, "kernels_per_frame": launches, "compile_s": compile_s,
-            "state": state}
+    return {"sync_ms": sync_ms, "pipelined_ms": pipelined_ms, "kernels_per_frame": launches,
+            "compile_s": compile_s}, state
 
 
 def bench_speech_frame(cfg: SpeechFrameConfig, batches: list[int], args, emit, errors: dict, past_budget) -> None:
@@ -463,8 +457,7 @@ def bench_speech_frame(cfg: SpeechFrameConfig, batches: list[int], args, emit, e
             state = jax_speech.SpeechFrameState(jax_codec.init_codec_state(cfg.codec, B, jnp.bfloat16),
                                                 frame_state(cfg.lm, B))
             pcm = jax.random.normal(jax.random.key(B), (B, 1, cfg.frame_size), jnp.bfloat16)
-            record = time_stateful(step, params, state, pcm, jnp.ones((B,), bool), args)
-            state = record.pop("state")
+            record, state = time_stateful(step, params, state, pcm, jnp.ones((B,), bool), args)
             emit({"stack": "speech-frame", "B": B, "dep_q": cfg.lm.dep_q, "kernels": kernels, **record,
                   "floor_ms": None, "floor_every_step_ms": None, "kernels_per_inner_step": None})
         except Exception as err:  # noqa: BLE001 (recorded)

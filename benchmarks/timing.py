@@ -127,12 +127,7 @@ def time_step(step, params, state, x, active, steps: int, wait=until_ready, warm
     on an H200: 0.4 ms for the codec's 40 state arrays, RESULTS.md, "frame_bench");
     pipelined: `steps` launches back to back, then one wait (mean). `warmup` synchronized steps first.
     """
-    holder = {"state": state}
-
-    def one():
-        out, holder["state"] = step(params, holder["state"], x, active)
-        wait(out)
-
+    one, holder = synchronized_step(step, params, state, x, active, wait)
     for _ in range(warmup):
         one()
     sync = host_ms(one, steps)
@@ -141,6 +136,18 @@ def time_step(step, params, state, x, active, steps: int, wait=until_ready, warm
         _, holder["state"] = step(params, holder["state"], x, active)
     jax.block_until_ready(holder["state"])
     return sync, 1e3 * (time.perf_counter() - t0) / steps, holder["state"]
+
+
+def synchronized_step(step, params, state, x, active, wait=until_ready):
+    """(one, holder): one() runs the donated `step(params, state, x, active)` once and waits on its
+    output (`time_step`'s synchronized step); holder["state"] is the state after the last call."""
+    holder = {"state": state}
+
+    def one():
+        out, holder["state"] = step(params, holder["state"], x, active)
+        wait(out)
+
+    return one, holder
 
 
 def time_call(call, steps: int, warmup: int = 3, wait=until_ready) -> tuple[float, float]:
