@@ -418,11 +418,16 @@ def interleaved_with_moshi(step, params, state, pcm, active, cfg: CodecConfig, B
     """(ours, moshi's, state): the medians, ms, of our synchronized codec frame and moshi's
     (`moshi_codec_call`, its CUDA graphs, then synchronized) called in turn, args.steps times each
     (`timing.interleaved_medians_us`): the host's drift, which moved moshi's codec by 2x between runs,
-    hits both alike."""
+    hits both alike. moshi's CUDA graphs are captured first, with JAX idle: torch captures in CUDA's
+    global mode, which a CUDA call of JAX's threads (its allocator freeing a step's buffers) breaks."""
+    jax.block_until_ready(state)
     ours, holder = synchronized_step(step, params, state, pcm, active)
     with moshi_codec_call(cfg, B) as call:
+        for _ in range(3):  # moshi's graphs: captured by the third call
+            call()
+            sync()
         medians = interleaved_medians_us({"ours": ours, "moshi": lambda: (call(), sync())}, args.steps,
-                                         warmup=max(args.warmup, 3))  # moshi's graphs: captured by the third
+                                         warmup=args.warmup)
     return medians["ours"] / 1e3, medians["moshi"] / 1e3, holder["state"]
 
 
