@@ -35,7 +35,7 @@ from jax import lax
 from kernels_pallas import twin_conv
 
 from . import state as st
-from .codec_config import CodecConfig, ConvSpec, decoder_plan, encoder_plan, plan_convs, walk_plan
+from .codec_config import CodecConfig, ConvSpec, carry_slots, decoder_plan, encoder_plan, walk_plan
 from .snapshot import exact_float_cast
 from .state import StreamState
 from .step import step_fn
@@ -53,12 +53,19 @@ class CodecParams(NamedTuple):
 
 
 class CodecState(NamedTuple):
-    """encoder, decoder: one carry per convolution of `plan_convs(encoder_plan)` / `(decoder_plan)`,
-    [B, C, width] (width 0: a kernel-1 convolution); first: bool [B] (the downsample pads a row's first
-    active frame with its first sample); the two transformers' ring states."""
+    """encoder, decoder: the carries of the convolutions of `encoder_plan` / `decoder_plan`, each side's
+    in one row-packed array [B, N] (`codec_config.carry_slots`: a convolution's [C, width] at its
+    offset in each row, in the plan's order); first: bool [B] (the downsample pads a row's first active
+    frame with its first sample); the two transformers' ring states.
 
-    encoder: tuple[jax.Array, ...]
-    decoder: tuple[jax.Array, ...]
+    One array a side rather than one a convolution: a jitted step's host time grows with the arrays
+    it takes and returns (~6.5 us each donated on an H200: RESULTS.md, "frame_bench"). The twin
+    convolutions read and write their carry in place at its offset (`twin_conv.conv1d(carry_slot=)`),
+    so the packed array passes from kernel to kernel without a copy; the transposed convolutions'
+    overlap tails are sliced out and written back."""
+
+    encoder: jax.Array
+    decoder: jax.Array
     first: jax.Array
     encoder_transformer: StreamState
     decoder_transformer: StreamState
@@ -82,7 +89,7 @@ def init_codec_state(cfg: CodecConfig, batch_size: int, dtype=jnp.float32, *, de
         raise TypeError(f"init_codec_state(device): expected a jax.Device, got {type(device).__name__}")
 
     def carries(plan):
-        return tuple(jnp.zeros((batch_size, c.carry_channels, c.carry), dtype) for c in plan_convs(plan))
+        return jnp.zeros((batch_size, carry_slots(plan)[1]), dtype)
 
     def make():
         return CodecState(carries(encoder_plan(cfg)), carries(decoder_plan(cfg)), jnp.ones(batch_size, bool),
@@ -138,11 +145,28 @@ def _transposed_carry(y, carry, bias, active):
     return y[..., :-width], jnp.where(active[:, None, None], tail, carry)
 
 
-def _reference_conv_step(spec: ConvSpec, weight, bias, carry, x, active, first, residual):
+def _carry_view(packed, slot, channels: int):
+    """A convolution's carry [B, channels, width] out of its side's packed state (width 0 without a slot)."""
+    if slot is None:
+        return jnp.zeros((packed.shape[0], channels, 0), packed.dtype)
+    offset, width = slot
+    return packed[:, offset:offset + channels * width].reshape(packed.shape[0], channels, width)
+
+
+def _carry_put(packed, slot, carry):
+    """The packed state with a convolution's new carry [B, C, width] in its slot."""
+    if slot is None:
+        return packed
+    return packed.at[:, slot[0]:slot[0] + carry.shape[1] * carry.shape[2]].set(carry.reshape(carry.shape[0], -1))
+
+
+def _reference_conv_step(spec: ConvSpec, weight, bias, packed, slot, x, active, first, residual):
+    carry = _carry_view(packed, slot, spec.carry_channels)
     x = jax.nn.elu(x) if spec.elu else x
     if spec.transposed:
         y = _conv_transpose(x, weight, spec)
-        return _transposed_carry(y if bias is None else y + bias[:, None], carry, bias, active)
+        y, carry = _transposed_carry(y if bias is None else y + bias[:, None], carry, bias, active)
+        return y, _carry_put(packed, slot, carry)
     rows = active[:, None, None]
     width = carry.shape[-1]
     if width:
@@ -152,38 +176,45 @@ def _reference_conv_step(spec: ConvSpec, weight, bias, carry, x, active, first, 
         carry = jnp.where(rows, x[..., -width:], carry)
     y = _conv(x, weight, spec)
     y = y if bias is None else y + bias[:, None]
-    return (y if residual is None else residual + y), carry
+    return (y if residual is None else residual + y), _carry_put(packed, slot, carry)
 
 
-def _twin_conv_step(spec: ConvSpec, weight, bias, carry, x, active, first, residual):
+def _twin_conv_step(spec: ConvSpec, weight, bias, packed, slot, x, active, first, residual):
     """The twin kernels' streaming convolution: the ELU, the carry's concatenation and update and the
-    taps in one kernel (`twin_conv.taps`, the carry in place), then the linear; bias and residual
-    after it."""
+    taps in one kernel (`twin_conv.taps`, the carry in place in the packed state), then the linear;
+    bias and residual after it."""
     if spec.transposed:
         y = twin_conv.conv_transpose1d(x, weight, bias, stride=spec.stride, groups=spec.groups, elu=spec.elu)
-        return _transposed_carry(y, carry, bias, active)
+        y, carry = _transposed_carry(y, _carry_view(packed, slot, spec.carry_channels), bias, active)
+        return y, _carry_put(packed, slot, carry)
     options = {"stride": spec.stride, "dilation": spec.dilation, "residual": residual, "elu": spec.elu}
-    if not carry.shape[-1]:
-        return twin_conv.conv1d(x, weight, bias, **options), carry
-    return twin_conv.conv1d(x, weight, bias, carry=carry, active=active, first=first, replicate=spec.replicate,
-                            **options)
+    if slot is None:
+        return twin_conv.conv1d(x, weight, bias, **options), packed
+    return twin_conv.conv1d(x, weight, bias, carry=packed, carry_slot=slot, active=active, first=first,
+                            replicate=spec.replicate, **options)
 
 
-def conv_step(spec: ConvSpec, weight, bias, carry, x, active, first, ops: CodecOps | None = None, residual=None):
-    """One streaming convolution: (y, new carry); as `torch_bridge.seanet.conv_step`: the ELU on x
-    first where `spec.elu`, `residual` added last. ops: the kernels' (`codec_ops`; None: the reference ones)."""
-    return (ops or REFERENCE_OPS).conv_step(spec, weight, bias, carry, x, active, first, residual)
+def conv_step(spec: ConvSpec, weight, bias, packed, slot, x, active, first, ops: CodecOps | None = None,
+              residual=None):
+    """One streaming convolution: (y, new packed state); as `torch_bridge.seanet.conv_step`: the ELU on x
+    first where `spec.elu`, `residual` added last. packed, slot: the side's row-packed carries and this
+    convolution's place in them (`carry_slots`). ops: the kernels' (`codec_ops`; None: the reference ones)."""
+    return (ops or REFERENCE_OPS).conv_step(spec, weight, bias, packed, slot, x, active, first, residual)
 
 
-def run_plan(plan, convs: Mapping[str, jax.Array], carries, x, active, first, ops: CodecOps | None = None):
-    """A plan's convolutions on one frame: (y, new carries) (`codec_config.walk_plan`, the walk the
-    torch codec runs too)."""
+def run_plan(plan, convs: Mapping[str, jax.Array], packed, slots, x, active, first, ops: CodecOps | None = None):
+    """A plan's convolutions on one frame: (y, new packed state); slots: the plan's `carry_slots`
+    (`codec_config.walk_plan`, the walk the torch codec runs too, here over the slots, each
+    convolution passing the packed state on to the next)."""
+    packed = [packed]
 
-    def conv(spec: ConvSpec, h, carry, residual):
-        return conv_step(spec, convs[spec.key + ".weight"], convs.get(spec.key + ".bias"), carry, h, active, first,
-                         ops, residual)
+    def conv(spec: ConvSpec, h, slot, residual):
+        y, packed[0] = conv_step(spec, convs[spec.key + ".weight"], convs.get(spec.key + ".bias"), packed[0], slot, h,
+                                 active, first, ops, residual)
+        return y, slot
 
-    return walk_plan(plan, x, carries, conv)
+    y, _ = walk_plan(plan, x, slots, conv)
+    return y, packed[0]
 
 
 def quantize(cfg: CodecConfig, params: CodecParams, emb):
@@ -249,8 +280,8 @@ def twin_dequantize(cfg: CodecConfig, params: CodecParams, codes):
 
 
 class CodecOps(NamedTuple):
-    """The float operations of a codec step: conv_step(spec, weight, bias, carry, x, active, first,
-    residual) -> (y, carry) (`conv_step`); quantize(cfg, params, emb); dequantize(cfg, params, codes)."""
+    """The float operations of a codec step: conv_step(spec, weight, bias, packed, slot, x, active, first,
+    residual) -> (y, packed) (`conv_step`); quantize(cfg, params, emb); dequantize(cfg, params, codes)."""
 
     conv_step: Any
     quantize: Any
@@ -298,6 +329,7 @@ def encode_fn(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple
     kernels: "reference" (XLA; close to the torch reference codec) or "twin" (the twin kernels: the
     bits of `torch_bridge.MimiCodec(kernels="twin")`, whose `rope_freqs()` to pass)."""
     plan = encoder_plan(cfg)
+    slots = carry_slots(plan)[0]
     ops = codec_ops(kernels)
     transformer = step_fn(cfg.transformer, **_transformer_options(kernels, rope_freqs))
 
@@ -313,15 +345,14 @@ def encode_fn(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple
                             f"takes only a dtype that casts to it exactly")
         active = _check_active("encode", active, B)
         x = jnp.asarray(pcm).astype(dtype)
-        emb, carries = run_plan(plan[:-1], params.convs, state.encoder[:-1], x, active, state.first, ops)
+        emb, carries = run_plan(plan[:-1], params.convs, state.encoder, slots[:-1], x, active, state.first, ops)
         out, tr_state = transformer(params.encoder_transformer, state.encoder_transformer, emb.swapaxes(1, 2),
                                     active)
         down = plan[-1]
-        emb, last = conv_step(down, params.convs[down.key + ".weight"], None, state.encoder[-1],
-                              out.swapaxes(1, 2), active, state.first, ops)
+        emb, carries = conv_step(down, params.convs[down.key + ".weight"], None, carries, slots[-1],
+                                 out.swapaxes(1, 2), active, state.first, ops)
         codes = jnp.where(active[:, None], ops.quantize(cfg, params, emb), 0)
-        return codes, state._replace(encoder=(*carries, last), first=state.first & ~active,
-                                     encoder_transformer=tr_state)
+        return codes, state._replace(encoder=carries, first=state.first & ~active, encoder_transformer=tr_state)
 
     return encode
 
@@ -334,6 +365,7 @@ def decode_fn(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple
     is NaN, never a wrapped code). Inactive rows get zeros and keep their state. kernels, rope_freqs:
     as `encode_fn`'s."""
     plan = decoder_plan(cfg)
+    slots = carry_slots(plan)[0]
     ops = codec_ops(kernels)
     transformer = step_fn(cfg.transformer, **_transformer_options(kernels, rope_freqs))
 
@@ -345,14 +377,14 @@ def decode_fn(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple
         codes = jnp.where(active[:, None], jnp.asarray(codes), 0)
         emb = ops.dequantize(cfg, params, codes)
         up = plan[0]
-        emb, up_carry = conv_step(up, params.convs[up.key + ".weight"], None, state.decoder[0], emb, active,
-                                  state.first, ops)
+        emb, carries = conv_step(up, params.convs[up.key + ".weight"], None, state.decoder, slots[0], emb, active,
+                                 state.first, ops)
         out, tr_state = transformer(params.decoder_transformer, state.decoder_transformer, emb.swapaxes(1, 2),
                                     active)
-        pcm, rest = run_plan(plan[1:], params.convs, state.decoder[1:], out.swapaxes(1, 2), active, state.first,
-                             ops)
+        pcm, carries = run_plan(plan[1:], params.convs, carries, slots[1:], out.swapaxes(1, 2), active, state.first,
+                                ops)
         pcm = jnp.where(active[:, None, None], pcm, 0)
-        return pcm, state._replace(decoder=(up_carry, *rest), decoder_transformer=tr_state)
+        return pcm, state._replace(decoder=carries, decoder_transformer=tr_state)
 
     return decode
 
@@ -425,10 +457,10 @@ def codec_reset_slot(state: CodecState, b) -> CodecState:
     row reset to position 0 with zeroed rings (`state.reset_rows`)."""
     row = jnp.arange(state.batch_size) == b
 
-    def clear(carry):
-        return jnp.where(row[:, None, None], jnp.zeros((), carry.dtype), carry)
+    def clear(carries):
+        return jnp.where(row[:, None], jnp.zeros((), carries.dtype), carries)
 
-    return CodecState(tuple(map(clear, state.encoder)), tuple(map(clear, state.decoder)), state.first | row,
+    return CodecState(clear(state.encoder), clear(state.decoder), state.first | row,
                       st.reset_rows(state.encoder_transformer, row), st.reset_rows(state.decoder_transformer, row))
 
 

@@ -239,6 +239,17 @@ def plan_convs(plan: tuple[PlanItem, ...]) -> tuple[ConvSpec, ...]:
     return tuple(c for item in plan for c in (item.convs if isinstance(item, Residual) else (item,)))
 
 
+def carry_slots(plan: tuple[PlanItem, ...]) -> tuple[tuple[tuple[int, int] | None, ...], int]:
+    """Where each convolution of `plan_convs(plan)` keeps its carry in a row of a row-packed state
+    [B, N]: (offset, width) of its [carry_channels, width] block (None: a convolution without one, of
+    kernel 1), the blocks one after the other in the plan's order; and N, a row's length."""
+    slots, at = [], 0
+    for c in plan_convs(plan):
+        slots.append((at, c.carry) if c.carry else None)
+        at += c.carry_channels * c.carry
+    return tuple(slots), at
+
+
 def walk_plan(plan, x, carries, conv):
     """A plan's convolutions on one frame, the one walk both frameworks run: `conv(spec, h, carry,
     residual) -> (y, carry)` is one convolution with its streaming carry, the ELU on h first where

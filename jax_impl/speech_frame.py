@@ -196,13 +196,11 @@ def jit_speech_reset_slot(state: SpeechFrameState, b) -> SpeechFrameState:
 
 def speech_state_arrays(state: SpeechFrameState) -> dict[str, jax.Array]:
     """Every array of the state by name (`torch_bridge.SpeechFrame.state_arrays` names the torch
-    twin's the same way): codec.encoder.{i}, codec.decoder.{i}, codec.first,
+    twin's the same way): codec.encoder, codec.decoder (each side's row-packed carries), codec.first,
     codec.{encoder,decoder}_transformer.{k,v,offset,start_offset}, lm.token_cache, lm.frame_offset,
     lm.temporal.{k,v,offset,start_offset}. k and v hold the batch on axis 1, the others on axis 0."""
     c, lm = state.codec, state.lm
-    out = {f"codec.encoder.{i}": x for i, x in enumerate(c.encoder)}
-    out |= {f"codec.decoder.{i}": x for i, x in enumerate(c.decoder)}
-    out["codec.first"] = c.first
+    out = {"codec.encoder": c.encoder, "codec.decoder": c.decoder, "codec.first": c.first}
     for name, ring in (("codec.encoder_transformer", c.encoder_transformer),
                        ("codec.decoder_transformer", c.decoder_transformer), ("lm.temporal", lm.temporal)):
         out |= {f"{name}.{k}": getattr(ring, k) for k in ("k", "v", "offset", "start_offset")}

@@ -40,6 +40,7 @@ from kernels_pallas import twin_linear
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.conv import (
     ELU_BLOCK,
+    carry_geometry,
     check_conv1d,
     check_conv_transpose1d,
     check_nearest,
@@ -97,7 +98,7 @@ def _activation(x, elu: bool, gpu: bool):
     return tm.to_dtype(_elu_f32(x.astype(tm.F32), gpu), x.dtype) if elu else x
 
 
-def _taps_kernel(*refs, C, L, W, k, stride, dilation, T, RT, CH, BC, elu, replicate, gpu):
+def _taps_kernel(*refs, C, L, W, ROW, OFF, k, stride, dilation, T, RT, CH, BC, elu, replicate, gpu):
     """Program (b, tile, block): rows tile * RT.. of batch row b's tap matrix, the columns of channels
     block * CH.. (every tap of each; `taps_plan`).
 
@@ -107,7 +108,9 @@ def _taps_kernel(*refs, C, L, W, k, stride, dilation, T, RT, CH, BC, elu, replic
     past the matrix are masked (their index made out of bounds: interpreted, a masked store writes
     back what it read). Program (b, 0, block) holds every row that reads its channels' carry
     (`taps_plan`), the only program that reads it, and then writes their new carry in place: its last
-    W source samples where the row is active."""
+    W source samples where the row is active. The carry of batch row b, channel i, sample w is element
+    b * ROW + OFF + i * W + w of the carry array (a [B, C, W] carry: ROW = C * W, OFF = 0; a row-packed
+    state: its row length and this convolution's offset)."""
     if W:
         flags_ref, x_ref, carry_ref, cols_ref, carry_out_ref = refs
     else:
@@ -125,7 +128,7 @@ def _taps_kernel(*refs, C, L, W, k, stride, dilation, T, RT, CH, BC, elu, replic
         value = x_at(i, pos - W)
         if not W:
             return value
-        old = pltriton.load(carry_ref.at[(b * C + i) * W + jnp.clip(pos, 0, W - 1)])
+        old = pltriton.load(carry_ref.at[b * ROW + OFF + i * W + jnp.clip(pos, 0, W - 1)])
         if replicate:
             old = jnp.where(pad_first, x_at(i, jnp.zeros_like(pos)), old)
         return jnp.where(pos < W, old, value)
@@ -146,29 +149,32 @@ def _taps_kernel(*refs, C, L, W, k, stride, dilation, T, RT, CH, BC, elu, replic
         e = block * (CH * W) + jnp.arange(next_pow2(CH * W), dtype=jnp.int32)
         ok = (e < (block + 1) * (CH * W)) & (e < C * W)
         i, w = jnp.minimum(e, C * W - 1) // W, e % W
-        old = pltriton.load(carry_ref.at[(b * C + i) * W + w])
+        old = pltriton.load(carry_ref.at[b * ROW + OFF + i * W + w])
         new = jnp.where(active, source(i, L + w), old)
         if gpu:  # every thread's reads of the old carry (above and the taps') before any write
             pltriton.debug_barrier()
-        pltriton.store(carry_out_ref.at[jnp.where(ok, b * C * W + e, carry_out_ref.shape[0])], new, mask=ok)
+        pltriton.store(carry_out_ref.at[jnp.where(ok, b * ROW + OFF + e, carry_out_ref.shape[0])], new, mask=ok)
 
 
 def taps(x: jax.Array, *, kernel_size: int, stride: int = 1, dilation: int = 1, elu: bool = False,
-         carry: jax.Array | None = None, active: jax.Array | None = None, first: jax.Array | None = None,
-         replicate: bool = False, interpret: bool | None = None):
+         carry: jax.Array | None = None, carry_slot: tuple[int, int] | None = None, active: jax.Array | None = None,
+         first: jax.Array | None = None, replicate: bool = False, interpret: bool | None = None):
     """The tap matrix of a convolution over [carry, act(x)], one kernel: X [B * T, in * k],
     X[b * T + t, i * k + j] = src[b, i, t * stride + j * dilation] (module docstring), act the
-    contract's ELU where `elu`. Without carry returns X; with carry [B, in, W] (W > 0) returns
-    (X, the new carry), the carry updated in place (`input_output_aliases`: pass a carry you no
-    longer need). active, first: bool [B] (None: every row active, none first)."""
+    contract's ELU where `elu`. Without carry returns X; with carry [B, in, W] (W > 0), or a
+    row-packed state [B, N] holding it at `carry_slot` = (offset, W) (`contract.conv.check_stream`),
+    returns (X, the new carry array), the carry updated in place (`input_output_aliases`: pass an
+    array you no longer need; the rest of a packed state is left as it is). active, first: bool [B]
+    (None: every row active, none first)."""
     B, C, L = x.shape
-    W = 0 if carry is None else carry.shape[2]
+    check_stream("taps", x, carry, active, first, replicate, carry_slot)
+    W, ROW, OFF = carry_geometry(x, carry, carry_slot)
     span = (kernel_size - 1) * dilation + 1
     T = (W + L - span) // stride + 1
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     RT, CH, BC = taps_plan(T, C, kernel_size, W, stride)
-    kernel = functools.partial(_taps_kernel, C=C, L=L, W=W, k=kernel_size, stride=stride, dilation=dilation, T=T,
+    kernel = functools.partial(_taps_kernel, C=C, L=L, W=W, ROW=ROW, OFF=OFF, k=kernel_size, stride=stride, dilation=dilation, T=T,
                                RT=RT, CH=CH, BC=BC, elu=elu, replicate=replicate, gpu=not interpret)
     cols = jax.ShapeDtypeStruct((B * T * C * kernel_size,), x.dtype)
     operands, out_shape, aliases = [x.reshape(-1)], (cols,), {}
@@ -177,7 +183,7 @@ def taps(x: jax.Array, *, kernel_size: int, stride: int = 1, dilation: int = 1, 
         first = jnp.zeros(B, bool) if first is None else first
         flags = jnp.stack([active, first], axis=1).astype(jnp.int32).reshape(-1)          # [2B]: active, first
         operands = [flags, operands[0], carry.reshape(-1)]
-        out_shape, aliases = (cols, jax.ShapeDtypeStruct((B * C * W,), x.dtype)), {2: 1}
+        out_shape, aliases = (cols, jax.ShapeDtypeStruct((B * ROW,), x.dtype)), {2: 1}
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -198,10 +204,17 @@ def _whole(a):
     return pl.BlockSpec(a.shape, lambda *_: (0,) * len(a.shape))
 
 
-def taps_native(x, *, kernel_size, stride=1, dilation=1, elu=False, carry=None, active=None, first=None,
-                replicate=False, **_):
+def taps_native(x, *, kernel_size, stride=1, dilation=1, elu=False, carry=None, carry_slot=None, active=None,
+                first=None, replicate=False, **_):
     """The plain jax.numpy reference of `taps`: the same signature and bits (no carry written in place)."""
     B, C, _ = x.shape
+    if carry_slot is not None:  # the convolution's carry out of the packed state, and back into it after
+        check_stream("taps", x, carry, active, first, replicate, carry_slot)
+        (offset, width), packed = carry_slot, carry
+        X, new = taps_native(x, kernel_size=kernel_size, stride=stride, dilation=dilation, elu=elu,
+                             carry=packed[:, offset:offset + C * width].reshape(B, C, width), active=active,
+                             first=first, replicate=replicate)
+        return X, packed.at[:, offset:offset + C * width].set(new.reshape(B, C * width))
     x = elu_native(x) if elu else x
     new = None
     if carry is not None:
@@ -218,14 +231,14 @@ def taps_native(x, *, kernel_size, stride=1, dilation=1, elu=False, carry=None, 
     return X if new is None else (X, new)
 
 
-def _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, replicate, linear, make_taps):
-    width = check_stream("conv1d", x, carry, active, first, replicate)
+def _conv1d(x, w, bias, residual, stride, dilation, elu, carry, slot, active, first, replicate, linear, make_taps):
+    width = check_stream("conv1d", x, carry, active, first, replicate, slot)
     B, cin, _, cout, k, T = check_conv1d(x, w, bias, residual, stride, dilation, width)
     if k == 1 and stride == 1 and not elu and carry is None:  # the columns as they are: no taps kernel
         cols, new = x.transpose(0, 2, 1).reshape(B * T, cin), None
     else:
-        out = make_taps(x, kernel_size=k, stride=stride, dilation=dilation, elu=elu, carry=carry, active=active,
-                        first=first, replicate=replicate)
+        out = make_taps(x, kernel_size=k, stride=stride, dilation=dilation, elu=elu, carry=carry, carry_slot=slot,
+                        active=active, first=first, replicate=replicate)
         cols, new = out if carry is not None else (out, None)
     y = linear(cols, w.reshape(cout, cin * k)).reshape(B, T, cout).transpose(0, 2, 1)
     if bias is not None:
@@ -236,26 +249,27 @@ def _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, r
 
 def conv1d(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, stride: int = 1, dilation: int = 1,
            residual: jax.Array | None = None, elu: bool = False, carry: jax.Array | None = None,
-           active: jax.Array | None = None, first: jax.Array | None = None, replicate: bool = False,
-           interpret: bool | None = None):
+           carry_slot: tuple[int, int] | None = None, active: jax.Array | None = None, first: jax.Array | None = None,
+           replicate: bool = False, interpret: bool | None = None):
     """The contract's convolution, unpadded: x [B, in, L], w [out, in, k], bias [out] -> [B, out, T],
     T = (W + L - (k - 1) * dilation - 1) // stride + 1; residual [B, out, T] added last.
 
     elu: the contract's ELU on x first (in the taps kernel). carry [B, in, W] (a streamed left
     context, holding values past the ELU): the convolution runs over [carry, act(x)] and returns
     (y, new carry): the last W samples for the rows of `active` (bool [B], None: all), the old carry
-    for the others; written in place (donate it). replicate: rows that are `first` and active take
+    for the others; written in place (donate it). carry_slot: (offset, W), the carry held in a
+    row-packed state [B, N] (`taps`), which is returned whole. replicate: rows that are `first` and active take
     their first sample as their carry first (the downsample's replicate padding). Two kernels: the
     taps (`taps`) and the linear."""
-    return _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, replicate,
+    return _conv1d(x, w, bias, residual, stride, dilation, elu, carry, carry_slot, active, first, replicate,
                    functools.partial(twin_linear.linear, interpret=interpret),
                    functools.partial(taps, interpret=interpret))
 
 
-def conv1d_native(x, w, bias=None, *, stride=1, dilation=1, residual=None, elu=False, carry=None, active=None,
-                  first=None, replicate=False, **_):
+def conv1d_native(x, w, bias=None, *, stride=1, dilation=1, residual=None, elu=False, carry=None, carry_slot=None,
+                  active=None, first=None, replicate=False, **_):
     """The plain jax.numpy reference of `conv1d`: the same signature and bits."""
-    return _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, replicate,
+    return _conv1d(x, w, bias, residual, stride, dilation, elu, carry, carry_slot, active, first, replicate,
                    functools.partial(twin_linear.linear_native, form="lanes"), taps_native)
 
 

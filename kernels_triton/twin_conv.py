@@ -12,6 +12,7 @@ import triton.language as tl
 
 from kernels_pallas.contract.conv import (
     ELU_BLOCK,
+    carry_geometry,
     check_conv1d,
     check_conv_transpose1d,
     check_nearest,
@@ -77,11 +78,12 @@ def exp_native(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _source(x_ptr, carry_ptr, b, i, pos, pad_first, C: tl.constexpr, L: tl.constexpr, W: tl.constexpr,
-            ELU: tl.constexpr, REPLICATE: tl.constexpr, INTERPRETED: tl.constexpr):
+            ROW: tl.constexpr, OFF: tl.constexpr, ELU: tl.constexpr, REPLICATE: tl.constexpr,
+            INTERPRETED: tl.constexpr):
     """[carry, act(x)] of batch row b at channel i, position pos (`kernels_pallas.twin_conv._taps_kernel`)."""
     value = _x_at(x_ptr, b, i, pos - W, C, L, ELU, INTERPRETED)
     if W > 0:
-        old = tl.load(carry_ptr + (b * C + i) * W + tl.minimum(tl.maximum(pos, 0), W - 1))
+        old = tl.load(carry_ptr + b * ROW + OFF + i * W + tl.minimum(tl.maximum(pos, 0), W - 1))
         if REPLICATE:
             old = tl.where(pad_first, _x_at(x_ptr, b, i, pos * 0, C, L, ELU, INTERPRETED), old)
         value = tl.where(pos < W, old, value)
@@ -99,11 +101,11 @@ def _x_at(x_ptr, b, i, p, C: tl.constexpr, L: tl.constexpr, ELU: tl.constexpr, I
 
 @triton.jit
 def _taps_kernel(x_ptr, carry_ptr, flags_ptr, cols_ptr, carry_out_ptr, C: tl.constexpr, L: tl.constexpr,
-                 W: tl.constexpr, K: tl.constexpr, STRIDE: tl.constexpr, DILATION: tl.constexpr, T: tl.constexpr,
+                 W: tl.constexpr, ROW: tl.constexpr, OFF: tl.constexpr, K: tl.constexpr, STRIDE: tl.constexpr, DILATION: tl.constexpr, T: tl.constexpr,
                  RT: tl.constexpr, CH: tl.constexpr, BC: tl.constexpr, NW: tl.constexpr, ELU: tl.constexpr,
                  REPLICATE: tl.constexpr, INTERPRETED: tl.constexpr):
     """The twin of `kernels_pallas.twin_conv._taps_kernel` (its docstring); the new carry goes to
-    carry_out (a tensor of its own: the torch codec's state is committed by its caller)."""
+    carry_out (a copy of the carry array: the torch codec's state is committed by its caller)."""
     b = tl.program_id(0)
     tile = tl.program_id(1)
     block = tl.program_id(2)
@@ -120,7 +122,7 @@ def _taps_kernel(x_ptr, carry_ptr, flags_ptr, cols_ptr, carry_out_ptr, C: tl.con
     i = cc // K
     j = c % K
     value = _source(x_ptr, carry_ptr, b, i, tl.minimum(t, T - 1) * STRIDE + j * DILATION, pad_first, C, L, W,
-                    ELU, REPLICATE, INTERPRETED)
+                    ROW, OFF, ELU, REPLICATE, INTERPRETED)
     tl.store(cols_ptr + (b * T + t) * (C * K) + c, value, mask=ok)
     if W > 0:  # noqa: SIM102 (W is a constexpr: compiled out, not a run-time test)
         if tile == 0:  # names of their own: a branch may not give the taps' names another shape
@@ -128,19 +130,21 @@ def _taps_kernel(x_ptr, carry_ptr, flags_ptr, cols_ptr, carry_out_ptr, C: tl.con
             kept = (e < (block + 1) * (CH * W)) & (e < C * W)
             channel = tl.minimum(e, C * W - 1) // W
             w = e % W
-            old = tl.load(carry_ptr + (b * C + channel) * W + w)
-            new = tl.where(active, _source(x_ptr, carry_ptr, b, channel, L + w, pad_first, C, L, W, ELU, REPLICATE,
-                                           INTERPRETED), old)
-            tl.store(carry_out_ptr + b * C * W + e, new, mask=kept)
+            old = tl.load(carry_ptr + b * ROW + OFF + channel * W + w)
+            new = tl.where(active, _source(x_ptr, carry_ptr, b, channel, L + w, pad_first, C, L, W, ROW, OFF, ELU,
+                                           REPLICATE, INTERPRETED), old)
+            tl.store(carry_out_ptr + b * ROW + OFF + e, new, mask=kept)
 
 
 def taps(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation: int = 1, elu: bool = False,
-         carry: torch.Tensor | None = None, active: torch.Tensor | None = None, first: torch.Tensor | None = None,
-         replicate: bool = False):
+         carry: torch.Tensor | None = None, carry_slot: tuple[int, int] | None = None,
+         active: torch.Tensor | None = None, first: torch.Tensor | None = None, replicate: bool = False):
     """The tap matrix of a convolution over [carry, act(x)], one kernel: the Pallas twin's
-    signature and bits; with carry returns (X, the new carry), a new tensor (the carry is not written)."""
+    signature and bits; with carry returns (X, the new carry array), a new tensor (the carry is not
+    written; a packed state is copied whole, its other carries as they were)."""
     B, C, L = x.shape
-    W = 0 if carry is None else carry.shape[2]
+    check_stream("taps", x, carry, active, first, replicate, carry_slot)
+    W, ROW, OFF = carry_geometry(x, carry, carry_slot)
     T = (W + L - (kernel_size - 1) * dilation - 1) // stride + 1
     RT, CH, BC = taps_plan(T, C, kernel_size, W, stride)
     cols = torch.empty(B * T, C * kernel_size, dtype=x.dtype, device=x.device)
@@ -149,21 +153,30 @@ def taps(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation: int = 
         active = torch.ones(B, dtype=torch.bool, device=x.device) if active is None else active
         first = torch.zeros(B, dtype=torch.bool, device=x.device) if first is None else first
         flags = torch.stack([active, first], dim=1).to(torch.int32).reshape(-1)
-        carry, new = carry.contiguous(), torch.empty_like(carry)
+        carry = carry.contiguous()
+        new = torch.empty_like(carry) if carry_slot is None else carry.clone()
     else:
         flags = carry = new = x  # unread
     grid = (B, triton.cdiv(T, RT), triton.cdiv(C, CH))
-    _taps_kernel[grid](x, carry, flags, cols, new, C=C, L=L, W=W, K=kernel_size, STRIDE=stride, DILATION=dilation,
+    _taps_kernel[grid](x, carry, flags, cols, new, C=C, L=L, W=W, ROW=ROW, OFF=OFF, K=kernel_size, STRIDE=stride, DILATION=dilation,
                        T=T, RT=RT, CH=CH, BC=BC, NW=next_pow2(CH * W), ELU=elu, REPLICATE=replicate,
                        INTERPRETED=interpreting(_taps_kernel), num_warps=4, enable_fp_fusion=False)
     return (cols, new) if W else cols
 
 
 def taps_native(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation: int = 1, elu: bool = False,
-                carry: torch.Tensor | None = None, active: torch.Tensor | None = None,
-                first: torch.Tensor | None = None, replicate: bool = False, **_):
+                carry: torch.Tensor | None = None, carry_slot: tuple[int, int] | None = None,
+                active: torch.Tensor | None = None, first: torch.Tensor | None = None, replicate: bool = False, **_):
     """The plain torch reference of `taps`: the same signature and bits."""
     B, C, _ = x.shape
+    if carry_slot is not None:  # the convolution's carry out of the packed state, and into a copy of it after
+        check_stream("taps", x, carry, active, first, replicate, carry_slot)
+        (offset, width), packed = carry_slot, carry.clone()
+        X, new = taps_native(x, kernel_size=kernel_size, stride=stride, dilation=dilation, elu=elu,
+                             carry=packed[:, offset:offset + C * width].reshape(B, C, width), active=active,
+                             first=first, replicate=replicate)
+        packed[:, offset:offset + C * width] = new.reshape(B, C * width)
+        return X, packed
     x = elu_native(x) if elu else x
     new = None
     if carry is not None:
@@ -180,14 +193,14 @@ def taps_native(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation:
     return X if new is None else (X, new)
 
 
-def _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, replicate, linear, make_taps):
-    width = check_stream("conv1d", x, carry, active, first, replicate)
+def _conv1d(x, w, bias, residual, stride, dilation, elu, carry, slot, active, first, replicate, linear, make_taps):
+    width = check_stream("conv1d", x, carry, active, first, replicate, slot)
     B, cin, _, cout, k, T = check_conv1d(x, w, bias, residual, stride, dilation, width)
     if k == 1 and stride == 1 and not elu and carry is None:  # the columns as they are: no taps kernel
         cols, new = x.transpose(1, 2).reshape(B * T, cin), None
     else:
-        out = make_taps(x, kernel_size=k, stride=stride, dilation=dilation, elu=elu, carry=carry, active=active,
-                        first=first, replicate=replicate)
+        out = make_taps(x, kernel_size=k, stride=stride, dilation=dilation, elu=elu, carry=carry, carry_slot=slot,
+                        active=active, first=first, replicate=replicate)
         cols, new = out if carry is not None else (out, None)
     y = linear(cols.contiguous(), w.reshape(cout, cin * k).contiguous()).reshape(B, T, cout).transpose(1, 2)
     if bias is not None:
@@ -198,18 +211,18 @@ def _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, r
 
 def conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, stride: int = 1,
            dilation: int = 1, residual: torch.Tensor | None = None, elu: bool = False,
-           carry: torch.Tensor | None = None, active: torch.Tensor | None = None, first: torch.Tensor | None = None,
-           replicate: bool = False):
+           carry: torch.Tensor | None = None, carry_slot: tuple[int, int] | None = None,
+           active: torch.Tensor | None = None, first: torch.Tensor | None = None, replicate: bool = False):
     """The contract's convolution, unpadded: the signature and bits of the Pallas twin (its
     docstring), the new carry a new tensor (the carry is not written)."""
-    return _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, replicate, twin_linear.linear,
-                   taps)
+    return _conv1d(x, w, bias, residual, stride, dilation, elu, carry, carry_slot, active, first, replicate,
+                   twin_linear.linear, taps)
 
 
-def conv1d_native(x, w, bias=None, *, stride=1, dilation=1, residual=None, elu=False, carry=None, active=None,
-                  first=None, replicate=False, **_):
+def conv1d_native(x, w, bias=None, *, stride=1, dilation=1, residual=None, elu=False, carry=None, carry_slot=None,
+                  active=None, first=None, replicate=False, **_):
     """The plain torch reference of `conv1d`: the same signature and bits."""
-    return _conv1d(x, w, bias, residual, stride, dilation, elu, carry, active, first, replicate,
+    return _conv1d(x, w, bias, residual, stride, dilation, elu, carry, carry_slot, active, first, replicate,
                    twin_linear.linear_native, taps_native)
 
 

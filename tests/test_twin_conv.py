@@ -121,6 +121,19 @@ def test_streamed_conv1d(dtype, stride, dilation, k, L, replicate, cin):
     alone = triton_twin.conv1d(x[2:], w, bias, residual=residual[2:], carry=carry[2:], active=active[2:],
                                first=first[2:], **args)
     assert same(alone[0], y[2:]) and same(alone[1], new[2:])
+    # the carry held in a row-packed state at an offset (`carry_slot`): the same bits, the rest untouched
+    n, slot = cin * width, (4, width)
+    packed = randn(3, n + 9, dtype=dtype, seed=16)
+    packed[:, 4:4 + n] = carry.reshape(3, n)
+    want = packed.clone()
+    want[:, 4:4 + n] = new.reshape(3, n)
+    for fn in (triton_twin.conv1d, triton_twin.conv1d_native):
+        got = fn(x, w, bias, residual=residual, carry=packed, carry_slot=slot, active=active, first=first, **args)
+        assert same(got[0], y) and same(got[1], want)
+    for fn in (pallas.conv1d, pallas.conv1d_native):
+        got = jitted(fn, carry_slot=slot, **args)(j[0], j[1], j[2], residual=j[3], carry=to_jax(packed), active=j[5],
+                                                 first=j[6])
+        assert same(got[0], y) and same(got[1], want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -184,6 +197,10 @@ def test_nearest(dtype, N, D, split):
     (lambda m, x: m.conv1d(x, x, carry=x[:, :2]), ValueError, r"conv1d\(carry\): expected \[B=5, in=5, W\]"),
     (lambda m, x: m.conv1d(x, x, active=x[:, 0, 0] > 0), ValueError, r"conv1d\(carry\): active, first"),
     (lambda m, x: m.conv1d(x, x, carry=x, replicate=True), ValueError, r"conv1d\(first\)"),
+    (lambda m, x: m.conv1d(x, x, carry=x[:, :, 0], carry_slot=(3, 1)), ValueError,
+     r"conv1d\(carry\): with carry_slot=\(3, 1\) expected a row-packed \[B=5, N >= 8\]"),
+    (lambda m, x: m.conv1d(x, x, carry=x[:, :, 0], carry_slot=(0, 0)), ValueError, r"conv1d\(carry_slot\): expected"),
+    (lambda m, x: m.conv1d(x, x, carry_slot=(0, 1)), ValueError, r"conv1d\(carry\): active, first, replicate and carry_slot"),
 ])
 def test_bad_arguments_name_them(call, error, message):
     x = randn(5, 5, 5, dtype=torch.float32, seed=0)
@@ -215,7 +232,7 @@ for C, L, W, k, stride, elu, replicate in {GEOMETRIES}:
     RT, CH, BC = taps_plan(T, C, k, W, stride)
     compile_for_h200(twin_conv._taps_kernel,
                      dict(x_ptr="*bf16", carry_ptr="*bf16", flags_ptr="*i32", cols_ptr="*bf16", carry_out_ptr="*bf16"),
-                     dict(C=C, L=L, W=W, K=k, STRIDE=stride, DILATION=1, T=T, RT=RT, CH=CH, BC=BC,
+                     dict(C=C, L=L, W=W, ROW=C * W + 7, OFF=7 if W else 0, K=k, STRIDE=stride, DILATION=1, T=T, RT=RT, CH=CH, BC=BC,
                           NW=next_pow2(CH * W), ELU=elu, REPLICATE=replicate, INTERPRETED=False))
     compiled += 1
 compile_for_h200(twin_conv._elu_kernel, dict(x_ptr="*bf16", o_ptr="*bf16", n="i32"),

@@ -57,7 +57,7 @@ def default_speech_steps(kernels: str, device: str) -> int:
 
 def _compared(out, frame: SpeechFrame | None, state_arrays: dict) -> dict:
     """The compared tensors of one side: outputs, then the state grouped (carries concatenated)."""
-    carries = [v.reshape(-1) for k, v in state_arrays.items() if k.startswith(("codec.encoder.", "codec.decoder."))]
+    carries = [state_arrays[f"codec.{side}"].reshape(-1) for side in ("encoder", "decoder")]
     cat = (torch.cat if frame is not None else np.concatenate)
     pairs = {"pcm": out.pcm, "user_codes": out.user_codes, "tokens": out.tokens, "ready": out.ready,
              "codec_carries": cat(carries), "codec_first": state_arrays["codec.first"]}

@@ -112,10 +112,11 @@ class SpeechFrame(nn.Module):
 
     def state_arrays(self) -> dict[str, torch.Tensor]:
         """Every state tensor by name, as `jax_impl.speech_frame.speech_state_arrays` names the JAX
-        state's (the tensors themselves)."""
+        state's: the tensors themselves, but for each side's carries, concatenated into one [B, N]
+        tensor laid out as the JAX state's row-packed carries (`codec_config.carry_slots`)."""
         s = self.codec.state
-        out = {f"codec.encoder.{i}": x for i, x in enumerate(s.encoder)}
-        out |= {f"codec.decoder.{i}": x for i, x in enumerate(s.decoder)}
+        out = {f"codec.{side}": torch.cat([x.flatten(1) for x in carries], 1)
+               for side, carries in (("encoder", s.encoder), ("decoder", s.decoder))}
         out["codec.first"] = s.first
         for name, ring in (("codec.encoder_transformer", self.codec.encoder_transformer.state),
                            ("codec.decoder_transformer", self.codec.decoder_transformer.state),

@@ -61,15 +61,27 @@ def check_conv1d(x, w, bias, residual, stride: int, dilation: int,
     return B, cin, L, cout, k, T
 
 
-def check_stream(who: str, x, carry, active, first, replicate: bool) -> int:
-    """The carry's width W after checking a streamed call's carry [B, in, W], active and first (bool [B])."""
+def check_stream(who: str, x, carry, active, first, replicate: bool, slot=None) -> int:
+    """The carry's width W after checking a streamed call's carry, active and first (bool [B]). The
+    carry: [B, in, W], or with `slot` = (offset, W) a row-packed state [B, N] holding it as [in, W] at
+    columns offset .. offset + in * W of each row (`carry_slot` of the twin convolutions)."""
     B, cin = x.shape[0], x.shape[1]
     if carry is None:
-        if active is not None or first is not None or replicate:
-            raise ValueError(f"{who}(carry): active, first and replicate stream a carry; got no carry")
+        if active is not None or first is not None or replicate or slot is not None:
+            raise ValueError(f"{who}(carry): active, first, replicate and carry_slot stream a carry; got no carry")
         return 0
-    if len(carry.shape) != 3 or tuple(carry.shape[:2]) != (B, cin):
-        raise ValueError(f"{who}(carry): expected [B={B}, in={cin}, W], got shape {tuple(carry.shape)}")
+    if slot is None:
+        if len(carry.shape) != 3 or tuple(carry.shape[:2]) != (B, cin):
+            raise ValueError(f"{who}(carry): expected [B={B}, in={cin}, W], got shape {tuple(carry.shape)}")
+        width = carry.shape[2]
+    else:
+        if (not isinstance(slot, tuple) or len(slot) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in slot) or slot[0] < 0 or slot[1] <= 0):
+            raise ValueError(f"{who}(carry_slot): expected (offset >= 0, width > 0) ints, got {slot!r}")
+        offset, width = slot
+        if len(carry.shape) != 2 or carry.shape[0] != B or carry.shape[1] < offset + cin * width:
+            raise ValueError(f"{who}(carry): with carry_slot={slot} expected a row-packed [B={B}, N >= "
+                             f"{offset + cin * width}], got shape {tuple(carry.shape)}")
     if str(carry.dtype) != str(x.dtype):
         raise TypeError(f"{who}(carry): dtype {carry.dtype} differs from x's {x.dtype}")
     for name, v in (("active", active), ("first", first)):
@@ -77,7 +89,17 @@ def check_stream(who: str, x, carry, active, first, replicate: bool) -> int:
             raise ValueError(f"{who}({name}): expected bool [{B}], got {v.dtype} {tuple(v.shape)}")
     if replicate and first is None:
         raise ValueError(f"{who}(first): replicate pads a row's first frame: first is required")
-    return carry.shape[2]
+    return width
+
+
+def carry_geometry(x, carry, slot) -> tuple[int, int, int]:
+    """(W, row, offset) of a checked carry: its width, the elements of a batch row of the carry array
+    and where the convolution's [in, W] starts in that row (0 for a [B, in, W] carry)."""
+    if carry is None:
+        return 0, 0, 0
+    if slot is None:
+        return carry.shape[2], x.shape[1] * carry.shape[2], 0
+    return slot[1], carry.shape[1], slot[0]
 
 
 def check_conv_transpose1d(x, w, bias, stride: int, groups: int) -> tuple[int, int, int, int, int]:
