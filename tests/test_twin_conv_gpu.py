@@ -40,11 +40,12 @@ def codec_convolutions() -> list[tuple[str, dict]]:
 
     def spy(kind, fn):
         def call(x, w, bias=None, **kw):
-            carry, residual = kw.get("carry"), kw.get("residual")
-            static = tuple(sorted((k, v) for k, v in kw.items() if k not in ("carry", "active", "first", "residual")))
+            carry, residual, slot = kw.get("carry"), kw.get("residual"), kw.get("carry_slot")
+            static = tuple(sorted((k, v) for k, v in kw.items()
+                                  if k not in ("carry", "carry_slot", "active", "first", "residual")))
+            width = None if carry is None else slot[1] if slot else carry.shape[-1]  # the codec's: row-packed
             seen.setdefault((kind, tuple(x.shape), tuple(w.shape), bias is not None,
-                             None if residual is None else tuple(residual.shape),
-                             None if carry is None else carry.shape[-1], static), None)
+                             None if residual is None else tuple(residual.shape), width, static), None)
             return fn(x, w, bias, **kw)
         return call
 
