@@ -233,7 +233,7 @@ def tune_attention(out, ceiling, small):
     pallas = []
     for label, cfg in (("best", best), ("default", {"bc": DEFAULTS["TWIN_ATTENTION_BC"],
                                                     "chunk": DEFAULTS["TWIN_ATTENTION_CHUNK"],
-                                                    "warps": pa._warps(B * H * T)})):
+                                                    "warps": pa._warps(B * H * T, D)})):
         with_contract(TWIN_ATTENTION_BC=cfg["bc"], TWIN_ATTENTION_CHUNK=cfg["chunk"])
         jq, jk, jv, jp, jqp = (to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
         try:

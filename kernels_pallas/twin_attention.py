@@ -238,10 +238,13 @@ def _store_out(o_ref, out, bht, H, T, D):
     pltriton.store(o_ref.at[((b * T + t) * H + h) * D + jnp.arange(D, dtype=jnp.int32)], out)
 
 
-def _warps(queries: int) -> int:
-    """The Pallas attention's warps a program for a step of `queries` queries (speed only)."""
-    few = queries <= contract.TWIN_PALLAS_ATTENTION_FEW_QUERIES
-    return contract.TWIN_PALLAS_ATTENTION_FEW_WARPS if few else contract.TWIN_PALLAS_ATTENTION_WARPS
+def _warps(queries: int, D: int) -> int:
+    """The Pallas attention's warps a program for a step of `queries` queries of head dim D (speed only)."""
+    if queries <= contract.TWIN_PALLAS_ATTENTION_FEW_QUERIES:
+        return contract.TWIN_PALLAS_ATTENTION_FEW_WARPS
+    if D <= contract.TWIN_PALLAS_ATTENTION_SMALL_HEAD:
+        return contract.TWIN_PALLAS_ATTENTION_SMALL_HEAD_WARPS
+    return contract.TWIN_PALLAS_ATTENTION_WARPS
 
 
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
@@ -303,7 +306,7 @@ def _forward(o: _Options, q, ring_k, ring_v, layer, positions, q_pos, sems):
         aliases = {len(operands) - 1: 4}
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(parts,), input_output_aliases=aliases, interpret=o.interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=o.num_warps or _warps(B * H * T),
+        compiler_params=pltriton.CompilerParams(num_warps=o.num_warps or _warps(B * H * T, D),
                                                 num_stages=o.num_stages or contract.TWIN_PALLAS_ATTENTION_STAGES),
         name="twin_attention",
     )(*operands)

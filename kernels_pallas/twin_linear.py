@@ -527,7 +527,7 @@ def _qkv_kernel_call(x, w, layers, norm, rms, cos, sin, ring_k, ring_v, write_in
     differentiated: (q [B*H*T, D], ring_k, ring_v [L*B*H, C, D])."""
     (B, T), H, D = write_index.shape, ring_k.shape[2], ring_k.shape[4]
     M, K, N = x.shape[0], x.shape[1], w.shape[1]
-    BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
+    BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, K, block_m, "linear_rope_write")
     norm, (x, *norm_refs) = _mma_norm(x, norm, layers[0], K, interpret)
     norm_refs += [] if rms is None else [rms.ss]
     L, C = ring_k.shape[0], ring_k.shape[3]

@@ -503,7 +503,7 @@ def _qkv_rope_write(x, w, layer_t, ring_t, nw, nb, ss, cos, sin, ring_k, ring_v,
     differentiated: (q [B, H, T, D], ring_k, ring_v), the rings written in place."""
     (B, T), H, D = write_index.shape, ring_k.shape[2], ring_k.shape[4]
     M, K, N = x.shape[0], x.shape[1], w.shape[1]
-    BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, block_m, "linear_rope_write")
+    BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, K, block_m, "linear_rope_write")
     x, (nw, nb, eps), norm_consts = _mma_norm(x, norm, layer_t, K)
     q = torch.empty((B, H, T, D), dtype=x.dtype, device=x.device)
     _qkv_kernel[(triton.cdiv(M, R), N // BN)](

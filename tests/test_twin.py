@@ -368,9 +368,11 @@ def test_mma_rows_a_program_never_change_the_bits():
         assert_same(a, b, what=f"fused {name}, 16 and 32 rows a program")
     # the policy: the most rows M fills, as long as the grid keeps TWIN_MMA_MIN_PROGRAMS (64) programs
     rows = cl.twin_mma_rows
-    assert [rows(M, 192) for M in (1, 16, 17, 32, 33, 64, 640)] == [16, 16, 32, 32, 64, 64, 64]
-    assert [rows(M, 24) for M in (16, 64, 128, 640)] == [16, 16, 32, 64]  # few column blocks: more row blocks
-    assert rows(64, 8) == 16
+    assert [rows(M, 192, 4096) for M in (1, 16, 17, 32, 33, 64, 640)] == [16, 16, 32, 32, 64, 64, 64]
+    assert [rows(M, 24, 4096) for M in (16, 64, 128, 640)] == [16, 16, 32, 64]  # few column blocks: more row blocks
+    assert rows(64, 8, 4096) == 16
+    # a short K (at most 4 blocks: Mimi's 512) keeps 256 programs
+    assert [rows(M, 32, 512) for M in (32, 128, 256, 1024)] == [16, 16, 32, 64]
     # the columns: BN 64, halved for the gate (two weight tiles) at more than 16 rows; a given block_n kept
     def plan(*args, **kwargs):  # (BN, BK, R)
         blocks = cl.MmaBlocks.for_shapes(*args, **kwargs)

@@ -19,6 +19,10 @@ TWIN_PALLAS_ATTENTION_WARPS = 2  # warps of the Pallas attention's programs (the
 # 61.3-62.6 at B=4, in repeated ncu sweeps; 2 warps 820 against 871 at B=64 (RESULTS.md)
 TWIN_PALLAS_ATTENTION_FEW_WARPS = 4
 TWIN_PALLAS_ATTENTION_FEW_QUERIES = 128
+# ... and one warp a program for heads of at most TWIN_PALLAS_ATTENTION_SMALL_HEAD dims past that (Mimi's 64): at
+# B=16 and 64, 6.9 and 19.6 us a layer against 8.3 and 22.9 with 2 (H200, RESULTS.md)
+TWIN_PALLAS_ATTENTION_SMALL_HEAD = 64
+TWIN_PALLAS_ATTENTION_SMALL_HEAD_WARPS = 1
 TWIN_PALLAS_ATTENTION_STAGES = 3  # ... and the software-pipeline depth of its loop over a split's blocks
 TWIN_ATTENTION_BC = 64       # slots per block of the twin attention (at most)
 TWIN_ATTENTION_CHUNK = 256   # slots per split (at most)

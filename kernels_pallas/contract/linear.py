@@ -40,7 +40,9 @@ TWIN_FUSED_NORM_MAX_BM = 4  # a linear's norm runs fused only up to this many ro
 TWIN_INTERPRET_FUSED_NORM_MAX_BM = 64  # ... interpreted (every interpreted tile, TWIN_INTERPRET_MAX_BM)
 TWIN_MMA_FUSED_NORM_MAX_BLOCKS = 4  # the MMA form fuses its norm only up to this many K blocks (twin_mma_fuse_norm)
 TWIN_MMA_MAX_ROWS = 64  # x rows a program of the MMA linears (`twin_mma_rows`: 16, 32 or 64; speed only, the same bits)
-TWIN_MMA_MIN_PROGRAMS = 64  # ... while the grid keeps this many programs (Mimi's grids of 8-32 column blocks)
+TWIN_MMA_MIN_PROGRAMS = 64  # ... while the grid keeps this many programs (Mimi's grids of 8-32 column blocks) ...
+TWIN_MMA_SHORT_K_BLOCKS = 4  # ... or, where K is at most this many blocks of its lanes (Mimi's 512, in 4) ...
+TWIN_MMA_SHORT_K_MIN_PROGRAMS = 256  # ... this many (`twin_mma_rows`)
 TWIN_MMA_MAX_BN = 64  # output columns per program of the MMA form (speed only)
 TWIN_MMA_STAGES = 4   # software-pipeline depth of the MMA form's loop over K (speed only, both sides) ...
 TWIN_MMA_FEW_PROGRAMS_STAGES = 8  # ... where the grid has fewer column blocks than the H200 has SMs
@@ -62,14 +64,18 @@ def twin_linear_form(N_out: int, K: int, dtype, compiled: bool, form: str | None
                       f"bfloat16/float16 x and w, K and N_out multiples of 16; got {dtype}, K={K}, N_out={N_out}")
 
 
-def twin_mma_rows(M: int, column_blocks: int, block_m: int | None = None, who: str = "linear") -> int:
-    """x rows a program of the MMA linears (the MMA's n dimension; speed only): `block_m` if given
-    (checked: 16, 32 or 64), else the most, up to TWIN_MMA_MAX_ROWS, that M fills (more than half)
-    while the grid keeps TWIN_MMA_MIN_PROGRAMS programs.
+def twin_mma_rows(M: int, column_blocks: int, K: int, block_m: int | None = None, who: str = "linear") -> int:
+    """x rows a program of the MMA linears over K (the MMA's n dimension; speed only): `block_m` if
+    given (checked: 16, 32 or 64), else the most, up to TWIN_MMA_MAX_ROWS, that M fills (more than
+    half) while the grid keeps TWIN_MMA_MIN_PROGRAMS programs, or TWIN_MMA_SHORT_K_MIN_PROGRAMS where
+    K is at most TWIN_MMA_SHORT_K_BLOCKS blocks.
 
     A program of 64 rows loads each weight tile once for all of them and issues a quarter of the
     MMAs: at M=64 on an H200 the temporal projections take 0.6-0.7x the time of 16-row programs, the
-    out projection's 64 programs included (RESULTS.md). Each output element's
+    out projection's 64 programs included (RESULTS.md). Over a short K a program has little to load
+    and its fixed part (a fused norm's statistics, the epilogue) is most of it: Mimi's linear1 (K =
+    512, N = 2048, the layer norm fused, gelu) at M = 128 took 7.3 us in 256 programs of 16 rows
+    against 12.3 in 64 of 64 (RESULTS.md). Each output element's
     sum over a K block is the MMA's own whatever its n: the H200 gives the same bits at 16, 32 and
     64 rows (as at mma.sync and wgmma alike), which the GPU tests hold the two twins to."""
     if block_m is not None:
@@ -77,8 +83,10 @@ def twin_mma_rows(M: int, column_blocks: int, block_m: int | None = None, who: s
             raise ValueError(f"{who}(block_m): the MMA form runs 16, 32 or {TWIN_MMA_MAX_ROWS} rows a program, "
                              f"got {block_m!r}")
         return block_m
+    short = K // twin_lanes(K) <= TWIN_MMA_SHORT_K_BLOCKS
+    programs = TWIN_MMA_SHORT_K_MIN_PROGRAMS if short else TWIN_MMA_MIN_PROGRAMS
     R = TWIN_MMA_MAX_ROWS
-    while R > TWIN_MMA_ROWS and (M <= R // 2 or -(-M // R) * column_blocks < TWIN_MMA_MIN_PROGRAMS):
+    while R > TWIN_MMA_ROWS and (M <= R // 2 or -(-M // R) * column_blocks < programs):
         R //= 2
     return R
 
@@ -117,7 +125,7 @@ class MmaBlocks:
         if split and BN != TWIN_SPLIT_GROUP:
             raise ValueError(f"linear(block_n): with split the MMA form runs {TWIN_SPLIT_GROUP} columns a program, "
                              f"got {BN}")
-        R = twin_mma_rows(M, N_out // BN, block_m)
+        R = twin_mma_rows(M, N_out // BN, K, block_m)
         if block_n is None and BN // weight_tiles >= 16 and R > TWIN_MMA_ROWS:
             BN //= weight_tiles  # still a power of two dividing N_out; R stays (more column blocks)
         return cls(BN, twin_lanes(K), R)
