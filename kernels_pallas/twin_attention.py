@@ -238,11 +238,12 @@ def _store_out(o_ref, out, bht, H, T, D):
     pltriton.store(o_ref.at[((b * T + t) * H + h) * D + jnp.arange(D, dtype=jnp.int32)], out)
 
 
-def _warps(queries: int, D: int) -> int:
-    """The Pallas attention's warps a program for a step of `queries` queries of head dim D (speed only)."""
+def _warps(queries: int, D: int, C: int) -> int:
+    """The Pallas attention's warps a program for a step of `queries` queries of head dim D over C
+    slots (speed only)."""
     if queries <= contract.TWIN_PALLAS_ATTENTION_FEW_QUERIES:
         return contract.TWIN_PALLAS_ATTENTION_FEW_WARPS
-    if D <= contract.TWIN_PALLAS_ATTENTION_SMALL_HEAD:
+    if D <= contract.TWIN_PALLAS_ATTENTION_SMALL_HEAD and C > contract.TWIN_ATTENTION_BC:
         return contract.TWIN_PALLAS_ATTENTION_SMALL_HEAD_WARPS
     return contract.TWIN_PALLAS_ATTENTION_WARPS
 
@@ -259,7 +260,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     loop: a buffer made inside each call costs a kernel a call). None: made here.
     form: "lanes" or "mma" (None: `contract.attention.twin_attention_form`'s choice; the two give other bits).
     num_warps, num_stages: speed only (None: `contract.attention.TWIN_PALLAS_ATTENTION_WARPS`, or `_FEW_WARPS` for
-    at most `_FEW_QUERIES` queries B*H*T, and `_STAGES`, read at call time).
+    at most `_FEW_QUERIES` queries B*H*T, or `_SMALL_HEAD_WARPS` (`_warps`), and `_STAGES`, read at call time).
     Returns [B, T, H, D] in q's dtype (the layout the out-projection reads), and sems if given.
     """
     B, H, T, _D, _C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
@@ -306,7 +307,7 @@ def _forward(o: _Options, q, ring_k, ring_v, layer, positions, q_pos, sems):
         aliases = {len(operands) - 1: 4}
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(parts,), input_output_aliases=aliases, interpret=o.interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=o.num_warps or _warps(B * H * T, D),
+        compiler_params=pltriton.CompilerParams(num_warps=o.num_warps or _warps(B * H * T, D, C),
                                                 num_stages=o.num_stages or contract.TWIN_PALLAS_ATTENTION_STAGES),
         name="twin_attention",
     )(*operands)

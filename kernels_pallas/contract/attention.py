@@ -19,8 +19,9 @@ TWIN_PALLAS_ATTENTION_WARPS = 2  # warps of the Pallas attention's programs (the
 # 61.3-62.6 at B=4, in repeated ncu sweeps; 2 warps 820 against 871 at B=64 (RESULTS.md)
 TWIN_PALLAS_ATTENTION_FEW_WARPS = 4
 TWIN_PALLAS_ATTENTION_FEW_QUERIES = 128
-# ... and one warp a program for heads of at most TWIN_PALLAS_ATTENTION_SMALL_HEAD dims past that (Mimi's 64): at
-# B=16 and 64, 6.9 and 19.6 us a layer against 8.3 and 22.9 with 2 (H200, RESULTS.md)
+# ... and one warp a program past that for heads of at most TWIN_PALLAS_ATTENTION_SMALL_HEAD dims over more than
+# one block of slots (Mimi's 64 over 250): at B=16 and 64, 6.9 and 19.6 us a layer against 8.3 and 22.9 with 2
+# (H200, RESULTS.md); not the depformer's 16 slots: its frame took 3.6-3.8 ms at B=16 with 1, 3.0 with 2
 TWIN_PALLAS_ATTENTION_SMALL_HEAD = 64
 TWIN_PALLAS_ATTENTION_SMALL_HEAD_WARPS = 1
 TWIN_PALLAS_ATTENTION_STAGES = 3  # ... and the software-pipeline depth of its loop over a split's blocks
