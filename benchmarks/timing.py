@@ -124,7 +124,7 @@ def time_step(step, params, state, x, active, steps: int, wait=until_ready, warm
     ready futures instead: a step 0.25-0.56 ms longer on an H200, RESULTS.md, "scale_bench"). The
     wait takes the output alone: the arrays one jitted call returns are made ready by one completion
     event, so the state is ready with it, and each array more costs the host a DLPack export (~10 us
-    on an H200: 0.4 ms for the codec's 40 state arrays, RESULTS.md, "frame_bench");
+    an array on an H200, RESULTS.md, "frame_bench");
     pipelined: `steps` launches back to back, then one wait (mean). `warmup` synchronized steps first.
     """
     one, holder = synchronized_step(step, params, state, x, active, wait)
