@@ -206,15 +206,15 @@ def run_plan(plan, convs: Mapping[str, jax.Array], packed, slots, x, active, fir
     """A plan's convolutions on one frame: (y, new packed state); slots: the plan's `carry_slots`
     (`codec_config.walk_plan`, the walk the torch codec runs too, here over the slots, each
     convolution passing the packed state on to the next)."""
-    packed = [packed]
 
     def conv(spec: ConvSpec, h, slot, residual):
-        y, packed[0] = conv_step(spec, convs[spec.key + ".weight"], convs.get(spec.key + ".bias"), packed[0], slot, h,
-                                 active, first, ops, residual)
+        nonlocal packed
+        y, packed = conv_step(spec, convs[spec.key + ".weight"], convs.get(spec.key + ".bias"), packed, slot, h,
+                              active, first, ops, residual)
         return y, slot
 
     y, _ = walk_plan(plan, x, slots, conv)
-    return y, packed[0]
+    return y, packed
 
 
 def quantize(cfg: CodecConfig, params: CodecParams, emb):
