@@ -174,8 +174,9 @@ def taps(x: jax.Array, *, kernel_size: int, stride: int = 1, dilation: int = 1, 
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     RT, CH, BC = taps_plan(T, C, kernel_size, W, stride)
-    kernel = functools.partial(_taps_kernel, C=C, L=L, W=W, ROW=ROW, OFF=OFF, k=kernel_size, stride=stride, dilation=dilation, T=T,
-                               RT=RT, CH=CH, BC=BC, elu=elu, replicate=replicate, gpu=not interpret)
+    kernel = functools.partial(_taps_kernel, C=C, L=L, W=W, ROW=ROW, OFF=OFF, k=kernel_size, stride=stride,
+                               dilation=dilation, T=T, RT=RT, CH=CH, BC=BC, elu=elu, replicate=replicate,
+                               gpu=not interpret)
     cols = jax.ShapeDtypeStruct((B * T * C * kernel_size,), x.dtype)
     operands, out_shape, aliases = [x.reshape(-1)], (cols,), {}
     if W:

@@ -101,9 +101,9 @@ def _x_at(x_ptr, b, i, p, C: tl.constexpr, L: tl.constexpr, ELU: tl.constexpr, I
 
 @triton.jit
 def _taps_kernel(x_ptr, carry_ptr, flags_ptr, cols_ptr, carry_out_ptr, C: tl.constexpr, L: tl.constexpr,
-                 W: tl.constexpr, ROW: tl.constexpr, OFF: tl.constexpr, K: tl.constexpr, STRIDE: tl.constexpr, DILATION: tl.constexpr, T: tl.constexpr,
-                 RT: tl.constexpr, CH: tl.constexpr, BC: tl.constexpr, NW: tl.constexpr, ELU: tl.constexpr,
-                 REPLICATE: tl.constexpr, INTERPRETED: tl.constexpr):
+                 W: tl.constexpr, ROW: tl.constexpr, OFF: tl.constexpr, K: tl.constexpr, STRIDE: tl.constexpr,
+                 DILATION: tl.constexpr, T: tl.constexpr, RT: tl.constexpr, CH: tl.constexpr, BC: tl.constexpr,
+                 NW: tl.constexpr, ELU: tl.constexpr, REPLICATE: tl.constexpr, INTERPRETED: tl.constexpr):
     """The twin of `kernels_pallas.twin_conv._taps_kernel` (its docstring); the new carry goes to
     carry_out (a copy of the carry array: the torch codec's state is committed by its caller)."""
     b = tl.program_id(0)
@@ -158,8 +158,8 @@ def taps(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation: int = 
     else:
         flags = carry = new = x  # unread
     grid = (B, triton.cdiv(T, RT), triton.cdiv(C, CH))
-    _taps_kernel[grid](x, carry, flags, cols, new, C=C, L=L, W=W, ROW=ROW, OFF=OFF, K=kernel_size, STRIDE=stride, DILATION=dilation,
-                       T=T, RT=RT, CH=CH, BC=BC, NW=next_pow2(CH * W), ELU=elu, REPLICATE=replicate,
+    _taps_kernel[grid](x, carry, flags, cols, new, C=C, L=L, W=W, ROW=ROW, OFF=OFF, K=kernel_size, STRIDE=stride,
+                       DILATION=dilation, T=T, RT=RT, CH=CH, BC=BC, NW=next_pow2(CH * W), ELU=elu, REPLICATE=replicate,
                        INTERPRETED=interpreting(_taps_kernel), num_warps=4, enable_fp_fusion=False)
     return (cols, new) if W else cols
 

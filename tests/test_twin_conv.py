@@ -200,7 +200,8 @@ def test_nearest(dtype, N, D, split):
     (lambda m, x: m.conv1d(x, x, carry=x[:, :, 0], carry_slot=(3, 1)), ValueError,
      r"conv1d\(carry\): with carry_slot=\(3, 1\) expected a row-packed \[B=5, N >= 8\]"),
     (lambda m, x: m.conv1d(x, x, carry=x[:, :, 0], carry_slot=(0, 0)), ValueError, r"conv1d\(carry_slot\): expected"),
-    (lambda m, x: m.conv1d(x, x, carry_slot=(0, 1)), ValueError, r"conv1d\(carry\): active, first, replicate and carry_slot"),
+    (lambda m, x: m.conv1d(x, x, carry_slot=(0, 1)), ValueError,
+     r"conv1d\(carry\): active, first, replicate and carry_slot"),
 ])
 def test_bad_arguments_name_them(call, error, message):
     x = randn(5, 5, 5, dtype=torch.float32, seed=0)
@@ -232,8 +233,8 @@ for C, L, W, k, stride, elu, replicate in {GEOMETRIES}:
     RT, CH, BC = taps_plan(T, C, k, W, stride)
     compile_for_h200(twin_conv._taps_kernel,
                      dict(x_ptr="*bf16", carry_ptr="*bf16", flags_ptr="*i32", cols_ptr="*bf16", carry_out_ptr="*bf16"),
-                     dict(C=C, L=L, W=W, ROW=C * W + 7, OFF=7 if W else 0, K=k, STRIDE=stride, DILATION=1, T=T, RT=RT, CH=CH, BC=BC,
-                          NW=next_pow2(CH * W), ELU=elu, REPLICATE=replicate, INTERPRETED=False))
+                     dict(C=C, L=L, W=W, ROW=C * W + 7, OFF=7 if W else 0, K=k, STRIDE=stride, DILATION=1, T=T,
+                          RT=RT, CH=CH, BC=BC, NW=next_pow2(CH * W), ELU=elu, REPLICATE=replicate, INTERPRETED=False))
     compiled += 1
 compile_for_h200(twin_conv._elu_kernel, dict(x_ptr="*bf16", o_ptr="*bf16", n="i32"),
                  dict(BLOCK=ELU_BLOCK, INTERPRETED=False))
