@@ -6,7 +6,9 @@ For each twin kernel (linear with its epilogues, norms, RoPE tables, rotate-and-
 attention) at the temporal / Mimi sizes in bf16: whether the Pallas kernel (jitted JAX) and the
 Triton kernel (torch) return the same bits on the same inputs, whether a row computed alone
 (B=1) has the bits it has among others (B=4, 16), and the median time of each (CUDA events
-around 20 calls after warm-up; the JAX side blocks on the result). Never part of the tests.
+around 20 calls after warm-up; the JAX side blocks on the result). With jax >= 0.11, the linears'
+records also hold the MMA form on Pallas's Mosaic GPU backend (`kernels_pallas.twin_linear_mgpu`):
+whether its bits are Triton's, and its time. Never part of the tests.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from jax_impl.tables import rope_freqs
 from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_entry as pe
 from kernels_pallas import twin_linear as pli
+from kernels_pallas import twin_linear_mgpu as plm
 from kernels_pallas import twin_norm as pn
 from kernels_pallas import twin_rope as pr
+from kernels_pallas.contract.linear import MOSAIC_MIN_JAX
 from kernels_triton import twin_attention as ta
 from kernels_triton import twin_linear as tli
 from kernels_triton import twin_norm as tn
@@ -87,6 +91,13 @@ def case_linear(rec, M, N, K, act=None, scale=False, res=False, L=2):
                pallas_ms=j_time(lambda: f(jx, jw, js, jr, jnp.int32(L - 1))),
                triton_ms=t_time(lambda: tli.linear(x, w, L - 1, act=act, scale=s, residual=r)),
                bytes=w[0].numel() * 2)
+    if jax.__version_info__[:2] >= MOSAIC_MIN_JAX:
+        try:
+            g = jax.jit(lambda x, w, s, r, l: plm.linear(x, w, l, act=act, scale=s, residual=r))
+            ym = g(jx, jw, js, jr, jnp.int32(L - 1))
+            rec.update(mosaic_identical=same(ym, yt), mosaic_ms=j_time(lambda: g(jx, jw, js, jr, jnp.int32(L - 1))))
+        except Exception as err:  # noqa: BLE001 (recorded beside the Triton results)
+            rec["mosaic_error"] = f"{type(err).__name__}: {err}"[:2000]
 
 
 def case_norm(rec, M, D, kind):
@@ -150,6 +161,7 @@ CASES = [
     ("linear out 4x11264->4096+res", case_linear, {"M": 4, "N": 4096, "K": 11264, "res": True}),
     ("linear qkv B=16", case_linear, {"M": 16, "N": 12288, "K": 4096}),
     ("linear qkv B=1", case_linear, {"M": 1, "N": 12288, "K": 4096}),
+    ("linear out 64x11264->4096+res", case_linear, {"M": 64, "N": 4096, "K": 11264, "res": True}),
     ("linear text 4x4096->32000", case_linear, {"M": 4, "N": 32000, "K": 4096, "L": 1}),
     ("linear mimi gelu 8x512->2048", case_linear, {"M": 8, "N": 2048, "K": 512, "act": "gelu"}),
     ("linear mimi scale+res 8x2048->512", case_linear, {"M": 8, "N": 512, "K": 2048, "scale": True, "res": True}),

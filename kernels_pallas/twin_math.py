@@ -7,11 +7,17 @@ rounding is one PTX instruction written inline (``mul.rn.f32``, ``fma.rn.f32``, 
 ``sqrt.rn.f32``); interpreted (CPU), ``where(isnan(p), nan, p)`` hides a product from XLA's FMA
 contraction and an optimization barrier keeps a division a division.
 
-Each function takes `gpu` (static): True when the kernel is compiled for the GPU, False when
-it runs interpreted or as plain jax.numpy (the references call these functions too).
+Each function takes `gpu` (static): True when the kernel is compiled for the GPU by Pallas's Triton
+backend, `MOSAIC_GPU` when compiled by its Mosaic GPU backend, False when it runs interpreted or
+as plain jax.numpy (the references call these functions too). Mosaic GPU emits its float
+arithmetic with LLVM's ``contract`` flag (free to fuse a product into the add that follows), so
+there too every rounding the contract names is one inline PTX instruction (`_asm_mosaic`), and so
+is ``floor`` (``cvt.rmi.f32.f32``), which Mosaic GPU does not lower.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,15 +39,52 @@ from kernels_pallas.contract.numerics import (
 )
 
 F32 = jnp.float32
+MOSAIC_GPU = "mosaic_gpu"  # `gpu` of a kernel compiled by Pallas's Mosaic GPU backend
 
 
-def _asm(op: str, gpu_args, nargs: int):
+def _asm(op: str, gpu_args, gpu):
+    """One float32 PTX instruction `op` ("mul.rn.f32", ...) on the broadcast `gpu_args`, element by element."""
     args = jnp.broadcast_arrays(*gpu_args)
-    operands = ", ".join(f"${i + 1}" for i in range(nargs))
+    if gpu == MOSAIC_GPU:
+        return _asm_mosaic(op, args)
+    operands = ", ".join(f"${i + 1}" for i in range(len(args)))
     [y] = pltriton.elementwise_inline_asm(f"{op} $0, {operands};", args=args,
-                                          constraints="=f," + ",".join(["f"] * nargs), pack=1,
+                                          constraints="=f," + ",".join(["f"] * len(args)), pack=1,
                                           result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, F32)])
     return y
+
+
+def _asm_mosaic(op: str, args):
+    """`_asm` in a Mosaic GPU kernel: `plgpu.inline_mgpu` over the registers of float32 arrays in the
+    wgmma accumulator's layout (the layout of every array the Mosaic kernels pass here)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    layout = plgpu.Layout.WGMMA
+    args = [plgpu.layout_cast(a.astype(F32), layout) for a in args]
+
+    @plgpu.inline_mgpu(arg_types=(layout,) * len(args),
+                       return_type=plgpu.ShapeDtypeStruct(args[0].shape, F32, layout))
+    def apply(_, first, *rest):
+        return first._pointwise(functools.partial(_ptx_each, op), *rest)
+
+    return apply(*args)
+
+
+def _ptx_each(op: str, *regs):
+    """`op` on float32 registers (scalars or vectors: element by element), as inline PTX."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm, vector
+
+    f32 = ir.F32Type.get()
+    if regs[0].type == f32:
+        operands = ", ".join(f"${i}" for i in range(len(regs) + 1))
+        return llvm.inline_asm(f32, list(regs), f"{op} {operands};", "=f" + ",f" * len(regs))
+    out = llvm.mlir_undef(regs[0].type)
+    for i in range(ir.VectorType(regs[0].type).shape[0]):
+        pos = ir.DenseI64ArrayAttr.get([i])
+        elems = [vector.extract(r, dynamic_position=[], static_position=pos) for r in regs]
+        out = vector.insert(_ptx_each(op, *elems), out, dynamic_position=[], static_position=pos)
+    return out
 
 
 def _opaque(y):
@@ -52,20 +95,20 @@ def _opaque(y):
 
 def mul(a, b, gpu: bool):
     """a * b in float32, rounded on its own (never contracted into an FMA)."""
-    return _asm("mul.rn.f32", (a, b), 2) if gpu else _opaque(a * b)
+    return _asm("mul.rn.f32", (a, b), gpu) if gpu else _opaque(a * b)
 
 
 def mma_add(acc, d, gpu: bool):
     """acc + d, where d is a matrix product on the tensor cores (the attention's MMA form):
     compiled, an ``add.rn.f32`` that Triton's dot-add combine cannot see, so each product starts
     from a zero accumulator and is added on its own on both twins, whatever the Triton version."""
-    return _asm("add.rn.f32", (acc, d), 2) if gpu else acc + d
+    return _asm("add.rn.f32", (acc, d), gpu) if gpu else acc + d
 
 
 def mac(acc, a, b, fused: bool, gpu: bool):
     """acc + a * b; fused (a and b upcast from 16-bit values; module docstring): one FMA on the GPU."""
     if fused and gpu:
-        return _asm("fma.rn.f32", (a, b, acc), 3)
+        return _asm("fma.rn.f32", (a, b, acc), gpu)
     return acc + mul(a, b, gpu)
 
 
@@ -73,14 +116,19 @@ def div(a, b, gpu: bool):
     """a / b, correctly rounded. Interpreted, the divisor is broadcast behind an optimization
     barrier: XLA rewrites a division by a broadcast scalar into a product with its reciprocal."""
     if gpu:
-        return _asm("div.rn.f32", (a, b), 2)
+        return _asm("div.rn.f32", (a, b), gpu)
     a, b = jnp.broadcast_arrays(a, b)
     return _opaque(a / lax.optimization_barrier(b))
 
 
 def sqrt(a, gpu: bool):
     """sqrt(a), correctly rounded."""
-    return _asm("sqrt.rn.f32", (a,), 1) if gpu else _opaque(jnp.sqrt(a))
+    return _asm("sqrt.rn.f32", (a,), gpu) if gpu else _opaque(jnp.sqrt(a))
+
+
+def floor(x, gpu):
+    """floor(x) (exact): jnp.floor, or ``cvt.rmi.f32.f32`` in a Mosaic GPU kernel (which has no floor)."""
+    return _asm("cvt.rmi.f32.f32", (x,), gpu) if gpu == MOSAIC_GPU else jnp.floor(x)
 
 
 def tree_sum(x):
@@ -116,7 +164,7 @@ def exp(x, gpu: bool):
 
     Within 2 ulp of the true value; 0 below -87.3 (no subnormal results), inf above 88.7.
     """
-    n = jnp.floor(mul(x, F32(LOG2E), gpu) + F32(0.5))
+    n = floor(mul(x, F32(LOG2E), gpu) + F32(0.5), gpu)
     n = jnp.clip(n, -126.0, 127.0)
     r = (x - mul(n, F32(LN2_HI), gpu)) - mul(n, F32(LN2_LO), gpu)
     r2 = mul(r, r, gpu)
@@ -132,7 +180,7 @@ def sincos(x, gpu: bool):
 
     Accurate to a few ulp for |x| up to about 1e5 (RoPE angles: frequency * position).
     """
-    k = jnp.floor(mul(x, F32(TWO_OVER_PI), gpu) + F32(0.5))
+    k = floor(mul(x, F32(TWO_OVER_PI), gpu) + F32(0.5), gpu)
     r = ((x - mul(k, F32(PIO2[0]), gpu)) - mul(k, F32(PIO2[1]), gpu)) - mul(k, F32(PIO2[2]), gpu)
     z = mul(r, r, gpu)
     s = mul(mul(_horner(z, SIN_POLY, gpu), z, gpu), r, gpu) + r

@@ -47,6 +47,12 @@ TWIN_MMA_MAX_BN = 64  # output columns per program of the MMA form (speed only)
 TWIN_MMA_STAGES = 4   # software-pipeline depth of the MMA form's loop over K (speed only, both sides) ...
 TWIN_MMA_FEW_PROGRAMS_STAGES = 8  # ... where the grid has fewer column blocks than the H200 has SMs
 TWIN_MMA_SMEM_BYTES = 200 * 1024  # shared memory the MMA form's pipeline may fill (an H200 block gets 227 KB)
+# The MMA form on Pallas's Mosaic GPU backend (`kernels_pallas.twin_linear_mgpu`; speed only, the same bits)
+MOSAIC_ROWS = 64    # x rows a program: wgmma's M, the A operand (TMA reads rows past M as zeros)
+MOSAIC_BK = 64      # K elements a pipeline step: one 128-byte swizzled row of 16-bit values
+MOSAIC_BN = 64      # output columns a program (64 or 128)
+MOSAIC_STAGES = 4   # pipeline depth over K (each step's buffers are refilled one step late: >= 2)
+MOSAIC_MIN_JAX = (0, 11)  # Mosaic GPU's interpreter before 0.11 cannot read a transposed wgmma operand
 H200_SMS = 132
 H200_SM_SHARED_BYTES = 228 * 1024  # shared memory an H200 SM holds for all its resident programs ...
 H200_BLOCK_RESERVED_BYTES = 1024   # ... of which the system takes this much a program
@@ -239,6 +245,26 @@ def twin_split_norm(K: int, dtype, compiled: bool) -> bool:
     groups = K // TWIN_SPLIT_GROUP
     return (twin_linear_form(K, K, dtype, compiled) == "mma" and not twin_mma_fuse_norm(K)
             and K % TWIN_SPLIT_GROUP == 0 and groups & (groups - 1) == 0)
+
+
+def check_mosaic_linear(dtype, K: int, N_out: int, block_n: int | None, stages: int, interpret: bool,
+                        jax_version: tuple) -> int:
+    """BN of a Mosaic GPU linear (`twin_linear_mgpu.linear`), after checking what its kernel takes."""
+    if not sixteen_bit(dtype):
+        raise TypeError(f"linear(x): the Mosaic GPU linear (the MMA form) takes bfloat16/float16, got {dtype}")
+    if K % MOSAIC_BK:
+        raise ValueError(f"linear(x): the Mosaic GPU linear needs K a multiple of {MOSAIC_BK}, got K={K}")
+    BN = MOSAIC_BN if block_n is None else block_n
+    if BN not in (64, 128) or N_out % BN:
+        raise ValueError(f"linear(block_n): the Mosaic GPU linear runs 64 or 128 columns a program, dividing "
+                         f"N_out={N_out}; got {BN!r}")
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
+        raise ValueError(f"linear(stages): expected an int >= 2, got {stages!r}")
+    if interpret and tuple(jax_version[:2]) < MOSAIC_MIN_JAX:
+        raise RuntimeError(f"linear(interpret=True): Mosaic GPU's interpreter needs jax >= "
+                           f"{'.'.join(map(str, MOSAIC_MIN_JAX))} (0.10's cannot read a transposed wgmma operand); "
+                           f"this is jax {'.'.join(map(str, jax_version))}")
+    return BN
 
 
 def stack_one_layer(w, scale, norm, layer):

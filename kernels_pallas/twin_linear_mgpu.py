@@ -1,0 +1,140 @@
+"""The twin linear's MMA form on Pallas's Mosaic GPU backend (Hopper: TMA loads, wgmma); its Triton-
+backend twin is `twin_linear`'s MMA form, its Triton twin `kernels_triton.twin_linear`.
+
+Contract: `twin_linear`'s MMA form, unchanged (that module's docstring, `contract.linear`). A
+program computes the output tile y[64 rows, BN columns]: acc [64, BN] float32 += x_block [64, BK]
+@ w_block [BN, BK]^T over the K blocks in increasing order, each block one chain of wgmma
+instructions accumulating into acc (the hardware's own order within a block; the H200 gives the
+bits of Triton's `tl.dot` at every tile, row count and pipeline depth tried: benchmarks/RESULTS.md,
+"twin_tune_gpu"). Then the epilogue of `twin_linear._epilogue` (act, scale, residual), its
+roundings one PTX instruction each (`twin_math.MOSAIC_GPU`).
+
+x is wgmma's A operand, 64 rows a program whatever M: TMA reads the rows past M as zeros and
+clips them from the store, so no pad or slice kernel runs around the call (but where M is over 8
+and not a multiple of 8, which TMA's row tiling cannot describe: x and the residual are padded to
+a multiple of 8 rows, the output sliced). Each weight tile [BN, BK] is the B operand, transposed
+in shared memory (w [L, N, K] is read in place at a layer index that may be traced).
+
+Interpreted (CPU), the kernel runs in Mosaic GPU's interpreter, which jax 0.11 brings (0.10's
+cannot read a transposed operand): its block products are numpy's float32 matrix products, not
+the tensor cores', so its bits are the contract's only where every partial sum is exact.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas import twin_math as tm
+from kernels_pallas import twin_norm
+from kernels_pallas.contract.linear import (
+    MOSAIC_BK,
+    MOSAIC_ROWS,
+    MOSAIC_STAGES,
+    check_mosaic_linear,
+    check_twin_linear,
+    stack_one_layer,
+)
+from kernels_pallas.contract.norm import TwinNorm
+from kernels_pallas.twin_linear import _epilogue, linear_native
+
+__all__ = ["linear", "linear_native"]  # the plain reference is the Triton-backend module's
+
+_SWIZZLE = 128  # bytes: a 64-element row of 16-bit values, the widest swizzle wgmma reads
+
+
+def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
+           residual: jax.Array | None = None, norm: TwinNorm | None = None, block_n: int | None = None,
+           stages: int = MOSAIC_STAGES, interpret: bool | None = None) -> jax.Array:
+    """y = epilogue(norm(x) @ w[layer].T) in `twin_linear.linear`'s MMA form (module docstring).
+
+    x: [M, K] bfloat16/float16; w: [L, N, K] (layer: int or int32 scalar, may be traced) or [N, K]
+    (layer=None), in x's dtype; scale: [L, N_out] or [N_out]; residual: [M, N_out]; norm: a
+    `TwinNorm`, run by its own kernel first (`twin_norm.norm`: the bits of the fused norm). N_out =
+    N/2 for act="silu_gate", else N; K a multiple of `MOSAIC_BK`. Returns [M, N_out] in x's dtype.
+    block_n: output columns a program (64 or 128, dividing N_out; None: 64); stages: the depth of
+    the pipeline over K (>= 2). These change the speed, never the bits.
+    interpret: None runs compiled on a GPU backend, interpreted elsewhere (jax >= 0.11).
+    """
+    w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
+    M, K, _, N_out = check_twin_linear(x, w, act, scale, residual, norm)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    BN = check_mosaic_linear(x.dtype, K, N_out, block_n, stages, interpret, jax.__version_info__)
+    if norm is not None:
+        x = twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
+    Mp = M if M <= 8 else -(-M // 8) * 8  # TMA tiles rows by 8 (module docstring)
+    pad = ((0, Mp - M), (0, 0))
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, pad), w]
+    operands += [t for t in (scale, None if residual is None else jnp.pad(residual, pad)) if t is not None]
+    kernel = functools.partial(_kernel, K=K, BN=BN, N_out=N_out, act=act, has_scale=scale is not None,
+                               has_res=residual is not None, stages=stages,
+                               gpu=False if interpret else tm.MOSAIC_GPU)
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((Mp, N_out), x.dtype),
+                        grid=(-(-Mp // MOSAIC_ROWS), N_out // BN), grid_names=("m", "n"),
+                        interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name="twin_linear_mgpu")
+    y = call(*operands)
+    return y if Mp == M else y[:M]
+
+
+def _kernel(layer_gmem, x_gmem, w_gmem, *refs, K, BN, N_out, act, has_scale, has_res, stages, gpu):
+    """Program (i, j): rows i*64.., columns j*BN.. (refs: scale, residual where given, then the output).
+
+    silu_gate computes columns n and n + N_out together, one accumulator each. The residual tile
+    is loaded (TMA) while the loop over K runs; the output tile leaves through shared memory (TMA)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    refs = list(refs)
+    scale_gmem = refs.pop(0) if has_scale else None
+    res_gmem = refs.pop(0) if has_res else None
+    (o_gmem,) = refs
+    dtype = o_gmem.dtype
+    i, j = lax.axis_index("m"), lax.axis_index("n")
+    layer = layer_gmem[0]
+    rows, cols = pl.ds(i * MOSAIC_ROWS, MOSAIC_ROWS), pl.ds(j * BN, BN)
+    col_blocks = (j, j + N_out // BN) if act == "silu_gate" else (j,)
+    tiles = (plgpu.TilingTransform((8, _SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+
+    def with_smem(o_smem, r_smem, r_bar):
+        if has_res:
+            plgpu.copy_gmem_to_smem(res_gmem.at[rows, cols], r_smem, r_bar)
+
+        def with_accs(*accs):
+            def step(_, x_smem, *w_smems):
+                for acc, w_smem in zip(accs, w_smems):
+                    plgpu.wgmma(acc, x_smem, w_smem.T)
+                plgpu.wgmma_wait(len(accs))  # the step before is done: its buffers may be refilled
+
+            w_specs = [plgpu.BlockSpec((None, BN, MOSAIC_BK), functools.partial(lambda c, k: (layer, c, k), c),
+                                       transforms=tiles, delay_release=1) for c in col_blocks]
+            plgpu.emit_pipeline(
+                step, grid=(K // MOSAIC_BK,), max_concurrent_steps=stages,
+                in_specs=[plgpu.BlockSpec((MOSAIC_ROWS, MOSAIC_BK), lambda k: (i, k), transforms=tiles,
+                                          delay_release=1), *w_specs],
+            )(x_gmem, *[w_gmem] * len(col_blocks))
+            plgpu.wgmma_wait(0)
+            sums = tuple(a[...] for a in accs)
+            scale = None
+            if has_scale:
+                s = plgpu.load(scale_gmem.at[layer, cols], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                scale = jnp.broadcast_to(s[None, :], (MOSAIC_ROWS, BN))
+            residual = None
+            if has_res:
+                plgpu.barrier_wait(r_bar)
+                residual = r_smem[...]
+            o_smem[...] = _epilogue(sums if act == "silu_gate" else sums[0], dtype, act, scale, residual, gpu)
+
+        # registers (the accumulators) are scoped apart from shared memory
+        pl.run_scoped(with_accs, *[plgpu.ACC((MOSAIC_ROWS, BN), jnp.float32)] * len(col_blocks))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[rows, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    tile = plgpu.SMEM((MOSAIC_ROWS, BN), dtype, transforms=tiles)
+    pl.run_scoped(with_smem, tile, tile, plgpu.Barrier(num_arrivals=1))

@@ -1,0 +1,173 @@
+"""The twin linear's MMA form on Pallas's Mosaic GPU backend (`kernels_pallas.twin_linear_mgpu`).
+
+Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11): with integer-valued operands every partial
+sum over K is exact, so the order of the block products does not matter and the kernel's bits must
+be the plain reference's (`twin_linear.linear_native`): the epilogues, the layer index (traced under
+jit), the rows past M, the padded row counts and the scale and residual tiles are held bit for bit.
+Compiled (GPU): the bits of the MMA form on Pallas's Triton backend and of its torch twin, on random
+and hostile operands at the stacks' sizes, and a row alone has the bits it has among the others.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_impl.parity import bits
+from kernels_pallas import twin_linear as pli
+from kernels_pallas import twin_linear_mgpu as plm
+from kernels_pallas.contract.linear import MOSAIC_MIN_JAX
+from kernels_pallas.contract.norm import TwinNorm
+
+NEW_ENOUGH = jax.__version_info__[:2] >= MOSAIC_MIN_JAX
+FLOOR = ".".join(map(str, MOSAIC_MIN_JAX))
+interpreted = pytest.mark.skipif(
+    not NEW_ENOUGH, reason=f"Mosaic GPU's interpreter before jax {FLOOR} cannot read a transposed wgmma operand "
+                           f"(this is jax {jax.__version__}): these run on jax >= {FLOOR} (CPU) and on the GPU")
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
+                            reason="GPU only: the tensor cores' bits against the Triton twins (CPU: the interpreted tests)")
+
+
+def assert_same(a, b, what):
+    a, b = bits(a), bits(b)
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    bad = np.flatnonzero(a.ravel() != b.ravel())
+    assert bad.size == 0, f"{what}: {bad.size} of {a.size} elements differ, first at {bad[:5]}"
+
+
+def integer_case(M, N, K, L, act, scale, res, kind, seed=0):
+    """Operands whose products and partial sums are exact in float32 (|x|, |w| <= 4: |sum| <= 16 K)."""
+    rng = np.random.default_rng(seed)
+    n_out = N // 2 if act == "silu_gate" else N
+    b16 = jnp.bfloat16
+    x = jnp.asarray(rng.integers(-4, 5, (M, K)), b16)
+    w = jnp.asarray(rng.integers(-4, 5, (L, N, K)), b16)
+    s = jnp.asarray(rng.standard_normal((L, n_out)) * 0.1, b16) if scale else None
+    r = jnp.asarray(rng.standard_normal((M, n_out)), b16) if res else None
+    # the norm's output is not integer-valued: the norm tests use a weight of zeros and a bias of integers
+    norm = None if kind is None else TwinNorm(kind, jnp.zeros((L, K), b16), jnp.asarray(rng.integers(-4, 5, (L, K)), b16),
+                                              1e-5)
+    return x, w, s, r, norm
+
+
+CASES = [  # (M, N, K, L, act, scale, res, norm kind)
+    (1, 128, 256, 2, None, False, False, None),
+    (4, 256, 128, 3, "gelu", True, True, None),      # Mimi's MLP epilogue, two column blocks
+    (72, 128, 192, 2, "silu_gate", False, True, None),  # two row blocks, the second past M; the gate's two tiles
+    (12, 128, 64, 1, None, True, False, "layer"),     # 12 rows: padded to 16 (TMA's row tiling); the norm first
+]
+
+
+@interpreted
+@pytest.mark.parametrize("M,N,K,L,act,scale,res,kind", CASES)
+def test_interpreted_bits_are_the_reference_on_exact_sums(M, N, K, L, act, scale, res, kind):
+    x, w, s, r, norm = integer_case(M, N, K, L, act, scale, res, kind)
+    layer = jnp.int32(L - 1)
+    ref = pli.linear_native(x, w, L - 1, act=act, scale=s, residual=r, norm=norm)
+    y = jax.jit(lambda x, w, layer, s, r: plm.linear(x, w, layer, act=act, scale=s, residual=r, norm=norm,
+                                                      interpret=True))(x, w, layer, s, r)
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    assert_same(y, ref, f"M={M} act={act}")
+    row = M - 1  # a row alone: the bits it has among the others
+    alone = plm.linear(x[row:], w, L - 1, act=act, scale=s, residual=None if r is None else r[row:], norm=norm,
+                       block_n=128 if (N // (1 + (act == "silu_gate"))) % 128 == 0 else None, interpret=True)
+    assert_same(alone[0], y[row], f"row {row} alone")
+
+
+@interpreted
+def test_interpreted_plain_weight_and_other_layers():
+    """w [N, K] (layer=None) is a one-layer stack; each layer of a stack is its own weights."""
+    x, w, s, _, _ = integer_case(8, 128, 128, 3, None, True, False, None, seed=1)
+    for layer in range(3):
+        y = plm.linear(x, w[layer], scale=s[layer], interpret=True)
+        assert_same(y, pli.linear_native(x, w, layer, scale=s), f"layer {layer}")
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"x": jnp.zeros((4, 128), jnp.float32), "w": jnp.zeros((64, 128), jnp.float32)}, TypeError, "bfloat16"),
+    ({"w": jnp.zeros((64, 96), jnp.bfloat16), "x": jnp.zeros((4, 96), jnp.bfloat16)}, ValueError, "multiple of 64"),
+    ({"block_n": 32}, ValueError, "block_n"),
+    ({"stages": 1}, ValueError, "stages"),
+    ({"w": jnp.zeros((64, 64), jnp.bfloat16)}, ValueError, r"linear\(w\)"),
+])
+def test_bad_arguments_are_named(kwargs, exc, match):
+    args = {"x": jnp.zeros((4, 128), jnp.bfloat16), "w": jnp.zeros((64, 128), jnp.bfloat16), **kwargs}
+    with pytest.raises(exc, match=match):
+        plm.linear(args.pop("x"), args.pop("w"), interpret=True, **args)
+
+
+@pytest.mark.skipif(NEW_ENOUGH, reason="checks the refusal of an interpreter too old (this jax is new enough)")
+def test_old_interpreter_is_refused_with_the_version():
+    with pytest.raises(RuntimeError, match=f"jax >= {FLOOR}"):
+        plm.linear(jnp.zeros((4, 128), jnp.bfloat16), jnp.zeros((64, 128), jnp.bfloat16), interpret=True)
+
+
+def hostile(rng, shape):
+    """Values over 2^+-40, exact cancellations in random order, overflow and NaN/inf rows (bfloat16)."""
+    v = rng.standard_normal(shape) * np.exp2(rng.integers(-40, 41, shape))
+    flat = v.reshape(-1, shape[-1])
+    half = shape[-1] // 2
+    perm = rng.permutation(shape[-1])
+    flat[1::7, perm[half:]] = -flat[1::7, perm[:half]]   # rows that cancel exactly
+    flat[2::11] *= 2.0**100                               # products past float32's range
+    flat[3::13, 5] = np.nan
+    flat[4::17, 9] = np.inf
+    return jnp.asarray(flat.reshape(shape), jnp.bfloat16)
+
+
+@on_gpu
+@pytest.mark.parametrize("M,N,K,act,scale,res,kind", [
+    (1, 4096, 4096, None, False, True, None), (4, 3 * 4096, 4096, None, False, False, None),
+    (16, 2 * 11264, 4096, "silu_gate", False, False, None), (64, 4096, 11264, None, False, True, None),
+    (2, 2048, 512, "gelu", True, True, "layer"), (128, 512, 2048, None, True, True, None),
+    (12, 1024, 1024, None, False, True, None), (64, 2 * 2816, 1024, "silu_gate", False, False, "rms"),
+])
+@pytest.mark.parametrize("inputs", ["random", "hostile"])
+def test_gpu_bits_are_the_triton_twins(M, N, K, act, scale, res, kind, inputs):
+    """The Mosaic kernel, the Pallas Triton-backend MMA form and the torch twin: the same bits, at
+    both column tiles and two pipeline depths, a row alone as among the others (the temporal,
+    depformer and Mimi projections' shapes)."""
+    import torch
+
+    from kernels_triton import twin_linear as tli
+    from torch_bridge.dlpack import to_torch
+
+    rng = np.random.default_rng(M + N + K)
+    n_out = N // 2 if act == "silu_gate" else N
+    b16 = jnp.bfloat16
+    x = hostile(rng, (M, K)) if inputs == "hostile" else jnp.asarray(rng.standard_normal((M, K)), b16)
+    w = jnp.asarray(rng.standard_normal((2, N, K)) * 0.05, b16)
+    s = jnp.asarray(rng.standard_normal((2, n_out)), b16) if scale else None
+    r = jnp.asarray(rng.standard_normal((M, n_out)), b16) if res else None
+    norm = None if kind is None else TwinNorm(kind, jnp.asarray(1 + 0.1 * rng.standard_normal((2, K)), b16),
+                                              jnp.asarray(rng.standard_normal((2, K)), b16) if kind == "layer" else None,
+                                              1e-5)
+    y = plm.linear(x, w, 1, act=act, scale=s, residual=r, norm=norm)
+    y_wide = plm.linear(x, w, 1, act=act, scale=s, residual=r, norm=norm, block_n=128, stages=2)
+    y_p = pli.linear(x, w, 1, act=act, scale=s, residual=r, norm=norm, form="mma")
+    C = (lambda a: None if a is None else to_torch(a))
+    tnorm = None if norm is None else TwinNorm(kind, C(norm.weight), C(norm.bias), norm.eps)
+    y_t = tli.linear(C(x), C(w), 1, act=act, scale=C(s), residual=C(r), norm=tnorm)
+    torch.cuda.synchronize()
+    for other, what in ((y_wide, "BN 128, 2 stages"), (y_p, "Pallas Triton backend"), (y_t.cpu(), "torch twin")):
+        assert_same(y, other, f"{inputs} M={M} N={N} K={K}: {what}")
+    for row in (0, M - 1):
+        alone = plm.linear(x[row:row + 1], w, 1, act=act, scale=s, residual=None if r is None else r[row:row + 1],
+                           norm=norm)
+        assert_same(alone[0], y[row], f"{inputs} row {row} alone")
+
+
+def test_signature_is_the_twin_linears_with_its_own_tiles():
+    """x, w, layer and the epilogue's arguments are `twin_linear.linear`'s, in its order; only the speed
+    parameters differ (Mosaic's tiles and pipeline depth); the plain reference is the same function."""
+    import inspect
+
+    def names(fn):
+        return [p for p in inspect.signature(fn).parameters]
+
+    semantic = ["x", "w", "layer", "act", "scale", "residual", "norm"]
+    assert names(plm.linear)[:7] == semantic == names(pli.linear)[:7]
+    assert set(names(plm.linear)[7:]) == {"block_n", "stages", "interpret"}
+    assert plm.linear_native is pli.linear_native
