@@ -7,8 +7,8 @@ attention) at the temporal / Mimi sizes in bf16: whether the Pallas kernel (jitt
 Triton kernel (torch) return the same bits on the same inputs, whether a row computed alone
 (B=1) has the bits it has among others (B=4, 16), and the median time of each (CUDA events
 around 20 calls after warm-up; the JAX side blocks on the result). With jax >= 0.11, the linears'
-records also hold the MMA form on Pallas's Mosaic GPU backend (`kernels_pallas.twin_linear_mgpu`):
-whether its bits are Triton's, and its time. Never part of the tests.
+and norms' records also hold their Mosaic GPU kernels (`kernels_pallas.twin_linear_mgpu`,
+`twin_norm_mgpu`): whether their bits are Triton's, and their time. Never part of the tests.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from kernels_pallas import twin_entry as pe
 from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_linear_mgpu as plm
 from kernels_pallas import twin_norm as pn
+from kernels_pallas import twin_norm_mgpu as pnm
 from kernels_pallas import twin_rope as pr
 from kernels_pallas.contract.linear import MOSAIC_MIN_JAX
 from kernels_triton import twin_attention as ta
@@ -91,13 +92,8 @@ def case_linear(rec, M, N, K, act=None, scale=False, res=False, L=2):
                pallas_ms=j_time(lambda: f(jx, jw, js, jr, jnp.int32(L - 1))),
                triton_ms=t_time(lambda: tli.linear(x, w, L - 1, act=act, scale=s, residual=r)),
                bytes=w[0].numel() * 2)
-    if jax.__version_info__[:2] >= MOSAIC_MIN_JAX:
-        try:
-            g = jax.jit(lambda x, w, s, r, l: plm.linear(x, w, l, act=act, scale=s, residual=r))
-            ym = g(jx, jw, js, jr, jnp.int32(L - 1))
-            rec.update(mosaic_identical=same(ym, yt), mosaic_ms=j_time(lambda: g(jx, jw, js, jr, jnp.int32(L - 1))))
-        except Exception as err:  # noqa: BLE001 (recorded beside the Triton results)
-            rec["mosaic_error"] = f"{type(err).__name__}: {err}"[:2000]
+    mosaic(rec, lambda x, w, s, r, l: plm.linear(x, w, l, act=act, scale=s, residual=r),
+           (jx, jw, js, jr, jnp.int32(L - 1)), yt)
 
 
 def case_norm(rec, M, D, kind):
@@ -109,6 +105,18 @@ def case_norm(rec, M, D, kind):
     yt = tn.norm(x, w, bb, 1, kind=kind, eps=1e-5)
     rec.update(identical=same(yj, yt), pallas_ms=j_time(lambda: f(to_jax(x), to_jax(w), jb)),
                triton_ms=t_time(lambda: tn.norm(x, w, bb, 1, kind=kind, eps=1e-5)))
+    mosaic(rec, lambda x, w, b: pnm.norm(x, w, b, jnp.int32(1), kind=kind, eps=1e-5), (to_jax(x), to_jax(w), jb), yt)
+
+
+def mosaic(rec, fn, args, expected):
+    """With jax >= 0.11: the Mosaic GPU kernel `fn` on args, whether its bits are `expected`'s, its time."""
+    if jax.__version_info__[:2] < MOSAIC_MIN_JAX:
+        return
+    try:
+        g = jax.jit(fn)
+        rec.update(mosaic_identical=same(g(*args), expected), mosaic_ms=j_time(lambda: g(*args)))
+    except Exception as err:  # noqa: BLE001 (recorded beside the Triton results)
+        rec["mosaic_error"] = f"{type(err).__name__}: {err}"[:2000]
 
 
 def case_rope(rec, B, T, H, D, C, L):

@@ -7,7 +7,7 @@ program computes the output tile y[64 rows, BN columns]: acc [64, BN] float32 +=
 instructions accumulating into acc (the hardware's own order within a block; the H200 gives the
 bits of Triton's `tl.dot` at every tile, row count and pipeline depth tried: benchmarks/RESULTS.md,
 "twin_tune_gpu"). Then the epilogue of `twin_linear._epilogue` (act, scale, residual), its
-roundings one PTX instruction each (`twin_math.MOSAIC_GPU`).
+roundings one PTX instruction each (`twin_math.Mosaic`).
 
 x is wgmma's A operand, 64 rows a program whatever M: TMA reads the rows past M as zeros and
 clips them from the store, so no pad or slice kernel runs around the call (but where M is over 8
@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas import twin_norm
+from kernels_pallas import twin_norm_mgpu
 from kernels_pallas.contract.linear import (
     MOSAIC_BK,
     MOSAIC_ROWS,
@@ -54,8 +55,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
 
     x: [M, K] bfloat16/float16; w: [L, N, K] (layer: int or int32 scalar, may be traced) or [N, K]
     (layer=None), in x's dtype; scale: [L, N_out] or [N_out]; residual: [M, N_out]; norm: a
-    `TwinNorm`, run by its own kernel first (`twin_norm.norm`: the bits of the fused norm). N_out =
-    N/2 for act="silu_gate", else N; K a multiple of `MOSAIC_BK`. Returns [M, N_out] in x's dtype.
+    `TwinNorm`, run by its own kernel first (`twin_norm_mgpu.norm`: the bits of the fused norm; K
+    a multiple of 128). N_out = N/2 for act="silu_gate", else N; K a multiple of `MOSAIC_BK`. Returns [M, N_out] in x's dtype.
     block_n: output columns a program (64 or 128, dividing N_out; None: 64); stages: the depth of
     the pipeline over K (>= 2). These change the speed, never the bits.
     interpret: None runs compiled on a GPU backend, interpreted elsewhere (jax >= 0.11).
@@ -66,16 +67,14 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
         interpret = jax.default_backend() != "gpu"
     BN = check_mosaic_linear(x.dtype, K, N_out, block_n, stages, interpret, jax.__version_info__)
     if norm is not None:
-        x = twin_norm.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
+        x = twin_norm_mgpu.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
     Mp = M if M <= 8 else -(-M // 8) * 8  # TMA tiles rows by 8 (module docstring)
     pad = ((0, Mp - M), (0, 0))
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, pad), w]
     operands += [t for t in (scale, None if residual is None else jnp.pad(residual, pad)) if t is not None]
     kernel = functools.partial(_kernel, K=K, BN=BN, N_out=N_out, act=act, has_scale=scale is not None,
                                has_res=residual is not None, stages=stages,
-                               gpu=False if interpret else tm.MOSAIC_GPU)
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
+                               gpu=False if interpret else tm.Mosaic(plgpu.Layout.WGMMA))
     call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((Mp, N_out), x.dtype),
                         grid=(-(-Mp // MOSAIC_ROWS), N_out // BN), grid_names=("m", "n"),
                         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name="twin_linear_mgpu")
@@ -88,8 +87,6 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *refs, K, BN, N_out, act, has_scale, has
 
     silu_gate computes columns n and n + N_out together, one accumulator each. The residual tile
     is loaded (TMA) while the loop over K runs; the output tile leaves through shared memory (TMA)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     refs = list(refs)
     scale_gmem = refs.pop(0) if has_scale else None
     res_gmem = refs.pop(0) if has_res else None

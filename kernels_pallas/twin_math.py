@@ -8,16 +8,18 @@ rounding is one PTX instruction written inline (``mul.rn.f32``, ``fma.rn.f32``, 
 contraction and an optimization barrier keeps a division a division.
 
 Each function takes `gpu` (static): True when the kernel is compiled for the GPU by Pallas's Triton
-backend, `MOSAIC_GPU` when compiled by its Mosaic GPU backend, False when it runs interpreted or
-as plain jax.numpy (the references call these functions too). Mosaic GPU emits its float
-arithmetic with LLVM's ``contract`` flag (free to fuse a product into the add that follows), so
-there too every rounding the contract names is one inline PTX instruction (`_asm_mosaic`), and so
-is ``floor`` (``cvt.rmi.f32.f32``), which Mosaic GPU does not lower.
+backend, a `Mosaic` when compiled by its Mosaic GPU backend, False when it runs interpreted or as
+plain jax.numpy (the references call these functions too). Mosaic GPU emits its float arithmetic
+with LLVM's ``contract`` flag (free to fuse a product into the add that follows), so there too
+every rounding the contract names is one inline PTX instruction (`_asm_mosaic`), and so is
+``floor`` (``cvt.rmi.f32.f32``), which Mosaic GPU does not lower.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,14 +41,21 @@ from kernels_pallas.contract.numerics import (
 )
 
 F32 = jnp.float32
-MOSAIC_GPU = "mosaic_gpu"  # `gpu` of a kernel compiled by Pallas's Mosaic GPU backend
+
+
+@dataclasses.dataclass(frozen=True)
+class Mosaic:
+    """`gpu` of a kernel compiled by Pallas's Mosaic GPU backend: `layout` is the register layout
+    (a `plgpu.Layout`) of the arrays the kernel hands these functions (inline PTX needs it stated)."""
+
+    layout: Any
 
 
 def _asm(op: str, gpu_args, gpu):
     """One float32 PTX instruction `op` ("mul.rn.f32", ...) on the broadcast `gpu_args`, element by element."""
     args = jnp.broadcast_arrays(*gpu_args)
-    if gpu == MOSAIC_GPU:
-        return _asm_mosaic(op, args)
+    if isinstance(gpu, Mosaic):
+        return _asm_mosaic(op, args, gpu.layout)
     operands = ", ".join(f"${i + 1}" for i in range(len(args)))
     [y] = pltriton.elementwise_inline_asm(f"{op} $0, {operands};", args=args,
                                           constraints="=f," + ",".join(["f"] * len(args)), pack=1,
@@ -54,12 +63,10 @@ def _asm(op: str, gpu_args, gpu):
     return y
 
 
-def _asm_mosaic(op: str, args):
-    """`_asm` in a Mosaic GPU kernel: `plgpu.inline_mgpu` over the registers of float32 arrays in the
-    wgmma accumulator's layout (the layout of every array the Mosaic kernels pass here)."""
+def _asm_mosaic(op: str, args, layout):
+    """`_asm` in a Mosaic GPU kernel: `plgpu.inline_mgpu` over the registers of float32 arrays in `layout`."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    layout = plgpu.Layout.WGMMA
     args = [plgpu.layout_cast(a.astype(F32), layout) for a in args]
 
     @plgpu.inline_mgpu(arg_types=(layout,) * len(args),
@@ -128,7 +135,7 @@ def sqrt(a, gpu: bool):
 
 def floor(x, gpu):
     """floor(x) (exact): jnp.floor, or ``cvt.rmi.f32.f32`` in a Mosaic GPU kernel (which has no floor)."""
-    return _asm("cvt.rmi.f32.f32", (x,), gpu) if gpu == MOSAIC_GPU else jnp.floor(x)
+    return _asm("cvt.rmi.f32.f32", (x,), gpu) if isinstance(gpu, Mosaic) else jnp.floor(x)
 
 
 def tree_sum(x):

@@ -40,13 +40,14 @@ from kernels_pallas.contract.norm import (
 from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, twin_lanes
 
 
-def row_sum(load, D, BK, unroll):
+def row_sum(load, D, BK, unroll, tree=tm.tree_sum):
     """S(.) of the contract: lanes over the D / BK blocks in order from +0, then the tree;
     load(kb) -> [BM, BK] (kb may be traced); returns [BM, 1].
 
     unroll: blocks written out per loop iteration (`contract.norm.twin_norm_unroll`); their loads are
     independent and go out together, where a loop of one block waits for each in turn (22 us a
-    norm of one row on an H200).
+    norm of one row on an H200). tree: `tm.tree_sum`, or a kernel's own way to the same sums (the
+    Mosaic GPU norm's through shared memory, its lanes spread over threads).
     """
     nkb = D // BK
     acc = jnp.zeros_like(load(0))  # (its shape; the load itself is dead code)
@@ -57,7 +58,7 @@ def row_sum(load, D, BK, unroll):
         return acc
 
     acc = blocks(0, acc) if unroll == nkb else lax.fori_loop(0, nkb // unroll, blocks, acc)
-    return tm.tree_sum(acc)
+    return tree(acc)
 
 
 def _rms_r(ss, D, eps, gpu):
@@ -75,22 +76,22 @@ def normalize(xf, w, b, stats, kind, gpu):
     return tm.mul(tm.mul(xf - mean, r, gpu), w, gpu) + b
 
 
-def row_stats(load_x, D, BK, kind, eps, gpu, unroll=None):
+def row_stats(load_x, D, BK, kind, eps, gpu, unroll=None, tree=tm.tree_sum):
     """The contract's per-row statistics, (r,) for rms or (mean, r) for layer, each [BM, 1];
     load_x(kb) -> float32 [BM, BK], block kb of the rows (kb is traced when unroll < D / BK;
-    twin_linear's fused norm calls this too); unroll: see `row_sum` (None: all blocks)."""
+    twin_linear's fused norm calls this too); unroll, tree: see `row_sum` (None: all blocks)."""
     unroll = D // BK if unroll is None else unroll
     f32 = tm.F32
     inv_d = f32(1.0 / D)
     if kind == "rms":
-        return (_rms_r(row_sum(lambda kb: tm.mul(load_x(kb), load_x(kb), gpu), D, BK, unroll), D, eps, gpu),)
-    mean = tm.mul(row_sum(load_x, D, BK, unroll), inv_d, gpu)
+        return (_rms_r(row_sum(lambda kb: tm.mul(load_x(kb), load_x(kb), gpu), D, BK, unroll, tree), D, eps, gpu),)
+    mean = tm.mul(row_sum(load_x, D, BK, unroll, tree), inv_d, gpu)
 
     def centered_sq(kb):
         c = load_x(kb) - mean
         return tm.mul(c, c, gpu)
 
-    var = tm.mul(row_sum(centered_sq, D, BK, unroll), inv_d, gpu)
+    var = tm.mul(row_sum(centered_sq, D, BK, unroll, tree), inv_d, gpu)
     return mean, tm.div(f32(1.0), tm.sqrt(var + f32(eps), gpu), gpu)
 
 

@@ -1,11 +1,15 @@
-"""The twin linear's MMA form on Pallas's Mosaic GPU backend (`kernels_pallas.twin_linear_mgpu`).
+"""The twin kernels on Pallas's Mosaic GPU backend: the linear's MMA form (`kernels_pallas.twin_linear_mgpu`)
+and the norm (`kernels_pallas.twin_norm_mgpu`).
 
-Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11): with integer-valued operands every partial
-sum over K is exact, so the order of the block products does not matter and the kernel's bits must
-be the plain reference's (`twin_linear.linear_native`): the epilogues, the layer index (traced under
-jit), the rows past M, the padded row counts and the scale and residual tiles are held bit for bit.
-Compiled (GPU): the bits of the MMA form on Pallas's Triton backend and of its torch twin, on random
-and hostile operands at the stacks' sizes, and a row alone has the bits it has among the others.
+Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
+- the linear: with integer-valued operands every partial sum over K is exact, so the order of the
+  block products does not matter and the kernel's bits must be the plain reference's
+  (`twin_linear.linear_native`): the epilogues, the layer index (traced under jit), the rows past M,
+  the padded row counts and the scale and residual tiles are held bit for bit;
+- the norm: its sums run in the contract's order whatever the operands, so its bits are the
+  reference's (`twin_norm.norm_native`) on any input.
+Compiled (GPU): the bits of the same kernels on Pallas's Triton backend and of their torch twins, on
+random and hostile operands at the stacks' sizes, and a row alone has the bits it has among the others.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import pytest
 from jax_impl.parity import bits
 from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_linear_mgpu as plm
+from kernels_pallas import twin_norm as pn
+from kernels_pallas import twin_norm_mgpu as pnm
 from kernels_pallas.contract.linear import MOSAIC_MIN_JAX
 from kernels_pallas.contract.norm import TwinNorm
 
@@ -56,7 +62,7 @@ CASES = [  # (M, N, K, L, act, scale, res, norm kind)
     (1, 128, 256, 2, None, False, False, None),
     (4, 256, 128, 3, "gelu", True, True, None),      # Mimi's MLP epilogue, two column blocks
     (72, 128, 192, 2, "silu_gate", False, True, None),  # two row blocks, the second past M; the gate's two tiles
-    (12, 128, 64, 1, None, True, False, "layer"),     # 12 rows: padded to 16 (TMA's row tiling); the norm first
+    (12, 128, 128, 1, None, True, False, "layer"),    # 12 rows: padded to 16 (TMA's row tiling); the norm first
 ]
 
 
@@ -83,6 +89,30 @@ def test_interpreted_plain_weight_and_other_layers():
     for layer in range(3):
         y = plm.linear(x, w[layer], scale=s[layer], interpret=True)
         assert_same(y, pli.linear_native(x, w, layer, scale=s), f"layer {layer}")
+
+
+@interpreted
+@pytest.mark.parametrize("M,D,kind,dtype", [(1, 4096, "rms", "bfloat16"), (5, 1024, "rms", "bfloat16"),
+                                            (3, 512, "layer", "bfloat16"), (2, 256, "layer", "float32")])
+def test_interpreted_norm_bits_are_the_reference(M, D, kind, dtype):
+    """Random rows (some far from zero mean, one of zeros): the reference's bits, the layer index
+    traced; a row alone as among the others."""
+    rng = np.random.default_rng(M + D)
+    x = rng.standard_normal((M, D)) * 3 + np.arange(M)[:, None] * 50
+    x[M // 2] = 0.0
+    x = jnp.asarray(x, dtype)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal((3, D)), dtype)
+    b = jnp.asarray(rng.standard_normal((3, D)), dtype) if kind == "layer" else None
+    y = jax.jit(lambda x, w, b, layer: pnm.norm(x, w, b, layer, kind=kind, eps=1e-5, interpret=True))(
+        x, w, b, jnp.int32(2))
+    assert_same(y, pn.norm_native(x, w, b, 2, kind=kind, eps=1e-5), f"{kind} norm M={M} D={D}")
+    alone = pnm.norm(x[M - 1:], w[2], None if b is None else b[2], kind=kind, eps=1e-5, interpret=True)
+    assert_same(alone[0], y[M - 1], "a row alone")
+
+
+def test_norm_refuses_d_it_cannot_spread_over_a_warpgroup():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        pnm.norm(jnp.zeros((2, 96), jnp.bfloat16), jnp.ones((96,), jnp.bfloat16), eps=1e-5, interpret=True)
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
@@ -159,6 +189,15 @@ def test_gpu_bits_are_the_triton_twins(M, N, K, act, scale, res, kind, inputs):
         assert_same(alone[0], y[row], f"{inputs} row {row} alone")
 
 
+def test_norm_signature_is_the_twin_norms():
+    import inspect
+
+    kernel = list(inspect.signature(pnm.norm).parameters)
+    assert kernel == ["x", "weight", "bias", "layer", "kind", "eps", "interpret"]
+    assert kernel[:6] == list(inspect.signature(pn.norm).parameters)[:6]
+    assert pnm.norm_native is pn.norm_native
+
+
 def test_signature_is_the_twin_linears_with_its_own_tiles():
     """x, w, layer and the epilogue's arguments are `twin_linear.linear`'s, in its order; only the speed
     parameters differ (Mosaic's tiles and pipeline depth); the plain reference is the same function."""
@@ -171,3 +210,30 @@ def test_signature_is_the_twin_linears_with_its_own_tiles():
     assert names(plm.linear)[:7] == semantic == names(pli.linear)[:7]
     assert set(names(plm.linear)[7:]) == {"block_n", "stages", "interpret"}
     assert plm.linear_native is pli.linear_native
+
+
+@on_gpu
+@pytest.mark.parametrize("M,D,kind", [(1, 4096, "rms"), (4, 4096, "rms"), (64, 4096, "rms"), (16, 1024, "rms"),
+                                      (2, 512, "layer"), (128, 512, "layer")])
+@pytest.mark.parametrize("inputs", ["random", "hostile"])
+def test_gpu_norm_bits_are_the_triton_twins(M, D, kind, inputs):
+    """The Mosaic norm, the Pallas Triton-backend norm and the torch twin: the same bits (the temporal,
+    depformer and Mimi norms' sizes), a row alone as among the others."""
+    import torch
+
+    from kernels_triton import twin_norm as tn
+    from torch_bridge.dlpack import to_torch
+
+    rng = np.random.default_rng(M + D)
+    b16 = jnp.bfloat16
+    x = hostile(rng, (M, D)) if inputs == "hostile" else jnp.asarray(rng.standard_normal((M, D)) * 3, b16)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal((2, D)), b16)
+    b = jnp.asarray(rng.standard_normal((2, D)), b16) if kind == "layer" else None
+    y = pnm.norm(x, w, b, 1, kind=kind, eps=1e-5)
+    y_p = pn.norm(x, w, b, 1, kind=kind, eps=1e-5)
+    y_t = tn.norm(to_torch(x), to_torch(w), None if b is None else to_torch(b), 1, kind=kind, eps=1e-5)
+    torch.cuda.synchronize()
+    assert_same(y, y_p, f"{inputs} {kind} M={M}: Pallas Triton backend")
+    assert_same(y, y_t.cpu(), f"{inputs} {kind} M={M}: torch twin")
+    alone = pnm.norm(x[M - 1:], w, b, 1, kind=kind, eps=1e-5)
+    assert_same(alone[0], y[M - 1], f"{inputs} row alone")

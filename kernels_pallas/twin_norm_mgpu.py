@@ -1,0 +1,114 @@
+"""The twin RMSNorm / LayerNorm on Pallas's Mosaic GPU backend; its Triton-backend twin is
+`twin_norm.norm`, its Triton twin `kernels_triton.twin_norm`, its plain reference `norm_native`.
+
+Contract: `twin_norm`'s, unchanged, and written with the same functions (`twin_norm.row_stats`,
+`twin_norm.normalize`): per row, the sums over D run in BK = `twin_lanes(D)` lanes, each adding
+its D / BK blocks in order from +0, then the lanes' halving tree.
+
+A program is one row and one warpgroup: thread l holds lane l of every block (a strided layout
+of BK = 128 floats; the row and the weights arrive by TMA, [D / BK, BK] in shared memory). The
+tree crosses threads, so it runs through shared memory (`_tree`): each level adds s[l + h] to
+s[l] for the first h lanes, every thread adding one pair of a 128-wide window (the lanes past h
+add values no later level reads), a warpgroup barrier between reads and writes. Every lane ends
+with the row's sum, so the statistics are [BK] vectors of one value, and each block of the row
+is normalized by its own threads.
+
+Interpreted (CPU), the kernel runs in Mosaic GPU's interpreter (jax >= 0.11): the same sums in
+the same order, so its bits are the reference's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas import twin_math as tm
+from kernels_pallas.contract.linear import MOSAIC_MIN_JAX
+from kernels_pallas.contract.norm import check_twin_norm
+from kernels_pallas.contract.numerics import twin_lanes
+from kernels_pallas.twin_norm import _stacked, norm_native, normalize, row_stats
+
+__all__ = ["norm", "norm_native"]  # the plain reference is the Triton-backend module's
+
+LANES = 128  # a warpgroup's threads: one lane each
+
+
+def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=None, *, kind: str = "rms",
+         eps: float, interpret: bool | None = None) -> jax.Array:
+    """`twin_norm.norm`'s norm of each row of x [M, D] (module docstring): weight, bias [L, D] at
+    `layer` (int or traced int32 scalar), or [D] with layer=None; bias only for kind="layer"; D a
+    multiple of 128. Returns x's shape and dtype. interpret: None runs compiled on a GPU backend,
+    interpreted elsewhere (jax >= 0.11)."""
+    weight, bias, layer = _stacked(weight, bias, layer, kind)
+    M, D = check_twin_norm(x, weight, bias, kind)
+    if twin_lanes(D) != LANES:
+        raise ValueError(f"norm(x): the Mosaic GPU norm needs D a multiple of {LANES} (a lane a thread), got D={D}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if interpret and jax.__version_info__[:2] < MOSAIC_MIN_JAX:
+        raise RuntimeError(f"norm(interpret=True): Mosaic GPU's interpreter needs jax >= "
+                           f"{'.'.join(map(str, MOSAIC_MIN_JAX))}; this is jax {jax.__version__}")
+    lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
+    nkb = D // LANES
+    kernel = functools.partial(_kernel, D=D, kind=kind, eps=eps, lanes=lanes,
+                               gpu=False if interpret else tm.Mosaic(lanes))
+    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((M, nkb, LANES), x.dtype), grid=(M,),
+                        grid_names=("row",), interpret=plgpu.InterpretGPUParams() if interpret else None,
+                        kernel_name=f"twin_{kind}_norm_mgpu")
+    blocks = (lambda a: a.reshape(*a.shape[:-1], nkb, LANES))  # [.., D] -> [.., D / BK, BK]: the same buffer
+    return call(jnp.asarray(layer, jnp.int32).reshape(1), blocks(x), blocks(weight), blocks(bias)).reshape(M, D)
+
+
+def _kernel(layer_gmem, x_gmem, w_gmem, b_gmem, o_gmem, *, D, kind, eps, lanes, gpu):
+    """Program r: row r of x [M, D / BK, BK] normalized into o (module docstring)."""
+    r = lax.axis_index("row")
+    layer = layer_gmem[0]
+    nkb = D // LANES
+    dtype = o_gmem.dtype
+
+    def scoped(x_smem, w_smem, b_smem, o_smem, tree_smem, bars):
+        sources = ((x_gmem.at[r], x_smem), (w_gmem.at[layer], w_smem)) + (
+            ((b_gmem.at[layer], b_smem),) if kind == "layer" else ())
+        for i, (src, dst) in enumerate(sources):
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+        for i in range(len(sources)):
+            plgpu.barrier_wait(bars.at[i])
+
+        def block(ref, kb):
+            return plgpu.load(ref.at[kb], layout=lanes).astype(tm.F32)
+
+        stats = row_stats(functools.partial(block, x_smem), D, LANES, kind, eps, gpu, unroll=nkb,
+                          tree=functools.partial(_tree, tree_smem, lanes))
+        for kb in range(nkb):
+            b = block(b_smem, kb) if kind == "layer" else None
+            o_smem[kb] = tm.to_dtype(normalize(block(x_smem, kb), block(w_smem, kb), b, stats, kind, gpu), dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[r])
+        plgpu.wait_smem_to_gmem(0)
+
+    row = plgpu.SMEM((nkb, LANES), dtype)
+    pl.run_scoped(scoped, row, plgpu.SMEM((nkb, LANES), w_gmem.dtype), plgpu.SMEM((nkb, LANES), b_gmem.dtype), row,
+                  plgpu.SMEM((2 * LANES,), tm.F32), plgpu.Barrier(num_arrivals=1, num_barriers=3))
+
+
+def _tree(s_smem, lanes, acc):
+    """`tm.tree_sum` of the lanes acc [BK] (one a thread), through s_smem [2 BK] (module docstring);
+    returns [BK], every lane the sum."""
+    zeros = plgpu.layout_cast(jnp.zeros((LANES,), tm.F32), lanes)
+    s_smem[pl.ds(LANES, LANES)] = zeros  # what the first level's window reads past the lanes
+    s_smem[pl.ds(0, LANES)] = acc
+    plgpu.commit_smem()
+    h = LANES // 2
+    while h >= 1:
+        a = plgpu.load(s_smem.at[pl.ds(0, LANES)], layout=lanes)
+        b = plgpu.load(s_smem.at[pl.ds(h, LANES)], layout=lanes)
+        plgpu.commit_smem()  # every thread has read before any writes
+        s_smem[pl.ds(0, LANES)] = a + b
+        plgpu.commit_smem()
+        h //= 2
+    return plgpu.layout_cast(jnp.broadcast_to(s_smem[0], (LANES,)), lanes)
