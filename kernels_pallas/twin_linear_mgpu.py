@@ -56,7 +56,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     x: [M, K] bfloat16/float16; w: [L, N, K] (layer: int or int32 scalar, may be traced) or [N, K]
     (layer=None), in x's dtype; scale: [L, N_out] or [N_out]; residual: [M, N_out]; norm: a
     `TwinNorm`, run by its own kernel first (`twin_norm_mgpu.norm`: the bits of the fused norm; K
-    a multiple of 128). N_out = N/2 for act="silu_gate", else N; K a multiple of `MOSAIC_BK`. Returns [M, N_out] in x's dtype.
+    a multiple of 128). N_out = N/2 for act="silu_gate", else N; K a multiple of `MOSAIC_BK`.
+    Returns [M, N_out] in x's dtype.
     block_n: output columns a program (64 or 128, dividing N_out; None: 64); stages: the depth of
     the pipeline over K (>= 2). These change the speed, never the bits.
     interpret: None runs compiled on a GPU backend, interpreted elsewhere (jax >= 0.11).
@@ -67,7 +68,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
         interpret = jax.default_backend() != "gpu"
     BN = check_mosaic_linear(x.dtype, K, N_out, block_n, stages, interpret, jax.__version_info__)
     if norm is not None:
-        x = twin_norm_mgpu.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps, interpret=interpret)
+        x = twin_norm_mgpu.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps,
+                                interpret=interpret)
     Mp = M if M <= 8 else -(-M // 8) * 8  # TMA tiles rows by 8 (module docstring)
     pad = ((0, Mp - M), (0, 0))
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, pad), w]
@@ -77,7 +79,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
                                gpu=False if interpret else tm.Mosaic(plgpu.Layout.WGMMA))
     call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((Mp, N_out), x.dtype),
                         grid=(-(-Mp // MOSAIC_ROWS), N_out // BN), grid_names=("m", "n"),
-                        interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name="twin_linear_mgpu")
+                        interpret=plgpu.InterpretGPUParams() if interpret else None,
+                        kernel_name="twin_linear_mgpu")
     y = call(*operands)
     return y if Mp == M else y[:M]
 
@@ -96,7 +99,8 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *refs, K, BN, N_out, act, has_scale, has
     layer = layer_gmem[0]
     rows, cols = pl.ds(i * MOSAIC_ROWS, MOSAIC_ROWS), pl.ds(j * BN, BN)
     col_blocks = (j, j + N_out // BN) if act == "silu_gate" else (j,)
-    tiles = (plgpu.TilingTransform((8, _SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+    tiles = (plgpu.TilingTransform((8, _SWIZZLE // jnp.dtype(dtype).itemsize)),
+             plgpu.SwizzleTransform(_SWIZZLE))
 
     def with_smem(o_smem, r_smem, r_bar):
         if has_res:
@@ -109,7 +113,8 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *refs, K, BN, N_out, act, has_scale, has
                 plgpu.wgmma_wait(len(accs))  # the step before is done: its buffers may be refilled
 
             w_specs = [plgpu.BlockSpec((None, BN, MOSAIC_BK), functools.partial(lambda c, k: (layer, c, k), c),
-                                       transforms=tiles, delay_release=1) for c in col_blocks]
+                                       transforms=tiles, delay_release=1)
+                       for c in col_blocks]
             plgpu.emit_pipeline(
                 step, grid=(K // MOSAIC_BK,), max_concurrent_steps=stages,
                 in_specs=[plgpu.BlockSpec((MOSAIC_ROWS, MOSAIC_BK), lambda k: (i, k), transforms=tiles,
@@ -119,7 +124,8 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *refs, K, BN, N_out, act, has_scale, has
             sums = tuple(a[...] for a in accs)
             scale = None
             if has_scale:
-                s = plgpu.load(scale_gmem.at[layer, cols], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                s = plgpu.load(scale_gmem.at[layer, cols], layout=plgpu.Layout.WGMMA.reduce(0),
+                               optimized=False)
                 scale = jnp.broadcast_to(s[None, :], (MOSAIC_ROWS, BN))
             residual = None
             if has_res:

@@ -47,7 +47,8 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
     weight, bias, layer = _stacked(weight, bias, layer, kind)
     M, D = check_twin_norm(x, weight, bias, kind)
     if twin_lanes(D) != LANES:
-        raise ValueError(f"norm(x): the Mosaic GPU norm needs D a multiple of {LANES} (a lane a thread), got D={D}")
+        raise ValueError(f"norm(x): the Mosaic GPU norm needs D a multiple of {LANES} (a lane a thread), "
+                         f"got D={D}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if interpret and jax.__version_info__[:2] < MOSAIC_MIN_JAX:
@@ -61,7 +62,8 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
                         grid_names=("row",), interpret=plgpu.InterpretGPUParams() if interpret else None,
                         kernel_name=f"twin_{kind}_norm_mgpu")
     blocks = (lambda a: a.reshape(*a.shape[:-1], nkb, LANES))  # [.., D] -> [.., D / BK, BK]: the same buffer
-    return call(jnp.asarray(layer, jnp.int32).reshape(1), blocks(x), blocks(weight), blocks(bias)).reshape(M, D)
+    y = call(jnp.asarray(layer, jnp.int32).reshape(1), blocks(x), blocks(weight), blocks(bias))
+    return y.reshape(M, D)
 
 
 def _kernel(layer_gmem, x_gmem, w_gmem, b_gmem, o_gmem, *, D, kind, eps, lanes, gpu):
@@ -86,13 +88,15 @@ def _kernel(layer_gmem, x_gmem, w_gmem, b_gmem, o_gmem, *, D, kind, eps, lanes, 
                           tree=functools.partial(_tree, tree_smem, lanes))
         for kb in range(nkb):
             b = block(b_smem, kb) if kind == "layer" else None
-            o_smem[kb] = tm.to_dtype(normalize(block(x_smem, kb), block(w_smem, kb), b, stats, kind, gpu), dtype)
+            y = normalize(block(x_smem, kb), block(w_smem, kb), b, stats, kind, gpu)
+            o_smem[kb] = tm.to_dtype(y, dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[r])
         plgpu.wait_smem_to_gmem(0)
 
     row = plgpu.SMEM((nkb, LANES), dtype)
-    pl.run_scoped(scoped, row, plgpu.SMEM((nkb, LANES), w_gmem.dtype), plgpu.SMEM((nkb, LANES), b_gmem.dtype), row,
+    weights = plgpu.SMEM((nkb, LANES), w_gmem.dtype)
+    pl.run_scoped(scoped, row, weights, plgpu.SMEM((nkb, LANES), b_gmem.dtype), row,
                   plgpu.SMEM((2 * LANES,), tm.F32), plgpu.Barrier(num_arrivals=1, num_barriers=3))
 
 
