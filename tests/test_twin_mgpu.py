@@ -1,11 +1,13 @@
-"""The twin kernels on Pallas's Mosaic GPU backend: the linear's MMA form (`kernels_pallas.twin_linear_mgpu`)
-and the norm (`kernels_pallas.twin_norm_mgpu`).
+"""The twin kernels on Pallas's Mosaic GPU backend: the linear's MMA form and the qkv projection with its
+RoPE and ring-write epilogue (`kernels_pallas.twin_linear_mgpu`), and the norm (`kernels_pallas.twin_norm_mgpu`).
 
 Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
 - the linear: with integer-valued operands every partial sum over K is exact, so the order of the
   block products does not matter and the kernel's bits must be the plain reference's
   (`twin_linear.linear_native`): the epilogues, the layer index (traced under jit), the rows past M,
-  the padded row counts and the scale and residual tiles are held bit for bit;
+  the padded row counts and the scale and residual tiles are held bit for bit; so are the qkv
+  kernel's q and rings (the rotation's products rounded as the reference's), written in place under
+  donation and left untouched without it;
 - the norm: its sums run in the contract's order whatever the operands, so its bits are the
   reference's (`twin_norm.norm_native`) on any input.
 Compiled (GPU): the bits of the same kernels on Pallas's Triton backend and of their torch twins, on
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 
 from jax_impl.parity import bits
+from jax_impl.tables import rope_freqs
 from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_linear_mgpu as plm
 from kernels_pallas import twin_norm as pn
@@ -189,6 +192,52 @@ def test_gpu_bits_are_the_triton_twins(M, N, K, act, scale, res, kind, inputs):
         assert_same(alone[0], y[row], f"{inputs} row {row} alone")
 
 
+def qkv_case(B, T, H, D, C, L, K, seed=0, integers=True):
+    """x [B*T, K], w [L, 3HD, K] (integer-valued: exact sums), RoPE tables of real positions, rings,
+    write slots (consecutive per row) and a mask with unwritten rows (bf16)."""
+    rng = np.random.default_rng(seed)
+    b16 = jnp.bfloat16
+    if integers:
+        x, w = (jnp.asarray(rng.integers(-3, 4, s), b16) for s in ((B * T, K), (L, 3 * H * D, K)))
+    else:
+        x, w = jnp.asarray(rng.standard_normal((B * T, K)), b16), jnp.asarray(rng.standard_normal((L, 3 * H * D, K)) * 0.05, b16)
+    ring_k, ring_v = (jnp.asarray(rng.standard_normal((L, B, H, C, D)), b16) for _ in range(2))
+    offset = rng.integers(0, 5000, B)
+    angle = (offset[:, None, None] + np.arange(T)[None, :, None]) * rope_freqs(D, 10000.0)[None, None, :]
+    cos, sin = jnp.asarray(np.cos(angle), jnp.float32), jnp.asarray(np.sin(angle), jnp.float32)
+    write_index = jnp.asarray((offset[:, None] + np.arange(T)) % C, jnp.int32)
+    write_mask = jnp.asarray(rng.random((B, T)) < 0.7).at[0, 0].set(True)
+    return x, w, cos, sin, ring_k, ring_v, write_index, write_mask
+
+
+@interpreted
+@pytest.mark.parametrize("B,T,H,D,K,rope,kind", [(2, 1, 2, 128, 128, True, None), (3, 2, 2, 64, 128, True, "layer"),
+                                                 (1, 1, 1, 128, 64, False, None), (40, 2, 1, 64, 64, True, None)])
+def test_interpreted_qkv_bits_are_the_reference(B, T, H, D, K, rope, kind):
+    """q and both rings: the reference's bits (integer operands, the rotation's roundings), the rings
+    written in place when donated, the caller's untouched when not; 80 rows: two row blocks."""
+    C, L = 5, 2
+    x, w, cos, sin, ring_k, ring_v, wi, wm = qkv_case(B, T, H, D, C, L, K, seed=B)
+    if not rope:
+        cos = sin = None
+    norm = None if kind is None else TwinNorm(kind, jnp.zeros((L, K), jnp.bfloat16), jnp.ones((L, K), jnp.bfloat16), 1e-5)
+    ref = pli.linear_rope_write_native(x, w, L - 1, cos, sin, ring_k, ring_v, wi, wm, norm=norm)
+    kept = [np.asarray(r).copy() for r in (ring_k, ring_v)]
+
+    def call(x, w, layer, cos, sin, rk, rv, wi, wm):
+        return plm.linear_rope_write(x, w, layer, cos, sin, rk, rv, wi, wm, norm=norm, interpret=True)
+
+    out = jax.jit(call)(x, w, jnp.int32(L - 1), cos, sin, ring_k, ring_v, wi, wm)
+    for name, a, b in zip(("q", "ring_k", "ring_v"), out, ref):
+        assert_same(a, b, f"{name} B={B} T={T}")
+    for r, k in zip((ring_k, ring_v), kept):
+        assert_same(r, k, "the caller's ring without donation")
+    donated = jax.jit(call, donate_argnums=(5, 6))(x, w, jnp.int32(L - 1), cos, sin, jnp.array(ring_k),
+                                                   jnp.array(ring_v), wi, wm)
+    for name, a, b in zip(("q", "ring_k", "ring_v"), donated, ref):
+        assert_same(a, b, f"{name}, donated")
+
+
 def test_norm_signature_is_the_twin_norms():
     import inspect
 
@@ -210,6 +259,9 @@ def test_signature_is_the_twin_linears_with_its_own_tiles():
     assert names(plm.linear)[:7] == semantic == names(pli.linear)[:7]
     assert set(names(plm.linear)[7:]) == {"block_n", "stages", "interpret"}
     assert plm.linear_native is pli.linear_native
+    qkv = list(inspect.signature(plm.linear_rope_write).parameters)
+    twin = list(inspect.signature(pli.linear_rope_write).parameters)
+    assert qkv[:10] == twin[:10] and "ring_layer" in qkv and plm.linear_rope_write_native is pli.linear_rope_write_native
 
 
 @on_gpu
@@ -237,3 +289,32 @@ def test_gpu_norm_bits_are_the_triton_twins(M, D, kind, inputs):
     assert_same(y, y_t.cpu(), f"{inputs} {kind} M={M}: torch twin")
     alone = pnm.norm(x[M - 1:], w, b, 1, kind=kind, eps=1e-5)
     assert_same(alone[0], y[M - 1], f"{inputs} row alone")
+
+
+@on_gpu
+@pytest.mark.parametrize("B,T,H,D,K", [(1, 1, 32, 128, 4096), (4, 1, 32, 128, 4096), (64, 1, 32, 128, 4096),
+                                       (4, 2, 8, 64, 512), (64, 10, 8, 64, 512), (16, 1, 16, 64, 1024)])
+def test_gpu_qkv_bits_are_the_triton_twins(B, T, H, D, K):
+    """The Mosaic qkv kernel, the Pallas Triton-backend one and the torch twin: q and both rings with the
+    same bits (the temporal, Mimi and depformer projections), the rings written in place."""
+    import torch
+
+    from kernels_triton import twin_linear as tli
+    from torch_bridge.dlpack import to_torch
+
+    C, L = 12, 2
+    x, w, cos, sin, ring_k, ring_v, wi, wm = qkv_case(B, T, H, D, C, L, K, seed=B, integers=False)
+    norm = TwinNorm("rms", jnp.asarray(1 + 0.1 * np.random.default_rng(0).standard_normal((L, K)), jnp.bfloat16),
+                    None, 1e-5)
+    tk, tv = (to_torch(jnp.array(r)) for r in (ring_k, ring_v))
+    tn = TwinNorm("rms", to_torch(norm.weight), None, norm.eps)
+    tq, _, _ = tli.linear_rope_write(to_torch(x), to_torch(w), L - 1, to_torch(cos), to_torch(sin), tk, tv,
+                                     to_torch(wi), to_torch(wm), norm=tn)
+    torch.cuda.synchronize()
+    expected = (tq.cpu(), tk.cpu(), tv.cpu())
+    p = pli.linear_rope_write(x, w, L - 1, cos, sin, jnp.array(ring_k), jnp.array(ring_v), wi, wm, norm=norm, form="mma")
+    m = jax.jit(lambda *a: plm.linear_rope_write(*a, norm=norm), donate_argnums=(5, 6))(
+        x, w, jnp.int32(L - 1), cos, sin, jnp.array(ring_k), jnp.array(ring_v), wi, wm)
+    for name, a, b, t in zip(("q", "ring_k", "ring_v"), m, p, expected):
+        assert_same(a, b, f"{name} B={B}: Pallas Triton backend")
+        assert_same(a, t, f"{name} B={B}: torch twin")
