@@ -140,6 +140,51 @@ def case_rope(rec, B, T, H, D, C, L):
                triton_ms=t_time(lambda: tr.rope_write(qkv, ct, st, rk, rv, L - 1, wi, act)))
 
 
+def case_qkv(rec, B, T, H, D, K, C, L=2):
+    """The qkv projection with its RoPE and ring-write epilogue (the MMA form): the Pallas kernel and
+    the Triton kernel, the same bits for q and both rings, and the Mosaic GPU kernel's."""
+    offset = torch.randint(0, 10**5, (B,), device="cuda", dtype=torch.int32)
+    angle = (offset[:, None, None] + torch.arange(T, device="cuda")[None, :, None]) * torch.from_numpy(
+        rope_freqs(D, 10000.0)).cuda()
+    cos, sin = torch.cos(angle).float(), torch.sin(angle).float()
+    x, w = randn(B * T, K), randn(L, 3 * H * D, K, scale=0.02, seed=1)
+    rk, rv = randn(L, B, H, C, D, seed=4), randn(L, B, H, C, D, seed=5)
+    wi = ((offset[:, None].long() + torch.arange(T, device="cuda")) % C).int()
+    wm = torch.ones(B, T, dtype=torch.bool, device="cuda")
+    args_j = [to_jax(t) for t in (x, w)] + [jnp.int32(L - 1)] + [to_jax(t) for t in (cos, sin)]
+    tail_j = [to_jax(wi), to_jax(wm)]
+    f = jax.jit(lambda x, w, l, c, s, k, v, i, m: pli.linear_rope_write(x, w, l, c, s, k, v, i, m), donate_argnums=(5, 6))
+    out_j = f(*args_j, to_jax(rk.clone()), to_jax(rv.clone()), *tail_j)
+    tk, tv = rk.clone(), rv.clone()
+    tq, _, _ = tli.linear_rope_write(x, w, L - 1, cos, sin, tk, tv, wi, wm)
+    rec.update(identical=all(same(a, b) for a, b in zip(out_j, (tq, tk, tv))),
+               triton_ms=t_time(lambda: tli.linear_rope_write(x, w, L - 1, cos, sin, tk, tv, wi, wm)),
+               bytes=w[0].numel() * 2)
+    rec["pallas_ms"] = j_time(stepped(f, args_j, (to_jax(rk.clone()), to_jax(rv.clone())), tail_j))
+    if jax.__version_info__[:2] < MOSAIC_MIN_JAX:
+        return
+    try:
+        g = jax.jit(lambda x, w, l, c, s, k, v, i, m: plm.linear_rope_write(x, w, l, c, s, k, v, i, m),
+                    donate_argnums=(5, 6))
+        out_m = g(*args_j, to_jax(rk.clone()), to_jax(rv.clone()), *tail_j)
+        rec["mosaic_identical"] = all(same(a, b) for a, b in zip(out_m, (tq, tk, tv)))
+        rec["mosaic_ms"] = j_time(stepped(g, args_j, (to_jax(rk.clone()), to_jax(rv.clone())), tail_j))
+    except Exception as err:  # noqa: BLE001 (recorded beside the Triton results)
+        rec["mosaic_error"] = f"{type(err).__name__}: {err}"[:2000]
+
+
+def stepped(fn, args, rings, tail):
+    """A call of fn(*args, *rings, *tail) -> (q, *rings) that donates the rings and keeps the new ones
+    for the next call, as a step carries its state; returns q."""
+    state = list(rings)
+
+    def call():
+        q, *state[:] = fn(*args, *state, *tail)
+        return q
+
+    return call
+
+
 def case_attention(rec, B, H, T, D, C, L):
     q = randn(B, H, T, D)
     rk, rv = randn(L, B, H, C, D, seed=1), randn(L, B, H, C, D, seed=2)
@@ -175,6 +220,9 @@ CASES = [
     ("linear mimi scale+res 8x2048->512", case_linear, {"M": 8, "N": 512, "K": 2048, "scale": True, "res": True}),
     ("rms norm 4x4096", case_norm, {"M": 4, "D": 4096, "kind": "rms"}),
     ("layer norm 8x512", case_norm, {"M": 8, "D": 512, "kind": "layer"}),
+    ("qkv+rope+write temporal B=1", case_qkv, {"B": 1, "T": 1, "H": 32, "D": 128, "K": 4096, "C": 3000}),
+    ("qkv+rope+write temporal B=64", case_qkv, {"B": 64, "T": 1, "H": 32, "D": 128, "K": 4096, "C": 3000}),
+    ("qkv+rope+write mimi T=2 B=4", case_qkv, {"B": 4, "T": 2, "H": 8, "D": 64, "K": 512, "C": 250}),
     ("rope temporal", case_rope, {"B": 4, "T": 1, "H": 32, "D": 128, "C": 3000, "L": 2}),
     ("rope mimi T=10", case_rope, {"B": 4, "T": 10, "H": 8, "D": 64, "C": 250, "L": 2}),
     ("attention temporal B=4", case_attention, {"B": 4, "H": 32, "T": 1, "D": 128, "C": 3000, "L": 2}),
