@@ -28,12 +28,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.contract.linear import MOSAIC_MIN_JAX
-from kernels_pallas.contract.norm import check_twin_norm
+from kernels_pallas.contract.linear import MOSAIC_MIN_JAX, MOSAIC_ROWS, MOSAIC_TREE_LANES, mosaic_padded_rows
+from kernels_pallas.contract.norm import TWIN_SPLIT_GROUP, check_twin_norm
 from kernels_pallas.contract.numerics import twin_lanes
-from kernels_pallas.twin_norm import _stacked, norm_native, normalize, row_stats
+from kernels_pallas.twin_norm import _rms_r, _stacked, norm_native, normalize, row_stats, split_native
 
-__all__ = ["norm", "norm_native"]  # the plain reference is the Triton-backend module's
+__all__ = ["norm", "norm_native", "split", "split_native"]  # the plain references: the Triton-backend module's
 
 LANES = 128  # a warpgroup's threads: one lane each
 
@@ -51,9 +51,7 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
                          f"got D={D}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if interpret and jax.__version_info__[:2] < MOSAIC_MIN_JAX:
-        raise RuntimeError(f"norm(interpret=True): Mosaic GPU's interpreter needs jax >= "
-                           f"{'.'.join(map(str, MOSAIC_MIN_JAX))}; this is jax {jax.__version__}")
+    _check_interpreter("norm", interpret)
     lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
     nkb = D // LANES
     kernel = functools.partial(_kernel, D=D, kind=kind, eps=eps, lanes=lanes,
@@ -116,3 +114,108 @@ def _tree(s_smem, lanes, acc):
         plgpu.commit_smem()
         h //= 2
     return plgpu.layout_cast(jnp.broadcast_to(s_smem[0], (LANES,)), lanes)
+
+
+# ------------------------------------------------------------------------------- the split RMSNorm
+# (`contract.norm.TwinSplit`) on Mosaic GPU: its row sums over the wgmma accumulator's layout, where a
+# row's columns are spread over four threads.
+WGMMA = plgpu.Layout.WGMMA
+
+
+def row_tree(values, scratch):
+    """`tm.tree_sum` of each row of values [64, W] (float32, the wgmma layout; W = 8 * 2**k) in every
+    lane: [64, 8], each lane its row's sum.
+
+    The levels above 8 columns add column halves in registers (each thread holds both halves' columns).
+    The last three cross threads, through scratch [64, 16] float32 holding each row's 8 lanes twice:
+    the window at column h reads lane (c + h) mod 8, so every lane adds its partner, the one below it
+    or above it (a + b and b + a: the same bits), and ends with the tree's sum."""
+    while values.shape[1] > MOSAIC_TREE_LANES:
+        h = values.shape[1] // 2
+        values = values[:, :h] + values[:, h:]
+    for h in (4, 2, 1):
+        scratch[...] = jnp.concatenate([values, values], axis=1)
+        plgpu.commit_smem()
+        partner = plgpu.load(scratch.at[:, pl.ds(h, MOSAIC_TREE_LANES)], layout=WGMMA, optimized=False)
+        plgpu.commit_smem()  # every thread has read before the next level writes
+        values = values + partner
+    return values
+
+
+def split_halves(yf, alpha, dtype, gpu, scratch):
+    """The producer's half of the split RMSNorm of the rows yf [64, G] (float32, the wgmma layout; G =
+    TWIN_SPLIT_GROUP columns): (u = to_dtype(yf * alpha) [64, G], ss [64, 8], every lane its row's
+    partial sum of squares). alpha: its row of the weight, broadcast to [64, G]."""
+    return tm.to_dtype(tm.mul(yf, alpha, gpu), dtype), row_tree(tm.mul(yf, yf, gpu), scratch)
+
+
+def store_column(ss, column, ss_gmem, m0, group, M):
+    """ss [64, 8] (the lanes equal) into ss_gmem[m0 + r, group] for the rows m0 + r < M, through
+    column [64, 8] float32 (shared memory): a 4-byte column is no TMA box, so each row is a scalar
+    store."""
+    column[...] = ss
+    plgpu.commit_smem()
+
+    @pl.loop(0, column.shape[0])
+    def _(r):
+        @pl.when(m0 + r < M)
+        def _():
+            ss_gmem[m0 + r, group] = column[r, 0]
+
+
+def split_scale(ss_smem, K, eps, gpu, scratch):
+    """The consumer's half: r [64, 8] (the lanes equal) of the rows whose partial sums ss_smem [64, K / G]
+    holds (float32, shared memory, the rows past M zeros): 1 / sqrt(eps + tree_sum(ss) / K)."""
+    ss = plgpu.load(ss_smem, layout=WGMMA, optimized=False)
+    return _rms_r(row_tree(ss, scratch), K, eps, gpu)
+
+
+def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None = None):
+    """`twin_norm.split` (the producer's half of the split RMSNorm of x [M, D] itself): (u [M, D] in x's
+    dtype, ss float32 [M, D / TWIN_SPLIT_GROUP]); weight: alpha [L, D] at `layer` (int or traced), or [D]
+    with layer=None. A program is 64 rows of one group of columns (`split_halves`, `store_column`)."""
+    weight, _, layer = _stacked(weight, None, layer, "rms")
+    M, D = check_twin_norm(x, weight, None, "rms")
+    groups = D // TWIN_SPLIT_GROUP
+    if D % TWIN_SPLIT_GROUP:
+        raise ValueError(f"split(x): D={D} must be a multiple of {TWIN_SPLIT_GROUP}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    _check_interpreter("split", interpret)
+    kernel = functools.partial(_split_kernel, M=M, gpu=False if interpret else tm.Mosaic(WGMMA))
+    Mp = mosaic_padded_rows(M)
+    call = plgpu.kernel(kernel, out_type=(jax.ShapeDtypeStruct((Mp, D), x.dtype),
+                                          jax.ShapeDtypeStruct((M, groups), tm.F32)),
+                        grid=(-(-Mp // MOSAIC_ROWS), groups), grid_names=("m", "g"),
+                        interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name="twin_rms_split_mgpu")
+    u, ss = call(jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, ((0, Mp - M), (0, 0))), weight)
+    return (u if Mp == M else u[:M]), ss
+
+
+def _split_kernel(layer_gmem, x_gmem, w_gmem, u_gmem, ss_gmem, *, M, gpu):
+    """Program (i, g): rows i*64.., the columns of group g (`split`)."""
+    i, g = lax.axis_index("m"), lax.axis_index("g")
+    rows, cols = pl.ds(i * MOSAIC_ROWS, MOSAIC_ROWS), pl.ds(g * TWIN_SPLIT_GROUP, TWIN_SPLIT_GROUP)
+    dtype = x_gmem.dtype
+
+    def scoped(x_smem, u_smem, scratch, column, bar):
+        plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem, bar)  # the rows past M: zeros
+        alpha = plgpu.load(w_gmem.at[layer_gmem[0], cols], layout=WGMMA.reduce(0), optimized=False)
+        plgpu.barrier_wait(bar)
+        yf = plgpu.load(x_smem, layout=WGMMA, optimized=False).astype(tm.F32)
+        u, ss = split_halves(yf, jnp.broadcast_to(alpha.astype(tm.F32)[None, :], yf.shape), dtype, gpu, scratch)
+        u_smem[...] = u
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(u_smem, u_gmem.at[rows, cols])
+        store_column(ss, column, ss_gmem, i * MOSAIC_ROWS, g, M)
+        plgpu.wait_smem_to_gmem(0)
+
+    tile = plgpu.SMEM((MOSAIC_ROWS, TWIN_SPLIT_GROUP), dtype)
+    pl.run_scoped(scoped, tile, tile, plgpu.SMEM((MOSAIC_ROWS, 2 * MOSAIC_TREE_LANES), tm.F32),
+                  plgpu.SMEM((MOSAIC_ROWS, MOSAIC_TREE_LANES), tm.F32), plgpu.Barrier(num_arrivals=1))
+
+
+def _check_interpreter(who: str, interpret: bool):
+    if interpret and jax.__version_info__[:2] < MOSAIC_MIN_JAX:
+        raise RuntimeError(f"{who}(interpret=True): Mosaic GPU's interpreter needs jax >= "
+                           f"{'.'.join(map(str, MOSAIC_MIN_JAX))}; this is jax {jax.__version__}")

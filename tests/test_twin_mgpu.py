@@ -1,5 +1,6 @@
 """The twin kernels on Pallas's Mosaic GPU backend: the linear's MMA form and the qkv projection with its
-RoPE and ring-write epilogue (`kernels_pallas.twin_linear_mgpu`), and the norm (`kernels_pallas.twin_norm_mgpu`).
+RoPE and ring-write epilogue (`kernels_pallas.twin_linear_mgpu`), the norm and the split RMSNorm
+(`kernels_pallas.twin_norm_mgpu`).
 
 Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
 - the linear: with integer-valued operands every partial sum over K is exact, so the order of the
@@ -8,8 +9,10 @@ Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
   the padded row counts and the scale and residual tiles are held bit for bit; so are the qkv
   kernel's q and rings (the rotation's products rounded as the reference's), written in place under
   donation and left untouched without it;
-- the norm: its sums run in the contract's order whatever the operands, so its bits are the
-  reference's (`twin_norm.norm_native`) on any input.
+- the norm and the split RMSNorm's producer: their sums run in the contract's order whatever the
+  operands, so their bits are the references' (`twin_norm.norm_native`, `split_native`) on any input;
+- the split RMSNorm's halves inside the linears: the bits of the Triton-backend MMA form, interpreted
+  (integer-valued operands: y, u, ss and the consumer's scaled sums).
 Compiled (GPU): the bits of the same kernels on Pallas's Triton backend and of their torch twins, on
 random and hostile operands at the stacks' sizes, and a row alone has the bits it has among the others.
 """
@@ -28,7 +31,7 @@ from kernels_pallas import twin_linear_mgpu as plm
 from kernels_pallas import twin_norm as pn
 from kernels_pallas import twin_norm_mgpu as pnm
 from kernels_pallas.contract.linear import MOSAIC_MIN_JAX
-from kernels_pallas.contract.norm import TwinNorm
+from kernels_pallas.contract.norm import TwinNorm, TwinRms, TwinSplit
 
 NEW_ENOUGH = jax.__version_info__[:2] >= MOSAIC_MIN_JAX
 FLOOR = ".".join(map(str, MOSAIC_MIN_JAX))
@@ -238,6 +241,57 @@ def test_interpreted_qkv_bits_are_the_reference(B, T, H, D, K, rope, kind):
         assert_same(a, b, f"{name}, donated")
 
 
+@interpreted
+@pytest.mark.parametrize("M,D", [(3, 256), (12, 512), (72, 128)])
+def test_interpreted_split_bits_are_the_reference(M, D):
+    """The split RMSNorm's producer on its own (a step's first norm): u and ss, the reference's bits on
+    random rows, 12 rows padded to 16 and 72 rows in two blocks."""
+    rng = np.random.default_rng(M)
+    x = jnp.asarray(rng.standard_normal((M, D)) * 3, jnp.bfloat16)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal((2, D)), jnp.bfloat16)
+    u, ss = jax.jit(lambda x, w, layer: pnm.split(x, w, layer, interpret=True))(x, w, jnp.int32(1))
+    ref_u, ref_ss = pn.split_native(x, w, 1)
+    assert_same(u, ref_u, "u")
+    assert_same(ss, ref_ss, "ss")
+
+
+def split_case(M, K, seed):
+    """A consumer's ss (`pn.split_native` of random rows), as the producer before it would hand it."""
+    rng = np.random.default_rng(seed)
+    return TwinRms(pn.split_native(jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16), jnp.ones((K,), jnp.bfloat16))[1],
+                   1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("M,N,K,act,res,split,rms", [(4, 128, 512, None, True, True, False),
+                                                     (12, 256, 512, "silu_gate", False, False, True),
+                                                     (72, 128, 1024, None, True, True, True)])
+def test_interpreted_split_halves_in_the_linear(M, N, K, act, res, split, rms):
+    """The producer's half in the epilogue (y, u, ss) and the consumer's before it: the bits of the
+    Triton-backend MMA form, interpreted, on integer-valued operands; alpha read at layer + offset."""
+    x, w, _, r, _ = integer_case(M, N, K, 2, act, False, res, None, seed=M)
+    n_out = N // 2 if act == "silu_gate" else N
+    rng = np.random.default_rng(M)
+    tsplit = TwinSplit(jnp.asarray(1 + 0.1 * rng.standard_normal((2, n_out)), jnp.bfloat16), offset=1) if split else None
+    trms = split_case(M, K, M) if rms else None
+    y = plm.linear(x, w, 0, act=act, residual=r, split=tsplit, rms=trms, interpret=True)
+    ref = pli.linear(x, w, 0, act=act, residual=r, split=tsplit, rms=trms, form="mma", interpret=True)
+    for name, a, b in zip(("y", "u", "ss"), *((y, ref) if split else ((y,), (ref,)))):
+        assert_same(a, b, f"{name} M={M}")
+
+
+@interpreted
+@pytest.mark.parametrize("B,T,H,D,K", [(2, 1, 2, 128, 512), (3, 2, 2, 64, 1024)])
+def test_interpreted_qkv_with_the_split_norm(B, T, H, D, K):
+    """linear_rope_write's consumer half (Helium's qkv): the Triton-backend MMA form's bits, interpreted."""
+    x, w, cos, sin, ring_k, ring_v, wi, wm = qkv_case(B, T, H, D, 5, 2, K, seed=B)
+    rms = split_case(B * T, K, B)
+    ref = pli.linear_rope_write(x, w, 1, cos, sin, ring_k, ring_v, wi, wm, rms=rms, form="mma", interpret=True)
+    out = plm.linear_rope_write(x, w, 1, cos, sin, ring_k, ring_v, wi, wm, rms=rms, interpret=True)
+    for name, a, b in zip(("q", "ring_k", "ring_v"), out, ref):
+        assert_same(a, b, name)
+
+
 def test_norm_signature_is_the_twin_norms():
     import inspect
 
@@ -255,13 +309,14 @@ def test_signature_is_the_twin_linears_with_its_own_tiles():
     def names(fn):
         return [p for p in inspect.signature(fn).parameters]
 
-    semantic = ["x", "w", "layer", "act", "scale", "residual", "norm"]
-    assert names(plm.linear)[:7] == semantic == names(pli.linear)[:7]
-    assert set(names(plm.linear)[7:]) == {"block_n", "stages", "interpret"}
+    semantic = ["x", "w", "layer", "act", "scale", "residual", "norm", "split", "rms"]
+    assert names(plm.linear)[:9] == semantic == names(pli.linear)[:9]
+    assert set(names(plm.linear)[9:]) == {"block_n", "stages", "interpret"}
+    assert names(pnm.split) == names(pn.split) and pnm.split_native is pn.split_native
     assert plm.linear_native is pli.linear_native
     qkv = list(inspect.signature(plm.linear_rope_write).parameters)
     twin = list(inspect.signature(pli.linear_rope_write).parameters)
-    assert qkv[:10] == twin[:10] and "ring_layer" in qkv and plm.linear_rope_write_native is pli.linear_rope_write_native
+    assert qkv[:12] == twin[:12] and plm.linear_rope_write_native is pli.linear_rope_write_native
 
 
 @on_gpu
@@ -318,3 +373,50 @@ def test_gpu_qkv_bits_are_the_triton_twins(B, T, H, D, K):
     for name, a, b, t in zip(("q", "ring_k", "ring_v"), m, p, expected):
         assert_same(a, b, f"{name} B={B}: Pallas Triton backend")
         assert_same(a, t, f"{name} B={B}: torch twin")
+
+
+@on_gpu
+@pytest.mark.parametrize("M", [1, 4, 16, 64])
+@pytest.mark.parametrize("inputs", ["random", "hostile"])
+def test_gpu_split_norm_bits_are_the_triton_twins(M, inputs):
+    """Helium's split RMSNorm (K = 4096): the producer alone (`split`), in the out projection's epilogue
+    (y, u, ss), the consumer in the gate (rms) and in the qkv kernel: the bits of the Pallas Triton-backend
+    kernels and of the torch twins."""
+    import torch
+
+    from kernels_triton import twin_linear as tli
+    from kernels_triton import twin_norm as tn
+    from torch_bridge.dlpack import to_torch
+
+    K, L = 4096, 2
+    rng = np.random.default_rng(M)
+    b16 = jnp.bfloat16
+    x = hostile(rng, (M, K)) if inputs == "hostile" else jnp.asarray(rng.standard_normal((M, K)), b16)
+    alpha = jnp.asarray(1 + 0.1 * rng.standard_normal((L, K)), b16)
+    w_out = jnp.asarray(rng.standard_normal((L, K, K)) * 0.02, b16)
+    w_gate = jnp.asarray(rng.standard_normal((L, 2 * 1024, K)) * 0.02, b16)
+    u, ss = pnm.split(x, alpha, 0)
+    for a, b, what in zip((u, ss), pn.split(x, alpha, 0), ("u", "ss")):
+        assert_same(a, b, f"split {what}")
+    tu, tss = tn.split(to_torch(x), to_torch(alpha), 0)
+    torch.cuda.synchronize()
+    assert_same(u, tu.cpu(), "split u, torch")
+    assert_same(ss, tss.cpu(), "split ss, torch")
+    split = TwinSplit(alpha, offset=1)
+    produced = plm.linear(u, w_out, 0, residual=x, split=split, rms=TwinRms(ss, 1e-5))
+    expected = pli.linear(u, w_out, 0, residual=x, split=split, rms=TwinRms(ss, 1e-5), form="mma")
+    t_out = tli.linear(tu, to_torch(w_out), 0, residual=to_torch(x), split=TwinSplit(to_torch(alpha), 1),
+                       rms=TwinRms(tss, 1e-5))
+    torch.cuda.synchronize()
+    for name, a, b, t in zip(("y", "u", "ss"), produced, expected, t_out):
+        assert_same(a, b, f"out projection {name}")
+        assert_same(a, t.cpu(), f"out projection {name}, torch")
+    g = plm.linear(produced[1], w_gate, 0, act="silu_gate", rms=TwinRms(produced[2], 1e-5))
+    assert_same(g, pli.linear(produced[1], w_gate, 0, act="silu_gate", rms=TwinRms(produced[2], 1e-5), form="mma"),
+                "gate (consumer)")
+    _, _, cos, sin, ring_k, ring_v, wi, wm = qkv_case(M, 1, 32, 128, 12, L, K, seed=M, integers=False)
+    w_qkv = jnp.asarray(rng.standard_normal((L, 3 * K, K)) * 0.02, b16)
+    qkv = [f(u, w_qkv, 1, cos, sin, jnp.array(ring_k), jnp.array(ring_v), wi, wm, rms=TwinRms(ss, 1e-5), **kw)
+           for f, kw in ((plm.linear_rope_write, {}), (pli.linear_rope_write, {"form": "mma"}))]
+    for name, a, b in zip(("q", "ring_k", "ring_v"), *qkv):
+        assert_same(a, b, f"qkv {name} (consumer)")

@@ -52,6 +52,7 @@ MOSAIC_ROWS = 64    # x rows a program: wgmma's M, the A operand (TMA reads rows
 MOSAIC_BK = 64      # K elements a pipeline step: one 128-byte swizzled row of 16-bit values
 MOSAIC_BN = 64      # output columns a program (64 or 128)
 MOSAIC_STAGES = 4   # pipeline depth over K (each step's buffers are refilled one step late: >= 2)
+MOSAIC_TREE_LANES = 8  # a row sum's last lanes in registers: the wgmma layout's narrowest tile (twin_norm_mgpu)
 MOSAIC_MIN_JAX = (0, 11)  # Mosaic GPU's interpreter before 0.11 cannot read a transposed wgmma operand
 H200_SMS = 132
 H200_SM_SHARED_BYTES = 228 * 1024  # shared memory an H200 SM holds for all its resident programs ...
@@ -247,9 +248,16 @@ def twin_split_norm(K: int, dtype, compiled: bool) -> bool:
             and K % TWIN_SPLIT_GROUP == 0 and groups & (groups - 1) == 0)
 
 
+def mosaic_padded_rows(M: int) -> int:
+    """The rows a Mosaic GPU kernel's TMA copies see of an [M, ...] operand: M itself up to 8, else M
+    rounded up to a multiple of 8 (TMA tiles the rows by 8; the caller pads and slices where this is not M)."""
+    return M if M <= 8 else -(-M // 8) * 8
+
+
 def check_mosaic_linear(dtype, K: int, N_out: int, block_n: int | None, stages: int, interpret: bool,
-                        jax_version: tuple) -> int:
-    """BN of a Mosaic GPU linear (`twin_linear_mgpu.linear`), after checking what its kernel takes."""
+                        jax_version: tuple, split: bool = False, rms: bool = False) -> int:
+    """BN of a Mosaic GPU linear (`twin_linear_mgpu.linear`), after checking what its kernel takes; split,
+    rms: whether the split RMSNorm's producer or consumer half runs in it."""
     if not sixteen_bit(dtype):
         raise TypeError(f"linear(x): the Mosaic GPU linear (the MMA form) takes bfloat16/float16, got {dtype}")
     if K % MOSAIC_BK:
@@ -258,6 +266,12 @@ def check_mosaic_linear(dtype, K: int, N_out: int, block_n: int | None, stages: 
     if BN not in (64, 128) or N_out % BN:
         raise ValueError(f"linear(block_n): the Mosaic GPU linear runs 64 or 128 columns a program, dividing "
                          f"N_out={N_out}; got {BN!r}")
+    if split and BN != TWIN_SPLIT_GROUP:
+        raise ValueError(f"linear(block_n): with split the Mosaic GPU linear runs {TWIN_SPLIT_GROUP} columns a "
+                         f"program, got {BN}")
+    if rms and K // TWIN_SPLIT_GROUP < MOSAIC_TREE_LANES:
+        raise ValueError(f"linear(rms): the Mosaic GPU linear sums at least {MOSAIC_TREE_LANES} groups of "
+                         f"{TWIN_SPLIT_GROUP} (K >= {MOSAIC_TREE_LANES * TWIN_SPLIT_GROUP}), got K={K}")
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
         raise ValueError(f"linear(stages): expected an int >= 2, got {stages!r}")
     if interpret and tuple(jax_version[:2]) < MOSAIC_MIN_JAX:
