@@ -15,6 +15,7 @@ programs (`twin_layers`, shared with the torch step) on the Pallas twins instead
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import jax
@@ -35,9 +36,31 @@ LAYER_LOOPS = ("scan", "python")
 # ([B, H, C, D] each). Recomputing them would need the whole stacked ring, which jax.checkpoint
 # would then keep at every layer (L copies of it).
 REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("ring_k", "ring_v")
-# The Pallas twins, as the twin layer programs call them (the torch step hands in the Triton twins).
+# The Pallas twins, as the twin layer programs call them (the torch step hands in the Triton twins), on
+# Pallas's Triton backend; `pallas_twins` picks them or the kernels ported to its Mosaic GPU backend.
 PALLAS_TWINS = twin_layers.TwinKernels(twin_linear.linear, twin_linear.linear_rope_write, twin_attention.attention,
                                        twin_norm.norm, twin_norm.split)
+TWIN_BACKEND_VARIABLE = "PERSONAPLEX_TWIN_BACKEND"
+TWIN_BACKENDS = ("triton", "mosaic_gpu")
+
+
+def pallas_twins() -> twin_layers.TwinKernels:
+    """The Pallas twins a JAX twin step calls, read when the step is traced from the environment
+    variable PERSONAPLEX_TWIN_BACKEND: "triton" (unset: the default) for `PALLAS_TWINS`, every kernel on
+    Pallas's Triton backend; "mosaic_gpu" for the linears, the qkv kernel, the norm and the split norm on
+    its Mosaic GPU backend (`kernels_pallas.twin_linear_mgpu`, `twin_norm_mgpu`; jax >= 0.11), the
+    attention still on the Triton backend (not ported). The same contract, so the same bits on the GPU
+    where the tensor cores' sums are the same (not yet measured on the H200); on the CPU the Mosaic
+    kernels run their MMA form interpreted, not the CPU's lane form: other bits, within rounding."""
+    backend = os.environ.get(TWIN_BACKEND_VARIABLE, "triton")
+    if backend == "triton":
+        return PALLAS_TWINS
+    if backend == "mosaic_gpu":
+        from kernels_pallas import twin_linear_mgpu, twin_norm_mgpu
+
+        return twin_layers.TwinKernels(twin_linear_mgpu.linear, twin_linear_mgpu.linear_rope_write,
+                                       twin_attention.attention, twin_norm_mgpu.norm, twin_norm_mgpu.split)
+    raise ValueError(f"{TWIN_BACKEND_VARIABLE}: must be one of {list(TWIN_BACKENDS)} (or unset), got {backend!r}")
 
 
 def temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables, active,
@@ -97,7 +120,7 @@ def twin_entry_tables(c: StackConfig, state: StreamState, x, active, freqs):
 
 def twin_first_carry(c: StackConfig, stacked: dict, x, ring_k, ring_v, sems) -> tuple:
     """The twin layer loop's first carry on this backend (`twin_layers.first_carry`)."""
-    return twin_layers.first_carry(PALLAS_TWINS, c, stacked, x, ring_k, ring_v, sems,
+    return twin_layers.first_carry(pallas_twins(), c, stacked, x, ring_k, ring_v, sems,
                                    compiled=jax.default_backend() == "gpu")
 
 
@@ -118,9 +141,10 @@ def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables:
     """
     if kernels == "twin":
         program = twin_layers.layer_program(c)
+        twins = pallas_twins()
 
         def twin_fn(layer, cr):
-            return program(PALLAS_TWINS, c, stacked, cr, layer, tables)
+            return program(twins, c, stacked, cr, layer, tables)
 
         if layer_loop == "python":
             for layer in range(c.num_layers):

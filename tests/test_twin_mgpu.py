@@ -420,3 +420,44 @@ def test_gpu_split_norm_bits_are_the_triton_twins(M, inputs):
            for f, kw in ((plm.linear_rope_write, {}), (pli.linear_rope_write, {"form": "mma"}))]
     for name, a, b in zip(("q", "ring_k", "ring_v"), *qkv):
         assert_same(a, b, f"qkv {name} (consumer)")
+
+
+def test_the_step_picks_its_twins_from_the_environment(monkeypatch):
+    """PERSONAPLEX_TWIN_BACKEND: unset or "triton" gives the Triton-backend twins, "mosaic_gpu" the
+    Mosaic GPU kernels where they are ported (the attention stays), anything else an error naming it."""
+    from jax_impl import layers
+
+    monkeypatch.delenv(layers.TWIN_BACKEND_VARIABLE, raising=False)
+    assert layers.pallas_twins() is layers.PALLAS_TWINS
+    monkeypatch.setenv(layers.TWIN_BACKEND_VARIABLE, "mosaic_gpu")
+    twins = layers.pallas_twins()
+    assert (twins.linear, twins.linear_rope_write, twins.norm, twins.split) == (
+        plm.linear, plm.linear_rope_write, pnm.norm, pnm.split)
+    assert twins.attention is layers.PALLAS_TWINS.attention
+    monkeypatch.setenv(layers.TWIN_BACKEND_VARIABLE, "cuda")
+    with pytest.raises(ValueError, match="PERSONAPLEX_TWIN_BACKEND"):
+        layers.pallas_twins()
+
+
+@interpreted
+def test_interpreted_twin_steps_on_the_mosaic_kernels(monkeypatch):
+    """The JAX twin step of each stack on the Mosaic GPU kernels, interpreted, four steps: within one
+    bf16 rounding of the step on the Triton-backend twins (which run the CPU's lane form; the Mosaic
+    kernels their MMA form, another order of the sums)."""
+    import jax_impl as jx
+    from jax_impl.config import MimiConfig, TemporalConfig
+    from jax_impl.layers import TWIN_BACKEND_VARIABLE
+
+    for cfg, T in ((MimiConfig(num_layers=2, dim=128, num_heads=2, context=10, ffn=256), 2),
+                   (TemporalConfig(dim=512, num_layers=2, num_heads=4, hidden=256, context=24, text_card=128), 1)):
+        params = jx.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+        outs = {}
+        for backend in ("triton", "mosaic_gpu"):
+            monkeypatch.setenv(TWIN_BACKEND_VARIABLE, backend)
+            step, state, ys = jax.jit(jx.step_fn(cfg, kernels="twin")), jx.init_state(cfg, 3, jnp.bfloat16), []
+            for t in range(4):
+                y, state = step(params, state, jax.random.normal(jax.random.key(t + 1), (3, T, cfg.dim), jnp.bfloat16))
+                ys.append(np.asarray(jax.tree.leaves(y)[0], np.float32))
+            outs[backend] = ys
+        for t, (a, b) in enumerate(zip(outs["triton"], outs["mosaic_gpu"])):
+            assert np.max(np.abs(a - b)) <= 2.0**-6 * np.max(np.abs(a)), (type(cfg).__name__, t)
