@@ -6,9 +6,10 @@ For each twin kernel (linear with its epilogues, norms, RoPE tables, rotate-and-
 attention) at the temporal / Mimi sizes in bf16: whether the Pallas kernel (jitted JAX) and the
 Triton kernel (torch) return the same bits on the same inputs, whether a row computed alone
 (B=1) has the bits it has among others (B=4, 16), and the median time of each (CUDA events
-around 20 calls after warm-up; the JAX side blocks on the result). With jax >= 0.11, the linears'
-and norms' records also hold their Mosaic GPU kernels (`kernels_pallas.twin_linear_mgpu`,
-`twin_norm_mgpu`): whether their bits are Triton's, and their time. Never part of the tests.
+around 20 calls after warm-up; the JAX side blocks on the result). With jax >= 0.11, the records of the
+linears, the norms, the qkv kernel and the attention also hold their Mosaic GPU kernels'
+(`kernels_pallas.twin_linear_mgpu`, `twin_norm_mgpu`, `twin_attention_mgpu`): whether their bits are
+Triton's, and their time. Never part of the tests.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from benchmarks.timing import cuda_time, run_meta
 from jax_impl.parity import bits
 from jax_impl.tables import rope_freqs
 from kernels_pallas import twin_attention as pa
+from kernels_pallas import twin_attention_mgpu as pam
 from kernels_pallas import twin_entry as pe
 from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_linear_mgpu as plm
@@ -205,6 +207,8 @@ def case_attention(rec, B, H, T, D, C, L):
                pallas_ms=j_time(lambda: f(*args_j)),
                triton_ms=t_time(lambda: ta.attention(q, rk, rv, L - 1, pos, qpos, context=C)),
                bytes=2 * B * H * C * D * 2)
+    if C % 8 == 0:  # the rings the Mosaic GPU attention takes
+        mosaic(rec, lambda *a: pam.attention(*a, context=C), args_j, ot)
 
 
 CASES = [
@@ -226,6 +230,8 @@ CASES = [
     ("rope temporal", case_rope, {"B": 4, "T": 1, "H": 32, "D": 128, "C": 3000, "L": 2}),
     ("rope mimi T=10", case_rope, {"B": 4, "T": 10, "H": 8, "D": 64, "C": 250, "L": 2}),
     ("attention temporal B=4", case_attention, {"B": 4, "H": 32, "T": 1, "D": 128, "C": 3000, "L": 2}),
+    ("attention depformer B=1", case_attention, {"B": 1, "H": 16, "T": 1, "D": 64, "C": 16, "L": 2}),
+    ("attention temporal B=64", case_attention, {"B": 64, "H": 32, "T": 1, "D": 128, "C": 3000, "L": 2}),
     ("attention mimi T=2", case_attention, {"B": 4, "H": 8, "T": 2, "D": 64, "C": 250, "L": 2}),
 ]
 

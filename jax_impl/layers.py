@@ -49,8 +49,8 @@ def pallas_twins() -> twin_layers.TwinKernels:
     variable PERSONAPLEX_TWIN_BACKEND: "triton" (unset: the default) for `PALLAS_TWINS`, every kernel on
     Pallas's Triton backend; "mosaic_gpu" for the linears, the qkv kernel, the norm and the split norm on
     its Mosaic GPU backend (`kernels_pallas.twin_linear_mgpu`, `twin_norm_mgpu`; jax >= 0.11), the
-    attention still on the Triton backend (not ported). The same contract, so the same bits on the GPU
-    where the tensor cores' sums are the same (not yet measured on the H200); on the CPU the Mosaic
+    attention too where it takes the ring (`mosaic_attention`). The same contract, so the same bits on the
+    GPU where the tensor cores' sums are the same (not yet measured on the H200); on the CPU the Mosaic
     kernels run their MMA form interpreted, not the CPU's lane form: other bits, within rounding."""
     backend = os.environ.get(TWIN_BACKEND_VARIABLE, "triton")
     if backend == "triton":
@@ -59,8 +59,19 @@ def pallas_twins() -> twin_layers.TwinKernels:
         from kernels_pallas import twin_linear_mgpu, twin_norm_mgpu
 
         return twin_layers.TwinKernels(twin_linear_mgpu.linear, twin_linear_mgpu.linear_rope_write,
-                                       twin_attention.attention, twin_norm_mgpu.norm, twin_norm_mgpu.split)
+                                       mosaic_attention, twin_norm_mgpu.norm, twin_norm_mgpu.split)
     raise ValueError(f"{TWIN_BACKEND_VARIABLE}: must be one of {list(TWIN_BACKENDS)} (or unset), got {backend!r}")
+
+
+def mosaic_attention(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, sems=None):
+    """The twin attention of the Mosaic GPU twins: `kernels_pallas.twin_attention_mgpu` on rings of a
+    multiple of 8 slots (the temporal stack's, the depformer's), the Triton-backend kernel on the others
+    (Mimi's 250), the same contract either way."""
+    if ring_k.shape[3] % 8:
+        return twin_attention.attention(q, ring_k, ring_v, layer, positions, q_pos, context=context, sems=sems)
+    from kernels_pallas import twin_attention_mgpu
+
+    return twin_attention_mgpu.attention(q, ring_k, ring_v, layer, positions, q_pos, context=context, sems=sems)
 
 
 def temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables, active,

@@ -1,6 +1,6 @@
 """The twin kernels on Pallas's Mosaic GPU backend: the linear's MMA form and the qkv projection with its
 RoPE and ring-write epilogue (`kernels_pallas.twin_linear_mgpu`), the norm and the split RMSNorm
-(`kernels_pallas.twin_norm_mgpu`).
+(`kernels_pallas.twin_norm_mgpu`), the attention's MMA form (`kernels_pallas.twin_attention_mgpu`).
 
 Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
 - the linear: with integer-valued operands every partial sum over K is exact, so the order of the
@@ -12,7 +12,10 @@ Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
 - the norm and the split RMSNorm's producer: their sums run in the contract's order whatever the
   operands, so their bits are the references' (`twin_norm.norm_native`, `split_native`) on any input;
 - the split RMSNorm's halves inside the linears: the bits of the Triton-backend MMA form, interpreted
-  (integer-valued operands: y, u, ss and the consumer's scaled sums).
+  (integer-valued operands: y, u, ss and the consumer's scaled sums);
+- the attention: the bits of the Triton-backend MMA form, interpreted, where the products' sums are
+  exact (integer-valued q and k, one visible slot a block), within float32 rounding elsewhere; masked
+  slots holding NaN and Inf reach no output, a query that sees nothing gets +0.
 Compiled (GPU): the bits of the same kernels on Pallas's Triton backend and of their torch twins, on
 random and hostile operands at the stacks' sizes, and a row alone has the bits it has among the others.
 """
@@ -26,6 +29,8 @@ import pytest
 
 from jax_impl.parity import bits
 from jax_impl.tables import rope_freqs
+from kernels_pallas import twin_attention as pa
+from kernels_pallas import twin_attention_mgpu as pam
 from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_linear_mgpu as plm
 from kernels_pallas import twin_norm as pn
@@ -292,6 +297,50 @@ def test_interpreted_qkv_with_the_split_norm(B, T, H, D, K):
         assert_same(a, b, name)
 
 
+def attention_case(B, H, T, D, C, seed=0, sparse=False, integers=True):
+    """(q, ring_k, ring_v, positions, q_pos): slot 3 masked and holding NaN (v) and Inf (k); row 0 sees
+    nothing; sparse: one visible slot in each block of 64."""
+    rng = np.random.default_rng(seed)
+    b16 = jnp.bfloat16
+    q = rng.integers(-2, 3, (B, H, T, D)) if integers else rng.standard_normal((B, H, T, D))
+    ring_k = rng.integers(-2, 3, (2, B, H, C, D)).astype(np.float32) if integers else rng.standard_normal((2, B, H, C, D))
+    ring_v = rng.standard_normal((2, B, H, C, D))
+    ring_k[:, :, :, 3], ring_v[:, :, :, 3] = np.inf, np.nan
+    q_pos = np.full((B, T), C, np.int32) + np.arange(T, dtype=np.int32)
+    positions = rng.integers(0, C, (B, C)).astype(np.int32)
+    if sparse:
+        positions[:] = -1
+        positions[:, 5::64] = C - 1 - np.arange(len(range(5, C, 64)))
+    positions[:, 3] = -1
+    positions[0] = -1
+    return (jnp.asarray(q, b16), jnp.asarray(ring_k, b16), jnp.asarray(ring_v, b16), jnp.asarray(positions),
+            jnp.asarray(q_pos))
+
+
+@interpreted
+@pytest.mark.parametrize("B,H,T,D,C,sparse", [(3, 2, 1, 128, 296, True), (2, 2, 2, 64, 16, True),
+                                              (3, 2, 1, 128, 296, False), (2, 1, 2, 64, 136, False)])
+def test_interpreted_attention_is_the_triton_backends(B, H, T, D, C, sparse):
+    """296 slots: 2 splits of 256 (the combine over 2 partials, the second split's last blocks past the
+    ring); 16: the depformer's ring of one block, read as 64 lanes (48 of them past the ring)."""
+    q, ring_k, ring_v, positions, q_pos = attention_case(B, H, T, D, C, seed=C + D, sparse=sparse)
+    out = jax.jit(lambda *a: pam.attention(*a, context=C, interpret=True))(q, ring_k, ring_v, jnp.int32(1),
+                                                                          positions, q_pos)
+    ref = pa.attention(q, ring_k, ring_v, 1, positions, q_pos, context=C, interpret=True, form="mma")
+    o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(o).all() and not o[0].any() and not np.signbit(o[0]).any()
+    if sparse:
+        assert_same(out, ref, f"attention C={C}")
+    else:
+        assert np.max(np.abs(o - r)) <= 2.0**-7 * np.max(np.abs(r))
+
+
+def test_attention_refuses_rings_it_cannot_tile():
+    q, ring_k, ring_v, positions, q_pos = attention_case(1, 1, 1, 64, 250)
+    with pytest.raises(ValueError, match="multiple of 8 slots"):
+        pam.attention(q, ring_k, ring_v, 1, positions, q_pos, context=250, interpret=True)
+
+
 def test_norm_signature_is_the_twin_norms():
     import inspect
 
@@ -424,7 +473,7 @@ def test_gpu_split_norm_bits_are_the_triton_twins(M, inputs):
 
 def test_the_step_picks_its_twins_from_the_environment(monkeypatch):
     """PERSONAPLEX_TWIN_BACKEND: unset or "triton" gives the Triton-backend twins, "mosaic_gpu" the
-    Mosaic GPU kernels where they are ported (the attention stays), anything else an error naming it."""
+    Mosaic GPU kernels (the attention: on rings of a multiple of 8 slots), anything else an error naming it."""
     from jax_impl import layers
 
     monkeypatch.delenv(layers.TWIN_BACKEND_VARIABLE, raising=False)
@@ -433,7 +482,7 @@ def test_the_step_picks_its_twins_from_the_environment(monkeypatch):
     twins = layers.pallas_twins()
     assert (twins.linear, twins.linear_rope_write, twins.norm, twins.split) == (
         plm.linear, plm.linear_rope_write, pnm.norm, pnm.split)
-    assert twins.attention is layers.PALLAS_TWINS.attention
+    assert twins.attention is layers.mosaic_attention
     monkeypatch.setenv(layers.TWIN_BACKEND_VARIABLE, "cuda")
     with pytest.raises(ValueError, match="PERSONAPLEX_TWIN_BACKEND"):
         layers.pallas_twins()
@@ -461,3 +510,25 @@ def test_interpreted_twin_steps_on_the_mosaic_kernels(monkeypatch):
             outs[backend] = ys
         for t, (a, b) in enumerate(zip(outs["triton"], outs["mosaic_gpu"])):
             assert np.max(np.abs(a - b)) <= 2.0**-6 * np.max(np.abs(a)), (type(cfg).__name__, t)
+
+
+@on_gpu
+@pytest.mark.parametrize("B,H,T,D,C", [(1, 32, 1, 128, 3000), (4, 32, 1, 128, 3000), (64, 32, 1, 128, 3000),
+                                       (1, 16, 1, 64, 16), (16, 16, 1, 64, 16)])
+def test_gpu_attention_bits_are_the_triton_twins(B, H, T, D, C):
+    """The Mosaic attention, the Pallas Triton-backend one and the torch twin: the same bits (the temporal
+    ring and the depformer's), a row alone as among the others."""
+    import torch
+
+    from kernels_triton import twin_attention as ta
+    from torch_bridge.dlpack import to_torch
+
+    q, ring_k, ring_v, positions, q_pos = attention_case(B, H, T, D, C, seed=B, integers=False)
+    out = pam.attention(q, ring_k, ring_v, 1, positions, q_pos, context=C)
+    assert_same(out, pa.attention(q, ring_k, ring_v, 1, positions, q_pos, context=C), f"B={B} C={C}: Pallas Triton")
+    t = ta.attention(*(to_torch(a) for a in (q, ring_k, ring_v)), 1, to_torch(positions), to_torch(q_pos), context=C)
+    torch.cuda.synchronize()
+    assert_same(out, t.cpu(), f"B={B} C={C}: torch twin")
+    b = B - 1
+    alone = pam.attention(q[b:], ring_k[:, b:], ring_v[:, b:], 1, positions[b:], q_pos[b:], context=C)
+    assert_same(alone[0], out[b], "a row alone")
