@@ -49,18 +49,24 @@ def pallas_twins() -> twin_layers.TwinKernels:
     variable PERSONAPLEX_TWIN_BACKEND: "triton" (unset: the default) for `PALLAS_TWINS`, every kernel on
     Pallas's Triton backend; "mosaic_gpu" for the linears, the qkv kernel, the norm and the split norm on
     its Mosaic GPU backend (`kernels_pallas.twin_linear_mgpu`, `twin_norm_mgpu`; jax >= 0.11), the
-    attention too where it takes the ring (`mosaic_attention`). The same contract, so the same bits on the
+    attention too where it takes the ring (`mosaic_attention`), and the entry's RoPE tables
+    (`twin_entry_tables`). The same contract, so the same bits on the
     GPU where the tensor cores' sums are the same (not yet measured on the H200); on the CPU the Mosaic
     kernels run their MMA form interpreted, not the CPU's lane form: other bits, within rounding."""
-    backend = os.environ.get(TWIN_BACKEND_VARIABLE, "triton")
-    if backend == "triton":
+    if twin_backend() == "triton":
         return PALLAS_TWINS
-    if backend == "mosaic_gpu":
-        from kernels_pallas import twin_linear_mgpu, twin_norm_mgpu
+    from kernels_pallas import twin_linear_mgpu, twin_norm_mgpu
 
-        return twin_layers.TwinKernels(twin_linear_mgpu.linear, twin_linear_mgpu.linear_rope_write,
-                                       mosaic_attention, twin_norm_mgpu.norm, twin_norm_mgpu.split)
-    raise ValueError(f"{TWIN_BACKEND_VARIABLE}: must be one of {list(TWIN_BACKENDS)} (or unset), got {backend!r}")
+    return twin_layers.TwinKernels(twin_linear_mgpu.linear, twin_linear_mgpu.linear_rope_write,
+                                   mosaic_attention, twin_norm_mgpu.norm, twin_norm_mgpu.split)
+
+
+def twin_backend() -> str:
+    """The Pallas backend of the JAX twin step (`pallas_twins`), from PERSONAPLEX_TWIN_BACKEND (checked)."""
+    backend = os.environ.get(TWIN_BACKEND_VARIABLE, "triton")
+    if backend not in TWIN_BACKENDS:
+        raise ValueError(f"{TWIN_BACKEND_VARIABLE}: must be one of {list(TWIN_BACKENDS)} (or unset), got {backend!r}")
+    return backend
 
 
 def mosaic_attention(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, sems=None):
@@ -122,8 +128,12 @@ def twin_entry_tables(c: StackConfig, state: StreamState, x, active, freqs):
     tables: the step's `StepTables` (write_mask bool and the mask, from the kernel's tables: both
     computed only where read, e.g. captured); write_mask: the int32 the layers' kernels read in its
     place; x: a copy of x (the layer loop's first carry); sems: the zeroed counters."""
-    e = twin_entry.entry(state.offset, state.start_offset, active, x, jnp.asarray(freqs, jnp.float32),
-                         capacity=c.capacity, convention=c.ring_convention, num_heads=c.num_heads)
+    if twin_backend() == "triton":
+        make = twin_entry.entry
+    else:  # the same bits: the RoPE tables by a Mosaic GPU kernel, the integer ones by XLA
+        from kernels_pallas.twin_rope_mgpu import entry as make
+    e = make(state.offset, state.start_offset, active, x, jnp.asarray(freqs, jnp.float32), capacity=c.capacity,
+             convention=c.ring_convention, num_heads=c.num_heads)
     tables = StepTables(e.cos[:, None], e.sin[:, None], e.write_index, e.positions,
                         visible_mask(e.q_pos, e.positions, c.context), e.end_offset, e.q_pos, e.write_mask != 0)
     return tables, e.write_mask, e.x, e.sems

@@ -1,6 +1,7 @@
 """The twin kernels on Pallas's Mosaic GPU backend: the linear's MMA form and the qkv projection with its
 RoPE and ring-write epilogue (`kernels_pallas.twin_linear_mgpu`), the norm and the split RMSNorm
-(`kernels_pallas.twin_norm_mgpu`), the attention's MMA form (`kernels_pallas.twin_attention_mgpu`).
+(`kernels_pallas.twin_norm_mgpu`), the attention's MMA form (`kernels_pallas.twin_attention_mgpu`), the RoPE
+tables and the step's entry (`kernels_pallas.twin_rope_mgpu`).
 
 Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
 - the linear: with integer-valued operands every partial sum over K is exact, so the order of the
@@ -9,8 +10,9 @@ Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
   the padded row counts and the scale and residual tiles are held bit for bit; so are the qkv
   kernel's q and rings (the rotation's products rounded as the reference's), written in place under
   donation and left untouched without it;
-- the norm and the split RMSNorm's producer: their sums run in the contract's order whatever the
-  operands, so their bits are the references' (`twin_norm.norm_native`, `split_native`) on any input;
+- the norm, the split RMSNorm's producer and the RoPE tables: their arithmetic runs in the contract's
+  order whatever the operands, so their bits are the references' (`twin_norm.norm_native`,
+  `split_native`, `twin_rope.tables_native`, `twin_entry.entry_native`) on any input;
 - the split RMSNorm's halves inside the linears: the bits of the Triton-backend MMA form, interpreted
   (integer-valued operands: y, u, ss and the consumer's scaled sums);
 - the attention: the bits of the Triton-backend MMA form, interpreted, where the products' sums are
@@ -35,8 +37,10 @@ from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_linear_mgpu as plm
 from kernels_pallas import twin_norm as pn
 from kernels_pallas import twin_norm_mgpu as pnm
+from kernels_pallas import twin_rope_mgpu as prm
 from kernels_pallas.contract.linear import MOSAIC_MIN_JAX
 from kernels_pallas.contract.norm import TwinNorm, TwinRms, TwinSplit
+from kernels_pallas.twin_entry import entry_native
 
 NEW_ENOUGH = jax.__version_info__[:2] >= MOSAIC_MIN_JAX
 FLOOR = ".".join(map(str, MOSAIC_MIN_JAX))
@@ -335,6 +339,26 @@ def test_interpreted_attention_is_the_triton_backends(B, H, T, D, C, sparse):
         assert np.max(np.abs(o - r)) <= 2.0**-7 * np.max(np.abs(r))
 
 
+@interpreted
+@pytest.mark.parametrize("B,T,D", [(3, 1, 128), (2, 2, 64), (1, 10, 64)])
+def test_interpreted_rope_tables_and_entry_are_the_references(B, T, D):
+    """Positions up to 10**5 (the RoPE angles' range): the tables' bits, and the step's entry (the same
+    integer tables as `entry_native`, its counters 0)."""
+    rng = np.random.default_rng(B * T)
+    offset = jnp.asarray(rng.integers(0, 100_000, B), jnp.int32)
+    freqs = jnp.asarray(rope_freqs(D, 10000.0), jnp.float32)
+    cos, sin = jax.jit(lambda o, f: prm.tables(o, T, f, interpret=True))(offset, freqs)
+    ref_cos, ref_sin = prm.tables_native(offset, T, freqs)
+    assert_same(cos, ref_cos, "cos")
+    assert_same(sin, ref_sin, "sin")
+    x = jnp.asarray(rng.standard_normal((B, T, 32)), jnp.bfloat16)
+    start, active = offset - 3, jnp.asarray(rng.random(B) < 0.7)
+    kw = {"capacity": 24, "convention": "personaplex", "num_heads": 4}
+    for got, want in zip(prm.entry(offset, start, active, x, freqs, interpret=True, **kw),
+                         entry_native(offset, start, active, x, freqs, **kw)):
+        assert_same(got, want, "entry")
+
+
 def test_attention_refuses_rings_it_cannot_tile():
     q, ring_k, ring_v, positions, q_pos = attention_case(1, 1, 1, 64, 250)
     with pytest.raises(ValueError, match="multiple of 8 slots"):
@@ -482,7 +506,7 @@ def test_the_step_picks_its_twins_from_the_environment(monkeypatch):
     twins = layers.pallas_twins()
     assert (twins.linear, twins.linear_rope_write, twins.norm, twins.split) == (
         plm.linear, plm.linear_rope_write, pnm.norm, pnm.split)
-    assert twins.attention is layers.mosaic_attention
+    assert twins.attention is layers.mosaic_attention and layers.twin_backend() == "mosaic_gpu"
     monkeypatch.setenv(layers.TWIN_BACKEND_VARIABLE, "cuda")
     with pytest.raises(ValueError, match="PERSONAPLEX_TWIN_BACKEND"):
         layers.pallas_twins()
@@ -532,3 +556,23 @@ def test_gpu_attention_bits_are_the_triton_twins(B, H, T, D, C):
     b = B - 1
     alone = pam.attention(q[b:], ring_k[:, b:], ring_v[:, b:], 1, positions[b:], q_pos[b:], context=C)
     assert_same(alone[0], out[b], "a row alone")
+
+
+@on_gpu
+@pytest.mark.parametrize("B,T,D", [(1, 1, 128), (64, 1, 128), (16, 10, 64)])
+def test_gpu_rope_tables_are_the_triton_twins(B, T, D):
+    """The Mosaic tables, the Pallas Triton-backend ones and the torch twin's: the same bits."""
+    import torch
+
+    from kernels_pallas import twin_rope as pr
+    from kernels_triton import twin_rope as tr
+    from torch_bridge.dlpack import to_torch
+
+    offset = jnp.asarray(np.random.default_rng(B).integers(0, 100_000, B), jnp.int32)
+    freqs = jnp.asarray(rope_freqs(D, 10000.0), jnp.float32)
+    got = prm.tables(offset, T, freqs)
+    for a, b, t, name in zip(got, pr.tables(offset, T, freqs), tr.tables(to_torch(offset), T, to_torch(freqs)),
+                             ("cos", "sin")):
+        torch.cuda.synchronize()
+        assert_same(a, b, f"{name}: Pallas Triton backend")
+        assert_same(a, t.cpu(), f"{name}: torch twin")

@@ -1,0 +1,78 @@
+"""The twin RoPE tables on Pallas's Mosaic GPU backend; its Triton-backend twin is `twin_rope.tables`,
+its Triton twin `kernels_triton.twin_rope.tables`, its plain reference `twin_rope.tables_native`.
+
+Contract: `twin_rope`'s, unchanged: angle[b, t, i] = (float32(offset[b]) + t) * freqs[i], (sin, cos) =
+`twin_math.sincos(angle)`, every rounding one PTX instruction (`twin_math.Mosaic`). A program is one
+(b, t): its D/2 angles a vector in the wgmma layout's column order (any order would do: nothing is
+summed), written out by TMA.
+
+`entry` is the JAX twin step's entry (`twin_entry.entry`'s signature and bits) for the Mosaic GPU
+twins: these tables, and the integer tables as the jax.numpy expressions of `twin_entry.row_tables`
+(exact, whatever compiles them), the counters zeroed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels_pallas import twin_math as tm
+from kernels_pallas.contract.linear import MOSAIC_MIN_JAX
+from kernels_pallas.twin_entry import Entry, entry_native
+from kernels_pallas.twin_rope import tables_native
+
+__all__ = ["entry", "entry_native", "tables", "tables_native"]  # the plain references: the Triton-backend modules'
+
+COLS = plgpu.Layout.WGMMA.reduce(0)
+
+
+def tables(offset: jax.Array, T: int, freqs: jax.Array, *, interpret: bool | None = None):
+    """(cos, sin) float32 [B, T, D/2] for positions offset[b] + t (`twin_rope.tables`); D/2 a multiple of 8."""
+    B, half = offset.shape[0], freqs.shape[0]
+    if half % 8:
+        raise ValueError(f"tables(freqs): the Mosaic GPU tables need D/2 a multiple of 8, got {half}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if interpret and jax.__version_info__[:2] < MOSAIC_MIN_JAX:
+        raise RuntimeError(f"tables(interpret=True): Mosaic GPU's interpreter needs jax >= "
+                           f"{'.'.join(map(str, MOSAIC_MIN_JAX))}; this is jax {jax.__version__}")
+    out = jax.ShapeDtypeStruct((B, T, half), tm.F32)
+    call = plgpu.kernel(functools.partial(_tables_kernel, gpu=False if interpret else tm.Mosaic(COLS)),
+                        out_type=(out, out), grid=(B, T), grid_names=("b", "t"),
+                        interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name="twin_rope_tables_mgpu")
+    return call(offset, freqs.astype(tm.F32))
+
+
+def _tables_kernel(offset_gmem, freqs_gmem, cos_gmem, sin_gmem, *, gpu):
+    """Program (b, t): the row of angles (offset[b] + t) * freqs, its cos and sin."""
+    b, t = lax.axis_index("b"), lax.axis_index("t")
+
+    def scoped(cos_smem, sin_smem):
+        pos = offset_gmem[b].astype(tm.F32) + t.astype(tm.F32)
+        freqs = plgpu.load(freqs_gmem, layout=COLS, optimized=False)
+        sin, cos = tm.sincos(tm.mul(jnp.broadcast_to(pos, freqs.shape), freqs, gpu), gpu)  # `angle_sincos`'s
+        cos_smem[...] = cos
+        sin_smem[...] = sin
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(cos_smem, cos_gmem.at[b, t])
+        plgpu.copy_smem_to_gmem(sin_smem, sin_gmem.at[b, t])
+        plgpu.wait_smem_to_gmem(0)
+
+    row = plgpu.SMEM(freqs_gmem.shape, tm.F32)
+    pl.run_scoped(scoped, row, row)
+
+
+def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array | None, x: jax.Array, freqs: jax.Array, *,
+          capacity: int, convention: str, num_heads: int, interpret: bool | None = None) -> Entry:
+    """`twin_entry.entry` (the step's tables, counters and carry) with the RoPE tables of `tables`: the same
+    bits. The integer tables are `entry_native`'s expressions (XLA's fusions, not one launch); x is
+    returned as it is (no copy)."""
+    native = entry_native(offset, start_offset, active, x, freqs, capacity=capacity, convention=convention,
+                          num_heads=num_heads)
+    cos, sin = tables(offset, x.shape[1], freqs, interpret=interpret)
+    return native._replace(cos=lax.stop_gradient(cos), sin=lax.stop_gradient(sin))
