@@ -16,7 +16,8 @@ at step k, slots 0..k attended: causal over the inner steps, no positional embed
 
 - "reference": jax.numpy, the torch reference's operations in its order; the floats differ from
   it by the matmuls' summation order (XLA's, not oneDNN's), the codes agree.
-- "twin": every float operation in a Pallas twin kernel (`kernels_pallas.twin_*`), the torch
+- "twin": every float operation in a Pallas twin kernel (`kernels_pallas.twin_*`; `layers.pallas_twins`:
+  on Pallas's Triton backend, or its Mosaic GPU backend where PERSONAPLEX_TWIN_BACKEND says so), the torch
   `Depformer(kernels="twin")`'s Triton twins in the same order: the same bits (codes and logits),
   and a row's bits do not depend on the batch. Per layer: the RMSNorm and the qkv projection
   with the K/V write into the frame's cache in its epilogue (`twin_linear.linear_rope_write`, no
@@ -43,10 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels_pallas import twin_attention, twin_linear
 from kernels_pallas.contract.norm import TwinNorm
 
 from .depformer_config import DepformerConfig, buffer_shapes
+from .layers import pallas_twins
 from .sampling import sample
 from .sampling_config import check_sampling
 
@@ -117,23 +118,24 @@ def _twin_alphas(cfg: DepformerConfig, p) -> tuple[jax.Array, jax.Array]:
     return tuple(jnp.repeat(p[name], cfg.weight_sets, axis=0) for name in ("norm1_alpha", "norm2_alpha"))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _twin_layer(cfg: DepformerConfig, p, alphas, x, at, layer, slot, positions, cache_k, cache_v):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _twin_layer(cfg: DepformerConfig, k, p, alphas, x, at, layer, slot, positions, cache_k, cache_v):
     """One layer on the Pallas twins (module docstring): x [B, dim] at weight index `at` = layer *
     weight_sets + set and cache layer `layer` (int32 scalars); slot [B, 1] int32: the step (the K/V
     write slot and the query's position); positions [B, dep_q] int32: slot c holds position c;
     cache_k, cache_v [L, B, H, dep_q, head_dim], written in place at `slot` by the qkv projection's
-    kernel; alphas: `_twin_alphas`. Jitted: an unrolled frame traces and lowers it once, and its
-    calls pass constants (XLA inlines them and folds the index arithmetic: no work between kernels)."""
+    kernel; alphas: `_twin_alphas`; k: the Pallas twins (`layers.pallas_twins`, static: a jitted layer per
+    backend). Jitted: an unrolled frame traces and lowers it once, and its calls pass constants (XLA
+    inlines them and folds the index arithmetic: no work between kernels)."""
     B = x.shape[0]
     norm1, norm2 = (TwinNorm("rms", a, None, cfg.norm_eps) for a in alphas)
-    q, cache_k, cache_v = twin_linear.linear_rope_write(
+    q, cache_k, cache_v = k.linear_rope_write(
         x, _per_set(p["in_proj"], cfg), at, None, None, cache_k, cache_v, slot, jnp.ones((B, 1), bool),
         norm=norm1, ring_layer=layer)
-    att = twin_attention.attention(q, cache_k, cache_v, layer, positions, slot, context=cfg.dep_q)
-    x = twin_linear.linear(att.reshape(B, cfg.dim), _per_set(p["out_proj"], cfg), at, residual=x)
-    gated = twin_linear.linear(x, _per_set(p["linear_in"], cfg), at, act="silu_gate", norm=norm2)
-    return twin_linear.linear(gated, _per_set(p["linear_out"], cfg), at, residual=x), cache_k, cache_v
+    att = k.attention(q, cache_k, cache_v, layer, positions, slot, context=cfg.dep_q)
+    x = k.linear(att.reshape(B, cfg.dim), _per_set(p["out_proj"], cfg), at, residual=x)
+    gated = k.linear(x, _per_set(p["linear_in"], cfg), at, act="silu_gate", norm=norm2)
+    return k.linear(gated, _per_set(p["linear_out"], cfg), at, residual=x), cache_k, cache_v
 
 
 def _twin_layers(cfg: DepformerConfig, p, alphas, x, s, step, cache_k, cache_v):
@@ -142,9 +144,11 @@ def _twin_layers(cfg: DepformerConfig, p, alphas, x, s, step, cache_k, cache_v):
     static = isinstance(step, int)
     slot = np.full((B, 1), step, np.int32) if static else jnp.full((B, 1), step, jnp.int32)
     positions = np.broadcast_to(np.arange(cfg.dep_q, dtype=np.int32), (B, cfg.dep_q))
+    twins = pallas_twins()
     for layer in range(cfg.num_layers):
         at = np.int32(layer * cfg.weight_sets + s) if static else layer * cfg.weight_sets + s
-        x, cache_k, cache_v = _twin_layer(cfg, p, alphas, x, at, np.int32(layer), slot, positions, cache_k, cache_v)
+        x, cache_k, cache_v = _twin_layer(cfg, twins, p, alphas, x, at, np.int32(layer), slot, positions, cache_k,
+                                          cache_v)
     return x, cache_k, cache_v
 
 
@@ -183,9 +187,10 @@ def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, a
         else:
             token_in = jnp.where(k == 0, _embed(params["text_emb"], prev), _embed(params["emb"][table], prev))
         if twin:
-            x = twin_linear.linear(x_in, params["depformer_in"], s, residual=token_in)
+            linear = pallas_twins().linear
+            x = linear(x_in, params["depformer_in"], s, residual=token_in)
             x, cache_k, cache_v = _twin_layers(cfg, params, alphas, x, s, k, cache_k, cache_v)
-            logits = twin_linear.linear(x, params["linears"], s).astype(F32)
+            logits = linear(x, params["linears"], s).astype(F32)
         else:
             x = _linear(x_in, params["depformer_in"][s]) + token_in
             for layer in range(cfg.num_layers):

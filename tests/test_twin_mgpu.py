@@ -576,3 +576,27 @@ def test_gpu_rope_tables_are_the_triton_twins(B, T, D):
         torch.cuda.synchronize()
         assert_same(a, b, f"{name}: Pallas Triton backend")
         assert_same(a, t.cpu(), f"{name}: torch twin")
+
+
+@interpreted
+def test_interpreted_depformer_frame_on_the_mosaic_kernels(monkeypatch):
+    """The JAX depformer's twin frame (Moshi's 8 inner steps, 8 weight sets) on the Mosaic GPU kernels,
+    interpreted: its logits within a bf16 rounding of the frame on the Triton-backend twins."""
+    from jax_impl.depformer import depformer_frame
+    from jax_impl.depformer_config import DepformerConfig, buffer_shapes
+    from jax_impl.layers import TWIN_BACKEND_VARIABLE
+
+    cfg = DepformerConfig(dim=128, num_layers=2, num_heads=2, hidden=128, dep_q=8, weight_sets=8, card=64,
+                          text_card=64, temporal_dim=128)
+    rng = np.random.default_rng(0)
+    params = {k: jnp.asarray(rng.standard_normal(s) * (0.05 if len(s) > 1 else 1.0) + ("alpha" in k), jnp.bfloat16)
+              for k, s in buffer_shapes(cfg).items()}
+    text = jnp.asarray(rng.integers(0, cfg.text_card, 3), jnp.int32)
+    out = jnp.asarray(rng.standard_normal((3, 1, cfg.temporal_dim)), jnp.bfloat16)
+    logits = {}
+    for backend in ("triton", "mosaic_gpu"):
+        monkeypatch.setenv(TWIN_BACKEND_VARIABLE, backend)
+        frame = jax.jit(lambda p, t, o: depformer_frame(cfg, p, t, o, kernels="twin", unroll=False))
+        logits[backend] = np.asarray(frame(params, text, out)[1])
+    a, b = logits["triton"], logits["mosaic_gpu"]
+    assert np.max(np.abs(a - b)) <= 2.0**-6 * np.max(np.abs(a))
