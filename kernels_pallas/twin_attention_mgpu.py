@@ -17,7 +17,7 @@ then go to shared memory as a row, repeated in 16 rows, and the product with v r
 v^T the A operand, transposed in shared memory, D/64 products of 64 rows). A block is always 64 slots:
 a ring of fewer (the depformer's 16, one block) is read past its end as zeros by TMA, lanes that add 0
 to the tree (the same bits as its 16 lanes: l >= 0). The lanes' tree crosses threads: through shared
-memory, a rotated window of the rows (`twin_norm_mgpu.row_tree`'s way, along the other axis).
+memory, a rotated window of the rows (`twin_norm_mgpu.lanes_tree` along axis 0).
 
 Interpreted (CPU), in Mosaic GPU's interpreter (jax >= 0.11): numpy's products in place of the tensor
 cores', so the bits are the contract's where the products' sums are exact.
@@ -41,9 +41,10 @@ from kernels_pallas.contract.attention import (
     check_twin_sems,
     twin_sems_size,
 )
-from kernels_pallas.contract.linear import MOSAIC_MIN_JAX, mosaic_padded_rows
+from kernels_pallas.contract.linear import check_mosaic_interpreter, mosaic_padded_rows
 from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, sixteen_bit
 from kernels_pallas.twin_attention import attention_native
+from kernels_pallas.twin_norm_mgpu import lanes_tree
 
 __all__ = ["attention", "attention_native"]  # the plain reference: the Triton-backend module's
 
@@ -71,9 +72,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
                          f"(TMA's tiles of its 16-bit operands), so it takes rings of a multiple of 8 slots, got C={C}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if interpret and jax.__version_info__[:2] < MOSAIC_MIN_JAX:
-        raise RuntimeError(f"attention(interpret=True): Mosaic GPU's interpreter needs jax >= "
-                           f"{'.'.join(map(str, MOSAIC_MIN_JAX))}; this is jax {jax.__version__}")
+    check_mosaic_interpreter("attention", interpret, jax.__version_info__)
     plan = AttentionBlocks.for_shapes(C)
     chunk, S = max(plan.chunk, BC), plan.splits
     Sp = mosaic_padded_rows(S)  # the partials' rows, as TMA reads them (the rows past S unread)
@@ -164,13 +163,7 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
                     d = product(v_smem.at[:, pl.ds(h * 64, 64)].T, p_smem.at[pl.ds(0, TWIN_MMA_ROWS)].T, 64)
                     acc[h] = tm.mma_add(tm.mul(acc[h], a, gpu) if i == 0 else acc[h], d, gpu)
                 plgpu.commit_smem()  # the products have read p before the next part is written
-        # the lanes' tree over the 64 slots (rows), every element the split's l
-        for h in (32, 16, 8, 4, 2, 1):
-            scratch[...] = jnp.concatenate([l, l], axis=0)
-            plgpu.commit_smem()
-            partner = plgpu.load(scratch.at[pl.ds(h, BC)], layout=WGMMA, optimized=False)
-            plgpu.commit_smem()
-            l = l + partner
+        l = lanes_tree(l, scratch, axis=0)  # the lanes' tree over the 64 slots (rows), every element the split's l
         for h in range(halves):  # acc's columns are equal: max is exact
             out_smem[pl.ds(h * 64, 64)] = jnp.max(acc[h], axis=1)
         plgpu.commit_smem()

@@ -28,7 +28,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.contract.linear import MOSAIC_MIN_JAX, MOSAIC_ROWS, MOSAIC_TREE_LANES, mosaic_padded_rows
+from kernels_pallas.contract.linear import (
+    MOSAIC_ROWS,
+    MOSAIC_TREE_LANES,
+    check_mosaic_interpreter,
+    mosaic_padded_rows,
+)
 from kernels_pallas.contract.norm import TWIN_SPLIT_GROUP, check_twin_norm
 from kernels_pallas.contract.numerics import twin_lanes
 from kernels_pallas.twin_norm import _rms_r, _stacked, norm_native, normalize, row_stats, split_native
@@ -51,7 +56,7 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
                          f"got D={D}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    _check_interpreter("norm", interpret)
+    check_mosaic_interpreter("norm", interpret, jax.__version_info__)
     lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
     nkb = D // LANES
     kernel = functools.partial(_kernel, D=D, kind=kind, eps=eps, lanes=lanes,
@@ -122,23 +127,27 @@ def _tree(s_smem, lanes, acc):
 WGMMA = plgpu.Layout.WGMMA
 
 
-def row_tree(values, scratch):
-    """`tm.tree_sum` of each row of values [64, W] (float32, the wgmma layout; W = 8 * 2**k) in every
-    lane: [64, 8], each lane its row's sum.
+def lanes_tree(values, scratch, axis: int = 1):
+    """`tm.tree_sum` of values [64, W] (float32, the wgmma layout) along `axis`, in every lane.
 
-    The levels above 8 columns add column halves in registers (each thread holds both halves' columns).
-    The last three cross threads, through scratch [64, 16] float32 holding each row's 8 lanes twice:
-    the window at column h reads lane (c + h) mod 8, so every lane adds its partner, the one below it
-    or above it (a + b and b + a: the same bits), and ends with the tree's sum."""
-    while values.shape[1] > MOSAIC_TREE_LANES:
+    axis 1 (each row's W = 8 * 2**k columns; returns [64, 8]): the levels above 8 columns add column
+    halves in registers (each thread holds both halves' columns); axis 0 (each column's 64 rows; returns
+    [64, W]): the wgmma layout holds rows 64 at a time, so no level stays in registers. The levels that
+    cross threads go through scratch, the values twice along `axis` ([64, 16] or [128, W] float32): the
+    window at offset h reads lane (c + h) mod n, so every lane adds its partner, the one below it or
+    above it (a + b and b + a: the same bits), and ends with the tree's sum."""
+    while axis == 1 and values.shape[1] > MOSAIC_TREE_LANES:
         h = values.shape[1] // 2
         values = values[:, :h] + values[:, h:]
-    for h in (4, 2, 1):
-        scratch[...] = jnp.concatenate([values, values], axis=1)
+    h = values.shape[axis] // 2
+    while h:
+        scratch[...] = jnp.concatenate([values, values], axis=axis)
         plgpu.commit_smem()
-        partner = plgpu.load(scratch.at[:, pl.ds(h, MOSAIC_TREE_LANES)], layout=WGMMA, optimized=False)
+        window = scratch.at[:, pl.ds(h, values.shape[1])] if axis == 1 else scratch.at[pl.ds(h, values.shape[0])]
+        partner = plgpu.load(window, layout=WGMMA, optimized=False)
         plgpu.commit_smem()  # every thread has read before the next level writes
         values = values + partner
+        h //= 2
     return values
 
 
@@ -146,7 +155,7 @@ def split_halves(yf, alpha, dtype, gpu, scratch):
     """The producer's half of the split RMSNorm of the rows yf [64, G] (float32, the wgmma layout; G =
     TWIN_SPLIT_GROUP columns): (u = to_dtype(yf * alpha) [64, G], ss [64, 8], every lane its row's
     partial sum of squares). alpha: its row of the weight, broadcast to [64, G]."""
-    return tm.to_dtype(tm.mul(yf, alpha, gpu), dtype), row_tree(tm.mul(yf, yf, gpu), scratch)
+    return tm.to_dtype(tm.mul(yf, alpha, gpu), dtype), lanes_tree(tm.mul(yf, yf, gpu), scratch)
 
 
 def store_column(ss, column, ss_gmem, m0, group, M):
@@ -167,7 +176,7 @@ def split_scale(ss_smem, K, eps, gpu, scratch):
     """The consumer's half: r [64, 8] (the lanes equal) of the rows whose partial sums ss_smem [64, K / G]
     holds (float32, shared memory, the rows past M zeros): 1 / sqrt(eps + tree_sum(ss) / K)."""
     ss = plgpu.load(ss_smem, layout=WGMMA, optimized=False)
-    return _rms_r(row_tree(ss, scratch), K, eps, gpu)
+    return _rms_r(lanes_tree(ss, scratch), K, eps, gpu)
 
 
 def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None = None):
@@ -181,7 +190,7 @@ def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None
         raise ValueError(f"split(x): D={D} must be a multiple of {TWIN_SPLIT_GROUP}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    _check_interpreter("split", interpret)
+    check_mosaic_interpreter("split", interpret, jax.__version_info__)
     kernel = functools.partial(_split_kernel, M=M, gpu=False if interpret else tm.Mosaic(WGMMA))
     Mp = mosaic_padded_rows(M)
     call = plgpu.kernel(kernel, out_type=(jax.ShapeDtypeStruct((Mp, D), x.dtype),
@@ -214,8 +223,3 @@ def _split_kernel(layer_gmem, x_gmem, w_gmem, u_gmem, ss_gmem, *, M, gpu):
     pl.run_scoped(scoped, tile, tile, plgpu.SMEM((MOSAIC_ROWS, 2 * MOSAIC_TREE_LANES), tm.F32),
                   plgpu.SMEM((MOSAIC_ROWS, MOSAIC_TREE_LANES), tm.F32), plgpu.Barrier(num_arrivals=1))
 
-
-def _check_interpreter(who: str, interpret: bool):
-    if interpret and jax.__version_info__[:2] < MOSAIC_MIN_JAX:
-        raise RuntimeError(f"{who}(interpret=True): Mosaic GPU's interpreter needs jax >= "
-                           f"{'.'.join(map(str, MOSAIC_MIN_JAX))}; this is jax {jax.__version__}")

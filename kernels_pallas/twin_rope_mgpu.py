@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.contract.linear import MOSAIC_MIN_JAX
+from kernels_pallas.contract.linear import check_mosaic_interpreter
 from kernels_pallas.twin_entry import Entry, entry_native
 from kernels_pallas.twin_rope import tables_native
 
@@ -38,9 +38,7 @@ def tables(offset: jax.Array, T: int, freqs: jax.Array, *, interpret: bool | Non
         raise ValueError(f"tables(freqs): the Mosaic GPU tables need D/2 a multiple of 8, got {half}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if interpret and jax.__version_info__[:2] < MOSAIC_MIN_JAX:
-        raise RuntimeError(f"tables(interpret=True): Mosaic GPU's interpreter needs jax >= "
-                           f"{'.'.join(map(str, MOSAIC_MIN_JAX))}; this is jax {jax.__version__}")
+    check_mosaic_interpreter("tables", interpret, jax.__version_info__)
     out = jax.ShapeDtypeStruct((B, T, half), tm.F32)
     call = plgpu.kernel(functools.partial(_tables_kernel, gpu=False if interpret else tm.Mosaic(COLS)),
                         out_type=(out, out), grid=(B, T), grid_names=("b", "t"),

@@ -274,11 +274,16 @@ def check_mosaic_linear(dtype, K: int, N_out: int, block_n: int | None, stages: 
                          f"{TWIN_SPLIT_GROUP} (K >= {MOSAIC_TREE_LANES * TWIN_SPLIT_GROUP}), got K={K}")
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
         raise ValueError(f"linear(stages): expected an int >= 2, got {stages!r}")
+    check_mosaic_interpreter("linear", interpret, jax_version)
+    return BN
+
+
+def check_mosaic_interpreter(who: str, interpret: bool, jax_version: tuple) -> None:
+    """Refuse to interpret a Mosaic GPU kernel (`who`) with a jax older than MOSAIC_MIN_JAX."""
     if interpret and tuple(jax_version[:2]) < MOSAIC_MIN_JAX:
-        raise RuntimeError(f"linear(interpret=True): Mosaic GPU's interpreter needs jax >= "
+        raise RuntimeError(f"{who}(interpret=True): Mosaic GPU's interpreter needs jax >= "
                            f"{'.'.join(map(str, MOSAIC_MIN_JAX))} (0.10's cannot read a transposed wgmma operand); "
                            f"this is jax {'.'.join(map(str, jax_version))}")
-    return BN
 
 
 def stack_one_layer(w, scale, norm, layer):
