@@ -58,9 +58,9 @@ _SWIZZLE = 128
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
               q_pos: jax.Array, *, context: int, sems: jax.Array | None = None, interpret: bool | None = None):
     """`twin_attention.attention` in the MMA form (module docstring): q [B, H, T, D] (16-bit, D a multiple of
-    64); ring_k, ring_v [L, B, H, C, D] in q's dtype at `layer` (may be traced); positions int [B, C]
-    (-1: invisible); q_pos int [B, T]; C a multiple of 8. Returns [B, T, H, D] in q's dtype, and sems (returned as given: this
-    backend combines in a kernel of its own and counts nothing) if given."""
+    64); ring_k, ring_v [L, B, H, C, D] in q's dtype at `layer` (may be traced), C a multiple of 8;
+    positions int [B, C] (-1: invisible); q_pos int [B, T]. Returns [B, T, H, D] in q's dtype, and sems
+    if given (as given: this backend combines in a kernel of its own and counts nothing)."""
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: jnp.zeros((n,), jnp.int32))
@@ -163,7 +163,7 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
                     d = product(v_smem.at[:, pl.ds(h * 64, 64)].T, p_smem.at[pl.ds(0, TWIN_MMA_ROWS)].T, 64)
                     acc[h] = tm.mma_add(tm.mul(acc[h], a, gpu) if i == 0 else acc[h], d, gpu)
                 plgpu.commit_smem()  # the products have read p before the next part is written
-        l = lanes_tree(l, scratch, axis=0)  # the lanes' tree over the 64 slots (rows), every element the split's l
+        l = lanes_tree(l, scratch, axis=0)  # the lanes' tree over the 64 slots (rows): every element the split's l
         for h in range(halves):  # acc's columns are equal: max is exact
             out_smem[pl.ds(h * 64, 64)] = jnp.max(acc[h], axis=1)
         plgpu.commit_smem()
