@@ -109,7 +109,7 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
     halves = D // 64  # the products with v: 64 rows of v^T each
     tiles = (plgpu.TilingTransform((8, _SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
 
-    def scoped(q_smem, k_smem, v_smem, p_smem, pos_smem, vec_smem, scratch, out_smem, bars):
+    def scoped(q_smem, k_buf, v_buf, p_smem, pos_buf, vec_smem, scratch, out_smem, bars):
         q = plgpu.load(q_gmem.at[bht], layout=COLS, optimized=False)
         q_smem[...] = jnp.broadcast_to(q[None, :], (BC, D))  # the query in every row: B is its first 16
         plgpu.commit_smem()
@@ -124,15 +124,24 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
         m = jnp.float32(NEG_INF)
         l = jnp.zeros((BC, TWIN_MMA_ROWS), tm.F32)
         acc = [jnp.zeros((64, TWIN_MMA_ROWS), tm.F32) for _ in range(halves)]
-        for blk in range(chunk // BC):
-            c0 = split * chunk + blk * BC
+        blocks = chunk // BC
+
+        def fetch(blk):  # block blk's slots into buffer blk % 2 (TMA; past the ring's end: zeros, masked below)
+            c0, buf = split * chunk + blk * BC, blk % 2
             first = pl.multiple_of(ring_row * C + c0, 8)  # C % 8 == 0: TMA's tiles start at a multiple of 8 rows
-            for k, (src, dst) in enumerate(((k_gmem.at[pl.ds(first, BC)], k_smem),
-                                            (v_gmem.at[pl.ds(first, BC)], v_smem),
-                                            (pos_gmem.at[pl.ds(b * C + c0, BC)], pos_smem))):
-                plgpu.copy_gmem_to_smem(src, dst, bars.at[k])  # past the ring's end: zeros (masked below)
+            for k, (src, dst) in enumerate(((k_gmem.at[pl.ds(first, BC)], k_buf.at[buf]),
+                                            (v_gmem.at[pl.ds(first, BC)], v_buf.at[buf]),
+                                            (pos_gmem.at[pl.ds(b * C + c0, BC)], pos_buf.at[buf]))):
+                plgpu.copy_gmem_to_smem(src, dst, bars.at[3 * buf + k])
+
+        fetch(0)
+        for blk in range(blocks):
+            if blk + 1 < blocks:  # the next block's loads go out before this block's arithmetic
+                fetch(blk + 1)
+            c0, buf = split * chunk + blk * BC, blk % 2
+            k_smem, v_smem, pos_smem = k_buf.at[buf], v_buf.at[buf], pos_buf.at[buf]
             for k in range(3):
-                plgpu.barrier_wait(bars.at[k])
+                plgpu.barrier_wait(bars.at[3 * buf + k])
             pos = plgpu.load(pos_smem, layout=ROWS, optimized=False)
             slot = c0 + lax.broadcasted_iota(jnp.int32, (BC,), 0)
             delta = q_pos - pos
@@ -162,7 +171,7 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
                 for h in range(halves):
                     d = product(v_smem.at[:, pl.ds(h * 64, 64)].T, p_smem.at[pl.ds(0, TWIN_MMA_ROWS)].T, 64)
                     acc[h] = tm.mma_add(tm.mul(acc[h], a, gpu) if i == 0 else acc[h], d, gpu)
-                plgpu.commit_smem()  # the products have read p before the next part is written
+                plgpu.commit_smem()  # the products have read p (and this buffer) before either is written again
         l = lanes_tree(l, scratch, axis=0)  # the lanes' tree over the 64 slots (rows): every element the split's l
         for h in range(halves):  # acc's columns are equal: max is exact
             out_smem[pl.ds(h * 64, 64)] = jnp.max(acc[h], axis=1)
@@ -172,11 +181,12 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
         l_out[bht, split] = _max_all(l)
         plgpu.wait_smem_to_gmem(0)
 
-    tile = plgpu.SMEM((BC, D), dtype, transforms=tiles)
-    pl.run_scoped(scoped, tile, tile, tile, plgpu.SMEM((BC, BC), dtype, transforms=tiles),
-                  plgpu.SMEM((BC,), jnp.int32), plgpu.SMEM((BC,), tm.F32),
+    # k, v and the positions twice: a block's loads fly while the block before it is computed
+    ring_bufs = plgpu.SMEM((2, BC, D), dtype, transforms=tiles)
+    pl.run_scoped(scoped, plgpu.SMEM((BC, D), dtype, transforms=tiles), ring_bufs, ring_bufs,
+                  plgpu.SMEM((BC, BC), dtype, transforms=tiles), plgpu.SMEM((2, BC), jnp.int32), plgpu.SMEM((BC,), tm.F32),
                   plgpu.SMEM((2 * BC, TWIN_MMA_ROWS), tm.F32), plgpu.SMEM((D,), tm.F32),
-                  plgpu.Barrier(num_arrivals=1, num_barriers=3))
+                  plgpu.Barrier(num_arrivals=1, num_barriers=6))
 
 
 def _max_all(x):
