@@ -101,6 +101,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
 def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_out, m_out, l_out, *, B, H, T, C,
                   D, context, chunk, scale, gpu):
     """Program (query, split): the split's blocks in order, then its partials (acc [D], m, l)."""
+    tm.overlap_launches(gpu)
     bht, split = lax.axis_index("q"), lax.axis_index("s")
     b, t = bht // (H * T), bht % T
     q_pos = qpos_gmem[b * T + t]
@@ -197,6 +198,7 @@ def _max_all(x):
 
 def _combine_kernel(acc_gmem, m_gmem, l_gmem, o_gmem, *, H, T, S, gpu):
     """Program query: the contract's combine of its S partials, in order (`twin_attention._combine`)."""
+    tm.overlap_launches(gpu)
     bht = lax.axis_index("q")
     b, h, t = bht // (H * T), (bht // T) % H, bht % T
     D = acc_gmem.shape[2]

@@ -118,6 +118,7 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *refs, M, K, BN, N_out, act, has_scale, 
     silu_gate computes columns n and n + N_out together, one accumulator each. The residual and ss tiles
     are loaded (TMA) while the loop over K runs; the output tiles leave through shared memory (TMA), ss
     (split) a scalar store a row (`twin_norm_mgpu.store_column`)."""
+    tm.overlap_launches(gpu)
     refs = list(refs)
     ss_gmem = refs.pop(0) if rms is not None else None
     scale_gmem = refs.pop(0) if has_scale else None
@@ -258,6 +259,7 @@ def _qkv_kernel(layers_gmem, x_gmem, w_gmem, *refs, M, K, BN, T, H, B, D, rope, 
     """Program (i, j): rows i*64.., the pairs j*BN/2.. of qkv (`linear_rope_write`). refs: the split norm's
     ss (rms), cos and sin [M', D/2] (rope), the slots and the write mask [M], the rings [L*B*H, C, D/2] as 32-bit words (mutable,
     written in place), then q [B*H*T, D/2] in words."""
+    tm.overlap_launches(gpu)
     refs = list(refs)
     ss_gmem = refs.pop(0) if rms is not None else None
     cos_gmem, sin_gmem = (refs.pop(0), refs.pop(0)) if rope else (None, None)

@@ -51,6 +51,19 @@ class Mosaic:
     layout: Any
 
 
+def overlap_launches(gpu) -> None:
+    """At a Mosaic GPU kernel's start (compiled; interpreted, nothing): wait for the kernel before it
+    (``griddepcontrol.wait``: its writes visible) and let the next one launch
+    (``griddepcontrol.launch_dependents``). The module then says it uses programmatic dependent launch,
+    and where XLA launches it so (``--xla_gpu_enable_pdl``), the next kernel's launch and whatever it does
+    before its own wait overlap this one's work; elsewhere both instructions do nothing."""
+    if isinstance(gpu, Mosaic):
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        plgpu.griddepcontrol_wait()
+        plgpu.griddepcontrol_launch_dependents()
+
+
 def _asm(op: str, gpu_args, gpu):
     """One float32 PTX instruction `op` ("mul.rn.f32", ...) on the broadcast `gpu_args`, element by element."""
     args = jnp.broadcast_arrays(*gpu_args)

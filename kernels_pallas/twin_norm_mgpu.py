@@ -71,6 +71,7 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
 
 def _kernel(layer_gmem, x_gmem, w_gmem, b_gmem, o_gmem, *, D, kind, eps, lanes, gpu):
     """Program r: row r of x [M, D / BK, BK] normalized into o (module docstring)."""
+    tm.overlap_launches(gpu)
     r = lax.axis_index("row")
     layer = layer_gmem[0]
     nkb = D // LANES
@@ -203,6 +204,7 @@ def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None
 
 def _split_kernel(layer_gmem, x_gmem, w_gmem, u_gmem, ss_gmem, *, M, gpu):
     """Program (i, g): rows i*64.., the columns of group g (`split`)."""
+    tm.overlap_launches(gpu)
     i, g = lax.axis_index("m"), lax.axis_index("g")
     rows, cols = pl.ds(i * MOSAIC_ROWS, MOSAIC_ROWS), pl.ds(g * TWIN_SPLIT_GROUP, TWIN_SPLIT_GROUP)
     dtype = x_gmem.dtype

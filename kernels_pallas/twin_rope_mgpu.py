@@ -48,6 +48,7 @@ def tables(offset: jax.Array, T: int, freqs: jax.Array, *, interpret: bool | Non
 
 def _tables_kernel(offset_gmem, freqs_gmem, cos_gmem, sin_gmem, *, gpu):
     """Program (b, t): the row of angles (offset[b] + t) * freqs, its cos and sin."""
+    tm.overlap_launches(gpu)
     b, t = lax.axis_index("b"), lax.axis_index("t")
 
     def scoped(cos_smem, sin_smem):
