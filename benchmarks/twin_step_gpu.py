@@ -14,7 +14,11 @@ accuracy against float32, speed. One process:
    step (kernels="auto") and the torch reference path, all bf16.
 4. speed: synchronized and pipelined ms/step of the JAX twin step (and the default JAX step), the
    torch twin step eager and under a CUDA graph, kernel launches per step and the kernels that
-   take the most GPU time (torch.profiler, which sees JAX's kernels too).
+   take the most GPU time (torch.profiler, which sees JAX's kernels too). With 'mosaic' in --only,
+   also the JAX twin step on the Mosaic GPU twins (PERSONAPLEX_TWIN_BACKEND=mosaic_gpu while it is
+   traced), side by side in the same process, and whether its first step has the bits of the step on
+   the Triton-backend twins. (The variable set for the whole run puts every part on the Mosaic twins:
+   the bits part then holds them to the torch twin step.)
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import time
 import traceback
@@ -34,6 +39,7 @@ import torch
 import jax_impl
 from benchmarks.timing import host_ms, kernel_profile, run_meta, time_step, torch_graph
 from jax_impl.config import PRESETS
+from jax_impl.layers import TWIN_BACKEND_VARIABLE
 from kernels_pallas.contract import linear as contract
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.dlpack import to_jax, to_torch
@@ -200,9 +206,9 @@ def accuracy(out, steps=120, B=4):
     torch.cuda.empty_cache()
 
 
-def jax_speed(module, x, rec, with_auto, with_loop):
+def jax_speed(module, x, rec, with_auto, with_loop, with_mosaic=False):
     """The JAX twin step's (and, with_auto, the default JAX step's; with_loop, the twin layers in
-    a Python loop) times into rec."""
+    a Python loop; with_mosaic, the twin step on the Mosaic GPU twins) times into rec."""
     B = x.shape[0]
     params, state, step = jax_side(module)
     state = state._replace(offset=jnp.full((B,), module.config.capacity, state.offset.dtype))
@@ -218,6 +224,8 @@ def jax_speed(module, x, rec, with_auto, with_loop):
         _, s2, auto = jax_side(module, kernels="auto", layer_loop="python")
         s2 = s2._replace(offset=jnp.full((B,), module.config.capacity, jnp.int32))
         rec["jax_auto_sync_ms"], rec["jax_auto_pipelined_ms"], _ = time_step(auto, params, s2, xj, None, 40)
+    if with_mosaic:
+        mosaic_speed(module, params, xj, step, rec)
     if with_loop:  # the twin layers in a Python loop (static layer indexes): what the scan's loop costs
         del state
         _, s3, looped = jax_side(module, layer_loop="python")
@@ -231,14 +239,43 @@ def jax_speed(module, x, rec, with_auto, with_loop):
             lambda: jax.block_until_ready(looped(params, s3, xj, None)[0]))
 
 
-def speed(kind, B, out, with_auto=False, with_jax=True, with_loop=False):
+def mosaic_speed(module, params, xj, step, rec):
+    """The JAX twin step traced on the Mosaic GPU twins (`jax_impl.layers.pallas_twins`): its times and
+    kernels into rec, and whether one step from a full ring has the bits of `step`'s (the Triton-backend
+    twins') from the same state."""
+    B = xj.shape[0]
+
+    def full_ring():
+        return jax_side(module)[1]._replace(offset=jnp.full((B,), module.config.capacity, jnp.int32))
+
+    mosaic = jax_side(module)[2]
+    before = os.environ.get(TWIN_BACKEND_VARIABLE)
+    os.environ[TWIN_BACKEND_VARIABLE] = "mosaic_gpu"
+    try:
+        t0 = time.perf_counter()
+        got, state = jax.block_until_ready(mosaic(params, full_ring(), xj, None))  # traced on the Mosaic twins
+        rec["jax_mosaic_first_call_s"] = time.perf_counter() - t0
+    finally:
+        if before is None:
+            del os.environ[TWIN_BACKEND_VARIABLE]
+        else:
+            os.environ[TWIN_BACKEND_VARIABLE] = before
+    want = step(params, full_ring(), xj, None)[0]
+    rec["jax_mosaic_identical"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got),
+                                                                                   jax.tree.leaves(want)))
+    rec["jax_mosaic_sync_ms"], rec["jax_mosaic_pipelined_ms"], state = time_step(mosaic, params, state, xj, None, 40)
+    rec["jax_mosaic_kernels"], rec["jax_mosaic_top_kernels"] = kernel_profile(
+        lambda: jax.block_until_ready(mosaic(params, state, xj, None)[0]))
+
+
+def speed(kind, B, out, with_auto=False, with_jax=True, with_loop=False, with_mosaic=False):
     module = build(kind, B)
     module.state.offset.fill_(module.config.capacity)  # full ring
     T = 1 if kind == "temporal" else 2
     x = torch.randn(B, T, module.config.dim, device=DEVICE).to(torch.bfloat16)
     rec = {"stack": kind, "B": B, "T": T}
     if with_jax:
-        jax_speed(module, x, rec, with_auto, with_loop)
+        jax_speed(module, x, rec, with_auto, with_loop, with_mosaic)
 
     def torch_step():
         module.step(x)
@@ -269,7 +306,7 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--only", default="bits,invariance,accuracy,speed",
                         help="parts to run; with speed, 'auto' adds the default JAX step, 'loop' the twin step as a "
-                             "Python loop, 'torch-only' leaves JAX out")
+                             "Python loop, 'mosaic' the twin step on the Mosaic GPU twins, 'torch-only' leaves JAX out")
     parser.add_argument("--small", action="store_true", help="small presets on the CPU (smoke run)")
     parser.add_argument("--stacks", default="mimi,temporal", help="which stacks (comma-separated)")
     parser.add_argument("--batches", default="4", help="batch sizes of the speed part (comma-separated)")
@@ -296,7 +333,8 @@ def main():
         jobs += [functools.partial(invariance, kind, args.out) for kind in stacks]
     if "speed" in only:
         jobs += [functools.partial(speed, kind, int(B), args.out, with_auto="auto" in only,
-                                   with_jax="torch-only" not in only, with_loop="loop" in only) for kind in stacks
+                                   with_jax="torch-only" not in only, with_loop="loop" in only,
+                                   with_mosaic="mosaic" in only) for kind in stacks
                  for B in args.batches.split(",")]
     if "accuracy" in only:
         jobs += [lambda: accuracy(args.out)]
