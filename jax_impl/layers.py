@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import twin_attention, twin_entry, twin_linear, twin_norm
+from kernels_pallas.contract.linear import mosaic_takes_linear
+from kernels_pallas.contract.numerics import sixteen_bit
 
 from . import twin_layers
 from .config import MimiConfig, StackConfig, TemporalConfig
@@ -47,18 +49,12 @@ TWIN_BACKENDS = ("triton", "mosaic_gpu")
 def pallas_twins() -> twin_layers.TwinKernels:
     """The Pallas twins a JAX twin step calls, read when the step is traced from the environment
     variable PERSONAPLEX_TWIN_BACKEND: "triton" (unset: the default) for `PALLAS_TWINS`, every kernel on
-    Pallas's Triton backend; "mosaic_gpu" for the linears, the qkv kernel, the norm and the split norm on
-    its Mosaic GPU backend (`kernels_pallas.twin_linear_mgpu`, `twin_norm_mgpu`; jax >= 0.11), the
-    attention too where it takes the ring (`mosaic_attention`), and the entry's RoPE tables
-    (`twin_entry_tables`). The same contract, so the same bits on the
+    Pallas's Triton backend; "mosaic_gpu" for the kernels ported to its Mosaic GPU backend
+    (`kernels_pallas.twin_*_mgpu`; jax >= 0.11) wherever they take the call's shapes and dtypes
+    (`MOSAIC_TWINS`), the Triton-backend kernel elsewhere. The same contract, so the same bits on the
     GPU where the tensor cores' sums are the same (not yet measured on the H200); on the CPU the Mosaic
     kernels run their MMA form interpreted, not the CPU's lane form: other bits, within rounding."""
-    if twin_backend() == "triton":
-        return PALLAS_TWINS
-    from kernels_pallas import twin_linear_mgpu, twin_norm_mgpu
-
-    return twin_layers.TwinKernels(twin_linear_mgpu.linear, twin_linear_mgpu.linear_rope_write,
-                                   mosaic_attention, twin_norm_mgpu.norm, twin_norm_mgpu.split)
+    return PALLAS_TWINS if twin_backend() == "triton" else MOSAIC_TWINS
 
 
 def twin_backend() -> str:
@@ -69,15 +65,58 @@ def twin_backend() -> str:
     return backend
 
 
+# The Mosaic GPU twins: each the Mosaic kernel where it takes the call (`contract.linear.mosaic_takes_linear`,
+# a norm's D a multiple of 128, a ring of a multiple of 8 slots), the Triton-backend twin elsewhere (float32,
+# the small presets, Mimi's 250-slot ring). Their modules are imported on first use (jax >= 0.11 to run).
+def mosaic_linear(x, w, layer=None, **kw):
+    """`twin_linear.linear` on Mosaic GPU where `mosaic_takes_linear` says it runs."""
+    N_out = w.shape[-2] // (2 if kw.get("act") == "silu_gate" else 1)
+    if not mosaic_takes_linear(x.dtype, x.shape[1], N_out, norm=kw.get("norm") is not None,
+                               rms=kw.get("rms") is not None):
+        return twin_linear.linear(x, w, layer, **kw)
+    from kernels_pallas import twin_linear_mgpu
+
+    return twin_linear_mgpu.linear(x, w, layer, **kw)
+
+
+def mosaic_linear_rope_write(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, **kw):
+    """`twin_linear.linear_rope_write` on Mosaic GPU where `mosaic_takes_linear` says it runs."""
+    if not mosaic_takes_linear(x.dtype, x.shape[1], w.shape[-2], norm=kw.get("norm") is not None,
+                               rms=kw.get("rms") is not None, head_dim=ring_k.shape[4]):
+        return twin_linear.linear_rope_write(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, **kw)
+    from kernels_pallas import twin_linear_mgpu
+
+    return twin_linear_mgpu.linear_rope_write(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, **kw)
+
+
 def mosaic_attention(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, sems=None):
-    """The twin attention of the Mosaic GPU twins: `kernels_pallas.twin_attention_mgpu` on rings of a
-    multiple of 8 slots (the temporal stack's, the depformer's), the Triton-backend kernel on the others
-    (Mimi's 250), the same contract either way."""
-    if ring_k.shape[3] % 8:
+    """`twin_attention.attention` on Mosaic GPU on rings of a multiple of 8 slots (16-bit, a head dim of
+    a multiple of 64: the stacks' own)."""
+    if ring_k.shape[3] % 8 or q.shape[3] % 64 or not sixteen_bit(q.dtype):
         return twin_attention.attention(q, ring_k, ring_v, layer, positions, q_pos, context=context, sems=sems)
     from kernels_pallas import twin_attention_mgpu
 
     return twin_attention_mgpu.attention(q, ring_k, ring_v, layer, positions, q_pos, context=context, sems=sems)
+
+
+def mosaic_norm(x, weight, bias=None, layer=None, **kw):
+    """`twin_norm.norm` on Mosaic GPU where its rows spread over a warpgroup (D a multiple of 128)."""
+    if x.shape[1] % 128:
+        return twin_norm.norm(x, weight, bias, layer, **kw)
+    from kernels_pallas import twin_norm_mgpu
+
+    return twin_norm_mgpu.norm(x, weight, bias, layer, **kw)
+
+
+def mosaic_split(x, weight, layer=None):
+    """`twin_norm.split` on Mosaic GPU (it takes what the Triton-backend one takes)."""
+    from kernels_pallas import twin_norm_mgpu
+
+    return twin_norm_mgpu.split(x, weight, layer)
+
+
+MOSAIC_TWINS = twin_layers.TwinKernels(mosaic_linear, mosaic_linear_rope_write, mosaic_attention, mosaic_norm,
+                                       mosaic_split)
 
 
 def temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables, active,
@@ -128,7 +167,7 @@ def twin_entry_tables(c: StackConfig, state: StreamState, x, active, freqs):
     tables: the step's `StepTables` (write_mask bool and the mask, from the kernel's tables: both
     computed only where read, e.g. captured); write_mask: the int32 the layers' kernels read in its
     place; x: a copy of x (the layer loop's first carry); sems: the zeroed counters."""
-    if twin_backend() == "triton":
+    if twin_backend() == "triton" or (c.head_dim // 2) % 8:
         make = twin_entry.entry
     else:  # the same bits: the RoPE tables by a Mosaic GPU kernel, the integer ones by XLA
         from kernels_pallas.twin_rope_mgpu import entry as make

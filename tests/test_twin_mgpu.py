@@ -496,20 +496,47 @@ def test_gpu_split_norm_bits_are_the_triton_twins(M, inputs):
 
 
 def test_the_step_picks_its_twins_from_the_environment(monkeypatch):
-    """PERSONAPLEX_TWIN_BACKEND: unset or "triton" gives the Triton-backend twins, "mosaic_gpu" the
-    Mosaic GPU kernels (the attention: on rings of a multiple of 8 slots), anything else an error naming it."""
+    """PERSONAPLEX_TWIN_BACKEND: unset or "triton" gives the Triton-backend twins, "mosaic_gpu" the Mosaic
+    GPU twins, anything else an error naming the variable."""
     from jax_impl import layers
 
     monkeypatch.delenv(layers.TWIN_BACKEND_VARIABLE, raising=False)
     assert layers.pallas_twins() is layers.PALLAS_TWINS
     monkeypatch.setenv(layers.TWIN_BACKEND_VARIABLE, "mosaic_gpu")
-    twins = layers.pallas_twins()
-    assert (twins.linear, twins.linear_rope_write, twins.norm, twins.split) == (
-        plm.linear, plm.linear_rope_write, pnm.norm, pnm.split)
-    assert twins.attention is layers.mosaic_attention and layers.twin_backend() == "mosaic_gpu"
+    assert layers.pallas_twins() is layers.MOSAIC_TWINS and layers.twin_backend() == "mosaic_gpu"
     monkeypatch.setenv(layers.TWIN_BACKEND_VARIABLE, "cuda")
     with pytest.raises(ValueError, match="PERSONAPLEX_TWIN_BACKEND"):
         layers.pallas_twins()
+
+
+@pytest.mark.parametrize("dtype,K,N_out,kw,takes", [
+    ("bfloat16", 4096, 4096, {}, True), ("float16", 512, 2048, {"norm": True}, True),
+    ("float32", 4096, 4096, {}, False),                       # the lane form's dtype
+    ("bfloat16", 96, 128, {}, False), ("bfloat16", 128, 96, {}, False),
+    ("bfloat16", 64, 128, {"norm": True}, False),             # the norm's lanes: K a multiple of 128
+    ("bfloat16", 256, 128, {"rms": True}, False),             # 4 groups: fewer than a row tree's 8 lanes
+    ("bfloat16", 4096, 3 * 4096, {"rms": True, "head_dim": 128}, True),
+    ("bfloat16", 512, 3 * 256, {"head_dim": 32}, False),
+])
+def test_which_calls_the_mosaic_linears_take(dtype, K, N_out, kw, takes):
+    from kernels_pallas.contract.linear import mosaic_takes_linear
+
+    assert mosaic_takes_linear(jnp.dtype(dtype), K, N_out, **kw) is takes
+
+
+def test_the_mosaic_twins_run_the_triton_backend_where_mosaic_does_not_take_the_call():
+    """float32 (the lane form), a norm of 96 features, a ring of 10 slots: the Triton-backend kernels'
+    bits, on any jax."""
+    from jax_impl import layers
+
+    rng = np.random.default_rng(0)
+    x, w = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32), jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    assert_same(layers.mosaic_linear(x, w, act="gelu"), pli.linear(x, w, act="gelu"), "float32 linear")
+    xn, wn = jnp.asarray(rng.standard_normal((2, 96)), jnp.bfloat16), jnp.ones((96,), jnp.bfloat16)
+    assert_same(layers.mosaic_norm(xn, wn, eps=1e-5), pn.norm(xn, wn, eps=1e-5), "norm of 96")
+    q, ring_k, ring_v, positions, q_pos = attention_case(1, 2, 1, 16, 10)
+    assert_same(layers.mosaic_attention(q, ring_k, ring_v, 1, positions, q_pos, context=10),
+                pa.attention(q, ring_k, ring_v, 1, positions, q_pos, context=10), "ring of 10")
 
 
 @interpreted

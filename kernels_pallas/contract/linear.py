@@ -278,6 +278,17 @@ def check_mosaic_linear(dtype, K: int, N_out: int, block_n: int | None, stages: 
     return BN
 
 
+def mosaic_takes_linear(dtype, K: int, N_out: int, *, norm: bool = False, rms: bool = False,
+                        head_dim: int | None = None) -> bool:
+    """Whether the Mosaic GPU linears (`twin_linear_mgpu`) run a call at their default tiles: 16-bit
+    operands, K and N_out multiples of 64 (with a norm run first, K of 128, the norm's lanes; with the
+    split norm's consumer half, at least 8 groups), and for the qkv kernel a head dim its 64-column
+    programs fit in. The Mosaic GPU twins of a step run the Triton-backend kernel where not."""
+    return (sixteen_bit(dtype) and K % MOSAIC_BK == 0 and N_out % MOSAIC_BN == 0
+            and (not norm or K % 128 == 0) and (not rms or K // TWIN_SPLIT_GROUP >= MOSAIC_TREE_LANES)
+            and (head_dim is None or head_dim % MOSAIC_BN == 0))
+
+
 def check_mosaic_interpreter(who: str, interpret: bool, jax_version: tuple) -> None:
     """Refuse to interpret a Mosaic GPU kernel (`who`) with a jax older than MOSAIC_MIN_JAX."""
     if interpret and tuple(jax_version[:2]) < MOSAIC_MIN_JAX:
