@@ -44,6 +44,7 @@ from kernels_pallas.contract.attention import (
 from kernels_pallas.contract.linear import check_mosaic_interpreter, mosaic_padded_rows
 from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, sixteen_bit
 from kernels_pallas.twin_attention import attention_native
+from kernels_pallas.twin_linear_mgpu import smem_tiles
 from kernels_pallas.twin_norm_mgpu import lanes_tree
 
 __all__ = ["attention", "attention_native"]  # the plain reference: the Triton-backend module's
@@ -52,7 +53,6 @@ BC = 64  # slots a block: wgmma's M, the A operand of the scores
 NEG_INF = float("-inf")
 WGMMA = plgpu.Layout.WGMMA
 ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)  # a vector along a [64, n] array's rows / columns
-_SWIZZLE = 128
 
 
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
@@ -108,7 +108,7 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
     ring_row = layer_gmem[0] * B * H + bht // T
     dtype = q_gmem.dtype
     halves = D // 64  # the products with v: 64 rows of v^T each
-    tiles = (plgpu.TilingTransform((8, _SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+    tiles = smem_tiles(dtype)
 
     def scoped(q_smem, k_buf, v_buf, p_smem, pos_buf, vec_smem, scratch, out_smem, bars):
         q = plgpu.load(q_gmem.at[bht], layout=COLS, optimized=False)

@@ -58,6 +58,12 @@ __all__ = ["linear", "linear_native", "linear_rope_write", "linear_rope_write_na
 _SWIZZLE = 128  # bytes: a 64-element row of 16-bit values, the widest swizzle wgmma reads
 
 
+def smem_tiles(dtype) -> tuple:
+    """The shared-memory transforms of a wgmma operand tile (and of what the kernels load in its layout):
+    8-row tiles of one 128-byte swizzled row each."""
+    return (plgpu.TilingTransform((8, _SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+
+
 def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
            residual: jax.Array | None = None, norm: TwinNorm | None = None, split: TwinSplit | None = None,
            rms: TwinRms | None = None, block_n: int | None = None, stages: int = MOSAIC_STAGES,
@@ -130,8 +136,7 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *refs, M, K, BN, N_out, act, has_scale, 
     layer = layer_gmem[0]
     rows, cols = pl.ds(i * MOSAIC_ROWS, MOSAIC_ROWS), pl.ds(j * BN, BN)
     col_blocks = (j, j + N_out // BN) if act == "silu_gate" else (j,)
-    tiles = (plgpu.TilingTransform((8, _SWIZZLE // jnp.dtype(dtype).itemsize)),
-             plgpu.SwizzleTransform(_SWIZZLE))
+    tiles = smem_tiles(dtype)
     wgmma = plgpu.Layout.WGMMA
 
     def with_smem(o_smem, r_smem, u_smem, ss_smem, scratch, column, bars):
@@ -270,8 +275,7 @@ def _qkv_kernel(layers_gmem, x_gmem, w_gmem, *refs, M, K, BN, T, H, B, D, rope, 
     n0, P = j * BN, BN // 2
     part, h, d0 = n0 // (H * D), (n0 // D) % H, n0 % D
     rows = pl.ds(i * MOSAIC_ROWS, MOSAIC_ROWS)
-    tiles = (plgpu.TilingTransform((8, _SWIZZLE // jnp.dtype(dtype).itemsize)),
-             plgpu.SwizzleTransform(_SWIZZLE))
+    tiles = smem_tiles(dtype)
 
     def with_smem(o_smem, cos_smem, sin_smem, ss_smem, scratch, bars):
         if rope:
@@ -332,8 +336,7 @@ def _qkv_kernel(layers_gmem, x_gmem, w_gmem, *refs, M, K, BN, T, H, B, D, rope, 
 
         plgpu.wait_smem_to_gmem(0)
 
-    table = plgpu.SMEM((MOSAIC_ROWS, P), tm.F32, transforms=(plgpu.TilingTransform((8, _SWIZZLE // 4)),
-                                                             plgpu.SwizzleTransform(_SWIZZLE)))
+    table = plgpu.SMEM((MOSAIC_ROWS, P), tm.F32, transforms=smem_tiles(tm.F32))
     # the packed tile as [rows, 1, P]: each row a 2-D slab, which TMA stores alone
     groups = K // TWIN_SPLIT_GROUP if rms is not None else MOSAIC_TREE_LANES
     pl.run_scoped(with_smem, plgpu.SMEM((MOSAIC_ROWS, 1, P), jnp.uint32), table, table,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -24,7 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.linear import check_mosaic_interpreter
 from kernels_pallas.twin_entry import Entry, entry_native
-from kernels_pallas.twin_rope import tables_native
+from kernels_pallas.twin_rope import angle_sincos, tables_native
 
 __all__ = ["entry", "entry_native", "tables", "tables_native"]  # the plain references: the Triton-backend modules'
 
@@ -54,7 +53,7 @@ def _tables_kernel(offset_gmem, freqs_gmem, cos_gmem, sin_gmem, *, gpu):
     def scoped(cos_smem, sin_smem):
         pos = offset_gmem[b].astype(tm.F32) + t.astype(tm.F32)
         freqs = plgpu.load(freqs_gmem, layout=COLS, optimized=False)
-        sin, cos = tm.sincos(tm.mul(jnp.broadcast_to(pos, freqs.shape), freqs, gpu), gpu)  # `angle_sincos`'s
+        cos, sin = angle_sincos(pos, freqs, gpu)
         cos_smem[...] = cos
         sin_smem[...] = sin
         plgpu.commit_smem()
