@@ -66,8 +66,8 @@ def twin_backend() -> str:
 
 
 # The Mosaic GPU twins: each the Mosaic kernel where it takes the call (`contract.linear.mosaic_takes_linear`,
-# a norm's D a multiple of 128, a ring of a multiple of 8 slots), the Triton-backend twin elsewhere (float32,
-# the small presets, Mimi's 250-slot ring). Their modules are imported on first use (jax >= 0.11 to run).
+# a norm's D a multiple of 128, a head dim of a multiple of 64), the Triton-backend twin elsewhere (float32,
+# the small presets). Their modules are imported on first use (jax >= 0.11 to run).
 def mosaic_linear(x, w, layer=None, **kw):
     """`twin_linear.linear` on Mosaic GPU where `mosaic_takes_linear` says it runs."""
     N_out = w.shape[-2] // (2 if kw.get("act") == "silu_gate" else 1)
@@ -90,9 +90,9 @@ def mosaic_linear_rope_write(x, w, layer, cos, sin, ring_k, ring_v, write_index,
 
 
 def mosaic_attention(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, sems=None):
-    """`twin_attention.attention` on Mosaic GPU on rings of a multiple of 8 slots (16-bit, a head dim of
-    a multiple of 64: the stacks' own)."""
-    if ring_k.shape[3] % 8 or q.shape[3] % 64 or not sixteen_bit(q.dtype):
+    """`twin_attention.attention` on Mosaic GPU where it runs: 16-bit, a head dim of a multiple of 64 (the
+    stacks' own)."""
+    if q.shape[3] % 64 or not sixteen_bit(q.dtype):
         return twin_attention.attention(q, ring_k, ring_v, layer, positions, q_pos, context=context, sems=sems)
     from kernels_pallas import twin_attention_mgpu
 

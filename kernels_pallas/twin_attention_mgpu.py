@@ -1,7 +1,5 @@
 """The twin attention's MMA form on Pallas's Mosaic GPU backend; its Triton-backend twin is
-`twin_attention.attention`, its Triton twin `kernels_triton.twin_attention`. Rings of a multiple of 8
-slots (the temporal stack's 3000, the depformer's 16; not Mimi's 250: TMA reads 16-bit tiles from a
-multiple of 8 rows).
+`twin_attention.attention`, its Triton twin `kernels_triton.twin_attention`.
 
 Contract: `twin_attention`'s MMA form, unchanged (that module's docstring): per block of BC slots,
 s = dot(k, q)^T * scale on the tensor cores, the online softmax with a sum per lane, acc = acc * a +
@@ -18,6 +16,14 @@ v^T the A operand, transposed in shared memory, D/64 products of 64 rows). A blo
 a ring of fewer (the depformer's 16, one block) is read past its end as zeros by TMA, lanes that add 0
 to the tree (the same bits as its 16 lanes: l >= 0). The lanes' tree crosses threads: through shared
 memory, a rotated window of the rows (`twin_norm_mgpu.lanes_tree` along axis 0).
+
+The ring's blocks reach the tensor cores' tiles in one of two ways. TMA writes a 16-bit tile of 8
+rows, swizzled, straight into wgmma's shared-memory layout, but only from rows that start at a
+multiple of 8 of a tensor of a multiple of 8 rows: rings of a multiple of 8 slots (the temporal
+stack's 3000, the depformer's 16) are read so, as rows [L*B*H*C, D]. Other rings (Mimi's 250) are
+read as [L*B*H, C, 1, D], a slot to a 2-D slab that TMA takes at any offset, and copied through the
+registers into the tiled buffers (`staged`): one more pass over shared memory for k (v passes through
+the registers either way, to be masked).
 
 Interpreted (CPU), in Mosaic GPU's interpreter (jax >= 0.11): numpy's products in place of the tensor
 cores', so the bits are the contract's where the products' sums are exact.
@@ -58,7 +64,7 @@ ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)  # a vector along a [64, n] array'
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
               q_pos: jax.Array, *, context: int, sems: jax.Array | None = None, interpret: bool | None = None):
     """`twin_attention.attention` in the MMA form (module docstring): q [B, H, T, D] (16-bit, D a multiple of
-    64); ring_k, ring_v [L, B, H, C, D] in q's dtype at `layer` (may be traced), C a multiple of 8;
+    64); ring_k, ring_v [L, B, H, C, D] in q's dtype at `layer` (may be traced);
     positions int [B, C] (-1: invisible); q_pos int [B, T]. Returns [B, T, H, D] in q's dtype, and sems
     if given (as given: this backend combines in a kernel of its own and counts nothing)."""
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
@@ -67,9 +73,6 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     if not sixteen_bit(q.dtype) or D % 64:
         raise ValueError(f"attention(q): the Mosaic GPU attention (the MMA form) takes bfloat16/float16 and a head "
                          f"dim that is a multiple of 64, got {q.dtype} and D={D}")
-    if C % 8:
-        raise ValueError(f"attention(ring_k): the Mosaic GPU attention reads a block of slots at a multiple of 8 rows "
-                         f"(TMA's tiles of its 16-bit operands), so it takes rings of a multiple of 8 slots, got C={C}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     check_mosaic_interpreter("attention", interpret, jax.__version_info__)
@@ -79,17 +82,18 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     gpu = False if interpret else tm.Mosaic(WGMMA)
     run = plgpu.InterpretGPUParams() if interpret else None
     queries = B * H * T
+    staged = C % 8 != 0  # (module docstring)
     split = plgpu.kernel(
         functools.partial(_split_kernel, B=B, H=H, T=T, C=C, D=D, context=context, chunk=chunk,
-                          scale=1.0 / math.sqrt(D), gpu=gpu),
+                          scale=1.0 / math.sqrt(D), staged=staged, gpu=gpu),
         out_type=(jax.ShapeDtypeStruct((queries, Sp, D), tm.F32), jax.ShapeDtypeStruct((queries, S), tm.F32),
                   jax.ShapeDtypeStruct((queries, S), tm.F32)),
         grid=(queries, S), grid_names=("q", "s"), interpret=run, kernel_name="twin_attention_mgpu")
-    # the rings as rows of slots [L*B*H*C, D] and the positions flat [B*C] (a block read past a ring row's end
-    # reads the next row's slots: masked, as past the ring's end)
-    acc, m, l = split(jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(queries, D), ring_k.reshape(-1, D),
-                      ring_v.reshape(-1, D), positions.astype(jnp.int32).reshape(-1),
-                      q_pos.astype(jnp.int32).reshape(-1))
+    # the rings as rows of slots [L*B*H*C, D] (staged: [L*B*H, C, 1, D]) and the positions flat [B*C] (a block
+    # read past a ring row's end reads the next row's slots: masked, as past the ring's end)
+    rows = (lambda r: r.reshape(-1, C, 1, D)) if staged else (lambda r: r.reshape(-1, D))
+    acc, m, l = split(jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(queries, D), rows(ring_k), rows(ring_v),
+                      positions.astype(jnp.int32).reshape(-1), q_pos.astype(jnp.int32).reshape(-1))
     combine = plgpu.kernel(
         functools.partial(_combine_kernel, H=H, T=T, S=S, gpu=False if interpret else tm.Mosaic(COLS)),
         out_type=jax.ShapeDtypeStruct((B * T * H, D), q.dtype), grid=(queries,), grid_names=("q",), interpret=run,
@@ -99,7 +103,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
 
 
 def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_out, m_out, l_out, *, B, H, T, C,
-                  D, context, chunk, scale, gpu):
+                  D, context, chunk, scale, staged, gpu):
     """Program (query, split): the split's blocks in order, then its partials (acc [D], m, l)."""
     tm.overlap_launches(gpu)
     bht, split = lax.axis_index("q"), lax.axis_index("s")
@@ -110,7 +114,7 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
     halves = D // 64  # the products with v: 64 rows of v^T each
     tiles = smem_tiles(dtype)
 
-    def scoped(q_smem, k_buf, v_buf, p_smem, pos_buf, vec_smem, scratch, out_smem, bars):
+    def scoped(q_smem, k_buf, v_buf, p_smem, pos_buf, vec_smem, scratch, out_smem, bars, *tiled):
         q = plgpu.load(q_gmem.at[bht], layout=COLS, optimized=False)
         q_smem[...] = jnp.broadcast_to(q[None, :], (BC, D))  # the query in every row: B is its first 16
         plgpu.commit_smem()
@@ -129,9 +133,11 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
 
         def fetch(blk):  # block blk's slots into buffer blk % 2 (TMA; past the ring's end: zeros, masked below)
             c0, buf = split * chunk + blk * BC, blk % 2
-            first = pl.multiple_of(ring_row * C + c0, 8)  # C % 8 == 0: TMA's tiles start at a multiple of 8 rows
-            for k, (src, dst) in enumerate(((k_gmem.at[pl.ds(first, BC)], k_buf.at[buf]),
-                                            (v_gmem.at[pl.ds(first, BC)], v_buf.at[buf]),
+            if staged:
+                block = (lambda ring: ring.at[ring_row, pl.ds(c0, BC)])  # [BC, 1, D]
+            else:  # C % 8 == 0: the block starts at a multiple of 8 rows, as TMA's tiles do
+                block = (lambda ring: ring.at[pl.ds(pl.multiple_of(ring_row * C + c0, 8), BC)])
+            for k, (src, dst) in enumerate(((block(k_gmem), k_buf.at[buf]), (block(v_gmem), v_buf.at[buf]),
                                             (pos_gmem.at[pl.ds(b * C + c0, BC)], pos_buf.at[buf]))):
                 plgpu.copy_gmem_to_smem(src, dst, bars.at[3 * buf + k])
 
@@ -140,9 +146,16 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
             if blk + 1 < blocks:  # the next block's loads go out before this block's arithmetic
                 fetch(blk + 1)
             c0, buf = split * chunk + blk * BC, blk % 2
-            k_smem, v_smem, pos_smem = k_buf.at[buf], v_buf.at[buf], pos_buf.at[buf]
+            pos_smem = pos_buf.at[buf]
             for k in range(3):
                 plgpu.barrier_wait(bars.at[3 * buf + k])
+            if staged:  # the block into the tiled buffers, through the registers (v below)
+                k_smem, v_smem = tiled
+                k_smem[...] = plgpu.load(k_buf.at[buf, :, 0, :], layout=WGMMA, optimized=False)
+                v = plgpu.load(v_buf.at[buf, :, 0, :], layout=WGMMA, optimized=False)
+            else:
+                k_smem, v_smem = k_buf.at[buf], v_buf.at[buf]
+                v = plgpu.load(v_smem, layout=WGMMA, optimized=False)
             pos = plgpu.load(pos_smem, layout=ROWS, optimized=False)
             slot = c0 + lax.broadcasted_iota(jnp.int32, (BC,), 0)
             delta = q_pos - pos
@@ -157,7 +170,6 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
             l = tm.mul(l, a, gpu) + p
             m = m_new
             # v' = v where visible, else 0: back into shared memory before the products read it
-            v = plgpu.load(v_smem, layout=WGMMA, optimized=False)
             v_smem[...] = jnp.where(jnp.broadcast_to(visible[:, None], v.shape), v, jnp.zeros((), dtype))
             # p as a row (its columns equal: max is exact), repeated in every row of the B operand
             vec_smem[...] = jnp.max(p, axis=1)
@@ -182,12 +194,13 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
         l_out[bht, split] = _max_all(l)
         plgpu.wait_smem_to_gmem(0)
 
-    # k, v and the positions twice: a block's loads fly while the block before it is computed
-    ring_bufs = plgpu.SMEM((2, BC, D), dtype, transforms=tiles)
-    pl.run_scoped(scoped, plgpu.SMEM((BC, D), dtype, transforms=tiles), ring_bufs, ring_bufs,
-                  plgpu.SMEM((BC, BC), dtype, transforms=tiles), plgpu.SMEM((2, BC), jnp.int32), plgpu.SMEM((BC,), tm.F32),
-                  plgpu.SMEM((2 * BC, TWIN_MMA_ROWS), tm.F32), plgpu.SMEM((D,), tm.F32),
-                  plgpu.Barrier(num_arrivals=1, num_barriers=6))
+    # k, v and the positions twice: a block's loads fly while the block before it is computed (staged: as TMA
+    # reads them, and the tiled k and v once)
+    block = plgpu.SMEM((BC, D), dtype, transforms=tiles)
+    ring_bufs = plgpu.SMEM((2, BC, 1, D), dtype) if staged else plgpu.SMEM((2, BC, D), dtype, transforms=tiles)
+    pl.run_scoped(scoped, block, ring_bufs, ring_bufs, plgpu.SMEM((BC, BC), dtype, transforms=tiles),
+                  plgpu.SMEM((2, BC), jnp.int32), plgpu.SMEM((BC,), tm.F32), plgpu.SMEM((2 * BC, TWIN_MMA_ROWS), tm.F32),
+                  plgpu.SMEM((D,), tm.F32), plgpu.Barrier(num_arrivals=1, num_barriers=6), *((block, block) if staged else ()))
 
 
 def _max_all(x):

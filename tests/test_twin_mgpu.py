@@ -18,6 +18,8 @@ Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
 - the attention: the bits of the Triton-backend MMA form, interpreted, where the products' sums are
   exact (integer-valued q and k, one visible slot a block), within float32 rounding elsewhere; masked
   slots holding NaN and Inf reach no output, a query that sees nothing gets +0.
+Lowered for CUDA (CPU, jax >= 0.11): every kernel at each stack's shapes, through Pallas's lowering to
+Mosaic GPU and its checks of layouts and TMA copies.
 Compiled (GPU): the bits of the same kernels on Pallas's Triton backend and of their torch twins, on
 random and hostile operands at the stacks' sizes, and a row alone has the bits it has among the others.
 """
@@ -323,10 +325,13 @@ def attention_case(B, H, T, D, C, seed=0, sparse=False, integers=True):
 
 @interpreted
 @pytest.mark.parametrize("B,H,T,D,C,sparse", [(3, 2, 1, 128, 296, True), (2, 2, 2, 64, 16, True),
-                                              (3, 2, 1, 128, 296, False), (2, 1, 2, 64, 136, False)])
+                                              (2, 2, 2, 64, 250, True), (3, 2, 1, 128, 296, False),
+                                              (2, 1, 2, 64, 136, False), (2, 2, 2, 64, 250, False)])
 def test_interpreted_attention_is_the_triton_backends(B, H, T, D, C, sparse):
     """296 slots: 2 splits of 256 (the combine over 2 partials, the second split's last blocks past the
-    ring); 16: the depformer's ring of one block, read as 64 lanes (48 of them past the ring)."""
+    ring); 16: the depformer's ring of one block, read as 64 lanes (48 of them past the ring); 250:
+    Mimi's ring, not a multiple of 8 slots, its blocks staged through the registers (4 splits, the last
+    block 6 slots past the ring)."""
     q, ring_k, ring_v, positions, q_pos = attention_case(B, H, T, D, C, seed=C + D, sparse=sparse)
     out = jax.jit(lambda *a: pam.attention(*a, context=C, interpret=True))(q, ring_k, ring_v, jnp.int32(1),
                                                                           positions, q_pos)
@@ -357,12 +362,6 @@ def test_interpreted_rope_tables_and_entry_are_the_references(B, T, D):
     for got, want in zip(prm.entry(offset, start, active, x, freqs, interpret=True, **kw),
                          entry_native(offset, start, active, x, freqs, **kw)):
         assert_same(got, want, "entry")
-
-
-def test_attention_refuses_rings_it_cannot_tile():
-    q, ring_k, ring_v, positions, q_pos = attention_case(1, 1, 1, 64, 250)
-    with pytest.raises(ValueError, match="multiple of 8 slots"):
-        pam.attention(q, ring_k, ring_v, 1, positions, q_pos, context=250, interpret=True)
 
 
 def test_norm_signature_is_the_twin_norms():
@@ -525,7 +524,7 @@ def test_which_calls_the_mosaic_linears_take(dtype, K, N_out, kw, takes):
 
 
 def test_the_mosaic_twins_run_the_triton_backend_where_mosaic_does_not_take_the_call():
-    """float32 (the lane form), a norm of 96 features, a ring of 10 slots: the Triton-backend kernels'
+    """float32 (the lane form), a norm of 96 features, a head of 16 dims: the Triton-backend kernels'
     bits, on any jax."""
     from jax_impl import layers
 
@@ -536,7 +535,7 @@ def test_the_mosaic_twins_run_the_triton_backend_where_mosaic_does_not_take_the_
     assert_same(layers.mosaic_norm(xn, wn, eps=1e-5), pn.norm(xn, wn, eps=1e-5), "norm of 96")
     q, ring_k, ring_v, positions, q_pos = attention_case(1, 2, 1, 16, 10)
     assert_same(layers.mosaic_attention(q, ring_k, ring_v, 1, positions, q_pos, context=10),
-                pa.attention(q, ring_k, ring_v, 1, positions, q_pos, context=10), "ring of 10")
+                pa.attention(q, ring_k, ring_v, 1, positions, q_pos, context=10), "head of 16")
 
 
 @interpreted
@@ -563,12 +562,50 @@ def test_interpreted_twin_steps_on_the_mosaic_kernels(monkeypatch):
             assert np.max(np.abs(a - b)) <= 2.0**-6 * np.max(np.abs(a)), (type(cfg).__name__, t)
 
 
+# (dim, heads, head dim, ring slots, T, FFN: its activation and hidden): the shapes each stack's step calls
+STACKS = {"temporal": (4096, 32, 128, 3000, 1, "silu_gate", 11264), "depformer": (1024, 16, 64, 16, 1, "silu_gate", 2816),
+          "mimi": (512, 8, 64, 250, 2, "gelu", 2048)}
+
+
+@interpreted
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_kernels_lower_for_cuda_at_the_stacks_shapes(stack):
+    """Without a GPU, jax lowers each Mosaic kernel for CUDA as it does on one: Pallas's lowering to
+    Mosaic GPU, its layout and transform inference, the TMA copies' checks (a tiled copy from a tensor
+    whose rows are not a multiple of 8, as Mimi's 250-slot ring, fails here). Mosaic's passes to PTX
+    and ptxas run only on the GPU."""
+    dim, H, D, C, T, act, hidden = STACKS[stack]
+    B, L, b16, i32 = 2, 2, jnp.bfloat16, jnp.int32
+    M = B * T
+
+    def arrays(*specs):
+        return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs]
+
+    def lowers(f, *specs):
+        text = jax.jit(f).trace(*arrays(*specs)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, f"{stack}: {f.__name__} lowered without a Mosaic GPU kernel"
+
+    n = TwinNorm("rms", None, None, 1e-8)
+    ring, rows, w_in = ((L, B, H, C, D), b16), ((M, dim), b16), ((L, 3 * H * D, dim), b16)
+    lowers(lambda x, w: pnm.norm(x, w, None, 1, eps=1e-8, interpret=False), rows, ((L, dim), b16))
+    lowers(lambda x, w: pnm.split(x, w, 1, interpret=False), rows, ((L, dim), b16))
+    lowers(lambda x, w, nw: plm.linear(x, w, 1, act=act, norm=n._replace(weight=nw), interpret=False),
+           rows, ((L, 2 * hidden if act == "silu_gate" else hidden, dim), b16), ((L, dim), b16))
+    lowers(lambda x, w, c, s, k, v, i, m: plm.linear_rope_write(x, w, 1, c, s, k, v, i, m, interpret=False),
+           rows, w_in, ((B, T, D // 2), jnp.float32), ((B, T, D // 2), jnp.float32), ring, ring, ((B, T), i32),
+           ((B, T), i32))
+    lowers(lambda q, k, v, p, qp: pam.attention(q, k, v, 1, p, qp, context=C, interpret=False),
+           ((B, H, T, D), b16), ring, ring, ((B, C), i32), ((B, T), i32))
+    lowers(lambda o, f: prm.tables(o, T, f, interpret=False), ((B,), i32), ((D // 2,), jnp.float32))
+
+
 @on_gpu
 @pytest.mark.parametrize("B,H,T,D,C", [(1, 32, 1, 128, 3000), (4, 32, 1, 128, 3000), (64, 32, 1, 128, 3000),
-                                       (1, 16, 1, 64, 16), (16, 16, 1, 64, 16)])
+                                       (1, 16, 1, 64, 16), (16, 16, 1, 64, 16), (1, 8, 2, 64, 250),
+                                       (64, 8, 10, 64, 250)])
 def test_gpu_attention_bits_are_the_triton_twins(B, H, T, D, C):
     """The Mosaic attention, the Pallas Triton-backend one and the torch twin: the same bits (the temporal
-    ring and the depformer's), a row alone as among the others."""
+    ring, the depformer's and Mimi's), a row alone as among the others."""
     import torch
 
     from kernels_triton import twin_attention as ta
