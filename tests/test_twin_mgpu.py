@@ -43,6 +43,7 @@ from kernels_pallas import twin_rope_mgpu as prm
 from kernels_pallas.contract.linear import MOSAIC_MIN_JAX
 from kernels_pallas.contract.norm import TwinNorm, TwinRms, TwinSplit
 from kernels_pallas.twin_entry import entry_native
+from tests import cuda_target
 
 NEW_ENOUGH = jax.__version_info__[:2] >= MOSAIC_MIN_JAX
 FLOOR = ".".join(map(str, MOSAIC_MIN_JAX))
@@ -567,36 +568,91 @@ STACKS = {"temporal": (4096, 32, 128, 3000, 1, "silu_gate", 11264), "depformer":
           "mimi": (512, 8, 64, 250, 2, "gelu", 2048)}
 
 
+def stack_kernel_calls(stack, B):
+    """(name, f, argument specs) of every Mosaic kernel call of a stack's step at B rows, compiled forms:
+    the norms, the linears with each epilogue and either half of the split norm, the qkv kernel with and
+    without its rotation, the attention, the RoPE tables."""
+    dim, H, D, C, T, act, hidden = STACKS[stack]
+    L, b16, i32, f32 = 2, jnp.bfloat16, jnp.int32, jnp.float32
+    M, N = B * T, 2 * hidden if act == "silu_gate" else hidden
+    n = TwinNorm("rms", None, None, 1e-8)
+    ring, rows, w_in, ss = ((L, B, H, C, D), b16), ((M, dim), b16), ((L, 3 * H * D, dim), b16), ((M, dim // 64), f32)
+    at = ((B, T), i32)
+    return [
+        ("norm", lambda x, w: pnm.norm(x, w, None, 1, eps=1e-8, interpret=False), rows, ((L, dim), b16)),
+        ("split", lambda x, w: pnm.split(x, w, 1, interpret=False), rows, ((L, dim), b16)),
+        (f"linear {act} after a norm",
+         lambda x, w, nw: plm.linear(x, w, 1, act=act, norm=n._replace(weight=nw), interpret=False),
+         rows, ((L, N, dim), b16), ((L, dim), b16)),
+        ("linear scale residual", lambda x, w, s, r: plm.linear(x, w, 1, scale=s, residual=r, interpret=False),
+         ((M, hidden), b16), ((L, dim, hidden), b16), ((L, dim), b16), rows),
+        ("linear split", lambda x, w, a: plm.linear(x, w, 1, split=TwinSplit(a, 1), interpret=False),
+         ((M, hidden), b16), ((L, dim, hidden), b16), ((L, dim), b16)),
+        (f"linear {act} rms", lambda x, w, s: plm.linear(x, w, 1, act=act, rms=TwinRms(s, 1e-8), interpret=False),
+         rows, ((L, N, dim), b16), ss),
+        ("qkv rope", lambda x, w, c, s, k, v, i, m: plm.linear_rope_write(x, w, 1, c, s, k, v, i, m, interpret=False),
+         rows, w_in, ((B, T, D // 2), f32), ((B, T, D // 2), f32), ring, ring, at, at),
+        ("qkv rms", lambda x, w, s, k, v, i, m: plm.linear_rope_write(x, w, 1, None, None, k, v, i, m,
+                                                                     rms=TwinRms(s, 1e-8), interpret=False),
+         rows, w_in, ss, ring, ring, at, at),
+        ("attention", lambda q, k, v, p, qp: pam.attention(q, k, v, 1, p, qp, context=C, interpret=False),
+         ((B, H, T, D), b16), ring, ring, ((B, C), i32), at),
+        ("tables", lambda o, f: prm.tables(o, T, f, interpret=False), ((B,), i32), ((D // 2,), f32)),
+    ]
+
+
 @interpreted
 @pytest.mark.parametrize("stack", sorted(STACKS))
 def test_kernels_lower_for_cuda_at_the_stacks_shapes(stack):
     """Without a GPU, jax lowers each Mosaic kernel for CUDA as it does on one: Pallas's lowering to
     Mosaic GPU, its layout and transform inference, the TMA copies' checks (a tiled copy from a tensor
-    whose rows are not a multiple of 8, as Mimi's 250-slot ring, fails here). Mosaic's passes to PTX
-    and ptxas run only on the GPU."""
-    dim, H, D, C, T, act, hidden = STACKS[stack]
-    B, L, b16, i32 = 2, 2, jnp.bfloat16, jnp.int32
-    M = B * T
+    whose rows are not a multiple of 8, as Mimi's 250-slot ring, fails here)."""
+    for name, f, *specs in stack_kernel_calls(stack, 2):
+        args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs]
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, f"{stack}: {name} lowered without a Mosaic GPU kernel"
 
-    def arrays(*specs):
-        return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs]
 
-    def lowers(f, *specs):
-        text = jax.jit(f).trace(*arrays(*specs)).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text, f"{stack}: {f.__name__} lowered without a Mosaic GPU kernel"
+H200, NO_H200 = cuda_target.h200() if NEW_ENOUGH else (None, f"Mosaic GPU's kernels need jax >= {FLOOR}")
+h200 = pytest.mark.skipif(H200 is None, reason=NO_H200)
 
-    n = TwinNorm("rms", None, None, 1e-8)
-    ring, rows, w_in = ((L, B, H, C, D), b16), ((M, dim), b16), ((L, 3 * H * D, dim), b16)
-    lowers(lambda x, w: pnm.norm(x, w, None, 1, eps=1e-8, interpret=False), rows, ((L, dim), b16))
-    lowers(lambda x, w: pnm.split(x, w, 1, interpret=False), rows, ((L, dim), b16))
-    lowers(lambda x, w, nw: plm.linear(x, w, 1, act=act, norm=n._replace(weight=nw), interpret=False),
-           rows, ((L, 2 * hidden if act == "silu_gate" else hidden, dim), b16), ((L, dim), b16))
-    lowers(lambda x, w, c, s, k, v, i, m: plm.linear_rope_write(x, w, 1, c, s, k, v, i, m, interpret=False),
-           rows, w_in, ((B, T, D // 2), jnp.float32), ((B, T, D // 2), jnp.float32), ring, ring, ((B, T), i32),
-           ((B, T), i32))
-    lowers(lambda q, k, v, p, qp: pam.attention(q, k, v, 1, p, qp, context=C, interpret=False),
-           ((B, H, T, D), b16), ring, ring, ((B, C), i32), ((B, T), i32))
-    lowers(lambda o, f: prm.tables(o, T, f, interpret=False), ((B,), i32), ((D // 2,), jnp.float32))
+
+@h200
+@pytest.mark.parametrize("stack", sorted(STACKS))
+@pytest.mark.parametrize("B", [1, 64])
+def test_kernels_compile_for_the_h200(stack, B):
+    """Compiled for a compile-only H200 (`tests.cuda_target`): Mosaic GPU's passes to PTX and ptxas for
+    sm_90a, on any machine with jax's CUDA plugin. Nothing runs: the bits are the GPU tests'."""
+    for name, f, *specs in stack_kernel_calls(stack, B):
+        assert "mosaic_gpu" in cuda_target.compile_for_h200(f, *specs), f"{stack} B={B}: {name}"
+
+
+@h200
+@pytest.mark.parametrize("stack", ["temporal", "mimi", "depformer"])
+def test_twin_steps_compile_for_the_h200_on_mosaic_gpu_alone(stack, monkeypatch):
+    """The whole twin step of each stack at its real size (the 7B temporal stack, Mimi, the depformer's
+    frame of 16 inner steps), PERSONAPLEX_TWIN_BACKEND=mosaic_gpu, compiled for the compile-only H200:
+    every kernel takes the call (no Pallas Triton lowering, which needs a GPU present and fails here)."""
+    import jax_impl as jx
+    from jax_impl.config import PRESETS
+    from jax_impl.depformer import depformer_frame
+    from jax_impl.depformer_config import DepformerConfig, buffer_shapes
+    from jax_impl.layers import TWIN_BACKEND_VARIABLE
+
+    monkeypatch.setenv(TWIN_BACKEND_VARIABLE, "mosaic_gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' compiled forms, as on the GPU
+    b16 = jnp.bfloat16
+    if stack == "depformer":
+        cfg = DepformerConfig()
+        params = {k: (tuple(v), b16) for k, v in buffer_shapes(cfg).items()}
+        text = cuda_target.compile_for_h200(lambda p, t, o: depformer_frame(cfg, p, t, o, kernels="twin"), params,
+                                            ((1,), jnp.int32), ((1, 1, cfg.temporal_dim), b16))
+    else:
+        cfg, T = PRESETS[stack], 2 if stack == "mimi" else 1
+        params = jax.eval_shape(lambda: jx.init_params(cfg, jax.random.key(0), dtype=b16))
+        state = jax.eval_shape(lambda: jx.init_state(cfg, 1, b16))
+        text = cuda_target.compile_for_h200(jx.step_fn(cfg, kernels="twin"), params, state, ((1, T, cfg.dim), b16))
+    assert "mosaic_gpu" in text
 
 
 @on_gpu
