@@ -19,7 +19,10 @@ Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
   exact (integer-valued q and k, one visible slot a block), within float32 rounding elsewhere; masked
   slots holding NaN and Inf reach no output, a query that sees nothing gets +0.
 Lowered for CUDA (CPU, jax >= 0.11): every kernel at each stack's shapes, through Pallas's lowering to
-Mosaic GPU and its checks of layouts and TMA copies.
+Mosaic GPU and its checks of layouts and TMA copies. Compiled for a compile-only H200 where jax's CUDA
+plugin is installed (`tests.cuda_target`; any machine): every kernel at 1 and 64 rows, and the three twin
+steps at their real sizes with PERSONAPLEX_TWIN_BACKEND=mosaic_gpu, none of their kernels left on the
+Triton backend.
 Compiled (GPU): the bits of the same kernels on Pallas's Triton backend and of their torch twins, on
 random and hostile operands at the stacks' sizes, and a row alone has the bits it has among the others.
 """
