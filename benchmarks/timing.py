@@ -13,18 +13,18 @@ import jax
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from jax_impl.layers import twin_backend
 from jax_impl.wait import until_ready
+from kernels_pallas.backend import gpu_backend
 
 
 def run_meta(device: str | None = None, **extra) -> dict:
     """What every result file records of its run: the device (`device`, else the CUDA device's name,
     else "cpu"), the date, the jax and torch versions and the Pallas backend of the JAX twins
-    (`jax_impl.layers.twin_backend`), then `extra`."""
+    (`kernels_pallas.backend`), then `extra`."""
     if device is None:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"device": device, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
-            "torch": torch.__version__, "twin_backend": twin_backend(), **extra}
+            "torch": torch.__version__, "pallas_backend": gpu_backend(), **extra}
 
 
 def cuda_time(fn, n: int) -> float:

@@ -15,7 +15,7 @@ accuracy against float32, speed. One process:
 4. speed: synchronized and pipelined ms/step of the JAX twin step (and the default JAX step), the
    torch twin step eager and under a CUDA graph, kernel launches per step and the kernels that
    take the most GPU time (torch.profiler, which sees JAX's kernels too). With 'mosaic' in --only,
-   also the JAX twin step on the Mosaic GPU twins (PERSONAPLEX_TWIN_BACKEND=mosaic_gpu while it is
+   also the JAX twin step on the Mosaic GPU twins (PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu while it is
    traced), side by side in the same process, and whether its first step has the bits of the step on
    the Triton-backend twins. (The variable set for the whole run puts every part on the Mosaic twins:
    the bits part then holds them to the torch twin step.)
@@ -39,7 +39,7 @@ import torch
 import jax_impl
 from benchmarks.timing import host_ms, kernel_profile, run_meta, time_step, torch_graph
 from jax_impl.config import PRESETS
-from jax_impl.layers import TWIN_BACKEND_VARIABLE
+from kernels_pallas.backend import VARIABLE as PALLAS_BACKEND
 from kernels_pallas.contract import linear as contract
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.dlpack import to_jax, to_torch
@@ -240,7 +240,7 @@ def jax_speed(module, x, rec, with_auto, with_loop, with_mosaic=False):
 
 
 def mosaic_speed(module, params, xj, step, rec):
-    """The JAX twin step traced on the Mosaic GPU twins (`jax_impl.layers.pallas_twins`): its times and
+    """The JAX twin step traced on the Mosaic GPU twins (`kernels_pallas.backend`): its times and
     kernels into rec, and whether one step from a full ring has the bits of `step`'s (the Triton-backend
     twins') from the same state."""
     B = xj.shape[0]
@@ -249,17 +249,17 @@ def mosaic_speed(module, params, xj, step, rec):
         return jax_side(module)[1]._replace(offset=jnp.full((B,), module.config.capacity, jnp.int32))
 
     mosaic = jax_side(module)[2]
-    before = os.environ.get(TWIN_BACKEND_VARIABLE)
-    os.environ[TWIN_BACKEND_VARIABLE] = "mosaic_gpu"
+    before = os.environ.get(PALLAS_BACKEND)
+    os.environ[PALLAS_BACKEND] = "mosaic_gpu"
     try:
         t0 = time.perf_counter()
         got, state = jax.block_until_ready(mosaic(params, full_ring(), xj, None))  # traced on the Mosaic twins
         rec["jax_mosaic_first_call_s"] = time.perf_counter() - t0
     finally:
         if before is None:
-            del os.environ[TWIN_BACKEND_VARIABLE]
+            del os.environ[PALLAS_BACKEND]
         else:
-            os.environ[TWIN_BACKEND_VARIABLE] = before
+            os.environ[PALLAS_BACKEND] = before
     want = step(params, full_ring(), xj, None)[0]
     rec["jax_mosaic_identical"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got),
                                                                                    jax.tree.leaves(want)))

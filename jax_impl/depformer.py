@@ -16,8 +16,8 @@ at step k, slots 0..k attended: causal over the inner steps, no positional embed
 
 - "reference": jax.numpy, the torch reference's operations in its order; the floats differ from
   it by the matmuls' summation order (XLA's, not oneDNN's), the codes agree.
-- "twin": every float operation in a Pallas twin kernel (`kernels_pallas.twin_*`; `layers.pallas_twins`:
-  on Pallas's Triton backend, or its Mosaic GPU backend where PERSONAPLEX_TWIN_BACKEND says so), the torch
+- "twin": every float operation in a Pallas twin kernel (`kernels_pallas.twin_*`, on Pallas's Triton
+  backend or its Mosaic GPU backend: `kernels_pallas.backend`), the torch
   `Depformer(kernels="twin")`'s Triton twins in the same order: the same bits (codes and logits),
   and a row's bits do not depend on the batch. Per layer: the RMSNorm and the qkv projection
   with the K/V write into the frame's cache in its epilogue (`twin_linear.linear_rope_write`, no
@@ -44,10 +44,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kernels_pallas import backend
 from kernels_pallas.contract.norm import TwinNorm
 
 from .depformer_config import DepformerConfig, buffer_shapes
-from .layers import pallas_twins
+from .layers import PALLAS_TWINS
 from .sampling import sample
 from .sampling_config import check_sampling
 
@@ -119,15 +120,17 @@ def _twin_alphas(cfg: DepformerConfig, p) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _twin_layer(cfg: DepformerConfig, k, p, alphas, x, at, layer, slot, positions, cache_k, cache_v):
+def _twin_layer(cfg: DepformerConfig, pallas_backend: str, p, alphas, x, at, layer, slot, positions, cache_k,
+                cache_v):
     """One layer on the Pallas twins (module docstring): x [B, dim] at weight index `at` = layer *
     weight_sets + set and cache layer `layer` (int32 scalars); slot [B, 1] int32: the step (the K/V
     write slot and the query's position); positions [B, dep_q] int32: slot c holds position c;
     cache_k, cache_v [L, B, H, dep_q, head_dim], written in place at `slot` by the qkv projection's
-    kernel; alphas: `_twin_alphas`; k: the Pallas twins (`layers.pallas_twins`, static: a jitted layer per
-    backend). Jitted: an unrolled frame traces and lowers it once, and its calls pass constants (XLA
-    inlines them and folds the index arithmetic: no work between kernels)."""
-    B = x.shape[0]
+    kernel; alphas: `_twin_alphas`; pallas_backend: the one the twins run on (`kernels_pallas.backend`;
+    static: a layer traced per backend). Jitted: an unrolled frame traces and lowers it once, and its
+    calls pass constants (XLA inlines them and folds the index arithmetic: no work between kernels)."""
+    del pallas_backend  # read by the twins themselves when traced
+    k, B = PALLAS_TWINS, x.shape[0]
     norm1, norm2 = (TwinNorm("rms", a, None, cfg.norm_eps) for a in alphas)
     q, cache_k, cache_v = k.linear_rope_write(
         x, _per_set(p["in_proj"], cfg), at, None, None, cache_k, cache_v, slot, jnp.ones((B, 1), bool),
@@ -144,10 +147,10 @@ def _twin_layers(cfg: DepformerConfig, p, alphas, x, s, step, cache_k, cache_v):
     static = isinstance(step, int)
     slot = np.full((B, 1), step, np.int32) if static else jnp.full((B, 1), step, jnp.int32)
     positions = np.broadcast_to(np.arange(cfg.dep_q, dtype=np.int32), (B, cfg.dep_q))
-    twins = pallas_twins()
+    pallas_backend = backend.gpu_backend()
     for layer in range(cfg.num_layers):
         at = np.int32(layer * cfg.weight_sets + s) if static else layer * cfg.weight_sets + s
-        x, cache_k, cache_v = _twin_layer(cfg, twins, p, alphas, x, at, np.int32(layer), slot, positions, cache_k,
+        x, cache_k, cache_v = _twin_layer(cfg, pallas_backend, p, alphas, x, at, np.int32(layer), slot, positions, cache_k,
                                           cache_v)
     return x, cache_k, cache_v
 
@@ -187,7 +190,7 @@ def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, a
         else:
             token_in = jnp.where(k == 0, _embed(params["text_emb"], prev), _embed(params["emb"][table], prev))
         if twin:
-            linear = pallas_twins().linear
+            linear = PALLAS_TWINS.linear
             x = linear(x_in, params["depformer_in"], s, residual=token_in)
             x, cache_k, cache_v = _twin_layers(cfg, params, alphas, x, s, k, cache_k, cache_v)
             logits = linear(x, params["linears"], s).astype(F32)

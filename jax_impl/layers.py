@@ -15,7 +15,6 @@ programs (`twin_layers`, shared with the torch step) on the Pallas twins instead
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import jax
@@ -23,8 +22,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import twin_attention, twin_entry, twin_linear, twin_norm
-from kernels_pallas.contract.linear import mosaic_takes_linear
-from kernels_pallas.contract.numerics import sixteen_bit
 
 from . import twin_layers
 from .config import MimiConfig, StackConfig, TemporalConfig
@@ -38,85 +35,11 @@ LAYER_LOOPS = ("scan", "python")
 # ([B, H, C, D] each). Recomputing them would need the whole stacked ring, which jax.checkpoint
 # would then keep at every layer (L copies of it).
 REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("ring_k", "ring_v")
-# The Pallas twins, as the twin layer programs call them (the torch step hands in the Triton twins), on
-# Pallas's Triton backend; `pallas_twins` picks them or the kernels ported to its Mosaic GPU backend.
+# The Pallas twins, as the twin layer programs call them (the torch step hands in the Triton twins); each
+# runs on Pallas's Triton backend or, where PERSONAPLEX_PALLAS_BACKEND says so, its Mosaic GPU twin
+# (`kernels_pallas.backend`).
 PALLAS_TWINS = twin_layers.TwinKernels(twin_linear.linear, twin_linear.linear_rope_write, twin_attention.attention,
                                        twin_norm.norm, twin_norm.split)
-TWIN_BACKEND_VARIABLE = "PERSONAPLEX_TWIN_BACKEND"
-TWIN_BACKENDS = ("triton", "mosaic_gpu")
-
-
-def pallas_twins() -> twin_layers.TwinKernels:
-    """The Pallas twins a JAX twin step calls, read when the step is traced from the environment
-    variable PERSONAPLEX_TWIN_BACKEND: "triton" (unset: the default) for `PALLAS_TWINS`, every kernel on
-    Pallas's Triton backend; "mosaic_gpu" for the kernels ported to its Mosaic GPU backend
-    (`kernels_pallas.twin_*_mgpu`; jax >= 0.11) wherever they take the call's shapes and dtypes
-    (`MOSAIC_TWINS`), the Triton-backend kernel elsewhere. The same contract, so the same bits on the
-    GPU where the tensor cores' sums are the same (not yet measured on the H200); on the CPU the Mosaic
-    kernels run their MMA form interpreted, not the CPU's lane form: other bits, within rounding."""
-    return PALLAS_TWINS if twin_backend() == "triton" else MOSAIC_TWINS
-
-
-def twin_backend() -> str:
-    """The Pallas backend of the JAX twin step (`pallas_twins`), from PERSONAPLEX_TWIN_BACKEND (checked)."""
-    backend = os.environ.get(TWIN_BACKEND_VARIABLE, "triton")
-    if backend not in TWIN_BACKENDS:
-        raise ValueError(f"{TWIN_BACKEND_VARIABLE}: must be one of {list(TWIN_BACKENDS)} (or unset), got {backend!r}")
-    return backend
-
-
-# The Mosaic GPU twins: each the Mosaic kernel where it takes the call (`contract.linear.mosaic_takes_linear`,
-# a norm's D a multiple of 128, a head dim of a multiple of 64), the Triton-backend twin elsewhere (float32,
-# the small presets). Their modules are imported on first use (jax >= 0.11 to run).
-def mosaic_linear(x, w, layer=None, **kw):
-    """`twin_linear.linear` on Mosaic GPU where `mosaic_takes_linear` says it runs."""
-    N_out = w.shape[-2] // (2 if kw.get("act") == "silu_gate" else 1)
-    if not mosaic_takes_linear(x.dtype, x.shape[1], N_out, norm=kw.get("norm") is not None,
-                               rms=kw.get("rms") is not None):
-        return twin_linear.linear(x, w, layer, **kw)
-    from kernels_pallas import twin_linear_mgpu
-
-    return twin_linear_mgpu.linear(x, w, layer, **kw)
-
-
-def mosaic_linear_rope_write(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, **kw):
-    """`twin_linear.linear_rope_write` on Mosaic GPU where `mosaic_takes_linear` says it runs."""
-    if not mosaic_takes_linear(x.dtype, x.shape[1], w.shape[-2], norm=kw.get("norm") is not None,
-                               rms=kw.get("rms") is not None, head_dim=ring_k.shape[4]):
-        return twin_linear.linear_rope_write(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, **kw)
-    from kernels_pallas import twin_linear_mgpu
-
-    return twin_linear_mgpu.linear_rope_write(x, w, layer, cos, sin, ring_k, ring_v, write_index, write_mask, **kw)
-
-
-def mosaic_attention(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, sems=None):
-    """`twin_attention.attention` on Mosaic GPU where it runs: 16-bit, a head dim of a multiple of 64 (the
-    stacks' own)."""
-    if q.shape[3] % 64 or not sixteen_bit(q.dtype):
-        return twin_attention.attention(q, ring_k, ring_v, layer, positions, q_pos, context=context, sems=sems)
-    from kernels_pallas import twin_attention_mgpu
-
-    return twin_attention_mgpu.attention(q, ring_k, ring_v, layer, positions, q_pos, context=context, sems=sems)
-
-
-def mosaic_norm(x, weight, bias=None, layer=None, **kw):
-    """`twin_norm.norm` on Mosaic GPU where its rows spread over a warpgroup (D a multiple of 128)."""
-    if x.shape[1] % 128:
-        return twin_norm.norm(x, weight, bias, layer, **kw)
-    from kernels_pallas import twin_norm_mgpu
-
-    return twin_norm_mgpu.norm(x, weight, bias, layer, **kw)
-
-
-def mosaic_split(x, weight, layer=None):
-    """`twin_norm.split` on Mosaic GPU (it takes what the Triton-backend one takes)."""
-    from kernels_pallas import twin_norm_mgpu
-
-    return twin_norm_mgpu.split(x, weight, layer)
-
-
-MOSAIC_TWINS = twin_layers.TwinKernels(mosaic_linear, mosaic_linear_rope_write, mosaic_attention, mosaic_norm,
-                                       mosaic_split)
 
 
 def temporal_layer(c: TemporalConfig, w: dict, carry, layer, tables: StepTables, active,
@@ -167,12 +90,8 @@ def twin_entry_tables(c: StackConfig, state: StreamState, x, active, freqs):
     tables: the step's `StepTables` (write_mask bool and the mask, from the kernel's tables: both
     computed only where read, e.g. captured); write_mask: the int32 the layers' kernels read in its
     place; x: a copy of x (the layer loop's first carry); sems: the zeroed counters."""
-    if twin_backend() == "triton" or (c.head_dim // 2) % 8:
-        make = twin_entry.entry
-    else:  # the same bits: the RoPE tables by a Mosaic GPU kernel, the integer ones by XLA
-        from kernels_pallas.twin_rope_mgpu import entry as make
-    e = make(state.offset, state.start_offset, active, x, jnp.asarray(freqs, jnp.float32), capacity=c.capacity,
-             convention=c.ring_convention, num_heads=c.num_heads)
+    e = twin_entry.entry(state.offset, state.start_offset, active, x, jnp.asarray(freqs, jnp.float32),
+                         capacity=c.capacity, convention=c.ring_convention, num_heads=c.num_heads)
     tables = StepTables(e.cos[:, None], e.sin[:, None], e.write_index, e.positions,
                         visible_mask(e.q_pos, e.positions, c.context), e.end_offset, e.q_pos, e.write_mask != 0)
     return tables, e.write_mask, e.x, e.sems
@@ -180,7 +99,7 @@ def twin_entry_tables(c: StackConfig, state: StreamState, x, active, freqs):
 
 def twin_first_carry(c: StackConfig, stacked: dict, x, ring_k, ring_v, sems) -> tuple:
     """The twin layer loop's first carry on this backend (`twin_layers.first_carry`)."""
-    return twin_layers.first_carry(pallas_twins(), c, stacked, x, ring_k, ring_v, sems,
+    return twin_layers.first_carry(PALLAS_TWINS, c, stacked, x, ring_k, ring_v, sems,
                                    compiled=jax.default_backend() == "gpu")
 
 
@@ -201,7 +120,7 @@ def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables:
     """
     if kernels == "twin":
         program = twin_layers.layer_program(c)
-        twins = pallas_twins()
+        twins = PALLAS_TWINS
 
         def twin_fn(layer, cr):
             return program(twins, c, stacked, cr, layer, tables)

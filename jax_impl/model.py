@@ -22,8 +22,8 @@ from .checkpoint import weight_specs
 from .config import StackConfig, TemporalConfig
 from .layers import (
     LAYER_LOOPS,
+    PALLAS_TWINS,
     mimi_layer,
-    pallas_twins,
     run_layers,
     temporal_layer,
     twin_entry_tables,
@@ -112,7 +112,7 @@ class TemporalStack(_StackBase):
         alpha, text_linear = self._top("out_norm_alpha"), self._top("text_linear")
         if self.kernels == "twin":
             head = {"out_norm_alpha": alpha, "text_linear": text_linear}
-            return twin_layers.temporal_head(pallas_twins(), self.config, head, x), state
+            return twin_layers.temporal_head(PALLAS_TWINS, self.config, head, x), state
         out = rms_norm_f32(x, alpha, self.config.norm_eps)
         return (out, linear(out, text_linear)[:, None]), state
 

@@ -73,6 +73,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas import backend
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract import attention as contract
 from kernels_pallas.contract.attention import (
@@ -82,7 +83,7 @@ from kernels_pallas.contract.attention import (
     twin_attention_form,
     twin_sems_size,
 )
-from kernels_pallas.contract.numerics import TWIN_MMA_ROWS
+from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, sixteen_bit
 
 NEG_INF = float("-inf")
 
@@ -285,8 +286,14 @@ class _Options(NamedTuple):
 
 
 def _forward(o: _Options, q, ring_k, ring_v, layer, positions, q_pos, sems):
-    """The forward kernel: (out [B, T, H, D], sems)."""
+    """The forward kernel: (out [B, T, H, D], sems); its Mosaic GPU twin's where that runs
+    (`kernels_pallas.backend`: 16-bit, a head dim of a multiple of 64, the MMA form)."""
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
+    if o.form != "lanes" and backend.on_mosaic() and sixteen_bit(q.dtype) and D % 64 == 0:
+        from kernels_pallas import twin_attention_mgpu
+
+        return twin_attention_mgpu.attention(q, ring_k, ring_v, layer, positions, q_pos, context=o.context, sems=sems,
+                                             interpret=o.interpret)
     plan = AttentionBlocks.for_shapes(C)
     BC, chunk, S = plan.block_slots, plan.chunk, plan.splits
     gpu = not o.interpret

@@ -38,7 +38,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas import twin_rope
+from kernels_pallas import backend, twin_rope
 from kernels_pallas.contract.attention import twin_sems_size
 from kernels_pallas.contract.numerics import next_pow2
 from kernels_pallas.contract.rope import RING_CONVENTIONS
@@ -165,6 +165,11 @@ def _forward(statics, offset, start_offset, active, x, freqs) -> Entry:
     """The kernel (`entry`, its arguments checked); statics: (capacity, convention, num_heads, interpret)."""
     capacity, convention, num_heads, interpret = statics
     B, T, half = _check(offset, start_offset, active, x, freqs)
+    if backend.on_mosaic() and half % 8 == 0:  # the same bits: the RoPE tables by a Mosaic GPU kernel, the rest by XLA
+        from kernels_pallas import twin_rope_mgpu
+
+        return twin_rope_mgpu.entry(offset, start_offset, active, x, freqs, capacity=capacity, convention=convention,
+                                    num_heads=num_heads, interpret=interpret)
     idx = offset.dtype
     HT, X = num_heads * T, T * x.shape[2]
     kernel = functools.partial(_entry_kernel, T=T, C=capacity, HT=HT, X=X, convention=convention,

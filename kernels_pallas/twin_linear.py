@@ -59,7 +59,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas import twin_grad, twin_norm, twin_rope
+from kernels_pallas import backend, twin_grad, twin_norm, twin_rope
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.linear import (
     TWIN_PALLAS_PREFETCH,
@@ -67,6 +67,7 @@ from kernels_pallas.contract.linear import (
     MmaBlocks,
     check_twin_linear,
     check_twin_qkv,
+    mosaic_takes_linear,
     stack_one_layer,
     twin_fuse_norm,
     twin_linear_form,
@@ -320,6 +321,12 @@ def _linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, s
         raise ValueError(f"linear(prefetch): expected an int >= 1, got {prefetch!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if form != "lanes" and backend.on_mosaic() and mosaic_takes_linear(x.dtype, K, N_out, norm=norm is not None,
+                                                                       rms=rms is not None):
+        from kernels_pallas import twin_linear_mgpu  # its MMA form on Mosaic GPU (`kernels_pallas.backend`)
+
+        return twin_linear_mgpu.linear(x, w, layer, act=act, scale=scale, residual=residual, norm=norm, split=split,
+                                       rms=rms, interpret=interpret)
     chosen = twin_linear_form(N_out, K, x.dtype, compiled=not interpret, form=form)
     check_twin_split(split, rms, norm, M, K, N_out, chosen)
     if chosen == "mma":
@@ -505,7 +512,9 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpret, form, block_n)
+    mosaic = form != "lanes" and backend.on_mosaic() and mosaic_takes_linear(
+        x.dtype, K, N, norm=norm is not None, rms=rms is not None, head_dim=D)
+    chosen, BN = ("mma", None) if mosaic else twin_qkv_plan(N, K, D, x.dtype, not interpret, form, block_n)
     check_twin_split(None, rms, norm, M, K, N, chosen, "linear_rope_write")
     if chosen == "lanes":
         qkv = linear(x, w, layer, norm=norm, block_m=block_m, block_n=block_n, num_warps=num_warps,
@@ -516,16 +525,24 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     lin = _LinearOpts(None, None if norm is None else norm.kind, None if norm is None else norm.eps, False, None,
                       None if rms is None else rms.eps, block_m, block_n, num_warps, num_stages, TWIN_PALLAS_PREFETCH,
                       "mma", interpret)
-    return _qkv_vjp(_QkvOpts(lin, block_m, BN, num_warps, num_stages, interpret), x, w, layers,
+    return _qkv_vjp(_QkvOpts(lin, block_m, BN, num_warps, num_stages, interpret, mosaic), x, w, layers,
                     *_norm_arrays(norm), None if rms is None else rms.ss, cos, sin, ring_k, ring_v, write_index,
                     write_mask)
 
 
 def _qkv_kernel_call(x, w, layers, norm, rms, cos, sin, ring_k, ring_v, write_index, write_mask, block_m, BN,
-                     num_warps, num_stages, interpret):
+                     num_warps, num_stages, interpret, mosaic=False):
     """`linear_rope_write`'s one kernel (`_qkv_kernel`; its arguments checked, the plan's BN given), not
-    differentiated: (q [B*H*T, D], ring_k, ring_v [L*B*H, C, D])."""
+    differentiated: (q [B*H*T, D], ring_k, ring_v [L*B*H, C, D]). mosaic: its Mosaic GPU twin's instead
+    (`kernels_pallas.backend`)."""
     (B, T), H, D = write_index.shape, ring_k.shape[2], ring_k.shape[4]
+    if mosaic:
+        from kernels_pallas import twin_linear_mgpu
+
+        q, ring_k, ring_v = twin_linear_mgpu.linear_rope_write(x, w, layers[0], cos, sin, ring_k, ring_v, write_index,
+                                                               write_mask, norm=norm, rms=rms, ring_layer=layers[1],
+                                                               interpret=interpret)
+        return q.reshape(B * H * T, D), ring_k.reshape(-1, *ring_k.shape[3:]), ring_v.reshape(-1, *ring_v.shape[3:])
     M, K, N = x.shape[0], x.shape[1], w.shape[1]
     BK, R = twin_lanes(K), twin_mma_rows(M, N // BN, K, block_m, "linear_rope_write")
     norm, (x, *norm_refs) = _mma_norm(x, norm, layers[0], K, interpret)
@@ -566,6 +583,7 @@ class _QkvOpts(NamedTuple):
     num_warps: int
     num_stages: int | None
     interpret: bool
+    mosaic: bool  # the kernel on Mosaic GPU (`kernels_pallas.backend`)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -575,7 +593,7 @@ def _qkv_vjp(opts: _QkvOpts, x, w, layers, nw, nb, ss, cos, sin, ring_k, ring_v,
     B, T = write_index.shape
     L, H, C, D = ring_k.shape[0], ring_k.shape[2], ring_k.shape[3], ring_k.shape[4]
     q, k, v = _qkv_kernel_call(x, w, layers, norm, rms, cos, sin, ring_k, ring_v, write_index, write_mask,
-                               opts.block_m, opts.block_n, opts.num_warps, opts.num_stages, opts.interpret)
+                               opts.block_m, opts.block_n, opts.num_warps, opts.num_stages, opts.interpret, opts.mosaic)
     return q.reshape(B, H, T, D), k.reshape(L, B, H, C, D), v.reshape(L, B, H, C, D)
 
 

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas import twin_grad
+from kernels_pallas import backend, twin_grad
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.grad import GradBlocks
 from kernels_pallas.contract.norm import (
@@ -151,12 +151,17 @@ _norm_vjp.defvjp(_norm_fwd, _norm_bwd)
 
 def _norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None, layer, *, kind: str, eps: float,
           block_m: int | None, num_warps: int, interpret: bool | None) -> jax.Array:
-    """`norm`'s kernel, not differentiated."""
+    """`norm`'s kernel, not differentiated; its Mosaic GPU twin's where that runs (`kernels_pallas.backend`:
+    rows of a multiple of 128 features, spread over a warpgroup)."""
     weight, bias, layer = _stacked(weight, bias, layer, kind)
     M, D = check_twin_norm(x, weight, bias, kind)
     BK = twin_lanes(D)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if backend.on_mosaic() and D % 128 == 0:
+        from kernels_pallas import twin_norm_mgpu
+
+        return twin_norm_mgpu.norm(x, weight, bias, layer, kind=kind, eps=eps, interpret=interpret)
     BM = NormBlocks.for_shapes(M, D, block_m, interpret).block_m
     Mp = -(-M // BM) * BM
     rows = pl.BlockSpec((BM, D), lambda i: (i, 0))
@@ -245,7 +250,12 @@ _split_vjp.defvjp(_split_fwd, _split_bwd)
 
 
 def _split(x, weight, layer, interpret: bool):
-    """`split`'s kernel (its arguments checked), not differentiated."""
+    """`split`'s kernel (its arguments checked), not differentiated; its Mosaic GPU twin's where
+    `kernels_pallas.backend` says so."""
+    if backend.on_mosaic():
+        from kernels_pallas import twin_norm_mgpu
+
+        return twin_norm_mgpu.split(x, weight, layer, interpret=interpret)
     M, D = x.shape
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     outs = (jax.ShapeDtypeStruct((M, D), x.dtype), jax.ShapeDtypeStruct((M, D // TWIN_SPLIT_GROUP), jnp.float32))

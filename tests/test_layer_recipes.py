@@ -67,7 +67,7 @@ def test_torch_and_jax_twin_steps_make_the_same_kernel_calls(monkeypatch):
     x = torch.randn(2, 2, MCFG.dim, generator=torch.Generator().manual_seed(0))
     out = module.step(x)
     recorded = recording(jlayers.PALLAS_TWINS, jax_calls)
-    monkeypatch.setattr(jlayers, "pallas_twins", lambda: recorded)
+    monkeypatch.setattr(jlayers, "PALLAS_TWINS", recorded)
     params = jx.params_from_stacked(MCFG, module.weights())
     step = jax.jit(jx.step_fn(MCFG, kernels="twin", layer_loop="python", rope_freqs=module.rope_freqs()))
     jax_out, _ = step(params, jx.init_state(MCFG, 2), jnp.asarray(x.numpy()))  # the calls: recorded as traced

@@ -21,7 +21,7 @@ Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
 Lowered for CUDA (CPU, jax >= 0.11): every kernel at each stack's shapes, through Pallas's lowering to
 Mosaic GPU and its checks of layouts and TMA copies. Compiled for a compile-only H200 where jax's CUDA
 plugin is installed (`tests.cuda_target`; any machine): every kernel at 1 and 64 rows, and the three twin
-steps at their real sizes with PERSONAPLEX_TWIN_BACKEND=mosaic_gpu, none of their kernels left on the
+steps at their real sizes with PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu, none of their kernels left on the
 Triton backend.
 Compiled (GPU): the bits of the same kernels on Pallas's Triton backend and of their torch twins, on
 random and hostile operands at the stacks' sizes, and a row alone has the bits it has among the others.
@@ -36,6 +36,7 @@ import pytest
 
 from jax_impl.parity import bits
 from jax_impl.tables import rope_freqs
+from kernels_pallas import backend
 from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_attention_mgpu as pam
 from kernels_pallas import twin_linear as pli
@@ -498,18 +499,81 @@ def test_gpu_split_norm_bits_are_the_triton_twins(M, inputs):
         assert_same(a, b, f"qkv {name} (consumer)")
 
 
-def test_the_step_picks_its_twins_from_the_environment(monkeypatch):
-    """PERSONAPLEX_TWIN_BACKEND: unset or "triton" gives the Triton-backend twins, "mosaic_gpu" the Mosaic
-    GPU twins, anything else an error naming the variable."""
-    from jax_impl import layers
+def test_the_backend_is_read_from_the_environment(monkeypatch):
+    """PERSONAPLEX_PALLAS_BACKEND: unset or "triton", "mosaic_gpu", anything else an error naming it."""
+    monkeypatch.delenv(backend.VARIABLE, raising=False)
+    assert backend.gpu_backend() == "triton" and not backend.on_mosaic()
+    monkeypatch.setenv(backend.VARIABLE, "mosaic_gpu")
+    assert backend.on_mosaic()
+    monkeypatch.setenv(backend.VARIABLE, "cuda")
+    with pytest.raises(ValueError, match="PERSONAPLEX_PALLAS_BACKEND"):
+        backend.gpu_backend()
 
-    monkeypatch.delenv(layers.TWIN_BACKEND_VARIABLE, raising=False)
-    assert layers.pallas_twins() is layers.PALLAS_TWINS
-    monkeypatch.setenv(layers.TWIN_BACKEND_VARIABLE, "mosaic_gpu")
-    assert layers.pallas_twins() is layers.MOSAIC_TWINS and layers.twin_backend() == "mosaic_gpu"
-    monkeypatch.setenv(layers.TWIN_BACKEND_VARIABLE, "cuda")
-    with pytest.raises(ValueError, match="PERSONAPLEX_TWIN_BACKEND"):
-        layers.pallas_twins()
+
+def test_each_twin_runs_its_mosaic_twin_where_it_takes_the_call(monkeypatch):
+    """With the variable set, each twin kernel's call (under its custom_vjp) is its Mosaic twin's, on any
+    jax: the Mosaic kernels replaced by recorders here."""
+    called = []
+
+    def recorder(name, out):
+        def record(*args, **kwargs):
+            called.append(name)
+            return out(*args)
+        return record
+
+    monkeypatch.setenv(backend.VARIABLE, "mosaic_gpu")
+    monkeypatch.setattr(plm, "linear", recorder("linear", lambda x, w, *_: jnp.zeros((x.shape[0], w.shape[1]), x.dtype)))
+    monkeypatch.setattr(pnm, "norm", recorder("norm", lambda x, *_: x))
+    monkeypatch.setattr(pnm, "split", recorder("split", lambda x, *_: (x, jnp.zeros((x.shape[0], x.shape[1] // 64)))))
+    monkeypatch.setattr(pam, "attention", recorder("attention", lambda q, *a: (jnp.swapaxes(q, 1, 2), a[-1])))
+    b16 = jnp.bfloat16
+    pli.linear(jnp.ones((2, 128), b16), jnp.ones((64, 128), b16))
+    pn.norm(jnp.ones((2, 128), b16), jnp.ones((128,), b16), eps=1e-5)
+    pn.split(jnp.ones((2, 128), b16), jnp.ones((128,), b16))
+    q, ring_k, ring_v, positions, q_pos = attention_case(1, 2, 1, 64, 16)
+    pa.attention(q, ring_k, ring_v, 1, positions, q_pos, context=16)
+    assert called == ["linear", "norm", "split", "attention"]
+
+
+def test_the_triton_backend_runs_where_mosaic_does_not_take_the_call(monkeypatch):
+    """float32 (the lane form), a norm of 96 features, a head of 16 dims: with the variable set, the
+    Triton-backend kernels' bits, on any jax."""
+    rng = np.random.default_rng(0)
+    x, w = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32), jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    xn, wn = jnp.asarray(rng.standard_normal((2, 96)), jnp.bfloat16), jnp.ones((96,), jnp.bfloat16)
+    q, ring_k, ring_v, positions, q_pos = attention_case(1, 2, 1, 16, 10)
+    calls = (lambda: pli.linear(x, w, act="gelu"), lambda: pn.norm(xn, wn, eps=1e-5),
+             lambda: pa.attention(q, ring_k, ring_v, 1, positions, q_pos, context=10))
+    monkeypatch.delenv(backend.VARIABLE, raising=False)
+    want = [f() for f in calls]
+    monkeypatch.setenv(backend.VARIABLE, "mosaic_gpu")
+    for name, f, w_ in zip(("float32 linear", "norm of 96", "head of 16"), calls, want):
+        assert_same(f(), w_, name)
+
+
+@interpreted
+def test_interpreted_mosaic_twins_have_the_twin_gradient(monkeypatch):
+    """jax.grad through the linear (a norm first, the gated epilogue) on the Mosaic kernels: the backward
+    of the Triton-backend twin (`contract.grad`), its products on the Mosaic kernels too. Integer-valued
+    operands and a weight of zeros in the norm: every sum exact, so the gradients' bits are the
+    Triton-backend twin's (its MMA form)."""
+    rng = np.random.default_rng(3)
+    b16 = jnp.bfloat16
+    x = jnp.asarray(rng.integers(-2, 3, (4, 128)), b16)
+    w = jnp.asarray(rng.integers(-2, 3, (1, 256, 128)), b16)
+    norm_b = jnp.asarray(rng.integers(-2, 3, (1, 128)), b16)
+
+    def loss(x, w, b):
+        y = pli.linear(x, w, 0, norm=TwinNorm("layer", jnp.zeros((1, 128), b16), b, 1e-5), form="mma",
+                       interpret=True)
+        return jnp.sum(y.astype(jnp.float32))
+
+    grads = {}
+    for name in ("triton", "mosaic_gpu"):
+        monkeypatch.setenv(backend.VARIABLE, name)
+        grads[name] = jax.grad(loss, argnums=(0, 1, 2))(x, w, norm_b)
+    for what, a, b in zip(("dx", "dw", "dbias"), grads["triton"], grads["mosaic_gpu"]):
+        assert_same(b, a, what)
 
 
 @pytest.mark.parametrize("dtype,K,N_out,kw,takes", [
@@ -527,21 +591,6 @@ def test_which_calls_the_mosaic_linears_take(dtype, K, N_out, kw, takes):
     assert mosaic_takes_linear(jnp.dtype(dtype), K, N_out, **kw) is takes
 
 
-def test_the_mosaic_twins_run_the_triton_backend_where_mosaic_does_not_take_the_call():
-    """float32 (the lane form), a norm of 96 features, a head of 16 dims: the Triton-backend kernels'
-    bits, on any jax."""
-    from jax_impl import layers
-
-    rng = np.random.default_rng(0)
-    x, w = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32), jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
-    assert_same(layers.mosaic_linear(x, w, act="gelu"), pli.linear(x, w, act="gelu"), "float32 linear")
-    xn, wn = jnp.asarray(rng.standard_normal((2, 96)), jnp.bfloat16), jnp.ones((96,), jnp.bfloat16)
-    assert_same(layers.mosaic_norm(xn, wn, eps=1e-5), pn.norm(xn, wn, eps=1e-5), "norm of 96")
-    q, ring_k, ring_v, positions, q_pos = attention_case(1, 2, 1, 16, 10)
-    assert_same(layers.mosaic_attention(q, ring_k, ring_v, 1, positions, q_pos, context=10),
-                pa.attention(q, ring_k, ring_v, 1, positions, q_pos, context=10), "head of 16")
-
-
 @interpreted
 def test_interpreted_twin_steps_on_the_mosaic_kernels(monkeypatch):
     """The JAX twin step of each stack on the Mosaic GPU kernels, interpreted, four steps: within one
@@ -549,19 +598,18 @@ def test_interpreted_twin_steps_on_the_mosaic_kernels(monkeypatch):
     kernels their MMA form, another order of the sums)."""
     import jax_impl as jx
     from jax_impl.config import MimiConfig, TemporalConfig
-    from jax_impl.layers import TWIN_BACKEND_VARIABLE
 
     for cfg, T in ((MimiConfig(num_layers=2, dim=128, num_heads=2, context=10, ffn=256), 2),
                    (TemporalConfig(dim=512, num_layers=2, num_heads=4, hidden=256, context=24, text_card=128), 1)):
         params = jx.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
         outs = {}
-        for backend in ("triton", "mosaic_gpu"):
-            monkeypatch.setenv(TWIN_BACKEND_VARIABLE, backend)
+        for name in ("triton", "mosaic_gpu"):
+            monkeypatch.setenv(backend.VARIABLE, name)
             step, state, ys = jax.jit(jx.step_fn(cfg, kernels="twin")), jx.init_state(cfg, 3, jnp.bfloat16), []
             for t in range(4):
                 y, state = step(params, state, jax.random.normal(jax.random.key(t + 1), (3, T, cfg.dim), jnp.bfloat16))
                 ys.append(np.asarray(jax.tree.leaves(y)[0], np.float32))
-            outs[backend] = ys
+            outs[name] = ys
         for t, (a, b) in enumerate(zip(outs["triton"], outs["mosaic_gpu"])):
             assert np.max(np.abs(a - b)) <= 2.0**-6 * np.max(np.abs(a)), (type(cfg).__name__, t)
 
@@ -634,15 +682,14 @@ def test_kernels_compile_for_the_h200(stack, B):
 @pytest.mark.parametrize("stack", ["temporal", "mimi", "depformer"])
 def test_twin_steps_compile_for_the_h200_on_mosaic_gpu_alone(stack, monkeypatch):
     """The whole twin step of each stack at its real size (the 7B temporal stack, Mimi, the depformer's
-    frame of 16 inner steps), PERSONAPLEX_TWIN_BACKEND=mosaic_gpu, compiled for the compile-only H200:
+    frame of 16 inner steps), PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu, compiled for the compile-only H200:
     every kernel takes the call (no Pallas Triton lowering, which needs a GPU present and fails here)."""
     import jax_impl as jx
     from jax_impl.config import PRESETS
     from jax_impl.depformer import depformer_frame
     from jax_impl.depformer_config import DepformerConfig, buffer_shapes
-    from jax_impl.layers import TWIN_BACKEND_VARIABLE
 
-    monkeypatch.setenv(TWIN_BACKEND_VARIABLE, "mosaic_gpu")
+    monkeypatch.setenv(backend.VARIABLE, "mosaic_gpu")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' compiled forms, as on the GPU
     b16 = jnp.bfloat16
     if stack == "depformer":
@@ -707,7 +754,6 @@ def test_interpreted_depformer_frame_on_the_mosaic_kernels(monkeypatch):
     interpreted: its logits within a bf16 rounding of the frame on the Triton-backend twins."""
     from jax_impl.depformer import depformer_frame
     from jax_impl.depformer_config import DepformerConfig, buffer_shapes
-    from jax_impl.layers import TWIN_BACKEND_VARIABLE
 
     cfg = DepformerConfig(dim=128, num_layers=2, num_heads=2, hidden=128, dep_q=8, weight_sets=8, card=64,
                           text_card=64, temporal_dim=128)
@@ -717,9 +763,9 @@ def test_interpreted_depformer_frame_on_the_mosaic_kernels(monkeypatch):
     text = jnp.asarray(rng.integers(0, cfg.text_card, 3), jnp.int32)
     out = jnp.asarray(rng.standard_normal((3, 1, cfg.temporal_dim)), jnp.bfloat16)
     logits = {}
-    for backend in ("triton", "mosaic_gpu"):
-        monkeypatch.setenv(TWIN_BACKEND_VARIABLE, backend)
+    for name in ("triton", "mosaic_gpu"):
+        monkeypatch.setenv(backend.VARIABLE, name)
         frame = jax.jit(lambda p, t, o: depformer_frame(cfg, p, t, o, kernels="twin", unroll=False))
-        logits[backend] = np.asarray(frame(params, text, out)[1])
+        logits[name] = np.asarray(frame(params, text, out)[1])
     a, b = logits["triton"], logits["mosaic_gpu"]
     assert np.max(np.abs(a - b)) <= 2.0**-6 * np.max(np.abs(a))
