@@ -38,7 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas.contract.numerics import INT32_MAX
+from kernels_pallas import backend
+from kernels_pallas.contract.numerics import INT32_MAX, sixteen_bit
 
 MIN_QUERIES = 16  # tensor-core tiles need at least 16 rows
 TARGET_PROGRAMS = 2048  # default splits: about this many programs in all (best measured for the 7B ring)
@@ -147,8 +148,19 @@ class _Options(NamedTuple):
 
 
 def _forward(o: _Options, q, ring_k, ring_v, layer, positions, q_pos):
-    """The kernel (`ring_attention`, its arguments checked)."""
+    """The kernel (`ring_attention`, its arguments checked). With PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu
+    (`kernels_pallas.backend`): the twin attention's Mosaic GPU kernel where it takes the call (q in the
+    rings' 16-bit dtype, a head dim of a multiple of 64; the twin contract's numerics, not this kernel's),
+    else `ring_attention_native` (XLA)."""
     _, B, H, C, D = ring_k.shape
+    if backend.on_mosaic():
+        if sixteen_bit(ring_k.dtype) and q.dtype == ring_k.dtype and D % 64 == 0:
+            from kernels_pallas import twin_attention_mgpu
+
+            out = twin_attention_mgpu.attention(q, ring_k, ring_v, layer, positions, q_pos, context=o.context,
+                                                interpret=o.interpret)
+            return out.transpose(0, 2, 1, 3)
+        return ring_attention_native(q, ring_k, ring_v, layer, positions, q_pos, context=o.context)
     T = q.shape[2]
     block_c, splits, interpret = o.block_c, o.splits, o.interpret
     if splits is None:

@@ -37,6 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas import backend
 from kernels_pallas.contract.mrope import (
     check_blocks,
     check_cache_shapes,
@@ -215,7 +216,19 @@ class _Plan(NamedTuple):
 
 
 def _call(q, k, a, b, plan: _Plan):
-    """One kernel launch on flat views; (a, b) are (cos, sin) tables or (positions, cache)."""
+    """One kernel launch on flat views; (a, b) are (cos, sin) tables or (positions, cache). With
+    PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu (`kernels_pallas.backend`), which has no MRoPE kernel of its
+    own yet: XLA's fusion of the reference, which gave the kernels' bits on an H200 (RESULTS.md,
+    `mrope_gpu`); positions outside the cache make their rotated elements NaN, as the kernel does."""
+    if backend.on_mosaic():
+        half = plan.rotary_dim // 2
+        if plan.from_cache:
+            inside = (a >= 0) & (a < plan.max_position)
+            rows = jnp.where(inside[..., None], b[jnp.clip(a, 0, plan.max_position - 1)], jnp.nan)
+            a, b = rows[..., :half], rows[..., half:]
+        cos, sin = (_assemble(t, plan.sections, plan.rotary_dim, plan.mrope_interleaved).astype(jnp.float32)
+                    for t in (a, b))
+        return tuple(_rotate_native(x, cos, sin, plan.head_size, plan.rotary_dim, plan.is_neox_style) for x in (q, k))
     num_tokens, head_size, rotary_dim = q.shape[0], plan.head_size, plan.rotary_dim
     hq, hk = q.shape[1] // head_size, k.shape[1] // head_size
     bt, bh = default_blocks(num_tokens, hq, hk, rotary_dim)

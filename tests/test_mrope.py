@@ -657,3 +657,29 @@ def test_flag_errors(flag):
     t = [torch.from_numpy(g[n]) for n in ("q", "k", "cos", "sin")]
     with pytest.raises(ValueError, match=flag):
         kt.mrope(*t, g["sec"], 16, 8, **{flag: "yes"})
+
+
+@pytest.mark.parametrize("streams,neox", [(3, True), (1, False)])
+def test_mosaic_backend_rotates_with_the_kernels_bits(streams, neox, monkeypatch):
+    """PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu (no MRoPE kernel there yet: XLA's fusion of the reference):
+    both forms give the Triton-backend kernel's bits, and a traced position past the cache still makes
+    its token's rotated elements NaN."""
+    from kernels_pallas import backend
+
+    sections = [2, 3, 3] if streams == 3 else None
+    q, k, cos, sin, pos, cache = make_case(21, 7, 3, 2, 24, 16, "bfloat16", streams)
+    args = (sections, 24, 16, False, neox)
+    calls = (lambda p: kp.mrope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(cos), jnp.asarray(sin), *args),
+             lambda p: jax.jit(lambda p: kp.mrope_from_cache(p, jnp.asarray(q), jnp.asarray(k), jnp.asarray(cache),
+                                                             *args))(p))
+    bad = pos.copy()
+    bad[..., 4] = cache.shape[0]
+    monkeypatch.delenv(backend.VARIABLE, raising=False)
+    want = [f(jnp.asarray(p)) for f in calls for p in (pos, bad)]
+    monkeypatch.setenv(backend.VARIABLE, "mosaic_gpu")
+    got = [f(jnp.asarray(p)) for f in calls for p in (pos, bad)]
+    for i, (g, w) in enumerate(zip(got, want)):
+        for a, b in zip(g, w):
+            assert_same_bits(bits_jax(a), bits_jax(b), f"call {i}")
+    nan = np.isnan(np.asarray(got[3][0], np.float32)).reshape(7, 3, 24)
+    assert nan[4, :, :16].all() and not nan[4, :, 16:].any() and not np.delete(nan, 4, axis=0).any()

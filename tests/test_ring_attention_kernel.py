@@ -67,3 +67,23 @@ def test_stack_with_pallas_kernels_matches_xla_kernels():
     for a, b in zip(jax.tree.leaves(results["reference"]), jax.tree.leaves(results["pallas"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 
+
+
+def test_mosaic_backend_runs_the_reference_where_the_mosaic_kernel_does_not_take_the_call(monkeypatch):
+    """PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu: float32 (and heads not a multiple of 64) go to
+    `ring_attention_native` (XLA), its bits; the 16-bit stacks' heads run the twin attention's Mosaic
+    kernel (`tests/test_twin_mgpu.py`)."""
+    from kernels_pallas import backend
+
+    L, B, H, C, D, T = 2, 2, 3, 37, 16, 2
+    rng = np.random.default_rng(5)
+    q, rk, rv = (jnp.asarray(rng.standard_normal(shape, np.float32))
+                 for shape in ((B, H, T, D), (L, B, H, C, D), (L, B, H, C, D)))
+    positions = jnp.asarray(np.stack([np.arange(C), np.where(np.arange(C) % 3, np.arange(C), -1)]), jnp.int32)
+    q_pos = jnp.asarray([[40, 41], [C - 2, C - 1]], jnp.int32)
+    monkeypatch.setenv(backend.VARIABLE, "mosaic_gpu")
+    got = jax.jit(partial(ring_attention, context=24))(q, rk, rv, jnp.int32(1), positions, q_pos)
+    want = jax.jit(partial(ring_attention_native, context=24))(q, rk, rv, jnp.int32(1), positions, q_pos)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    grad = jax.grad(lambda q: jnp.sum(ring_attention(q, rk, rv, 1, positions, q_pos, context=24)))(q)
+    assert np.isfinite(np.asarray(grad)).all()

@@ -614,6 +614,24 @@ def test_interpreted_twin_steps_on_the_mosaic_kernels(monkeypatch):
             assert np.max(np.abs(a - b)) <= 2.0**-6 * np.max(np.abs(a)), (type(cfg).__name__, t)
 
 
+@interpreted
+def test_interpreted_ring_attention_on_the_mosaic_backend():
+    """kernels="pallas"'s ring attention with PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu and a 16-bit ring of
+    64-dim heads: the twin attention's Mosaic kernel, within bf16 rounding of `ring_attention_native`, in
+    the ring attention's layout; masked NaN slots reach nothing, a query that sees nothing gets 0."""
+    from kernels_pallas import ring_attention as ra
+
+    q, ring_k, ring_v, positions, q_pos = attention_case(2, 2, 2, 64, 250, seed=7, integers=False)
+    q = jnp.swapaxes(q, 1, 2).reshape(2, 2, 2, 64)  # any [B, H, T, D]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(backend.VARIABLE, "mosaic_gpu")
+        got = np.asarray(jax.jit(lambda *a: ra.ring_attention(*a, context=250))(q, ring_k, ring_v, jnp.int32(1),
+                                                                             positions, q_pos), np.float32)
+    want = np.asarray(ra.ring_attention_native(q, ring_k, ring_v, 1, positions, q_pos, context=250), np.float32)
+    assert got.shape == want.shape == (2, 2, 2, 64) and np.isfinite(got).all() and not got[0].any()
+    assert np.max(np.abs(got - want)) <= 2.0**-7 * np.max(np.abs(want))
+
+
 # (dim, heads, head dim, ring slots, T, FFN: its activation and hidden): the shapes each stack's step calls
 STACKS = {"temporal": (4096, 32, 128, 3000, 1, "silu_gate", 11264), "depformer": (1024, 16, 64, 16, 1, "silu_gate", 2816),
           "mimi": (512, 8, 64, 250, 2, "gelu", 2048)}
@@ -679,11 +697,13 @@ def test_kernels_compile_for_the_h200(stack, B):
 
 
 @h200
-@pytest.mark.parametrize("stack", ["temporal", "mimi", "depformer"])
-def test_twin_steps_compile_for_the_h200_on_mosaic_gpu_alone(stack, monkeypatch):
-    """The whole twin step of each stack at its real size (the 7B temporal stack, Mimi, the depformer's
-    frame of 16 inner steps), PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu, compiled for the compile-only H200:
-    every kernel takes the call (no Pallas Triton lowering, which needs a GPU present and fails here)."""
+@pytest.mark.parametrize("stack,kernels", [("temporal", "twin"), ("mimi", "twin"), ("depformer", "twin"),
+                                           ("temporal", "pallas"), ("mimi", "pallas")])
+def test_steps_compile_for_the_h200_on_mosaic_gpu_alone(stack, kernels, monkeypatch):
+    """The whole step of each stack at its real size (the 7B temporal stack, Mimi, the depformer's frame of
+    16 inner steps) on the twins, and the stacks' default GPU step (kernels="pallas"), with
+    PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu, compiled for the compile-only H200: no Pallas Triton lowering
+    left (it needs a GPU present, and fails here)."""
     import jax_impl as jx
     from jax_impl.config import PRESETS
     from jax_impl.depformer import depformer_frame
@@ -701,7 +721,7 @@ def test_twin_steps_compile_for_the_h200_on_mosaic_gpu_alone(stack, monkeypatch)
         cfg, T = PRESETS[stack], 2 if stack == "mimi" else 1
         params = jax.eval_shape(lambda: jx.init_params(cfg, jax.random.key(0), dtype=b16))
         state = jax.eval_shape(lambda: jx.init_state(cfg, 1, b16))
-        text = cuda_target.compile_for_h200(jx.step_fn(cfg, kernels="twin"), params, state, ((1, T, cfg.dim), b16))
+        text = cuda_target.compile_for_h200(jx.step_fn(cfg, kernels=kernels), params, state, ((1, T, cfg.dim), b16))
     assert "mosaic_gpu" in text
 
 
