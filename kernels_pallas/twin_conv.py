@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas import twin_linear
+from kernels_pallas import backend, twin_linear
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.conv import (
     ELU_BLOCK,
@@ -66,8 +66,13 @@ def _check_float(who: str, name: str, x) -> None:
 
 
 def elu(x: jax.Array, *, interpret: bool | None = None) -> jax.Array:
-    """The contract's ELU of every element of x (any shape, float); x's shape and dtype."""
+    """The contract's ELU of every element of x (any shape, float); x's shape and dtype. On Mosaic GPU
+    where `kernels_pallas.backend` says so (`twin_conv_mgpu.elu`)."""
     _check_float("elu", "x", x)
+    if backend.on_mosaic():
+        from kernels_pallas import twin_conv_mgpu
+
+        return twin_conv_mgpu.elu(x, interpret=interpret)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     flat = x.reshape(-1)
@@ -165,9 +170,16 @@ def taps(x: jax.Array, *, kernel_size: int, stride: int = 1, dilation: int = 1, 
     row-packed state [B, N] holding it at `carry_slot` = (offset, W) (`contract.conv.check_stream`),
     returns (X, the new carry array), the carry updated in place (`input_output_aliases`: pass an
     array you no longer need; the rest of a packed state is left as it is). active, first: bool [B]
-    (None: every row active, none first)."""
+    (None: every row active, none first). Where `kernels_pallas.backend` says Mosaic GPU: its ELU kernel, then
+    XLA's gather (`twin_conv_mgpu.taps`, the same bits)."""
     B, C, L = x.shape
     check_stream("taps", x, carry, active, first, replicate, carry_slot)
+    if backend.on_mosaic():
+        from kernels_pallas import twin_conv_mgpu
+
+        return twin_conv_mgpu.taps(x, kernel_size=kernel_size, stride=stride, dilation=dilation, elu=elu, carry=carry,
+                                   carry_slot=carry_slot, active=active, first=first, replicate=replicate,
+                                   interpret=interpret)
     W, ROW, OFF = carry_geometry(x, carry, carry_slot)
     span = (kernel_size - 1) * dilation + 1
     T = (W + L - span) // stride + 1
@@ -347,9 +359,15 @@ def _nearest_kernel(x_ref, e_ref, best_ref, arg_ref, *, N, D, split, BN, BK, gpu
 
 def nearest(x: jax.Array, entries: jax.Array, *, split: int | None = None, interpret: bool | None = None) -> jax.Array:
     """The contract's nearest entry of each row: x [M, D], entries [N, D] -> int32 [M]. split: the
-    entries a program searches (`contract.conv.nearest_plan`; speed only)."""
+    entries a program searches (`contract.conv.nearest_plan`; speed only). On Mosaic GPU where
+    `kernels_pallas.backend` says so and `twin_conv_mgpu.mosaic_takes_nearest`."""
     M, N, D = check_nearest(x, entries)
     split, BN = nearest_plan(N, split)
+    if backend.on_mosaic():
+        from kernels_pallas import twin_conv_mgpu
+
+        if twin_conv_mgpu.mosaic_takes_nearest(N, D, split):
+            return twin_conv_mgpu.nearest(x, entries, split=split, interpret=interpret)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     S = N // split

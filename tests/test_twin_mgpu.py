@@ -39,6 +39,7 @@ from jax_impl.tables import rope_freqs
 from kernels_pallas import backend
 from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_attention_mgpu as pam
+from kernels_pallas import twin_conv_mgpu as tcm
 from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_linear_mgpu as plm
 from kernels_pallas import twin_norm as pn
@@ -615,6 +616,35 @@ def test_interpreted_twin_steps_on_the_mosaic_kernels(monkeypatch):
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_interpreted_codec_kernels_are_the_references(dtype):
+    """The ELU (NaN, infinities, values past exp's range), the taps with the ELU, a carry, replicate
+    padding and an inactive row, and the nearest entry (an exact match, a tie: the first entry, a row of
+    NaN: entry 0): the references' bits on any input (the same operations in the same order)."""
+    from kernels_pallas import twin_conv as tc
+    from kernels_pallas import twin_conv_mgpu as tcm
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, 5, 301)) * 20
+    x[0, 0, :4] = [np.nan, np.inf, -np.inf, -100.0]
+    x = jnp.asarray(x, dtype)
+    assert_same(tcm.elu(x, interpret=True), tc.elu_native(x), "elu")
+    carry = jnp.asarray(rng.standard_normal((2, 5, 6)), dtype)
+    kw = {"kernel_size": 3, "stride": 2, "dilation": 2, "elu": True, "carry": carry,
+          "active": jnp.array([True, False]), "first": jnp.array([True, True]), "replicate": True}
+    for got, want in zip(tcm.taps(x[:2], interpret=True, **kw), tc.taps_native(x[:2], **kw)):
+        assert_same(got, want, "taps")
+    entries = jnp.asarray(rng.standard_normal((256, 256)), dtype)
+    entries = entries.at[201].set(entries[200])
+    rows = np.asarray(rng.standard_normal((5, 256)), np.float32)
+    rows[1], rows[2], rows[3] = np.asarray(entries[77], np.float32), np.nan, np.asarray(entries[200], np.float32)
+    rows = jnp.asarray(rows, dtype)
+    got = tcm.nearest(rows, entries, split=128, interpret=True)
+    assert_same(got, tc.nearest_native(rows, entries), "nearest")
+    assert list(np.asarray(got)[1:4]) == [77, 0, 200]
+
+
+@interpreted
 def test_interpreted_ring_attention_on_the_mosaic_backend():
     """kernels="pallas"'s ring attention with PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu and a 16-bit ring of
     64-dim heads: the twin attention's Mosaic kernel, within bf16 rounding of `ring_attention_native`, in
@@ -668,7 +698,10 @@ def stack_kernel_calls(stack, B):
         ("attention", lambda q, k, v, p, qp: pam.attention(q, k, v, 1, p, qp, context=C, interpret=False),
          ((B, H, T, D), b16), ring, ring, ((B, C), i32), at),
         ("tables", lambda o, f: prm.tables(o, T, f, interpret=False), ((B,), i32), ((D // 2,), f32)),
-    ]
+    ] + ([] if stack != "mimi" else [  # the codec's, around Mimi's transformers
+        ("elu", lambda x: tcm.elu(x, interpret=False), ((B, 64, 1920), b16)),
+        ("nearest", lambda x, e: tcm.nearest(x, e, interpret=False), ((B, 256), b16), ((2048, 256), b16)),
+    ])
 
 
 @interpreted
