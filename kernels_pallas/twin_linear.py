@@ -322,7 +322,7 @@ def _linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, s
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if form != "lanes" and backend.on_mosaic() and mosaic_takes_linear(x.dtype, K, N_out, norm=norm is not None,
-                                                                       rms=rms is not None):
+                                                                       rms=rms is not None, split=split is not None):
         from kernels_pallas import twin_linear_mgpu  # its MMA form on Mosaic GPU (`kernels_pallas.backend`)
 
         return twin_linear_mgpu.linear(x, w, layer, act=act, scale=scale, residual=residual, norm=norm, split=split,

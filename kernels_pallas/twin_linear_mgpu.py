@@ -58,10 +58,12 @@ __all__ = ["linear", "linear_native", "linear_rope_write", "linear_rope_write_na
 _SWIZZLE = 128  # bytes: a 64-element row of 16-bit values, the widest swizzle wgmma reads
 
 
-def smem_tiles(dtype) -> tuple:
+def smem_tiles(dtype, cols: int | None = None) -> tuple:
     """The shared-memory transforms of a wgmma operand tile (and of what the kernels load in its layout):
-    8-row tiles of one 128-byte swizzled row each."""
-    return (plgpu.TilingTransform((8, _SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
+    8-row tiles of one swizzled row each, 128 bytes, or a tile of `cols` columns' bytes where fewer
+    (32 or 64: a narrow tile's swizzle)."""
+    swizzle = _SWIZZLE if cols is None else min(_SWIZZLE, cols * jnp.dtype(dtype).itemsize)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
@@ -73,13 +75,14 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     x: [M, K] bfloat16/float16; w: [L, N, K] (layer: int or int32 scalar, may be traced) or [N, K]
     (layer=None), in x's dtype; scale: [L, N_out] or [N_out]; residual: [M, N_out]; norm: a
     `TwinNorm`, run by its own kernel first (`twin_norm_mgpu.norm`: the bits of the fused norm; K
-    a multiple of 128). N_out = N/2 for act="silu_gate", else N; K a multiple of `MOSAIC_BK`.
+    a multiple of 128). N_out = N/2 for act="silu_gate", else N; the MMA form's shapes: K with a
+    power-of-two factor of at least 16, N_out a multiple of 16 (`contract.linear.mosaic_tiles`).
     Returns [M, N_out] in x's dtype.
     split, rms: the split RMSNorm's halves (`contract.norm.TwinSplit`, as `twin_linear.linear`'s; on this
     backend `twin_norm_mgpu.split_halves` and `split_scale`): with split the call returns (y, u [M, N_out],
     ss float32 [M, N_out / 64]) and runs 64 columns a program; with rms, x is the split norm's u (K / 64 >= 8
     groups).
-    block_n: output columns a program (64 or 128, dividing N_out; None: 64); stages: the depth of
+    block_n: output columns a program (16 to 128, dividing N_out; None: `mosaic_tiles`'); stages: the depth of
     the pipeline over K (>= 2). These change the speed, never the bits.
     interpret: None runs compiled on a GPU backend, interpreted elsewhere (jax >= 0.11).
     """
@@ -91,8 +94,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     check_twin_split(split, rms, norm, M, K, N_out, "mma")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    BN = check_mosaic_linear(x.dtype, K, N_out, block_n, stages, interpret, jax.__version_info__,
-                             split=split is not None, rms=rms is not None)
+    BK, BN = check_mosaic_linear(x.dtype, K, N_out, block_n, stages, interpret, jax.__version_info__,
+                                 split=split is not None, rms=rms is not None)
     if norm is not None:
         x = twin_norm_mgpu.norm(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps,
                                 interpret=interpret)
@@ -105,7 +108,7 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     outs = [jax.ShapeDtypeStruct((Mp, N_out), x.dtype)]
     if split is not None:
         outs += [jax.ShapeDtypeStruct((Mp, N_out), x.dtype), jax.ShapeDtypeStruct((M, N_out // BN), jnp.float32)]
-    kernel = functools.partial(_kernel, M=M, K=K, BN=BN, N_out=N_out, act=act, has_scale=scale is not None,
+    kernel = functools.partial(_kernel, M=M, K=K, BK=BK, BN=BN, N_out=N_out, act=act, has_scale=scale is not None,
                                has_res=residual is not None, rms=None if rms is None else rms.eps,
                                split=None if split is None else split.offset, stages=stages,
                                gpu=False if interpret else tm.Mosaic(plgpu.Layout.WGMMA))
@@ -117,7 +120,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     return (y, *halves) if split is not None else y
 
 
-def _kernel(layer_gmem, x_gmem, w_gmem, *refs, M, K, BN, N_out, act, has_scale, has_res, rms, split, stages, gpu):
+def _kernel(layer_gmem, x_gmem, w_gmem, *refs, M, K, BK, BN, N_out, act, has_scale, has_res, rms, split, stages,
+            gpu):
     """Program (i, j): rows i*64.., columns j*BN.. (refs: the split norm's ss (rms), scale, residual and
     alpha (split) where given, then the output, and u and ss (split)).
 
@@ -136,7 +140,7 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *refs, M, K, BN, N_out, act, has_scale, 
     layer = layer_gmem[0]
     rows, cols = pl.ds(i * MOSAIC_ROWS, MOSAIC_ROWS), pl.ds(j * BN, BN)
     col_blocks = (j, j + N_out // BN) if act == "silu_gate" else (j,)
-    tiles = smem_tiles(dtype)
+    tiles, out_tiles = smem_tiles(dtype, BK), smem_tiles(dtype, BN)
     wgmma = plgpu.Layout.WGMMA
 
     def with_smem(o_smem, r_smem, u_smem, ss_smem, scratch, column, bars):
@@ -151,12 +155,12 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *refs, M, K, BN, N_out, act, has_scale, 
                     plgpu.wgmma(acc, x_smem, w_smem.T)
                 plgpu.wgmma_wait(len(accs))  # the step before is done: its buffers may be refilled
 
-            w_specs = [plgpu.BlockSpec((None, BN, MOSAIC_BK), functools.partial(lambda c, k: (layer, c, k), c),
+            w_specs = [plgpu.BlockSpec((None, BN, BK), functools.partial(lambda c, k: (layer, c, k), c),
                                        transforms=tiles, delay_release=1)
                        for c in col_blocks]
             plgpu.emit_pipeline(
-                step, grid=(K // MOSAIC_BK,), max_concurrent_steps=stages,
-                in_specs=[plgpu.BlockSpec((MOSAIC_ROWS, MOSAIC_BK), lambda k: (i, k), transforms=tiles,
+                step, grid=(K // BK,), max_concurrent_steps=stages,
+                in_specs=[plgpu.BlockSpec((MOSAIC_ROWS, BK), lambda k: (i, k), transforms=tiles,
                                           delay_release=1), *w_specs],
             )(x_gmem, *[w_gmem] * len(col_blocks))
             plgpu.wgmma_wait(0)
@@ -193,7 +197,7 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *refs, M, K, BN, N_out, act, has_scale, 
             plgpu.copy_smem_to_gmem(u_smem, split_out[0].at[rows, cols])
         plgpu.wait_smem_to_gmem(0)
 
-    tile = plgpu.SMEM((MOSAIC_ROWS, BN), dtype, transforms=tiles)
+    tile = plgpu.SMEM((MOSAIC_ROWS, BN), dtype, transforms=out_tiles)
     groups = K // TWIN_SPLIT_GROUP if rms is not None else MOSAIC_TREE_LANES
     pl.run_scoped(with_smem, tile, tile, tile, plgpu.SMEM((MOSAIC_ROWS, groups), jnp.float32),
                   plgpu.SMEM((MOSAIC_ROWS, 2 * MOSAIC_TREE_LANES), jnp.float32),
@@ -226,7 +230,10 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     check_twin_split(None, rms, norm, M, K, N, "mma", "linear_rope_write")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    BN = check_mosaic_linear(x.dtype, K, N, block_n, stages, interpret, jax.__version_info__, rms=rms is not None)
+    BK, BN = check_mosaic_linear(x.dtype, K, N, block_n, stages, interpret, jax.__version_info__, rms=rms is not None)
+    if BK != MOSAIC_BK or BN not in (64, 128):
+        raise ValueError(f"linear_rope_write(x): the Mosaic GPU qkv kernel runs K blocks of {MOSAIC_BK} and 64 or 128 "
+                         f"columns a program: K={K} and block_n={block_n!r} give {BK} and {BN}")
     if D % BN:
         raise ValueError(f"linear_rope_write(block_n): a program's columns lie in one head: BN={BN} must divide "
                          f"the head dim {D}")

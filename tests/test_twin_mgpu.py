@@ -86,6 +86,9 @@ CASES = [  # (M, N, K, L, act, scale, res, norm kind)
     (4, 256, 128, 3, "gelu", True, True, None),      # Mimi's MLP epilogue, two column blocks
     (72, 128, 192, 2, "silu_gate", False, True, None),  # two row blocks, the second past M; the gate's two tiles
     (12, 128, 128, 1, None, True, False, "layer"),    # 12 rows: padded to 16 (TMA's row tiling); the norm first
+    (5, 32, 32, 1, None, True, True, None),           # narrow tiles (the codec's): K and columns blocks of 32
+    (70, 48, 48, 2, "gelu", False, True, None),       # K 48: blocks of 16; 48 columns: 3 programs of 16
+    (3, 96, 80, 1, "silu_gate", True, False, None),   # the gate's halves of 48 columns; K 80: 5 blocks of 16
 ]
 
 
@@ -580,7 +583,10 @@ def test_interpreted_mosaic_twins_have_the_twin_gradient(monkeypatch):
 @pytest.mark.parametrize("dtype,K,N_out,kw,takes", [
     ("bfloat16", 4096, 4096, {}, True), ("float16", 512, 2048, {"norm": True}, True),
     ("float32", 4096, 4096, {}, False),                       # the lane form's dtype
-    ("bfloat16", 96, 128, {}, False), ("bfloat16", 128, 96, {}, False),
+    ("bfloat16", 96, 128, {}, True), ("bfloat16", 128, 96, {}, True),  # narrow tiles: K blocks of 32, 32 columns
+    ("bfloat16", 7, 64, {}, False), ("bfloat16", 192, 8, {}, False),  # the lane form's shapes
+    ("bfloat16", 512, 96, {"split": True}, False),            # the split norm's groups: 64 columns
+    ("bfloat16", 96, 3 * 128, {"head_dim": 128}, False),      # the qkv kernel: K blocks of 64
     ("bfloat16", 64, 128, {"norm": True}, False),             # the norm's lanes: K a multiple of 128
     ("bfloat16", 256, 128, {"rms": True}, False),             # 4 groups: fewer than a row tree's 8 lanes
     ("bfloat16", 4096, 3 * 4096, {"rms": True, "head_dim": 128}, True),
@@ -700,6 +706,8 @@ def stack_kernel_calls(stack, B):
         ("tables", lambda o, f: prm.tables(o, T, f, interpret=False), ((B,), i32), ((D // 2,), f32)),
     ] + ([] if stack != "mimi" else [  # the codec's, around Mimi's transformers
         ("elu", lambda x: tcm.elu(x, interpret=False), ((B, 64, 1920), b16)),
+        ("linear of 32 columns", lambda x, w: plm.linear(x, w, interpret=False), ((B * 1920, 192), b16), ((32, 192), b16)),
+        ("linear over K 32", lambda x, w: plm.linear(x, w, interpret=False), ((B * 1920, 32), b16), ((64, 32), b16)),
         ("nearest", lambda x, e: tcm.nearest(x, e, interpret=False), ((B, 256), b16), ((2048, 256), b16)),
     ])
 

@@ -49,8 +49,10 @@ TWIN_MMA_FEW_PROGRAMS_STAGES = 8  # ... where the grid has fewer column blocks t
 TWIN_MMA_SMEM_BYTES = 200 * 1024  # shared memory the MMA form's pipeline may fill (an H200 block gets 227 KB)
 # The MMA form on Pallas's Mosaic GPU backend (`kernels_pallas.twin_linear_mgpu`; speed only, the same bits)
 MOSAIC_ROWS = 64    # x rows a program: wgmma's M, the A operand (TMA reads rows past M as zeros)
-MOSAIC_BK = 64      # K elements a pipeline step: one 128-byte swizzled row of 16-bit values
-MOSAIC_BN = 64      # output columns a program (64 or 128)
+MOSAIC_BK = 64      # K elements a pipeline step: one 128-byte swizzled row of 16-bit values (fewer: 16 or 32
+                    # where K has no factor of 64, the MMA form's K of a power-of-two factor of 16 or 32)
+MOSAIC_BN = 64      # output columns a program (64 or 128; 16 or 32 where N_out has no factor of 64)
+MOSAIC_MIN_TILE = 16  # the narrowest K block and column block: wgmma's k for 16-bit operands, a 32-byte swizzle
 MOSAIC_STAGES = 4   # pipeline depth over K (each step's buffers are refilled one step late: >= 2)
 MOSAIC_TREE_LANES = 8  # a row sum's last lanes in registers: the wgmma layout's narrowest tile (twin_norm_mgpu)
 MOSAIC_MIN_JAX = (0, 11)  # Mosaic GPU's interpreter before 0.11 cannot read a transposed wgmma operand
@@ -254,18 +256,28 @@ def mosaic_padded_rows(M: int) -> int:
     return M if M <= 8 else -(-M // 8) * 8
 
 
+def mosaic_tiles(K: int, N_out: int) -> tuple[int, int]:
+    """(BK, BN): the K block and the output columns a program of the Mosaic GPU linear, by default: 64
+    each, or the largest power of two down to MOSAIC_MIN_TILE that K's lanes (`twin_lanes`) and N_out
+    hold (the MMA form's shapes: its bits do not depend on the tiles)."""
+    return (min(MOSAIC_BK, twin_lanes(K)),
+            next(b for b in (MOSAIC_BN, 32, MOSAIC_MIN_TILE, 1) if N_out % b == 0))
+
+
 def check_mosaic_linear(dtype, K: int, N_out: int, block_n: int | None, stages: int, interpret: bool,
-                        jax_version: tuple, split: bool = False, rms: bool = False) -> int:
-    """BN of a Mosaic GPU linear (`twin_linear_mgpu.linear`), after checking what its kernel takes; split,
-    rms: whether the split RMSNorm's producer or consumer half runs in it."""
+                        jax_version: tuple, split: bool = False, rms: bool = False) -> tuple[int, int]:
+    """(BK, BN) of a Mosaic GPU linear (`twin_linear_mgpu.linear`), after checking what its kernel takes;
+    split, rms: whether the split RMSNorm's producer or consumer half runs in it."""
     if not sixteen_bit(dtype):
         raise TypeError(f"linear(x): the Mosaic GPU linear (the MMA form) takes bfloat16/float16, got {dtype}")
-    if K % MOSAIC_BK:
-        raise ValueError(f"linear(x): the Mosaic GPU linear needs K a multiple of {MOSAIC_BK}, got K={K}")
-    BN = MOSAIC_BN if block_n is None else block_n
-    if BN not in (64, 128) or N_out % BN:
-        raise ValueError(f"linear(block_n): the Mosaic GPU linear runs 64 or 128 columns a program, dividing "
-                         f"N_out={N_out}; got {BN!r}")
+    BK, BN = mosaic_tiles(K, N_out)
+    if BK < MOSAIC_MIN_TILE:
+        raise ValueError(f"linear(x): the Mosaic GPU linear needs K with a power-of-two factor of at least "
+                         f"{MOSAIC_MIN_TILE} (the MMA form's), got K={K}")
+    BN = BN if block_n is None else block_n
+    if BN not in (16, 32, 64, 128) or N_out % BN:
+        raise ValueError(f"linear(block_n): the Mosaic GPU linear runs 16, 32, 64 or 128 columns a program, "
+                         f"dividing N_out={N_out}; got {BN!r}")
     if split and BN != TWIN_SPLIT_GROUP:
         raise ValueError(f"linear(block_n): with split the Mosaic GPU linear runs {TWIN_SPLIT_GROUP} columns a "
                          f"program, got {BN}")
@@ -275,18 +287,20 @@ def check_mosaic_linear(dtype, K: int, N_out: int, block_n: int | None, stages: 
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
         raise ValueError(f"linear(stages): expected an int >= 2, got {stages!r}")
     check_mosaic_interpreter("linear", interpret, jax_version)
-    return BN
+    return BK, BN
 
 
-def mosaic_takes_linear(dtype, K: int, N_out: int, *, norm: bool = False, rms: bool = False,
+def mosaic_takes_linear(dtype, K: int, N_out: int, *, norm: bool = False, rms: bool = False, split: bool = False,
                         head_dim: int | None = None) -> bool:
-    """Whether the Mosaic GPU linears (`twin_linear_mgpu`) run a call at their default tiles: 16-bit
-    operands, K and N_out multiples of 64 (with a norm run first, K of 128, the norm's lanes; with the
-    split norm's consumer half, at least 8 groups), and for the qkv kernel a head dim its 64-column
-    programs fit in. The Mosaic GPU twins of a step run the Triton-backend kernel where not."""
-    return (sixteen_bit(dtype) and K % MOSAIC_BK == 0 and N_out % MOSAIC_BN == 0
+    """Whether the Mosaic GPU linears (`twin_linear_mgpu`) run a call at their default tiles: the MMA
+    form's shapes (16-bit operands, K with a power-of-two factor of at least 16, N_out a multiple of 16);
+    with a norm run first, K a multiple of 128 (the norm's lanes); with the split norm's producer half,
+    N_out a multiple of 64 (its groups), with its consumer half at least 8 groups; the qkv kernel, K and
+    a head dim of multiples of 64. The Mosaic twins run the Triton-backend kernel where not."""
+    return (sixteen_bit(dtype) and twin_lanes(K) >= MOSAIC_MIN_TILE and N_out % MOSAIC_MIN_TILE == 0
             and (not norm or K % 128 == 0) and (not rms or K // TWIN_SPLIT_GROUP >= MOSAIC_TREE_LANES)
-            and (head_dim is None or head_dim % MOSAIC_BN == 0))
+            and (not split or N_out % TWIN_SPLIT_GROUP == 0)
+            and (head_dim is None or (head_dim % MOSAIC_BN == 0 and K % MOSAIC_BK == 0)))
 
 
 def check_mosaic_interpreter(who: str, interpret: bool, jax_version: tuple) -> None:
