@@ -143,8 +143,8 @@ def test_norm_refuses_d_it_cannot_spread_over_a_warpgroup():
 
 @pytest.mark.parametrize("kwargs,exc,match", [
     ({"x": jnp.zeros((4, 128), jnp.float32), "w": jnp.zeros((64, 128), jnp.float32)}, TypeError, "bfloat16"),
-    ({"w": jnp.zeros((64, 96), jnp.bfloat16), "x": jnp.zeros((4, 96), jnp.bfloat16)}, ValueError, "multiple of 64"),
-    ({"block_n": 32}, ValueError, "block_n"),
+    ({"w": jnp.zeros((64, 24), jnp.bfloat16), "x": jnp.zeros((4, 24), jnp.bfloat16)}, ValueError, "factor of at least 16"),
+    ({"block_n": 48}, ValueError, "block_n"),
     ({"stages": 1}, ValueError, "stages"),
     ({"w": jnp.zeros((64, 64), jnp.bfloat16)}, ValueError, r"linear\(w\)"),
 ])
