@@ -329,6 +329,12 @@ def _linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, s
                                        rms=rms, interpret=interpret)
     chosen = twin_linear_form(N_out, K, x.dtype, compiled=not interpret, form=form)
     check_twin_split(split, rms, norm, M, K, N_out, chosen)
+    if chosen == "lanes" and backend.on_mosaic() and (norm is None or K % 128 == 0):
+        # the lane form on Mosaic GPU, the norm's kernel first (`kernels_pallas.backend`)
+        from kernels_pallas import twin_linear_lanes_mgpu
+
+        return twin_linear_lanes_mgpu.linear(_norm_first(x, norm, layer, interpret), w, layer, act=act, scale=scale,
+                                             residual=residual, interpret=interpret)
     if chosen == "mma":
         return _linear_mma(x, w, layer, M, K, N_out, act, scale, residual, norm, split, rms, block_m, block_n,
                            num_warps, num_stages, interpret)

@@ -73,8 +73,9 @@ def compile_for_h200(f, *specs):
         shape, dtype = (a.shape, a.dtype) if hasattr(a, "shape") else a
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    def spec(a):  # an array's spec, or a (shape, dtype) pair
-        return hasattr(a, "shape") or (isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], tuple))
+    def spec(a):  # an array's spec, or a (shape, dtype) pair (not a pytree node that is a pair)
+        return hasattr(a, "shape") or (type(a) is tuple and len(a) == 2 and type(a[0]) is tuple
+                                       and all(isinstance(d, int) for d in a[0]))
 
     args = [jax.tree.map(place, s, is_leaf=spec) for s in specs]
     return jax.jit(f).trace(*args).lower().compile().as_text()

@@ -41,6 +41,7 @@ from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_attention_mgpu as pam
 from kernels_pallas import twin_conv_mgpu as tcm
 from kernels_pallas import twin_linear as pli
+from kernels_pallas import twin_linear_lanes_mgpu as pll
 from kernels_pallas import twin_linear_mgpu as plm
 from kernels_pallas import twin_norm as pn
 from kernels_pallas import twin_norm_mgpu as pnm
@@ -622,6 +623,28 @@ def test_interpreted_twin_steps_on_the_mosaic_kernels(monkeypatch):
 
 
 @interpreted
+@pytest.mark.parametrize("M,N,K,L,act,scale,res,dtype", [
+    (5, 64, 7, 1, None, False, False, "bfloat16"),     # the codec's first convolution: one lane over 7 products
+    (3, 1, 192, 1, None, False, True, "bfloat16"),     # its last: one column (padded to a program of 64)
+    (4, 128, 256, 2, "gelu", True, True, "float32"),   # 128 lanes, two K blocks, the layer traced
+    (3, 80, 48, 1, "silu_gate", True, False, "float32"),  # 16 lanes; the gate's halves of 40 columns, padded
+    (2, 64, 6, 1, None, False, False, "float32"),      # 2 lanes
+    (2, 64, 12, 1, None, True, True, "float16"),       # 4 lanes
+])
+def test_interpreted_lane_form_is_the_reference(M, N, K, L, act, scale, res, dtype):
+    """The Mosaic lane form adds its products in the contract's order whatever the operands: the
+    reference's bits (`linear_native`, form "lanes") on random inputs."""
+    rng = np.random.default_rng(M * K + N)
+    n_out = N // 2 if act == "silu_gate" else N
+    x, w = jnp.asarray(rng.standard_normal((M, K)), dtype), jnp.asarray(rng.standard_normal((L, N, K)) * 0.3, dtype)
+    s = jnp.asarray(rng.standard_normal((L, n_out)), dtype) if scale else None
+    r = jnp.asarray(rng.standard_normal((M, n_out)), dtype) if res else None
+    got = jax.jit(lambda x, w, s, r, layer: pll.linear(x, w, layer, act=act, scale=s, residual=r, interpret=True))(
+        x, w, s, r, jnp.int32(L - 1))
+    assert_same(got, pli.linear_native(x, w, L - 1, act=act, scale=s, residual=r, form="lanes"), "lane form")
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_interpreted_codec_kernels_are_the_references(dtype):
     """The ELU (NaN, infinities, values past exp's range), the taps with the ELU, a carry, replicate
@@ -704,10 +727,14 @@ def stack_kernel_calls(stack, B):
         ("attention", lambda q, k, v, p, qp: pam.attention(q, k, v, 1, p, qp, context=C, interpret=False),
          ((B, H, T, D), b16), ring, ring, ((B, C), i32), at),
         ("tables", lambda o, f: prm.tables(o, T, f, interpret=False), ((B,), i32), ((D // 2,), f32)),
+        ("linear, lane form (float32)", lambda x, w: pll.linear(x, w, act=act, interpret=False), ((M, dim), f32),
+         ((N, dim), f32)),
     ] + ([] if stack != "mimi" else [  # the codec's, around Mimi's transformers
         ("elu", lambda x: tcm.elu(x, interpret=False), ((B, 64, 1920), b16)),
         ("linear of 32 columns", lambda x, w: plm.linear(x, w, interpret=False), ((B * 1920, 192), b16), ((32, 192), b16)),
         ("linear over K 32", lambda x, w: plm.linear(x, w, interpret=False), ((B * 1920, 32), b16), ((64, 32), b16)),
+        ("lane form over K 7", lambda x, w: pll.linear(x, w, interpret=False), ((B * 1920, 7), b16), ((64, 7), b16)),
+        ("lane form to 1 column", lambda x, w: pll.linear(x, w, interpret=False), ((B * 1920, 192), b16), ((1, 192), b16)),
         ("nearest", lambda x, e: tcm.nearest(x, e, interpret=False), ((B, 256), b16), ((2048, 256), b16)),
     ])
 
@@ -764,6 +791,42 @@ def test_steps_compile_for_the_h200_on_mosaic_gpu_alone(stack, kernels, monkeypa
         params = jax.eval_shape(lambda: jx.init_params(cfg, jax.random.key(0), dtype=b16))
         state = jax.eval_shape(lambda: jx.init_state(cfg, 1, b16))
         text = cuda_target.compile_for_h200(jx.step_fn(cfg, kernels=kernels), params, state, ((1, T, cfg.dim), b16))
+    assert "mosaic_gpu" in text
+
+
+@h200
+def test_speech_frame_compiles_for_the_h200_on_mosaic_gpu_alone(monkeypatch):
+    """PersonaPlex's whole speech frame at its real size (bf16, B=1: the Mimi codec's twin encode, the LM
+    frame of the 7B temporal stack, the depformer's 16 inner steps, the embeddings and the sampler, the
+    codec's decode), PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu, compiled for the compile-only H200: no Pallas
+    Triton lowering left."""
+    import jax_impl as jx
+    from jax_impl import codec
+    from jax_impl.codec_config import decoder_plan, encoder_plan, plan_convs
+    from jax_impl.depformer_config import buffer_shapes
+    from jax_impl.frame_config import embedding_shapes
+    from jax_impl.speech_frame import SpeechFrameParams, init_speech_frame_state, speech_frame_fn
+    from jax_impl.speech_frame_config import SPEECH_PRESETS
+
+    monkeypatch.setenv(backend.VARIABLE, "mosaic_gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    cfg, b16 = SPEECH_PRESETS["personaplex"], jnp.bfloat16
+    c = cfg.codec
+    convs = {}
+    for conv in plan_convs(encoder_plan(c)) + plan_convs(decoder_plan(c)):
+        convs[conv.key + ".weight"] = (tuple(conv.weight_shape), b16)
+        if conv.bias:
+            convs[conv.key + ".bias"] = ((conv.out_channels,), b16)
+    stack = jax.eval_shape(lambda: jx.init_params(c.transformer, jax.random.key(0), dtype=b16))
+    d, k = c.dimension, c.codebook_dim
+    codec_params = codec.CodecParams(convs, ((c.num_codebooks, c.codebook_size, k), b16), ((2, k, d, 1), b16),
+                                     ((2, d, k, 1), b16), stack, stack)
+    lm = {"temporal": jax.eval_shape(lambda: jx.init_params(cfg.lm.temporal, jax.random.key(0), dtype=b16)),
+          "depformer": {name: (tuple(shape), b16) for name, shape in buffer_shapes(cfg.lm.depformer).items()},
+          **{name: (tuple(shape), b16) for name, shape in embedding_shapes(cfg.lm).items()}}
+    state = jax.eval_shape(lambda: init_speech_frame_state(cfg, 1, b16))
+    text = cuda_target.compile_for_h200(speech_frame_fn(cfg, kernels="twin"), SpeechFrameParams(codec_params, lm),
+                                        state, ((1, 1, cfg.frame_size), b16), ((1,), jnp.bool_), None)
     assert "mosaic_gpu" in text
 
 
