@@ -1,7 +1,8 @@
 """The twin kernels on Pallas's Mosaic GPU backend: the linear's MMA form and the qkv projection with its
-RoPE and ring-write epilogue (`kernels_pallas.twin_linear_mgpu`), the norm and the split RMSNorm
-(`kernels_pallas.twin_norm_mgpu`), the attention's MMA form (`kernels_pallas.twin_attention_mgpu`), the RoPE
-tables and the step's entry (`kernels_pallas.twin_rope_mgpu`).
+RoPE and ring-write epilogue (`kernels_pallas.twin_linear_mgpu`), the linear's lane form
+(`twin_linear_lanes_mgpu`), the norm and the split RMSNorm (`twin_norm_mgpu`), the attention's MMA form
+(`twin_attention_mgpu`), the RoPE tables and the step's entry (`twin_rope_mgpu`), the codec's ELU, taps
+and nearest entry (`twin_conv_mgpu`); the backend's choice (`kernels_pallas.backend`).
 
 Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
 - the linear: with integer-valued operands every partial sum over K is exact, so the order of the
@@ -10,9 +11,10 @@ Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
   the padded row counts and the scale and residual tiles are held bit for bit; so are the qkv
   kernel's q and rings (the rotation's products rounded as the reference's), written in place under
   donation and left untouched without it;
-- the norm, the split RMSNorm's producer and the RoPE tables: their arithmetic runs in the contract's
-  order whatever the operands, so their bits are the references' (`twin_norm.norm_native`,
-  `split_native`, `twin_rope.tables_native`, `twin_entry.entry_native`) on any input;
+- the norm, the split RMSNorm's producer, the RoPE tables, the lane form and the codec's kernels: their
+  arithmetic runs in the contract's order whatever the operands, so their bits are the references'
+  (`twin_norm.norm_native`, `split_native`, `twin_rope.tables_native`, `twin_entry.entry_native`,
+  `twin_linear.linear_native` of form "lanes", `twin_conv.*_native`) on any input;
 - the split RMSNorm's halves inside the linears: the bits of the Triton-backend MMA form, interpreted
   (integer-valued operands: y, u, ss and the consumer's scaled sums);
 - the attention: the bits of the Triton-backend MMA form, interpreted, where the products' sums are
@@ -20,9 +22,9 @@ Interpreted (CPU, Mosaic GPU's interpreter: jax >= 0.11):
   slots holding NaN and Inf reach no output, a query that sees nothing gets +0.
 Lowered for CUDA (CPU, jax >= 0.11): every kernel at each stack's shapes, through Pallas's lowering to
 Mosaic GPU and its checks of layouts and TMA copies. Compiled for a compile-only H200 where jax's CUDA
-plugin is installed (`tests.cuda_target`; any machine): every kernel at 1 and 64 rows, and the three twin
-steps at their real sizes with PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu, none of their kernels left on the
-Triton backend.
+plugin is installed (`tests.cuda_target`; any machine): every kernel at 1 and 64 rows, and the stacks'
+twin and default steps and the whole speech frame at their real sizes with
+PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu, none of their kernels left on the Triton backend.
 Compiled (GPU): the bits of the same kernels on Pallas's Triton backend and of their torch twins, on
 random and hostile operands at the stacks' sizes, and a row alone has the bits it has among the others.
 """
