@@ -15,6 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas import backend
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.grad import INV_SQRT_2PI, GradBlocks
 from kernels_pallas.contract.linear import LINEAR_ACTS
@@ -101,10 +102,16 @@ def epilogue_grad(dy: jax.Array, pre: jax.Array | None, scale: jax.Array | None 
     (N = 2 N_out for act="silu_gate"), None where act and scale are None; scale: [L, N_out] at `layer`
     (int or traced int32 scalar), or None. Returns (dpre [M, N] in dy's dtype, ts float32 [M, N_out]
     or None: the layer scale's per-row terms, for `batch_sum`). With neither act nor scale, (dy, None).
+    On Mosaic GPU where `kernels_pallas.backend` says so and `twin_grad_mgpu` takes the columns.
     """
     M, N_out, parts = check_epilogue_grad(dy, pre, scale, act)
     if pre is None:
         return dy, None
+    if backend.on_mosaic():
+        from kernels_pallas import twin_grad_mgpu
+
+        if twin_grad_mgpu.mosaic_takes_columns(N_out):
+            return twin_grad_mgpu.epilogue_grad(dy, pre, scale, layer, act=act, interpret=interpret)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     blocks = GradBlocks.for_shapes(M, N_out, interpret)
@@ -168,8 +175,14 @@ def check_batch_sum(t):
 
 def batch_sum(t: jax.Array, dtype, *, interpret: bool | None = None) -> jax.Array:
     """Each column's sum of t [M, N] (float32 or 16-bit) over the rows: float32 from +0, rows in
-    increasing order, rounded once to dtype. Returns [N] in dtype."""
+    increasing order, rounded once to dtype. Returns [N] in dtype. On Mosaic GPU where
+    `kernels_pallas.backend` says so and `twin_grad_mgpu` takes the columns."""
     M, N = check_batch_sum(t)
+    if backend.on_mosaic():
+        from kernels_pallas import twin_grad_mgpu
+
+        if twin_grad_mgpu.mosaic_takes_columns(N):
+            return twin_grad_mgpu.batch_sum(t, dtype, interpret=interpret)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     BN = GradBlocks.for_shapes(M, N, interpret).block_n

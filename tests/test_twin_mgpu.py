@@ -42,6 +42,7 @@ from kernels_pallas import backend
 from kernels_pallas import twin_attention as pa
 from kernels_pallas import twin_attention_mgpu as pam
 from kernels_pallas import twin_conv_mgpu as tcm
+from kernels_pallas import twin_grad_mgpu as pgm
 from kernels_pallas import twin_linear as pli
 from kernels_pallas import twin_linear_lanes_mgpu as pll
 from kernels_pallas import twin_linear_mgpu as plm
@@ -647,13 +648,34 @@ def test_interpreted_lane_form_is_the_reference(M, N, K, L, act, scale, res, dty
 
 
 @interpreted
+@pytest.mark.parametrize("act,scale,dtype", [(None, True, "bfloat16"), ("gelu", True, "float32"),
+                                             ("silu_gate", True, "bfloat16"), ("silu_gate", False, "float16")])
+def test_interpreted_backward_kernels_are_the_references(act, scale, dtype):
+    """The epilogue's derivative (pre holding NaN, infinities and values past exp's range) and the batch
+    sum: the references' bits (`twin_grad.*_native`) on any input."""
+    from kernels_pallas import twin_grad as tg
+
+    rng = np.random.default_rng(13)
+    parts = 2 if act == "silu_gate" else 1
+    dy = jnp.asarray(rng.standard_normal((3, 256)) * 3, dtype)
+    pre = jnp.asarray(rng.standard_normal((3, parts * 256)) * 4, dtype)
+    pre = pre.at[0, :4].set(jnp.asarray([np.nan, np.inf, -np.inf, -90.0], dtype))
+    s = jnp.asarray(rng.standard_normal((2, 256)), dtype) if scale else None
+    (dpre, ts), (want, want_ts) = (pgm.epilogue_grad(dy, pre, s, 1, act=act, interpret=True),
+                                   tg.epilogue_grad_native(dy, pre, s, 1, act=act))
+    assert_same(dpre, want, "dpre")
+    if scale:
+        assert_same(ts, want_ts, "ts")
+        assert_same(pgm.batch_sum(ts, dtype, interpret=True), tg.batch_sum_native(ts, dtype), "batch_sum")
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_interpreted_codec_kernels_are_the_references(dtype):
     """The ELU (NaN, infinities, values past exp's range), the taps with the ELU, a carry, replicate
     padding and an inactive row, and the nearest entry (an exact match, a tie: the first entry, a row of
     NaN: entry 0): the references' bits on any input (the same operations in the same order)."""
     from kernels_pallas import twin_conv as tc
-    from kernels_pallas import twin_conv_mgpu as tcm
 
     rng = np.random.default_rng(11)
     x = rng.standard_normal((3, 5, 301)) * 20
@@ -729,6 +751,9 @@ def stack_kernel_calls(stack, B):
         ("attention", lambda q, k, v, p, qp: pam.attention(q, k, v, 1, p, qp, context=C, interpret=False),
          ((B, H, T, D), b16), ring, ring, ((B, C), i32), at),
         ("tables", lambda o, f: prm.tables(o, T, f, interpret=False), ((B,), i32), ((D // 2,), f32)),
+        (f"epilogue's derivative ({act})", lambda dy, p, s: pgm.epilogue_grad(dy, p, s, 1, act=act, interpret=False),
+         ((M, hidden), b16), ((M, N), b16), ((L, hidden), b16)),
+        ("batch sum", lambda t: pgm.batch_sum(t, b16, interpret=False), ((M, dim), f32)),
         ("linear, lane form (float32)", lambda x, w: pll.linear(x, w, act=act, interpret=False), ((M, dim), f32),
          ((N, dim), f32)),
     ] + ([] if stack != "mimi" else [  # the codec's, around Mimi's transformers
