@@ -544,18 +544,19 @@ def test_each_twin_runs_its_mosaic_twin_where_it_takes_the_call(monkeypatch):
 
 
 def test_the_triton_backend_runs_where_mosaic_does_not_take_the_call(monkeypatch):
-    """float32 (the lane form), a norm of 96 features, a head of 16 dims: with the variable set, the
-    Triton-backend kernels' bits, on any jax."""
+    """A linear after a norm of 96 features (the lane form, its norm fused), a norm of 96 features, a
+    head of 16 dims: with the variable set, the Triton-backend kernels' bits, on any jax."""
     rng = np.random.default_rng(0)
-    x, w = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32), jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    x, w = jnp.asarray(rng.standard_normal((3, 96)), jnp.float32), jnp.asarray(rng.standard_normal((32, 96)), jnp.float32)
+    norm = TwinNorm("rms", jnp.ones((96,), jnp.float32), None, 1e-5)
     xn, wn = jnp.asarray(rng.standard_normal((2, 96)), jnp.bfloat16), jnp.ones((96,), jnp.bfloat16)
     q, ring_k, ring_v, positions, q_pos = attention_case(1, 2, 1, 16, 10)
-    calls = (lambda: pli.linear(x, w, act="gelu"), lambda: pn.norm(xn, wn, eps=1e-5),
+    calls = (lambda: pli.linear(x, w, act="gelu", norm=norm), lambda: pn.norm(xn, wn, eps=1e-5),
              lambda: pa.attention(q, ring_k, ring_v, 1, positions, q_pos, context=10))
     monkeypatch.delenv(backend.VARIABLE, raising=False)
     want = [f() for f in calls]
     monkeypatch.setenv(backend.VARIABLE, "mosaic_gpu")
-    for name, f, w_ in zip(("float32 linear", "norm of 96", "head of 16"), calls, want):
+    for name, f, w_ in zip(("linear after a norm of 96", "norm of 96", "head of 16"), calls, want):
         assert_same(f(), w_, name)
 
 
