@@ -308,19 +308,20 @@ def norm_native(x, weight, bias=None, layer=None, *, kind: str = "rms", eps: flo
 
 # ------------------------------------------------------------------------ the norm's derivative
 # (`contract.grad`; its weights' sums over the batch: `twin_grad.batch_sum`)
-def norm_grad_rows(load_x, load_dy, load_w, D, BK, kind, eps, gpu, unroll=None):
+def norm_grad_rows(load_x, load_dy, load_w, D, BK, kind, eps, gpu, unroll=None, tree=tm.tree_sum):
     """The norm's derivative (`contract.grad`) of rows given block loaders (kb -> float32 [BM, BK];
-    load_w: the weight's block [1, BK]): (dx(kb), tw(kb)), functions of the block, float32."""
+    load_w: the weight's block [1, BK]): (dx(kb), tw(kb)), functions of the block, float32. tree: as
+    `row_sum`'s."""
     unroll = D // BK if unroll is None else unroll
     inv_d = tm.F32(1.0 / D)
-    stats = row_stats(load_x, D, BK, kind, eps, gpu, unroll)
+    stats = row_stats(load_x, D, BK, kind, eps, gpu, unroll, tree)
 
     def g(kb):
         return tm.mul(load_dy(kb), load_w(kb), gpu)
 
     if kind == "rms":
         (r,) = stats
-        s = row_sum(lambda kb: tm.mul(g(kb), load_x(kb), gpu), D, BK, unroll)
+        s = row_sum(lambda kb: tm.mul(g(kb), load_x(kb), gpu), D, BK, unroll, tree)
         c = tm.mul(tm.mul(s, inv_d, gpu), tm.mul(tm.mul(r, r, gpu), r, gpu), gpu)
         return (lambda kb: tm.mul(g(kb), r, gpu) - tm.mul(load_x(kb), c, gpu),
                 lambda kb: tm.mul(load_dy(kb), tm.mul(load_x(kb), r, gpu), gpu))
@@ -329,8 +330,8 @@ def norm_grad_rows(load_x, load_dy, load_w, D, BK, kind, eps, gpu, unroll=None):
     def xhat(kb):
         return tm.mul(load_x(kb) - mean, r, gpu)
 
-    mg = tm.mul(row_sum(g, D, BK, unroll), inv_d, gpu)
-    mgx = tm.mul(row_sum(lambda kb: tm.mul(g(kb), xhat(kb), gpu), D, BK, unroll), inv_d, gpu)
+    mg = tm.mul(row_sum(g, D, BK, unroll, tree), inv_d, gpu)
+    mgx = tm.mul(row_sum(lambda kb: tm.mul(g(kb), xhat(kb), gpu), D, BK, unroll, tree), inv_d, gpu)
     return (lambda kb: tm.mul(r, (g(kb) - mg) - tm.mul(xhat(kb), mgx, gpu), gpu),
             lambda kb: tm.mul(load_dy(kb), xhat(kb), gpu))
 
@@ -362,13 +363,18 @@ def norm_grad(x: jax.Array, dy: jax.Array, weight: jax.Array, bias: jax.Array | 
     """The twin norm's derivative (`contract.grad`): x, dy [M, D] in one dtype; weight, bias [L, D] at
     `layer` (int or traced), or [D] with layer=None (the bias is not read: the derivative does not
     depend on it). Returns (dx [M, D] in x's dtype, tw float32 [M, D]: the weight's per-row terms,
-    for `batch_sum`)."""
+    for `batch_sum`). On Mosaic GPU where `kernels_pallas.backend` says so and D is a multiple of 128
+    (`twin_norm_mgpu.norm_grad`)."""
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
     M, D = check_norm_grad(x, dy, weight, bias, kind)
     BK = twin_lanes(D)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if backend.on_mosaic() and D % 128 == 0:
+        from kernels_pallas import twin_norm_mgpu
+
+        return twin_norm_mgpu.norm_grad(x, dy, weight, bias, layer, kind=kind, eps=eps, interpret=interpret)
     BM = NormBlocks.for_shapes(M, D, block_m, interpret).block_m
     Mp = -(-M // BM) * BM
     pad = ((0, Mp - M), (0, 0))

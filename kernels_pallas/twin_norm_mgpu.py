@@ -36,9 +36,20 @@ from kernels_pallas.contract.linear import (
 )
 from kernels_pallas.contract.norm import TWIN_SPLIT_GROUP, check_twin_norm
 from kernels_pallas.contract.numerics import twin_lanes
-from kernels_pallas.twin_norm import _rms_r, _stacked, norm_native, normalize, row_stats, split_native
+from kernels_pallas.twin_norm import (
+    _rms_r,
+    _stacked,
+    check_norm_grad,
+    norm_grad_native,
+    norm_grad_rows,
+    norm_native,
+    normalize,
+    row_stats,
+    split_native,
+)
 
-__all__ = ["norm", "norm_native", "split", "split_native"]  # the plain references: the Triton-backend module's
+# the plain references: the Triton-backend module's
+__all__ = ["norm", "norm_grad", "norm_grad_native", "norm_native", "split", "split_native"]
 
 LANES = 128  # a warpgroup's threads: one lane each
 
@@ -101,6 +112,64 @@ def _kernel(layer_gmem, x_gmem, w_gmem, b_gmem, o_gmem, *, D, kind, eps, lanes, 
     row = plgpu.SMEM((nkb, LANES), dtype)
     weights = plgpu.SMEM((nkb, LANES), w_gmem.dtype)
     pl.run_scoped(scoped, row, weights, plgpu.SMEM((nkb, LANES), b_gmem.dtype), row,
+                  plgpu.SMEM((2 * LANES,), tm.F32), plgpu.Barrier(num_arrivals=1, num_barriers=3))
+
+
+def norm_grad(x: jax.Array, dy: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=None, *,
+              kind: str = "rms", eps: float, interpret: bool | None = None):
+    """`twin_norm.norm_grad` (`contract.grad`; the same arguments, results and bits): x, dy [M, D] in one
+    dtype, D a multiple of 128; weight [L, D] at `layer` (the bias is not read). Returns (dx [M, D] in x's
+    dtype, tw float32 [M, D]). A program is a row, as the forward's (`twin_norm.norm_grad_rows` with its
+    sums' tree through shared memory)."""
+    if layer is None:
+        weight, bias, layer = weight[None], None if bias is None else bias[None], 0
+    M, D = check_norm_grad(x, dy, weight, bias, kind)
+    if twin_lanes(D) != LANES:
+        raise ValueError(f"norm_grad(x): the Mosaic GPU kernel needs D a multiple of {LANES}, got D={D}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    check_mosaic_interpreter("norm_grad", interpret, jax.__version_info__)
+    lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
+    nkb = D // LANES
+    call = plgpu.kernel(
+        functools.partial(_grad_kernel, D=D, kind=kind, eps=eps, lanes=lanes, gpu=False if interpret else tm.Mosaic(lanes)),
+        out_type=(jax.ShapeDtypeStruct((M, nkb, LANES), x.dtype), jax.ShapeDtypeStruct((M, nkb, LANES), tm.F32)),
+        grid=(M,), grid_names=("row",), interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name=f"twin_{kind}_norm_grad_mgpu")
+    blocks = (lambda a: a.reshape(*a.shape[:-1], nkb, LANES))
+    dx, tw = call(jnp.asarray(layer, jnp.int32).reshape(1), blocks(x), blocks(dy), blocks(weight))
+    return dx.reshape(M, D), tw.reshape(M, D)
+
+
+def _grad_kernel(layer_gmem, x_gmem, dy_gmem, w_gmem, dx_gmem, tw_gmem, *, D, kind, eps, lanes, gpu):
+    """Program r: the derivative of row r (x, dy [M, D / BK, BK]) into dx and tw."""
+    tm.overlap_launches(gpu)
+    r = lax.axis_index("row")
+    nkb = D // LANES
+
+    def scoped(x_smem, dy_smem, w_smem, dx_smem, tw_smem, tree_smem, bars):
+        for i, (src, dst) in enumerate(((x_gmem.at[r], x_smem), (dy_gmem.at[r], dy_smem),
+                                        (w_gmem.at[layer_gmem[0]], w_smem))):
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+        for i in range(3):
+            plgpu.barrier_wait(bars.at[i])
+
+        def block(ref, kb):
+            return plgpu.load(ref.at[kb], layout=lanes).astype(tm.F32)
+
+        dx, tw = norm_grad_rows(functools.partial(block, x_smem), functools.partial(block, dy_smem),
+                                functools.partial(block, w_smem), D, LANES, kind, eps, gpu, unroll=nkb,
+                                tree=functools.partial(_tree, tree_smem, lanes))
+        for kb in range(nkb):
+            dx_smem[kb] = tm.to_dtype(dx(kb), dx_gmem.dtype)
+            tw_smem[kb] = tw(kb)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dx_smem, dx_gmem.at[r])
+        plgpu.copy_smem_to_gmem(tw_smem, tw_gmem.at[r])
+        plgpu.wait_smem_to_gmem(0)
+
+    row = plgpu.SMEM((nkb, LANES), x_gmem.dtype)
+    pl.run_scoped(scoped, row, row, plgpu.SMEM((nkb, LANES), w_gmem.dtype), row, plgpu.SMEM((nkb, LANES), tm.F32),
                   plgpu.SMEM((2 * LANES,), tm.F32), plgpu.Barrier(num_arrivals=1, num_barriers=3))
 
 

@@ -652,8 +652,9 @@ def test_interpreted_lane_form_is_the_reference(M, N, K, L, act, scale, res, dty
 @pytest.mark.parametrize("act,scale,dtype", [(None, True, "bfloat16"), ("gelu", True, "float32"),
                                              ("silu_gate", True, "bfloat16"), ("silu_gate", False, "float16")])
 def test_interpreted_backward_kernels_are_the_references(act, scale, dtype):
-    """The epilogue's derivative (pre holding NaN, infinities and values past exp's range) and the batch
-    sum: the references' bits (`twin_grad.*_native`) on any input."""
+    """The epilogue's derivative (pre holding NaN, infinities and values past exp's range), the batch sum
+    and the norm's derivative: the references' bits (`twin_grad.*_native`, `twin_norm.norm_grad_native`)
+    on any input."""
     from kernels_pallas import twin_grad as tg
 
     rng = np.random.default_rng(13)
@@ -668,6 +669,12 @@ def test_interpreted_backward_kernels_are_the_references(act, scale, dtype):
     if scale:
         assert_same(ts, want_ts, "ts")
         assert_same(pgm.batch_sum(ts, dtype, interpret=True), tg.batch_sum_native(ts, dtype), "batch_sum")
+    kind = "layer" if act == "gelu" else "rms"  # Mimi's norm beside its MLP, Helium's beside its gate
+    x, w = dy.astype(jnp.float32) * 2 + 1, jnp.asarray(rng.standard_normal((2, 256)), dtype)
+    b = jnp.asarray(rng.standard_normal((2, 256)), dtype) if kind == "layer" else None
+    for got, want, what in zip(pnm.norm_grad(x.astype(dtype), dy, w, b, 1, kind=kind, eps=1e-5, interpret=True),
+                               pn.norm_grad_native(x.astype(dtype), dy, w, b, 1, kind=kind, eps=1e-5), ("dx", "tw")):
+        assert_same(got, want, f"{kind} norm's {what}")
 
 
 @interpreted
@@ -755,6 +762,8 @@ def stack_kernel_calls(stack, B):
         (f"epilogue's derivative ({act})", lambda dy, p, s: pgm.epilogue_grad(dy, p, s, 1, act=act, interpret=False),
          ((M, hidden), b16), ((M, N), b16), ((L, hidden), b16)),
         ("batch sum", lambda t: pgm.batch_sum(t, b16, interpret=False), ((M, dim), f32)),
+        ("norm's derivative", lambda x, dy, w: pnm.norm_grad(x, dy, w, None, 1, eps=1e-8, interpret=False), rows, rows,
+         ((L, dim), b16)),
         ("linear, lane form (float32)", lambda x, w: pll.linear(x, w, act=act, interpret=False), ((M, dim), f32),
          ((N, dim), f32)),
     ] + ([] if stack != "mimi" else [  # the codec's, around Mimi's transformers
