@@ -461,12 +461,17 @@ def split_grad(y: jax.Array, du: jax.Array, dss: jax.Array, weight: jax.Array, l
     (a linear's output, or `split`'s x); du [M, N] (y's dtype) and dss float32 [M, N / TWIN_SPLIT_GROUP]:
     the cotangents of u and ss; weight: alpha [L, N] at `layer` (int or traced), or [N] with layer=None;
     dy: y's own cotangent [M, N] or None. Returns (dx [M, N] in y's dtype: y's whole cotangent,
-    ta float32 [M, N]: alpha's per-row terms, for `twin_grad.batch_sum`)."""
+    ta float32 [M, N]: alpha's per-row terms, for `twin_grad.batch_sum`). On Mosaic GPU where
+    `kernels_pallas.backend` says so and N is a multiple of 128 (`twin_norm_mgpu.split_grad`)."""
     if layer is None:
         weight, layer = weight[None], 0
     M, N = check_split_grad(y, du, dss, weight, dy)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if backend.on_mosaic() and N % 128 == 0:
+        from kernels_pallas import twin_norm_mgpu
+
+        return twin_norm_mgpu.split_grad(y, du, dss, weight, layer, dy=dy, interpret=interpret)
     blocks = GradBlocks.for_shapes(M, N, interpret)
     BM, BN, G = blocks.block_m, blocks.block_n, TWIN_SPLIT_GROUP
     Mp = -(-M // BM) * BM
@@ -503,12 +508,13 @@ def split_grad_native(y, du, dss, weight, layer=None, *, dy=None, **_):
     return tm.to_dtype(dx, y.dtype), ta
 
 
-def split_rms_grad_rows(load_u, load_dxn, ss, K, BK, eps, gpu, unroll=None):
+def split_rms_grad_rows(load_u, load_dxn, ss, K, BK, eps, gpu, unroll=None, tree=tm.tree_sum):
     """`contract.grad`'s consumer half of rows given block loaders (kb -> float32 [BM, BK]) and their
-    partial sums ss float32 [BM, K / TWIN_SPLIT_GROUP]: (xn(kb), du(kb), dss [BM, 1]), float32."""
+    partial sums ss float32 [BM, K / TWIN_SPLIT_GROUP]: (xn(kb), du(kb), dss [BM, 1]), float32. tree: as
+    `row_sum`'s, for the sums over the blocks' lanes and over ss's groups (ss as it takes them)."""
     unroll = K // BK if unroll is None else unroll
-    r = _rms_r(tm.tree_sum(ss), K, eps, gpu)                                   # the forward's (`split_r`)
-    s = row_sum(lambda kb: tm.mul(load_dxn(kb), load_u(kb), gpu), K, BK, unroll)
+    r = _rms_r(tree(ss), K, eps, gpu)                                          # the forward's (`split_r`)
+    s = row_sum(lambda kb: tm.mul(load_dxn(kb), load_u(kb), gpu), K, BK, unroll, tree)
     c = tm.mul(tm.mul(s, tm.F32(1.0 / K), gpu), tm.mul(tm.mul(r, r, gpu), r, gpu), gpu)
     return (lambda kb: tm.mul(load_u(kb), r, gpu), lambda kb: tm.mul(load_dxn(kb), r, gpu),
             tm.mul(c, tm.F32(-0.5), gpu))
@@ -547,11 +553,16 @@ def split_rms_grad(u: jax.Array, dxn: jax.Array, ss: jax.Array, *, eps: float, b
     """The derivative of the split norm's consumer half (`contract.grad`): u [M, K], the consumer's x;
     dxn [M, K] in u's dtype: the cotangent of its scaled operand r * u; ss float32 [M, K / G] and eps:
     its `TwinRms`. Returns (xn [M, K]: to_dtype(r * u), the operand for the weights' gradient; du [M, K]:
-    u's cotangent, both in u's dtype; dss float32 [M, K / G]: ss's cotangent)."""
+    u's cotangent, both in u's dtype; dss float32 [M, K / G]: ss's cotangent). On Mosaic GPU where
+    `kernels_pallas.backend` says so and K is a multiple of 128 (`twin_norm_mgpu.split_rms_grad`)."""
     M, K = check_split_rms_grad(u, dxn, ss)
     BK = twin_lanes(K)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if backend.on_mosaic() and K % 128 == 0 and K // TWIN_SPLIT_GROUP <= 128:
+        from kernels_pallas import twin_norm_mgpu
+
+        return twin_norm_mgpu.split_rms_grad(u, dxn, ss, eps=eps, interpret=interpret)
     BM = NormBlocks.for_shapes(M, K, block_m, interpret).block_m
     Mp = -(-M // BM) * BM
     pad = ((0, Mp - M), (0, 0))

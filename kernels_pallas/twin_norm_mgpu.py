@@ -40,16 +40,23 @@ from kernels_pallas.twin_norm import (
     _rms_r,
     _stacked,
     check_norm_grad,
+    check_split_grad,
+    check_split_rms_grad,
     norm_grad_native,
     norm_grad_rows,
     norm_native,
     normalize,
     row_stats,
+    split_grad_math,
+    split_grad_native,
     split_native,
+    split_rms_grad_native,
+    split_rms_grad_rows,
 )
 
 # the plain references: the Triton-backend module's
-__all__ = ["norm", "norm_grad", "norm_grad_native", "norm_native", "split", "split_native"]
+__all__ = ["norm", "norm_grad", "norm_grad_native", "norm_native", "split", "split_grad", "split_grad_native",
+           "split_native", "split_rms_grad", "split_rms_grad_native"]
 
 LANES = 128  # a warpgroup's threads: one lane each
 
@@ -171,6 +178,112 @@ def _grad_kernel(layer_gmem, x_gmem, dy_gmem, w_gmem, dx_gmem, tw_gmem, *, D, ki
     row = plgpu.SMEM((nkb, LANES), x_gmem.dtype)
     pl.run_scoped(scoped, row, row, plgpu.SMEM((nkb, LANES), w_gmem.dtype), row, plgpu.SMEM((nkb, LANES), tm.F32),
                   plgpu.SMEM((2 * LANES,), tm.F32), plgpu.Barrier(num_arrivals=1, num_barriers=3))
+
+
+def split_grad(y: jax.Array, du: jax.Array, dss: jax.Array, weight: jax.Array, layer=None, *,
+               dy: jax.Array | None = None, interpret: bool | None = None):
+    """`twin_norm.split_grad` (the split norm producer's derivative; the same arguments, results and bits):
+    N a multiple of 128. A program is a row and 128 columns (two groups), a lane a thread."""
+    if layer is None:
+        weight, layer = weight[None], 0
+    M, N = check_split_grad(y, du, dss, weight, dy)
+    if N % LANES:
+        raise ValueError(f"split_grad(y): the Mosaic GPU kernel needs N a multiple of {LANES}, got N={N}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    check_mosaic_interpreter("split_grad", interpret, jax.__version_info__)
+    lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
+    call = plgpu.kernel(
+        functools.partial(_split_grad_kernel, has_dy=dy is not None, lanes=lanes,
+                          gpu=False if interpret else tm.Mosaic(lanes)),
+        out_type=(jax.ShapeDtypeStruct((M, N), y.dtype), jax.ShapeDtypeStruct((M, N), tm.F32)), grid=(M, N // LANES),
+        grid_names=("m", "n"), interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="twin_rms_split_grad_mgpu")
+    return call(jnp.asarray(layer, jnp.int32).reshape(1), y, du, dss, weight, *([] if dy is None else [dy]))
+
+
+def _split_grad_kernel(layer_gmem, y_gmem, du_gmem, dss_gmem, w_gmem, *refs, has_dy, lanes, gpu):
+    """Program (m, j): row m, columns j*128.. (the groups 2j and 2j + 1)."""
+    tm.overlap_launches(gpu)
+    dy_gmem, dx_gmem, ta_gmem = refs if has_dy else (None, *refs)
+    m, j = lax.axis_index("m"), lax.axis_index("n")
+    cols = pl.ds(j * LANES, LANES)
+
+    def load(ref, *at):
+        return plgpu.load(ref.at[at], layout=lanes).astype(tm.F32)
+
+    def scoped(dx_smem, ta_smem):
+        first = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (LANES,), 0), lanes) < TWIN_SPLIT_GROUP
+        groups = LANES // TWIN_SPLIT_GROUP
+        dss = jnp.where(first, dss_gmem[m, groups * j], dss_gmem[m, groups * j + 1])
+        dx, ta = split_grad_math(load(y_gmem, m, cols), load(du_gmem, m, cols), dss,
+                                 load(w_gmem, layer_gmem[0], cols), None if dy_gmem is None else load(dy_gmem, m, cols),
+                                 gpu)
+        dx_smem[...] = tm.to_dtype(dx, dx_gmem.dtype)
+        ta_smem[...] = ta
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dx_smem, dx_gmem.at[m, cols])
+        plgpu.copy_smem_to_gmem(ta_smem, ta_gmem.at[m, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scoped, plgpu.SMEM((LANES,), dx_gmem.dtype), plgpu.SMEM((LANES,), tm.F32))
+
+
+def split_rms_grad(u: jax.Array, dxn: jax.Array, ss: jax.Array, *, eps: float, interpret: bool | None = None):
+    """`twin_norm.split_rms_grad` (the split norm consumer's derivative; the same arguments, results and
+    bits): K a multiple of 128, at most 128 groups. A program is a row, as the norm's; ss's groups arrive
+    as lanes, the lanes past them -0.0 (x + -0.0 is x: the tree over 128 lanes gives the groups' tree)."""
+    M, K = check_split_rms_grad(u, dxn, ss)
+    G = K // TWIN_SPLIT_GROUP
+    if K % LANES or G > LANES:
+        raise ValueError(f"split_rms_grad(u): the Mosaic GPU kernel needs K a multiple of {LANES} of at most "
+                         f"{LANES} groups, got K={K}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    check_mosaic_interpreter("split_rms_grad", interpret, jax.__version_info__)
+    lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
+    nkb = K // LANES
+    call = plgpu.kernel(
+        functools.partial(_split_rms_grad_kernel, K=K, eps=eps, lanes=lanes, gpu=False if interpret else tm.Mosaic(lanes)),
+        out_type=(jax.ShapeDtypeStruct((M, nkb, LANES), u.dtype), jax.ShapeDtypeStruct((M, nkb, LANES), u.dtype),
+                  jax.ShapeDtypeStruct((M, LANES), tm.F32)),
+        grid=(M,), grid_names=("row",), interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="twin_rms_split_rms_grad_mgpu")
+    groups = jnp.pad(ss, ((0, 0), (0, LANES - G)), constant_values=-0.0)
+    xn, du, dss = call(u.reshape(M, nkb, LANES), dxn.reshape(M, nkb, LANES), groups)
+    return xn.reshape(M, K), du.reshape(M, K), dss[:, :G]
+
+
+def _split_rms_grad_kernel(u_gmem, dxn_gmem, ss_gmem, xn_gmem, du_gmem, dss_gmem, *, K, eps, lanes, gpu):
+    """Program r: row r's derivative (u, dxn [M, K / 128, 128]; ss's groups as 128 lanes)."""
+    tm.overlap_launches(gpu)
+    r = lax.axis_index("row")
+    nkb = K // LANES
+
+    def scoped(u_smem, dxn_smem, xn_smem, du_smem, dss_smem, tree_smem, bars):
+        for i, (src, dst) in enumerate(((u_gmem.at[r], u_smem), (dxn_gmem.at[r], dxn_smem))):
+            plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+        ss = plgpu.load(ss_gmem.at[r], layout=lanes)
+        for i in range(2):
+            plgpu.barrier_wait(bars.at[i])
+
+        def block(ref, kb):
+            return plgpu.load(ref.at[kb], layout=lanes).astype(tm.F32)
+
+        xn, du, dss = split_rms_grad_rows(functools.partial(block, u_smem), functools.partial(block, dxn_smem), ss,
+                                          K, LANES, eps, gpu, unroll=nkb, tree=functools.partial(_tree, tree_smem, lanes))
+        for kb in range(nkb):
+            xn_smem[kb] = tm.to_dtype(xn(kb), xn_gmem.dtype)
+            du_smem[kb] = tm.to_dtype(du(kb), du_gmem.dtype)
+        dss_smem[...] = dss
+        plgpu.commit_smem()
+        for src, dst in ((xn_smem, xn_gmem.at[r]), (du_smem, du_gmem.at[r]), (dss_smem, dss_gmem.at[r])):
+            plgpu.copy_smem_to_gmem(src, dst)
+        plgpu.wait_smem_to_gmem(0)
+
+    row = plgpu.SMEM((nkb, LANES), u_gmem.dtype)
+    pl.run_scoped(scoped, row, row, row, row, plgpu.SMEM((LANES,), tm.F32), plgpu.SMEM((2 * LANES,), tm.F32),
+                  plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
 
 def _tree(s_smem, lanes, acc):

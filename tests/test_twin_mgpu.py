@@ -652,9 +652,9 @@ def test_interpreted_lane_form_is_the_reference(M, N, K, L, act, scale, res, dty
 @pytest.mark.parametrize("act,scale,dtype", [(None, True, "bfloat16"), ("gelu", True, "float32"),
                                              ("silu_gate", True, "bfloat16"), ("silu_gate", False, "float16")])
 def test_interpreted_backward_kernels_are_the_references(act, scale, dtype):
-    """The epilogue's derivative (pre holding NaN, infinities and values past exp's range), the batch sum
-    and the norm's derivative: the references' bits (`twin_grad.*_native`, `twin_norm.norm_grad_native`)
-    on any input."""
+    """The epilogue's derivative (pre holding NaN, infinities and values past exp's range), the batch sum,
+    the norm's derivative and the split norm's halves': the references' bits (`twin_grad.*_native`,
+    `twin_norm.*_grad_native`) on any input."""
     from kernels_pallas import twin_grad as tg
 
     rng = np.random.default_rng(13)
@@ -675,6 +675,14 @@ def test_interpreted_backward_kernels_are_the_references(act, scale, dtype):
     for got, want, what in zip(pnm.norm_grad(x.astype(dtype), dy, w, b, 1, kind=kind, eps=1e-5, interpret=True),
                                pn.norm_grad_native(x.astype(dtype), dy, w, b, 1, kind=kind, eps=1e-5), ("dx", "tw")):
         assert_same(got, want, f"{kind} norm's {what}")
+    dss = jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)
+    for got, want, what in zip(pnm.split_grad(x.astype(dtype), dy, dss, w, 1, dy=dy, interpret=True),
+                               pn.split_grad_native(x.astype(dtype), dy, dss, w, 1, dy=dy), ("dx", "ta")):
+        assert_same(got, want, f"split norm producer's {what}")
+    ss = jnp.asarray(rng.random((3, 4)) * 5, jnp.float32)
+    for got, want, what in zip(pnm.split_rms_grad(x.astype(dtype), dy, ss, eps=1e-8, interpret=True),
+                               pn.split_rms_grad_native(x.astype(dtype), dy, ss, eps=1e-8), ("xn", "du", "dss")):
+        assert_same(got, want, f"split norm consumer's {what}")
 
 
 @interpreted
@@ -764,6 +772,11 @@ def stack_kernel_calls(stack, B):
         ("batch sum", lambda t: pgm.batch_sum(t, b16, interpret=False), ((M, dim), f32)),
         ("norm's derivative", lambda x, dy, w: pnm.norm_grad(x, dy, w, None, 1, eps=1e-8, interpret=False), rows, rows,
          ((L, dim), b16)),
+        ("split norm producer's derivative", lambda y, du, dss, w: pnm.split_grad(y, du, dss, w, 1, dy=du,
+                                                                                 interpret=False),
+         rows, rows, ((M, dim // 64), f32), ((L, dim), b16)),
+        ("split norm consumer's derivative", lambda u, dxn, s: pnm.split_rms_grad(u, dxn, s, eps=1e-8, interpret=False),
+         rows, rows, ss),
         ("linear, lane form (float32)", lambda x, w: pll.linear(x, w, act=act, interpret=False), ((M, dim), f32),
          ((N, dim), f32)),
     ] + ([] if stack != "mimi" else [  # the codec's, around Mimi's transformers
