@@ -3,8 +3,8 @@
 
 Contract: `twin_conv`'s, unchanged.
 
-- `elu`: a program is ROWS rows of 128 elements, a lane a thread (TMA in and out); `twin_conv`'s ELU
-  of each, its exp `twin_math.exp` with each rounding an inline PTX instruction.
+- `elu`: `twin_conv`'s ELU of each element (`elementwise_mgpu`: 1,024 elements a program, a lane a
+  thread), its exp `twin_math.exp` with each rounding an inline PTX instruction.
 - `taps`: the tap matrix is data movement, which XLA's gather does exactly: the ELU (where asked) by
   `elu`, then `taps_native`'s gather and carry update. Not one kernel as on the Triton backend:
   Mosaic GPU reads global memory by TMA boxes and whole arrays, not by per-lane addresses.
@@ -33,6 +33,7 @@ from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.conv import check_nearest, nearest_plan
 from kernels_pallas.contract.linear import check_mosaic_interpreter
 from kernels_pallas.contract.numerics import twin_lanes
+from kernels_pallas.elementwise_mgpu import elementwise
 from kernels_pallas.twin_conv import (
     _check_float,
     _elu_f32,
@@ -46,8 +47,7 @@ from kernels_pallas.twin_norm_mgpu import lanes_tree
 
 __all__ = ["elu", "elu_native", "mosaic_takes_nearest", "nearest", "nearest_native", "taps", "taps_native"]
 
-LANES = 128  # a warpgroup's threads: one element each a row (elu); a distance block's lanes (nearest)
-ROWS = 8  # rows of 128 elements an ELU program computes (1,024 elements: the Triton program's)
+LANES = 128  # a distance block's lanes (nearest)
 BE = 64  # entries a nearest block scores at once: wgmma's rows
 WGMMA = plgpu.Layout.WGMMA
 COLS = WGMMA.reduce(0)  # a vector along a [64, n] array's columns
@@ -66,34 +66,10 @@ def elu(x: jax.Array, *, interpret: bool | None = None) -> jax.Array:
 
 
 def _elu(x, interpret: bool):
-    """`elu`'s kernel (its arguments checked)."""
-    n = x.size
-    blocks = max(1, -(-n // (ROWS * LANES)))
-    flat = jnp.pad(x.reshape(-1), (0, blocks * ROWS * LANES - n)).reshape(blocks, ROWS, LANES)
-    lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
-    call = plgpu.kernel(functools.partial(_elu_kernel, lanes=lanes, gpu=False if interpret else tm.Mosaic(lanes)),
-                        out_type=jax.ShapeDtypeStruct(flat.shape, x.dtype), grid=(blocks,), grid_names=("block",),
-                        interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name="twin_elu_mgpu")
-    return call(flat).reshape(-1)[:n].reshape(x.shape)
-
-
-def _elu_kernel(x_gmem, o_gmem, *, lanes, gpu):
-    """Program i: the ELU of block i [ROWS, 128], a lane a thread."""
-    tm.overlap_launches(gpu)
-    i = lax.axis_index("block")
-
-    def scoped(x_smem, o_smem, bar):
-        plgpu.copy_gmem_to_smem(x_gmem.at[i], x_smem, bar)
-        plgpu.barrier_wait(bar)
-        for r in range(ROWS):
-            v = plgpu.load(x_smem.at[r], layout=lanes).astype(tm.F32)
-            o_smem[r] = tm.to_dtype(_elu_f32(v, gpu), o_gmem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[i])
-        plgpu.wait_smem_to_gmem(0)
-
-    block = plgpu.SMEM((ROWS, LANES), x_gmem.dtype)
-    pl.run_scoped(scoped, block, block, plgpu.Barrier(num_arrivals=1))
+    """`elu`'s kernel (its arguments checked): `elementwise_mgpu.elementwise`."""
+    (y,) = elementwise(lambda gpu, v: (tm.to_dtype(_elu_f32(v, gpu), x.dtype),), x, out_dtypes=(x.dtype,),
+                       name="twin_elu_mgpu", interpret=interpret)
+    return y
 
 
 def taps(x: jax.Array, *, kernel_size: int, stride: int = 1, dilation: int = 1, elu: bool = False,

@@ -43,6 +43,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas import backend
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.numerics import next_pow2
 from kernels_pallas.contract.rope import check_twin_rope
@@ -160,7 +161,13 @@ def rope_write(qkv: jax.Array, cos: jax.Array | None, sin: jax.Array | None, rin
 
 
 def _forward(interpret: bool, qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask):
-    """The forward kernel (`rope_write`, its arguments checked)."""
+    """The forward kernel (`rope_write`, its arguments checked); on Mosaic GPU where `kernels_pallas.backend`
+    says so (`twin_rope_mgpu.rope_write`)."""
+    if backend.on_mosaic():
+        from kernels_pallas import twin_rope_mgpu
+
+        return twin_rope_mgpu.rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask,
+                                         interpret=interpret)
     B, T, H, D, (_L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
     rope = cos is not None
     kernel = functools.partial(_write_kernel, B=B, T=T, H=H, C=C, D=D, rope=rope, gpu=not interpret)
@@ -258,13 +265,19 @@ def rope_write_bwd(dq: jax.Array, cos: jax.Array | None, sin: jax.Array | None, 
 
     dq: [B, H, T, D] (q's cotangent, the qkv dtype); d_ring_k, d_ring_v: [L, B, H, C, D] (the rings'
     cotangents after the write, aliased to the ones returned: the written slots come back 0);
-    the rest as `rope_write`'s.
+    the rest as `rope_write`'s. On Mosaic GPU where `kernels_pallas.backend` says so
+    (`twin_rope_mgpu.rope_write_bwd`).
     """
     B, H, T, D = dq.shape
     check_twin_rope(jax.ShapeDtypeStruct((B, T, 3, H, D), dq.dtype), cos, sin, d_ring_k, d_ring_v, write_index,
                     write_mask)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if backend.on_mosaic():
+        from kernels_pallas import twin_rope_mgpu
+
+        return twin_rope_mgpu.rope_write_bwd(dq, cos, sin, d_ring_k, d_ring_v, layer, write_index, write_mask,
+                                             interpret=interpret)
     C = d_ring_k.shape[3]
     rows = (d_ring_k.shape[0] * B * H, C, D)
     rope = cos is not None
@@ -288,14 +301,21 @@ def rope_write_bwd(dq: jax.Array, cos: jax.Array | None, sin: jax.Array | None, 
 
 def rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, **_):
     """The plain jax.numpy reference of `rope_write` (same signature and bits)."""
+    return rotate_and_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask,
+                            functools.partial(rotate, gpu=False))
+
+
+def rotate_and_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, turn):
+    """`rope_write_native` with the rotation `turn(r, i, cos, sin, dtype)` (`rotate`'s arguments; r, i
+    float32 of one shape, cos, sin broadcasting to it), the rest XLA's data movement: the Mosaic GPU
+    backend's rope write (`twin_rope_mgpu`) passes its elementwise kernel."""
     B, T, H, D, (_L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
     if cos is None:  # no rotation: q and k as projected
         q, k = (qkv[:, :, p].transpose(0, 2, 1, 3) for p in (0, 1))                # [B, H, T, D]
     else:
         x = qkv.astype(tm.F32).reshape(B, T, 3, H, D // 2, 2)
         c, s = cos[:, :, None, :], sin[:, :, None, :]
-        rot = [jnp.stack(rotate(x[:, :, p, :, :, 0], x[:, :, p, :, :, 1], c, s, qkv.dtype, False), -1)
-               for p in (0, 1)]
+        rot = [jnp.stack(turn(x[:, :, p, :, :, 0], x[:, :, p, :, :, 1], c, s, qkv.dtype), -1) for p in (0, 1)]
         q, k = (r.reshape(B, T, H, D).transpose(0, 2, 1, 3) for r in rot)         # [B, H, T, D]
     v = qkv[:, :, 2].transpose(0, 2, 1, 3)
     slot = jnp.where(write_mask, write_index, C + jnp.arange(T))                  # not written: dropped
@@ -307,6 +327,12 @@ def rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_m
 
 def rope_write_bwd_native(dq, cos, sin, d_ring_k, d_ring_v, layer, write_index, write_mask, **_):
     """The plain jax.numpy reference of `rope_write_bwd` (same signature and bits)."""
+    return rotate_and_write_bwd(dq, cos, sin, d_ring_k, d_ring_v, layer, write_index, write_mask,
+                                functools.partial(rotate, gpu=False))
+
+
+def rotate_and_write_bwd(dq, cos, sin, d_ring_k, d_ring_v, layer, write_index, write_mask, turn):
+    """`rope_write_bwd_native` with the rotation `turn` (`rotate_and_write`'s)."""
     B, H, T, D = dq.shape
     C = d_ring_k.shape[3]
 
@@ -315,7 +341,7 @@ def rope_write_bwd_native(dq, cos, sin, d_ring_k, d_ring_v, layer, write_index, 
             return x.astype(dq.dtype).transpose(0, 2, 1, 3)
         c, ns = cos[:, None], -sin[:, None]                                      # [B, 1, T, D/2]
         x = x.astype(tm.F32).reshape(B, H, T, D // 2, 2)
-        return jnp.stack(rotate(x[..., 0], x[..., 1], c, ns, dq.dtype, False), -1).reshape(B, H, T, D).transpose(0, 2, 1, 3)
+        return jnp.stack(turn(x[..., 0], x[..., 1], c, ns, dq.dtype), -1).reshape(B, H, T, D).transpose(0, 2, 1, 3)
 
     bi, hi = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
     slot = write_index.astype(jnp.int32)[:, None, :]

@@ -1,5 +1,5 @@
-"""The twin RoPE tables on Pallas's Mosaic GPU backend; its Triton-backend twin is `twin_rope.tables`,
-its Triton twin `kernels_triton.twin_rope.tables`, its plain reference `twin_rope.tables_native`.
+"""The twin RoPE tables and ring write on Pallas's Mosaic GPU backend; their Triton-backend twins are
+`twin_rope.tables`, `rope_write` and `rope_write_bwd`, their Triton twins `kernels_triton.twin_rope`'s.
 
 Contract: `twin_rope`'s, unchanged: angle[b, t, i] = (float32(offset[b]) + t) * freqs[i], (sin, cos) =
 `twin_math.sincos(angle)`, every rounding one PTX instruction (`twin_math.Mosaic`). A program is one
@@ -9,6 +9,11 @@ summed), written out by TMA.
 `entry` is the JAX twin step's entry (`twin_entry.entry`'s signature and bits) for the Mosaic GPU
 twins: these tables, and the integer tables as the jax.numpy expressions of `twin_entry.row_tables`
 (exact, whatever compiles them), the counters zeroed.
+
+`rope_write` and `rope_write_bwd` (the lane form's ring write and its derivative; the MMA form writes
+its rings in the qkv kernel): the rotation `twin_rope.rotate` by one elementwise kernel
+(`elementwise_mgpu`), the GPT-J pairs' split, the transposes and the ring's slots by XLA: data
+movement, exact (`twin_rope.rotate_and_write`).
 """
 
 from __future__ import annotations
@@ -16,16 +21,21 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import twin_math as tm
+from kernels_pallas import twin_rope
 from kernels_pallas.contract.linear import check_mosaic_interpreter
+from kernels_pallas.elementwise_mgpu import elementwise
 from kernels_pallas.twin_entry import Entry, entry_native
-from kernels_pallas.twin_rope import angle_sincos, tables_native
+from kernels_pallas.twin_rope import angle_sincos, rope_write_bwd_native, rope_write_native, tables_native
 
-__all__ = ["entry", "entry_native", "tables", "tables_native"]  # the plain references: the Triton-backend modules'
+# the plain references: the Triton-backend modules'
+__all__ = ["entry", "entry_native", "rope_write", "rope_write_bwd", "rope_write_bwd_native", "rope_write_native",
+           "tables", "tables_native"]
 
 COLS = plgpu.Layout.WGMMA.reduce(0)
 
@@ -74,3 +84,25 @@ def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array | None, 
                           num_heads=num_heads)
     cos, sin = tables(offset, x.shape[1], freqs, interpret=interpret)
     return native._replace(cos=lax.stop_gradient(cos), sin=lax.stop_gradient(sin))
+
+
+def _turn(interpret: bool):
+    """The contract's rotation (`twin_rope.rotate`) as the elementwise kernel, for `rotate_and_write`."""
+    def turn(r, i, cos, sin, dtype):
+        r, i, cos, sin = jnp.broadcast_arrays(r, i, cos, sin)
+        return elementwise(lambda gpu, *v: twin_rope.rotate(*v, dtype, gpu), r, i, cos, sin, out_dtypes=(dtype, dtype),
+                           name="twin_rope_rotate_mgpu", interpret=interpret)
+    return turn
+
+
+def rope_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, *, interpret: bool | None = None):
+    """`twin_rope.rope_write`'s forward (the same arguments, results and bits; not differentiated): the
+    rotation by the elementwise kernel, the pairs' split, the transposes and the ring write by XLA
+    (exact data movement; the rings updated in place under donation)."""
+    return twin_rope.rotate_and_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, _turn(interpret))
+
+
+def rope_write_bwd(dq, cos, sin, d_ring_k, d_ring_v, layer, write_index, write_mask, *, interpret: bool | None = None):
+    """`twin_rope.rope_write_bwd` (the same arguments, results and bits), as `rope_write` is made."""
+    return twin_rope.rotate_and_write_bwd(dq, cos, sin, d_ring_k, d_ring_v, layer, write_index, write_mask,
+                                          _turn(interpret))

@@ -686,6 +686,28 @@ def test_interpreted_backward_kernels_are_the_references(act, scale, dtype):
 
 
 @interpreted
+@pytest.mark.parametrize("dtype,rope", [("bfloat16", True), ("float32", True), ("float32", False)])
+def test_interpreted_rope_write_and_its_derivative_are_the_references(dtype, rope):
+    """The lane form's ring write and its backward (the rotation by the elementwise kernel, the slots by
+    XLA): the references' bits, a masked write leaving its slot, the written slots' cotangents zeroed."""
+    from kernels_pallas import twin_rope as pr
+
+    rng = np.random.default_rng(17)
+    B, T, H, D, L, C = 2, 3, 2, 16, 2, 7
+    qkv = jnp.asarray(rng.standard_normal((B, T, 3, H, D)), dtype)
+    cos, sin = ((jnp.asarray(rng.standard_normal((B, T, D // 2)), jnp.float32) for _ in range(2)) if rope
+                else (None, None))
+    ring_k, ring_v = (jnp.asarray(rng.standard_normal((L, B, H, C, D)), dtype) for _ in range(2))
+    at, written = jnp.asarray(rng.integers(0, C, (B, T)), jnp.int32), jnp.asarray([[True, False, True], [True] * 3])
+    args = (cos, sin, ring_k, ring_v, 1, at, written)
+    for got, want in zip(prm.rope_write(qkv, *args, interpret=True), pr.rope_write_native(qkv, *args)):
+        assert_same(got, want, "rope_write")
+    dq = jnp.asarray(rng.standard_normal((B, H, T, D)), dtype)
+    for got, want in zip(prm.rope_write_bwd(dq, *args, interpret=True), pr.rope_write_bwd_native(dq, *args)):
+        assert_same(got, want, "rope_write_bwd")
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_interpreted_codec_kernels_are_the_references(dtype):
     """The ELU (NaN, infinities, values past exp's range), the taps with the ELU, a carry, replicate
@@ -779,6 +801,13 @@ def stack_kernel_calls(stack, B):
          rows, rows, ss),
         ("linear, lane form (float32)", lambda x, w: pll.linear(x, w, act=act, interpret=False), ((M, dim), f32),
          ((N, dim), f32)),
+        ("rope write, lane form (float32)", lambda x, c, s, k, v, i, m: prm.rope_write(x, c, s, k, v, 1, i, m,
+                                                                                       interpret=False),
+         ((B, T, 3, H, D), f32), ((B, T, D // 2), f32), ((B, T, D // 2), f32), ((L, B, H, C, D), f32),
+         ((L, B, H, C, D), f32), at, at),
+        ("rope write's derivative", lambda dq, c, s, k, v, i, m: prm.rope_write_bwd(dq, c, s, k, v, 1, i, m,
+                                                                                    interpret=False),
+         ((B, H, T, D), b16), ((B, T, D // 2), f32), ((B, T, D // 2), f32), ring, ring, at, at),
     ] + ([] if stack != "mimi" else [  # the codec's, around Mimi's transformers
         ("elu", lambda x: tcm.elu(x, interpret=False), ((B, 64, 1920), b16)),
         ("linear of 32 columns", lambda x, w: plm.linear(x, w, interpret=False), ((B * 1920, 192), b16), ((32, 192), b16)),
