@@ -350,16 +350,22 @@ def _differentiable_bwd(o: _Options, residuals, cotangents):
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
-def _bwd_block(q, dO, k, v, visible, stats, scale, gpu):
+def _rows_tree(x):
+    """`tm.tree_sum` of each row of x [BC, D]: [BC]."""
+    return tm.tree_sum(x)[:, 0]
+
+
+def _bwd_block(q, dO, k, v, visible, stats, scale, gpu, tree=_rows_tree):
     """A block of BC slots of one query in the backward: q, dO [D], k, v [BC, D] float32, visible [BC];
-    stats (M0, L0, delta), each [1] (None before pass C: P and ds not yet defined).
-    Returns (s [BC] scaled, with -inf where not visible; p, dp [BC]; P, ds [BC] or None)."""
-    s = jnp.where(visible, tm.mul(tm.tree_sum(tm.mul(q[None, :], k, gpu))[:, 0], tm.F32(scale), gpu), NEG_INF)
+    stats (M0, L0, delta), each [1] (None before pass C: P and ds not yet defined); tree: the sums over D
+    (`_rows_tree`, or a kernel's own way to the same sums). Returns (s [BC] scaled, with -inf where not
+    visible; p, dp [BC]; P, ds [BC] or None)."""
+    s = jnp.where(visible, tm.mul(tree(tm.mul(q[None, :], k, gpu)), tm.F32(scale), gpu), NEG_INF)
     if stats is None:
         return s, None, None, None, None
     m0, l0, delta = stats
     p = jnp.where(visible, tm.exp(s - m0, gpu), tm.F32(0.0))
-    dp = tm.tree_sum(tm.mul(dO[None, :], jnp.where(visible[:, None], v, tm.F32(0.0)), gpu))[:, 0]
+    dp = tree(tm.mul(dO[None, :], jnp.where(visible[:, None], v, tm.F32(0.0)), gpu))
     if l0 is None:
         return s, p, dp, None, None
     P = tm.div(p, l0, gpu)
@@ -461,7 +467,8 @@ def attention_bwd(d_out: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, po
     dtype, dk, dv [B, H, C, D] in the ring's dtype).
 
     d_out: [B, T, H, D] in q's dtype (the output's cotangent); q: [B, H, T, D]; k, v: [B, H, C, D]
-    (the layer's slots); positions: int [B, C]; q_pos: int [B, T].
+    (the layer's slots); positions: int [B, C]; q_pos: int [B, T]. On Mosaic GPU where
+    `kernels_pallas.backend` says so and the head dim is a multiple of 64 (`twin_attention_bwd_mgpu`).
     """
     B, H, T, D, C = check_twin_attention(q, k[None], v[None], positions, q_pos)
     if tuple(d_out.shape) != (B, T, H, D) or d_out.dtype != q.dtype:
@@ -469,6 +476,11 @@ def attention_bwd(d_out: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, po
                          f"got {d_out.dtype}{list(d_out.shape)}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if backend.on_mosaic() and D % 64 == 0:
+        from kernels_pallas import twin_attention_bwd_mgpu
+
+        return twin_attention_bwd_mgpu.attention_bwd(d_out, q, k, v, positions, q_pos, context=context,
+                                                     interpret=interpret)
     BC = AttentionBlocks.for_shapes(C).block_slots
     blocks = -(-C // BC)
     statics = {"H": H, "T": T, "C": C, "D": D, "context": context, "BC": BC, "blocks": blocks,

@@ -46,9 +46,11 @@ F32 = jnp.float32
 @dataclasses.dataclass(frozen=True)
 class Mosaic:
     """`gpu` of a kernel compiled by Pallas's Mosaic GPU backend: `layout` is the register layout
-    (a `plgpu.Layout`) of the arrays the kernel hands these functions (inline PTX needs it stated)."""
+    (a `plgpu.Layout`) of the arrays the kernel hands these functions (inline PTX needs it stated);
+    `vector`, where the kernel also hands them 1-D arrays in another (a wgmma tile's rows), theirs."""
 
     layout: Any
+    vector: Any = None
 
 
 def overlap_launches(gpu) -> None:
@@ -68,7 +70,7 @@ def _asm(op: str, gpu_args, gpu):
     """One float32 PTX instruction `op` ("mul.rn.f32", ...) on the broadcast `gpu_args`, element by element."""
     args = jnp.broadcast_arrays(*gpu_args)
     if isinstance(gpu, Mosaic):
-        return _asm_mosaic(op, args, gpu.layout)
+        return _asm_mosaic(op, args, gpu.vector if gpu.vector is not None and args[0].ndim == 1 else gpu.layout)
     operands = ", ".join(f"${i + 1}" for i in range(len(args)))
     [y] = pltriton.elementwise_inline_asm(f"{op} $0, {operands};", args=args,
                                           constraints="=f," + ",".join(["f"] * len(args)), pack=1,

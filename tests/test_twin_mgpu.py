@@ -40,6 +40,7 @@ from jax_impl.parity import bits
 from jax_impl.tables import rope_freqs
 from kernels_pallas import backend
 from kernels_pallas import twin_attention as pa
+from kernels_pallas import twin_attention_bwd_mgpu as pabm
 from kernels_pallas import twin_attention_mgpu as pam
 from kernels_pallas import twin_conv_mgpu as tcm
 from kernels_pallas import twin_grad_mgpu as pgm
@@ -686,6 +687,30 @@ def test_interpreted_backward_kernels_are_the_references(act, scale, dtype):
 
 
 @interpreted
+@pytest.mark.parametrize("B,H,T,D,C,dtype", [(2, 2, 2, 64, 16, "bfloat16"), (1, 2, 2, 64, 130, "float32"),
+                                             (2, 1, 1, 128, 70, "bfloat16")])
+def test_interpreted_attention_derivative_is_the_reference(B, H, T, D, C, dtype):
+    """The attention's backward (the lane form): the reference's bits (`attention_bwd_native`) on random
+    inputs, with masked slots holding NaN and Inf, a row that sees nothing (no gradient), a ring of one
+    block of 16 slots (its tile's other rows padding), a block past the ring's end."""
+    rng = np.random.default_rng(C)
+    q = jnp.asarray(rng.standard_normal((B, H, T, D)), dtype)
+    k, v = (rng.standard_normal((B, H, C, D)) for _ in range(2))
+    k[:, :, 3], v[:, :, 3] = np.inf, np.nan
+    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+    positions = rng.integers(0, C, (B, C)).astype(np.int32)
+    positions[:, 3] = -1
+    positions[0] = -1
+    q_pos = jnp.asarray(np.full((B, T), C, np.int32) + np.arange(T, dtype=np.int32))
+    d_out = jnp.asarray(rng.standard_normal((B, T, H, D)), dtype)
+    args = (d_out, q, k, v, jnp.asarray(positions), q_pos)
+    got = jax.jit(lambda *a: pabm.attention_bwd(*a, context=C, interpret=True))(*args)
+    for g, w, what in zip(got, pa.attention_bwd_native(*args, context=C), ("dq", "dk", "dv")):
+        assert_same(g, w, what)
+    assert not np.asarray(got[0], np.float32)[0].any()
+
+
+@interpreted
 @pytest.mark.parametrize("dtype,rope", [("bfloat16", True), ("float32", True), ("float32", False)])
 def test_interpreted_rope_write_and_its_derivative_are_the_references(dtype, rope):
     """The lane form's ring write and its backward (the rotation by the elementwise kernel, the slots by
@@ -805,6 +830,9 @@ def stack_kernel_calls(stack, B):
                                                                                        interpret=False),
          ((B, T, 3, H, D), f32), ((B, T, D // 2), f32), ((B, T, D // 2), f32), ((L, B, H, C, D), f32),
          ((L, B, H, C, D), f32), at, at),
+        ("attention's derivative", lambda do, q, k, v, p, qp: pabm.attention_bwd(do, q, k, v, p, qp, context=C,
+                                                                                interpret=False),
+         ((B, T, H, D), b16), ((B, H, T, D), b16), ((B, H, C, D), b16), ((B, H, C, D), b16), ((B, C), i32), at),
         ("rope write's derivative", lambda dq, c, s, k, v, i, m: prm.rope_write_bwd(dq, c, s, k, v, 1, i, m,
                                                                                     interpret=False),
          ((B, H, T, D), b16), ((B, T, D // 2), f32), ((B, T, D // 2), f32), ring, ring, at, at),
