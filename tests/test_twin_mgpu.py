@@ -902,6 +902,27 @@ def test_steps_compile_for_the_h200_on_mosaic_gpu_alone(stack, kernels, monkeypa
 
 
 @h200
+def test_twin_step_gradient_compiles_for_the_h200_on_mosaic_gpu_alone(monkeypatch):
+    """jax.grad through Mimi's twin step at its real size (bf16, B=1) with PERSONAPLEX_PALLAS_BACKEND=
+    mosaic_gpu, compiled for the compile-only H200: the backward's kernels (the linears' and norms'
+    derivatives, the attention's, the ring write's) with no Pallas Triton lowering left."""
+    import jax_impl as jx
+    from jax_impl.config import PRESETS
+
+    monkeypatch.setenv(backend.VARIABLE, "mosaic_gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    cfg, b16 = PRESETS["mimi"], jnp.bfloat16
+    step = jx.step_fn(cfg, kernels="twin")
+
+    def loss(params, state, x):
+        return jnp.sum(jax.tree.leaves(step(params, state, x)[0])[0].astype(jnp.float32))
+
+    params = jax.eval_shape(lambda: jx.init_params(cfg, jax.random.key(0), dtype=b16))
+    state = jax.eval_shape(lambda: jx.init_state(cfg, 1, b16))
+    assert "mosaic_gpu" in cuda_target.compile_for_h200(jax.grad(loss), params, state, ((1, 2, cfg.dim), b16))
+
+
+@h200
 def test_speech_frame_compiles_for_the_h200_on_mosaic_gpu_alone(monkeypatch):
     """PersonaPlex's whole speech frame at its real size (bf16, B=1: the Mimi codec's twin encode, the LM
     frame of the 7B temporal stack, the depformer's 16 inner steps, the embeddings and the sampler, the
