@@ -69,12 +69,17 @@ def _tables_kernel(offset_ref, freqs_ref, cos_ref, sin_ref, *, gpu):
 def tables(offset: jax.Array, T: int, freqs: jax.Array, *, interpret: bool | None = None):
     """(cos, sin) float32 [B, T, D/2] for positions offset[b] + t (the contract's tables), one program a
     row. The JAX twin step makes them in its entry kernel (`twin_entry`) with the rest of its tables;
-    this is the tables alone, the twin of `kernels_triton.twin_rope.tables`."""
+    this is the tables alone, the twin of `kernels_triton.twin_rope.tables`. On Mosaic GPU where
+    `kernels_pallas.backend` says so and D/2 is a multiple of 8 (`twin_rope_mgpu.tables`)."""
     B, half = offset.shape[0], freqs.shape[0]
     if half & (half - 1):
         raise ValueError(f"tables(freqs): D/2 must be a power of two, got {half}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if backend.on_mosaic() and half % 8 == 0:
+        from kernels_pallas import twin_rope_mgpu
+
+        return twin_rope_mgpu.tables(offset, T, freqs, interpret=interpret)
     Tp = next_pow2(T)
     out = jax.ShapeDtypeStruct((B, Tp, half), tm.F32)
     cos, sin = pl.pallas_call(
