@@ -19,8 +19,18 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.linear import check_mosaic_interpreter
 
-LANES = 128  # a warpgroup's threads: an element each a row
+LANES = 128  # a warpgroup's threads: an element (a lane) each a row
 ROWS = 8  # rows a program (1,024 elements: the Triton programs' ELU block)
+
+
+def lane_setup(who: str, interpret: bool | None):
+    """(interpret, the lanes' layout, gpu) of a kernel of 128 lanes a row, a lane a thread: interpret
+    resolved (None: compiled on a GPU backend; interpreted needs jax >= 0.11), the strided layout of
+    [128] float32 rows, and `twin_math`'s gpu (`Mosaic` of that layout; False interpreted)."""
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    check_mosaic_interpreter(who, interpret, jax.__version_info__)
+    lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
+    return interpret, lanes, False if interpret else tm.Mosaic(lanes)
 
 
 def elementwise(fn: Callable, *xs: jax.Array, out_dtypes: Sequence, name: str, interpret: bool | None = None):
@@ -30,14 +40,12 @@ def elementwise(fn: Callable, *xs: jax.Array, out_dtypes: Sequence, name: str, i
     shape = xs[0].shape
     if any(x.shape != shape for x in xs):
         raise ValueError(f"elementwise({name}): the operands must have one shape, got {[x.shape for x in xs]}")
-    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-    check_mosaic_interpreter(name, interpret, jax.__version_info__)
+    interpret, lanes, gpu = lane_setup(name, interpret)
     n = max(1, xs[0].size)
     blocks = -(-n // (ROWS * LANES))
     flat = [jnp.pad(x.reshape(-1), (0, blocks * ROWS * LANES - x.size)).reshape(blocks, ROWS, LANES) for x in xs]
-    lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
     call = plgpu.kernel(
-        functools.partial(_kernel, fn=fn, operands=len(xs), lanes=lanes, gpu=False if interpret else tm.Mosaic(lanes)),
+        functools.partial(_kernel, fn=fn, operands=len(xs), lanes=lanes, gpu=gpu),
         out_type=tuple(jax.ShapeDtypeStruct((blocks, ROWS, LANES), d) for d in out_dtypes), grid=(blocks,),
         grid_names=("block",), interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
     return tuple(y.reshape(-1)[:xs[0].size].reshape(shape) for y in call(*flat))

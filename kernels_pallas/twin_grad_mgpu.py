@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import twin_math as tm
-from kernels_pallas.contract.linear import check_mosaic_interpreter
+from kernels_pallas.elementwise_mgpu import LANES, lane_setup
 from kernels_pallas.twin_grad import (
     batch_sum_native,
     check_batch_sum,
@@ -35,7 +35,6 @@ from kernels_pallas.twin_grad import (
 
 __all__ = ["batch_sum", "batch_sum_native", "epilogue_grad", "epilogue_grad_native", "mosaic_takes_columns"]
 
-LANES = 128  # a warpgroup's threads: a column each
 F32 = tm.F32
 
 
@@ -47,10 +46,7 @@ def mosaic_takes_columns(N: int) -> bool:
 def _prepare(who: str, N: int, interpret: bool | None):
     if not mosaic_takes_columns(N):
         raise ValueError(f"{who}: the Mosaic GPU kernel takes a multiple of {LANES} columns, got {N}")
-    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-    check_mosaic_interpreter(who, interpret, jax.__version_info__)
-    lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
-    return interpret, lanes, False if interpret else tm.Mosaic(lanes)
+    return lane_setup(who, interpret)
 
 
 def epilogue_grad(dy: jax.Array, pre: jax.Array | None, scale: jax.Array | None = None, layer=None, *,

@@ -36,6 +36,7 @@ from kernels_pallas.contract.linear import (
 )
 from kernels_pallas.contract.norm import TWIN_SPLIT_GROUP, check_twin_norm
 from kernels_pallas.contract.numerics import twin_lanes
+from kernels_pallas.elementwise_mgpu import LANES, lane_setup
 from kernels_pallas.twin_norm import (
     _rms_r,
     _stacked,
@@ -58,7 +59,6 @@ from kernels_pallas.twin_norm import (
 __all__ = ["norm", "norm_grad", "norm_grad_native", "norm_native", "split", "split_grad", "split_grad_native",
            "split_native", "split_rms_grad", "split_rms_grad_native"]
 
-LANES = 128  # a warpgroup's threads: one lane each
 
 
 def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=None, *, kind: str = "rms",
@@ -72,13 +72,9 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
     if twin_lanes(D) != LANES:
         raise ValueError(f"norm(x): the Mosaic GPU norm needs D a multiple of {LANES} (a lane a thread), "
                          f"got D={D}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    check_mosaic_interpreter("norm", interpret, jax.__version_info__)
-    lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
+    interpret, lanes, gpu = lane_setup("norm", interpret)
     nkb = D // LANES
-    kernel = functools.partial(_kernel, D=D, kind=kind, eps=eps, lanes=lanes,
-                               gpu=False if interpret else tm.Mosaic(lanes))
+    kernel = functools.partial(_kernel, D=D, kind=kind, eps=eps, lanes=lanes, gpu=gpu)
     call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((M, nkb, LANES), x.dtype), grid=(M,),
                         grid_names=("row",), interpret=plgpu.InterpretGPUParams() if interpret else None,
                         kernel_name=f"twin_{kind}_norm_mgpu")
@@ -133,13 +129,10 @@ def norm_grad(x: jax.Array, dy: jax.Array, weight: jax.Array, bias: jax.Array | 
     M, D = check_norm_grad(x, dy, weight, bias, kind)
     if twin_lanes(D) != LANES:
         raise ValueError(f"norm_grad(x): the Mosaic GPU kernel needs D a multiple of {LANES}, got D={D}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    check_mosaic_interpreter("norm_grad", interpret, jax.__version_info__)
-    lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
+    interpret, lanes, gpu = lane_setup("norm_grad", interpret)
     nkb = D // LANES
     call = plgpu.kernel(
-        functools.partial(_grad_kernel, D=D, kind=kind, eps=eps, lanes=lanes, gpu=False if interpret else tm.Mosaic(lanes)),
+        functools.partial(_grad_kernel, D=D, kind=kind, eps=eps, lanes=lanes, gpu=gpu),
         out_type=(jax.ShapeDtypeStruct((M, nkb, LANES), x.dtype), jax.ShapeDtypeStruct((M, nkb, LANES), tm.F32)),
         grid=(M,), grid_names=("row",), interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name=f"twin_{kind}_norm_grad_mgpu")
@@ -189,13 +182,10 @@ def split_grad(y: jax.Array, du: jax.Array, dss: jax.Array, weight: jax.Array, l
     M, N = check_split_grad(y, du, dss, weight, dy)
     if N % LANES:
         raise ValueError(f"split_grad(y): the Mosaic GPU kernel needs N a multiple of {LANES}, got N={N}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    check_mosaic_interpreter("split_grad", interpret, jax.__version_info__)
-    lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
+    interpret, lanes, gpu = lane_setup("split_grad", interpret)
     call = plgpu.kernel(
         functools.partial(_split_grad_kernel, has_dy=dy is not None, lanes=lanes,
-                          gpu=False if interpret else tm.Mosaic(lanes)),
+                          gpu=gpu),
         out_type=(jax.ShapeDtypeStruct((M, N), y.dtype), jax.ShapeDtypeStruct((M, N), tm.F32)), grid=(M, N // LANES),
         grid_names=("m", "n"), interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="twin_rms_split_grad_mgpu")
@@ -238,13 +228,10 @@ def split_rms_grad(u: jax.Array, dxn: jax.Array, ss: jax.Array, *, eps: float, i
     if K % LANES or G > LANES:
         raise ValueError(f"split_rms_grad(u): the Mosaic GPU kernel needs K a multiple of {LANES} of at most "
                          f"{LANES} groups, got K={K}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    check_mosaic_interpreter("split_rms_grad", interpret, jax.__version_info__)
-    lanes = plgpu.Layout.WG_STRIDED((LANES,), vec_size=1)
+    interpret, lanes, gpu = lane_setup("split_rms_grad", interpret)
     nkb = K // LANES
     call = plgpu.kernel(
-        functools.partial(_split_rms_grad_kernel, K=K, eps=eps, lanes=lanes, gpu=False if interpret else tm.Mosaic(lanes)),
+        functools.partial(_split_rms_grad_kernel, K=K, eps=eps, lanes=lanes, gpu=gpu),
         out_type=(jax.ShapeDtypeStruct((M, nkb, LANES), u.dtype), jax.ShapeDtypeStruct((M, nkb, LANES), u.dtype),
                   jax.ShapeDtypeStruct((M, LANES), tm.F32)),
         grid=(M,), grid_names=("row",), interpret=plgpu.InterpretGPUParams() if interpret else None,
