@@ -1022,3 +1022,64 @@ def test_interpreted_depformer_frame_on_the_mosaic_kernels(monkeypatch):
         logits[name] = np.asarray(frame(params, text, out)[1])
     a, b = logits["triton"], logits["mosaic_gpu"]
     assert np.max(np.abs(a - b)) <= 2.0**-6 * np.max(np.abs(a))
+
+
+def _gpu_cases():
+    """(name, call) of the twins whose Mosaic kernels came with the lane form, the codec and the backward:
+    call(rng) runs the public twin once (its backend read from the environment)."""
+    from kernels_pallas import twin_conv as pc
+    from kernels_pallas import twin_grad as pg
+    from kernels_pallas import twin_rope as pr
+
+    b16, f32 = jnp.bfloat16, jnp.float32
+
+    def arrays(rng, *specs):
+        return [jnp.asarray(rng.standard_normal(shape) * scale, dtype) for shape, dtype, scale in specs]
+
+    def attention_grad(B, H, T, D, C):
+        def call(rng):
+            q, k, v, do = arrays(rng, ((B, H, T, D), b16, 1), ((B, H, C, D), b16, 1), ((B, H, C, D), b16, 1),
+                                 ((B, T, H, D), b16, 1))
+            positions = jnp.asarray(rng.integers(-1, C, (B, C)), jnp.int32)
+            return pa.attention_bwd(do, q, k, v, positions, jnp.full((B, T), C, jnp.int32), context=C)
+        return call
+
+    return [
+        ("lane form, float32 7B", lambda rng: pli.linear(*arrays(rng, ((4, 4096), f32, 1), ((4096, 4096), f32, 0.02)))),
+        ("lane form, K 7", lambda rng: pli.linear(*arrays(rng, ((1920, 7), b16, 1), ((64, 7), b16, 0.3)))),
+        ("lane form, one column", lambda rng: pli.linear(*arrays(rng, ((1920, 192), b16, 1), ((1, 192), b16, 0.1)))),
+        ("narrow tiles, K 32", lambda rng: pli.linear(*arrays(rng, ((1920, 32), b16, 1), ((64, 32), b16, 0.2)))),
+        ("elu", lambda rng: pc.elu(*arrays(rng, ((4, 64, 1920), b16, 4)))),
+        ("nearest", lambda rng: pc.nearest(*arrays(rng, ((64, 256), b16, 1), ((2048, 256), b16, 1)))),
+        ("epilogue's derivative", lambda rng: pg.epilogue_grad(
+            *arrays(rng, ((64, 11264), b16, 1), ((64, 2 * 11264), b16, 3)), act="silu_gate")),
+        ("batch sum", lambda rng: pg.batch_sum(*arrays(rng, ((64, 4096), f32, 1)), b16)),
+        ("norm's derivative", lambda rng: pn.norm_grad(*arrays(rng, ((16, 4096), b16, 2), ((16, 4096), b16, 1),
+                                                                ((4096,), b16, 1)), eps=1e-8)),
+        ("split norm's derivatives", lambda rng: (
+            pn.split_grad(*arrays(rng, ((16, 4096), b16, 1), ((16, 4096), b16, 1), ((16, 64), f32, 1),
+                                  ((4096,), b16, 1))),
+            pn.split_rms_grad(*arrays(rng, ((16, 4096), b16, 1), ((16, 4096), b16, 1)),
+                              jnp.asarray(rng.random((16, 64)) * 50, f32), eps=1e-8))),
+        ("attention's derivative, temporal", attention_grad(4, 32, 1, 128, 3000)),
+        ("attention's derivative, Mimi", attention_grad(4, 8, 2, 64, 250)),
+        ("attention's derivative, depformer", attention_grad(16, 16, 1, 64, 16)),
+        ("rope write, lane form", lambda rng: pr.rope_write(
+            *arrays(rng, ((4, 1, 3, 32, 128), f32, 1), ((4, 1, 64), f32, 1), ((4, 1, 64), f32, 1),
+                    ((2, 4, 32, 3000, 128), f32, 1), ((2, 4, 32, 3000, 128), f32, 1)),
+            1, jnp.asarray(rng.integers(0, 3000, (4, 1)), jnp.int32), jnp.ones((4, 1), bool))),
+    ]
+
+
+@on_gpu
+@pytest.mark.parametrize("case", range(14))
+def test_gpu_each_twin_has_its_bits_on_either_backend(case, monkeypatch):
+    """Each twin run by its Mosaic GPU kernel and by its Triton-backend kernel from the same operands:
+    the same bits (the lane form, the codec's kernels, the backward's kernels, at the stacks' sizes)."""
+    name, call = _gpu_cases()[case]
+    outs = {}
+    for backend_name in ("triton", "mosaic_gpu"):
+        monkeypatch.setenv(backend.VARIABLE, backend_name)
+        outs[backend_name] = jax.tree.leaves(call(np.random.default_rng(case)))
+    for a, b in zip(outs["triton"], outs["mosaic_gpu"], strict=True):
+        assert_same(b, a, name)
