@@ -62,10 +62,10 @@ def _interpret(who: str, interpret: bool | None) -> bool:
 def elu(x: jax.Array, *, interpret: bool | None = None) -> jax.Array:
     """`twin_conv.elu`: the contract's ELU of every element of x (any shape, float); x's shape and dtype."""
     _check_float("elu", "x", x)
-    return _elu(x, _interpret("elu", interpret))
+    return _elu(x, interpret)
 
 
-def _elu(x, interpret: bool):
+def _elu(x, interpret: bool | None):
     """`elu`'s kernel (its arguments checked): `elementwise_mgpu.elementwise`."""
     (y,) = elementwise(lambda gpu, v: (tm.to_dtype(_elu_f32(v, gpu), x.dtype),), x, out_dtypes=(x.dtype,),
                        name="twin_elu_mgpu", interpret=interpret)
@@ -80,7 +80,7 @@ def taps(x: jax.Array, *, kernel_size: int, stride: int = 1, dilation: int = 1, 
     donation, as XLA updates a donated buffer)."""
     if elu:
         _check_float("taps", "x", x)
-    source = _elu(x, _interpret("taps", interpret)) if elu else x
+    source = _elu(x, interpret) if elu else x
     return taps_native(source, kernel_size=kernel_size, stride=stride, dilation=dilation, carry=carry,
                        carry_slot=carry_slot, active=active, first=first, replicate=replicate)
 
