@@ -53,12 +53,6 @@ WGMMA = plgpu.Layout.WGMMA
 COLS = WGMMA.reduce(0)  # a vector along a [64, n] array's columns
 
 
-def _interpret(who: str, interpret: bool | None) -> bool:
-    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-    check_mosaic_interpreter(who, interpret, jax.__version_info__)
-    return interpret
-
-
 def elu(x: jax.Array, *, interpret: bool | None = None) -> jax.Array:
     """`twin_conv.elu`: the contract's ELU of every element of x (any shape, float); x's shape and dtype."""
     _check_float("elu", "x", x)
@@ -99,7 +93,8 @@ def nearest(x: jax.Array, entries: jax.Array, *, split: int | None = None, inter
     if not mosaic_takes_nearest(N, D, split):
         raise ValueError(f"nearest(entries): the Mosaic GPU kernel takes D a multiple of {LANES} and programs of a "
                          f"multiple of {BE} entries, got D={D}, N={N}, split={split}")
-    interpret = _interpret("nearest", interpret)
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    check_mosaic_interpreter("nearest", interpret, jax.__version_info__)
     S = N // split
     call = plgpu.kernel(
         functools.partial(_nearest_kernel, N=N, D=D, split=split, gpu=False if interpret else tm.Mosaic(WGMMA)),
