@@ -44,11 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels_pallas import backend
+from kernels_pallas import backend, twin_attention, twin_linear
 from kernels_pallas.contract.norm import TwinNorm
 
 from .depformer_config import DepformerConfig, buffer_shapes
-from .layers import PALLAS_TWINS
 from .sampling import sample
 from .sampling_config import check_sampling
 
@@ -130,15 +129,15 @@ def _twin_layer(cfg: DepformerConfig, pallas_backend: str, p, alphas, x, at, lay
     static: a layer traced per backend). Jitted: an unrolled frame traces and lowers it once, and its
     calls pass constants (XLA inlines them and folds the index arithmetic: no work between kernels)."""
     del pallas_backend  # read by the twins themselves when traced
-    k, B = PALLAS_TWINS, x.shape[0]
+    B = x.shape[0]
     norm1, norm2 = (TwinNorm("rms", a, None, cfg.norm_eps) for a in alphas)
-    q, cache_k, cache_v = k.linear_rope_write(
+    q, cache_k, cache_v = twin_linear.linear_rope_write(
         x, _per_set(p["in_proj"], cfg), at, None, None, cache_k, cache_v, slot, jnp.ones((B, 1), bool),
         norm=norm1, ring_layer=layer)
-    att = k.attention(q, cache_k, cache_v, layer, positions, slot, context=cfg.dep_q)
-    x = k.linear(att.reshape(B, cfg.dim), _per_set(p["out_proj"], cfg), at, residual=x)
-    gated = k.linear(x, _per_set(p["linear_in"], cfg), at, act="silu_gate", norm=norm2)
-    return k.linear(gated, _per_set(p["linear_out"], cfg), at, residual=x), cache_k, cache_v
+    att = twin_attention.attention(q, cache_k, cache_v, layer, positions, slot, context=cfg.dep_q)
+    x = twin_linear.linear(att.reshape(B, cfg.dim), _per_set(p["out_proj"], cfg), at, residual=x)
+    gated = twin_linear.linear(x, _per_set(p["linear_in"], cfg), at, act="silu_gate", norm=norm2)
+    return twin_linear.linear(gated, _per_set(p["linear_out"], cfg), at, residual=x), cache_k, cache_v
 
 
 def _twin_layers(cfg: DepformerConfig, p, alphas, x, s, step, cache_k, cache_v):
@@ -190,10 +189,9 @@ def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, a
         else:
             token_in = jnp.where(k == 0, _embed(params["text_emb"], prev), _embed(params["emb"][table], prev))
         if twin:
-            linear = PALLAS_TWINS.linear
-            x = linear(x_in, params["depformer_in"], s, residual=token_in)
+            x = twin_linear.linear(x_in, params["depformer_in"], s, residual=token_in)
             x, cache_k, cache_v = _twin_layers(cfg, params, alphas, x, s, k, cache_k, cache_v)
-            logits = linear(x, params["linears"], s).astype(F32)
+            logits = twin_linear.linear(x, params["linears"], s).astype(F32)
         else:
             x = _linear(x_in, params["depformer_in"][s]) + token_in
             for layer in range(cfg.num_layers):

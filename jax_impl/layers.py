@@ -120,10 +120,9 @@ def run_layers(layer_fn: Callable, c: StackConfig, stacked: dict, carry, tables:
     """
     if kernels == "twin":
         program = twin_layers.layer_program(c)
-        twins = PALLAS_TWINS
 
         def twin_fn(layer, cr):
-            return program(twins, c, stacked, cr, layer, tables)
+            return program(PALLAS_TWINS, c, stacked, cr, layer, tables)
 
         if layer_loop == "python":
             for layer in range(c.num_layers):
