@@ -8,9 +8,9 @@ bf16, random weights, real sizes (depformer dim 1024, 6 layers, 16 heads, hidden
 8 weight sets; the temporal 7B with every slot of its 3000-slot ring visible, offsets at capacity).
 For each B of --batches (default 1,4,16,64), one record
 
-    {stack, B, dep_q, kernels, sync_ms, pipelined_ms, floor_ms, floor_every_step_ms, kernels_per_frame,
-     kernels_per_inner_step, compile_s, public_graph_ms, public_eager_ms, public_kernels_per_frame,
-     public_note, device, date, versions}
+    {stack, B, dep_q, kernels, pallas_backend, sync_ms, pipelined_ms, floor_ms, floor_every_step_ms,
+     kernels_per_frame, kernels_per_inner_step, compile_s, output_digest, public_graph_ms, public_eager_ms,
+     public_kernels_per_frame, public_note, device, date, versions}
 
 (codec records also `sync_interleaved_ms`, `public_interleaved_ms`: below)
 
@@ -39,6 +39,10 @@ For each B of --batches (default 1,4,16,64), one record
   written per second, `timing.copy_bandwidth`): each distinct depformer weight set once (8), and for
   the frame also the temporal weights and its ring; floor_every_step_ms: the same with each inner
   step reading its own set (dep_q set reads, moshi's layout); the embedding rows gathered are not counted;
+- pallas_backend: the Pallas GPU backend of the JAX side's kernels (`kernels_pallas.backend`); with
+  `--pallas-backends triton,mosaic_gpu` every JAX case runs on each in turn, in the same process, and
+  output_digest (sha256 of the first call's outputs, from the same inputs and state) says whether the
+  two gave the same bits;
 - kernels_per_frame: CUDA kernels of one frame (torch.profiler, which sees JAX's kernels too);
   kernels_per_inner_step: the depformer's / dep_q;
 - public_*: moshi's own stepper in the same run (`moshi` 0.2.13's `LMModel` with these sizes,
@@ -65,6 +69,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -99,6 +104,7 @@ from jax_impl.codec_config import CodecConfig
 from jax_impl.depformer_config import DepformerConfig, buffer_shapes
 from jax_impl.frame_config import FRAME_PRESETS, FrameConfig
 from jax_impl.speech_frame_config import SPEECH_PRESETS, SpeechFrameConfig
+from kernels_pallas import backend
 from torch_bridge import Depformer, LMFrame, to_jax
 from torch_bridge.codec import MimiCodec
 from torch_bridge.frame import jax_frame_params
@@ -111,9 +117,17 @@ DEVICE = "cuda" if GPU else "cpu"
 DTYPE = torch.bfloat16
 FRAME_BUDGET_MS = 80.0  # one frame of 12.5 Hz audio
 # a record's fields measured on the JAX side (null where that side was not measured)
-OURS_FIELDS = ("kernels", "sync_ms", "pipelined_ms", "floor_ms", "floor_every_step_ms", "kernels_per_frame",
+OURS_FIELDS = ("kernels", "pallas_backend", "output_digest", "sync_ms", "pipelined_ms", "floor_ms", "floor_every_step_ms", "kernels_per_frame",
                "kernels_per_inner_step", "compile_s")
 PER_SET = ("in_proj", "out_proj", "linear_in", "linear_out", "depformer_in", "linears")  # [.., weight_sets, ..]
+
+
+def digest(outputs) -> str:
+    """sha256 of the bits of every array in `outputs` (a pytree), in order."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(outputs):
+        h.update(np.asarray(leaf).tobytes())
+    return h.hexdigest()[:16]
 
 
 def sync() -> None:
@@ -322,12 +336,13 @@ def time_depformer(step, params, cfg: DepformerConfig, B: int, args) -> dict:
     text = jax.random.randint(k1, (B,), 0, cfg.text_card, jnp.int32)
     x = jax.random.normal(k2, (B, 1, cfg.temporal_dim), jnp.bfloat16)
     t0 = time.perf_counter()
-    jax_impl.until_ready(step(params, text, x))
+    first = jax_impl.until_ready(step(params, text, x))
     compile_s = time.perf_counter() - t0
     sync_ms, pipelined_ms = time_call(lambda: step(params, text, x), args.steps, args.warmup)
     launches = kernel_profile(lambda: jax_impl.until_ready(step(params, text, x)))[0] if GPU else None
     return {"sync_ms": sync_ms, "pipelined_ms": pipelined_ms, "kernels_per_frame": launches,
-            "kernels_per_inner_step": None if launches is None else launches / cfg.dep_q, "compile_s": compile_s}
+            "kernels_per_inner_step": None if launches is None else launches / cfg.dep_q, "compile_s": compile_s,
+            "output_digest": digest(first)}
 
 
 def frame_state(cfg: FrameConfig, B: int) -> jax_frame.FrameState:
@@ -359,7 +374,7 @@ def bench_frame(cfg: FrameConfig, batches: list[int], args, bandwidth, emit, err
             t0 = time.perf_counter()
             out, state = step(params, state, user, active)
             jax_impl.until_ready((out, state))
-            compile_s = time.perf_counter() - t0
+            compile_s, first = time.perf_counter() - t0, digest(out)
             sync_ms, pipelined_ms, state = time_step(step, params, state, user, active, args.steps,
                                                      warmup=args.warmup)
             launches, _, state = profile_step(step, params, state, user, active)
@@ -368,7 +383,8 @@ def bench_frame(cfg: FrameConfig, batches: list[int], args, bandwidth, emit, err
                 "floor_every_step_ms": 1e3 * (temporal_bytes + ring_bytes + every) / bandwidth}
             emit({"stack": "frame", "B": B, "dep_q": cfg.dep_q, "kernels": kernels,
                   "sync_ms": sync_ms, "pipelined_ms": pipelined_ms,
-                  **floors, "kernels_per_frame": launches, "kernels_per_inner_step": None, "compile_s": compile_s})
+                  **floors, "kernels_per_frame": launches, "kernels_per_inner_step": None, "compile_s": compile_s,
+                  "output_digest": first})
         except Exception as err:  # noqa: BLE001 (recorded: a case that fails, e.g. out of memory, is a result)
             errors[name] = f"{type(err).__name__}: {err}"[:1000]
             print("error", name, errors[name], flush=True)
@@ -391,7 +407,7 @@ def bench_codec(cfg: CodecConfig, batches: list[int], kernels: list[str], args, 
             codes, state = encode(params, state, pcm, active)
             return decode(params, state, codes, active)
 
-        step = jax.jit(codec_frame, donate_argnums=(1,))
+        step = jax.jit(backend.traced_on(codec_frame), donate_argnums=(1,))
         for B in batches:
             name = f"codec_{kind}_B{B}"
             if past_budget(name):
@@ -432,16 +448,16 @@ def interleaved_with_moshi(step, params, state, pcm, active, cfg: CodecConfig, B
 
 
 def time_stateful(step, params, state, x, active, args) -> tuple[dict, object]:
-    """({compile_s, sync_ms, pipelined_ms, kernels_per_frame (GPU)}, the state after them) of a donated
-    `step(params, state, x, active)`."""
+    """({compile_s, sync_ms, pipelined_ms, kernels_per_frame (GPU), output_digest}, the state after them) of
+    a donated `step(params, state, x, active)`."""
     t0 = time.perf_counter()
     out, state = step(params, state, x, active)
     jax_impl.until_ready((out, state))
-    compile_s = time.perf_counter() - t0
+    compile_s, first = time.perf_counter() - t0, digest(out)
     sync_ms, pipelined_ms, state = time_step(step, params, state, x, active, args.steps, warmup=args.warmup)
     launches, _, state = profile_step(step, params, state, x, active)
     return {"sync_ms": sync_ms, "pipelined_ms": pipelined_ms, "kernels_per_frame": launches,
-            "compile_s": compile_s}, state
+            "compile_s": compile_s, "output_digest": first}, state
 
 
 def bench_speech_frame(cfg: SpeechFrameConfig, batches: list[int], args, emit, errors: dict, past_budget) -> None:
@@ -473,9 +489,10 @@ def bench_speech_frame(cfg: SpeechFrameConfig, batches: list[int], args, emit, e
 
 
 # ----------------------------------------------------------------------------- results
-def sessions_in_80ms(records: list[dict]) -> dict:
-    """The largest measured B whose synchronized frame (ours; moshi's `LMGen.step` under its CUDA
-    graphs) fits in 80 ms; and our whole speech frame's."""
+def sessions_in_80ms(records: list[dict], pallas_backend: str) -> dict:
+    """The largest measured B whose synchronized frame (ours on `pallas_backend`; moshi's `LMGen.step`
+    under its CUDA graphs) fits in 80 ms; and our whole speech frame's."""
+    records = [r for r in records if r.get("pallas_backend") in (pallas_backend, None)]
     speech = {r["B"]: r["sync_ms"] for r in records if r["stack"] == "speech-frame" and r["sync_ms"] is not None}
     frames = [r for r in records if r["stack"] == "frame"]
     ours = {r["B"]: r["sync_ms"] for r in frames if r["sync_ms"] is not None}
@@ -507,7 +524,7 @@ def merge(ours: list[dict], public: dict, public_note: str | None, dep_q: int, m
 
 
 def table(records: list[dict]) -> str:
-    cols = ("stack", "B", "dep_q", "kernels", "sync_ms", "pipelined_ms", "floor_ms", "floor_every_step_ms",
+    cols = ("stack", "B", "dep_q", "kernels", "pallas_backend", "sync_ms", "pipelined_ms", "floor_ms", "floor_every_step_ms",
             "kernels_per_frame", "kernels_per_inner_step", "public_graph_ms", "public_eager_ms",
             "public_kernels_per_frame", "sync_interleaved_ms", "public_interleaved_ms")
 
@@ -537,6 +554,9 @@ def parse_args():
     parser.add_argument("--no-public", action="store_true", help="no moshi part")
     parser.add_argument("--moshi-no-compile", action="store_true",
                         help="moshi without torch.compile of its norms and gating (its default on CUDA is on)")
+    parser.add_argument("--pallas-backends", default=None,
+                        help="the JAX side's Pallas GPU backends, each in turn (comma-separated: triton, mosaic_gpu; "
+                             "default: the one kernels_pallas.backend chooses now)")
     parser.add_argument("--time-budget", type=float, default=450.0,
                         help="seconds: no case starts past it (moshi's past half of it); those are listed as skipped")
     args = parser.parse_args()
@@ -550,6 +570,10 @@ def parse_args():
     bad = [s for s in args.stacks if s not in STACKS]
     if bad or not args.stacks:
         parser.error(f"--stacks: expected a comma-separated subset of {', '.join(STACKS)}, got {bad or 'nothing'}")
+    args.pallas_backends = (args.pallas_backends or backend.gpu_backend()).split(",")
+    bad = [b for b in args.pallas_backends if b not in backend.BACKENDS]
+    if bad:
+        parser.error(f"--pallas-backends: expected a comma-separated subset of {', '.join(backend.BACKENDS)}, got {bad}")
     bad = [k for k in args.kernels if k not in ("twin", "reference")]
     if bad:
         parser.error(f"--kernels: expected a comma-separated subset of twin, reference, got {bad}")
@@ -585,7 +609,7 @@ def main() -> None:
 
     def write() -> list[dict]:
         records = merge(ours, public, public_note, cfg.dep_q, meta)
-        result = {"records": records, "sessions_in_80ms": sessions_in_80ms(records),
+        result = {"records": records, "sessions_in_80ms": sessions_in_80ms(records, args.pallas_backends[0]),
                   "copy_TBps": None if bandwidth is None else bandwidth / 1e12, "preset": preset,
                   "warmup": args.warmup, "steps": args.steps, "eager_steps": args.eager_steps,
                   "moshi_torch_compile": GPU and not args.moshi_no_compile, "errors": errors, "skipped": skipped,
@@ -602,21 +626,31 @@ def main() -> None:
     if not args.no_public:
         public_note = run_public(cfg, args.stacks, args.batches, args, public, errors, past_budget, speech_cfg.codec)
         write()
-    if "depformer" in args.stacks:
-        bench_depformer(cfg.depformer, args.batches, args.kernels, args, bandwidth, emit, errors, past_budget)
-        release()  # its weights (torch's, viewed by JAX)
-    if "frame" in args.stacks:
-        bench_frame(cfg, args.batches, args, bandwidth, emit, errors, past_budget)
-        release()
-    if "codec" in args.stacks:
-        bench_codec(speech_cfg.codec, args.batches, args.kernels, args, emit, errors, past_budget,
-                    moshi=not args.no_public and public_note is None)
-        release()
-    if "speech-frame" in args.stacks:
-        bench_speech_frame(speech_cfg, args.batches, args, emit, errors, past_budget)
+    for name in args.pallas_backends:  # each stack's factories made, and traced, on this backend
+        failed = {}
+        with backend.use(name):
+            def on_backend(record: dict, name=name) -> None:
+                emit({**record, "pallas_backend": name})
+
+            def budget(case: str, name=name) -> bool:
+                return past_budget(f"{case}_{name}")
+
+            if "depformer" in args.stacks:
+                bench_depformer(cfg.depformer, args.batches, args.kernels, args, bandwidth, on_backend, failed, budget)
+                release()  # its weights (torch's, viewed by JAX)
+            if "frame" in args.stacks:
+                bench_frame(cfg, args.batches, args, bandwidth, on_backend, failed, budget)
+                release()
+            if "codec" in args.stacks:
+                bench_codec(speech_cfg.codec, args.batches, args.kernels, args, on_backend, failed, budget,
+                            moshi=not args.no_public and public_note is None)
+                release()
+            if "speech-frame" in args.stacks:
+                bench_speech_frame(speech_cfg, args.batches, args, on_backend, failed, budget)
+        errors.update({f"{case}_{name}": why for case, why in failed.items()})
     records = write()
     print(table(records))
-    print(json.dumps(sessions_in_80ms(records)))
+    print(json.dumps(sessions_in_80ms(records, args.pallas_backends[0])))
     if errors or skipped:
         print("errors:", list(errors), "skipped:", list(skipped))
     print(f"{time.monotonic() - start:.0f} s; {path}", flush=True)

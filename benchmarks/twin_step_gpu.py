@@ -15,9 +15,9 @@ accuracy against float32, speed. One process:
 4. speed: synchronized and pipelined ms/step of the JAX twin step (and the default JAX step), the
    torch twin step eager and under a CUDA graph, kernel launches per step and the kernels that
    take the most GPU time (torch.profiler, which sees JAX's kernels too). With 'mosaic' in --only,
-   also the JAX twin step on the Mosaic GPU twins (PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu while it is
-   traced), side by side in the same process, and whether its first step has the bits of the step on
-   the Triton-backend twins. (The variable set for the whole run puts every part on the Mosaic twins:
+   also the JAX twin step on the Mosaic GPU twins (made under `kernels_pallas.backend.use("mosaic_gpu")`),
+   side by side in the same process, and whether its first step has the bits of the step on the
+   Triton-backend twins. (The variable set for the whole run puts every part on the Mosaic twins:
    the bits part then holds them to the torch twin step.)
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
 import time
 import traceback
@@ -39,7 +38,7 @@ import torch
 import jax_impl
 from benchmarks.timing import host_ms, kernel_profile, run_meta, time_step, torch_graph
 from jax_impl.config import PRESETS
-from kernels_pallas.backend import VARIABLE as PALLAS_BACKEND
+from kernels_pallas import backend
 from kernels_pallas.contract import linear as contract
 from torch_bridge import MimiTransformer, TemporalStreaming
 from torch_bridge.dlpack import to_jax, to_torch
@@ -248,18 +247,11 @@ def mosaic_speed(module, params, xj, step, rec):
     def full_ring():
         return jax_side(module)[1]._replace(offset=jnp.full((B,), module.config.capacity, jnp.int32))
 
-    mosaic = jax_side(module)[2]
-    before = os.environ.get(PALLAS_BACKEND)
-    os.environ[PALLAS_BACKEND] = "mosaic_gpu"
-    try:
-        t0 = time.perf_counter()
-        got, state = jax.block_until_ready(mosaic(params, full_ring(), xj, None))  # traced on the Mosaic twins
-        rec["jax_mosaic_first_call_s"] = time.perf_counter() - t0
-    finally:
-        if before is None:
-            del os.environ[PALLAS_BACKEND]
-        else:
-            os.environ[PALLAS_BACKEND] = before
+    with backend.use("mosaic_gpu"):
+        mosaic = jax_side(module)[2]  # made, and so traced, on the Mosaic twins
+    t0 = time.perf_counter()
+    got, state = jax.block_until_ready(mosaic(params, full_ring(), xj, None))
+    rec["jax_mosaic_first_call_s"] = time.perf_counter() - t0
     want = step(params, full_ring(), xj, None)[0]
     rec["jax_mosaic_identical"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got),
                                                                                    jax.tree.leaves(want)))

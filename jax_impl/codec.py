@@ -23,7 +23,6 @@ params (`CodecParams`, e.g. `torch_bridge.MimiCodec.jax_params()`, zero-copy vie
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -32,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels_pallas import twin_conv
+from kernels_pallas import backend, twin_conv
 
 from . import state as st
 from .codec_config import CodecConfig, ConvSpec, carry_slots, decoder_plan, encoder_plan, walk_plan
@@ -430,12 +429,12 @@ def make_codec_step(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs:
     return _codec_steps(cfg, kernels, None if rope_freqs is None else tuple(rope_freqs))
 
 
-@functools.cache
+@backend.per_backend
 def _codec_steps(cfg: CodecConfig, kernels: str, rope_freqs: tuple[float, ...] | None):
     """`make_codec_step`'s pair, made once per (config, kernels, RoPE table) however it is asked for."""
     codec_ops(kernels)  # ValueError naming kernels, before anything is traced
-    jit_encode = jax.jit(encode_fn(cfg, kernels=kernels, rope_freqs=rope_freqs), donate_argnums=(1,))
-    jit_decode = jax.jit(decode_fn(cfg, kernels=kernels, rope_freqs=rope_freqs), donate_argnums=(1,))
+    jit_encode = jax.jit(backend.traced_on(encode_fn(cfg, kernels=kernels, rope_freqs=rope_freqs)), donate_argnums=(1,))
+    jit_decode = jax.jit(backend.traced_on(decode_fn(cfg, kernels=kernels, rope_freqs=rope_freqs)), donate_argnums=(1,))
 
     def encode(params, state, pcm, active=None):
         _check_state("encode", state)

@@ -250,8 +250,8 @@ def make_depformer_step(cfg: DepformerConfig, kernels: str = "reference", *, tem
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     check_sampling(temperature, top_k, cfg.card)
-    frame = jax.jit(functools.partial(depformer_frame, cfg, temperature=temperature, top_k=top_k, kernels=kernels,
-                                      unroll=unroll))
+    frame = jax.jit(backend.traced_on(functools.partial(depformer_frame, cfg, temperature=temperature, top_k=top_k,
+                                                        kernels=kernels, unroll=unroll)))
 
     def step(params, text_token, transformer_out, audio_tokens=None, audio_provided=None, seeds=None, counter=0):
         dtype = params["in_proj"].dtype

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import backend
+
 from . import state as st
 from .depformer import check_depformer_params, depformer_frame
 from .frame_config import (
@@ -202,7 +204,7 @@ def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit:
     check_sampling(temperature, top_k, cfg.card)
     fn = frame_fn(cfg, kernels=kernels, dep_q_exit=n, temperature=temperature, top_k=top_k, text_temperature=text_temperature,
                   text_top_k=text_top_k, rope_freqs=rope_freqs)
-    jitted = jax.jit(fn, donate_argnums=(1,) if donate else ())
+    jitted = jax.jit(backend.traced_on(fn), donate_argnums=(1,) if donate else ())
 
     def step(params, state: FrameState, user_tokens=None, active=None, replace_audio=None, seeds=None):
         if not isinstance(state, FrameState):

@@ -35,6 +35,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels_pallas import backend
+
 from . import state as st
 from .config import StackConfig
 from .placement import SESSIONS, PlacedStep, axis_size, check_divisible, check_placed, session_mesh
@@ -93,7 +95,7 @@ def session_layout(state: StreamState, where: str = "state") -> tuple[Mesh, str]
 
 
 
-@functools.cache
+@backend.per_backend
 def make_sharded_step(config: StackConfig, mesh: Mesh, axis: str = SESSIONS, *, donate: bool = True,
                       **step_kwargs) -> PlacedStep:
     """The sessions step: `step_fn(config, **step_kwargs)` run by each device of `axis` on its B/n
@@ -121,7 +123,7 @@ def make_sharded_step(config: StackConfig, mesh: Mesh, axis: str = SESSIONS, *, 
             params, state, x, active)
 
     shardings, rows = session_shardings(mesh, axis), NamedSharding(mesh, row)
-    jitted = jax.jit(step, out_shardings=(rows, shardings), donate_argnums=(1,) if donate else ())
+    jitted = jax.jit(backend.traced_on(step), out_shardings=(rows, shardings), donate_argnums=(1,) if donate else ())
     return PlacedStep(jitted, mesh, axis, NamedSharding(mesh, P()), shardings, rows,
                       "place params and state with jax_impl.sharding.shard_sessions(params, state, mesh)")
 

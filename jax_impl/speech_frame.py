@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import backend
+
 from . import codec as jcodec
 from . import frame as jframe
 from . import state as st
@@ -146,7 +148,7 @@ def make_speech_frame_step(cfg: SpeechFrameConfig, *, kernels: str = "reference"
     fn = speech_frame_fn(cfg, kernels=kernels, codec_rope_freqs=codec_rope_freqs, lm_rope_freqs=lm_rope_freqs,
                          temperature=temperature, top_k=top_k, text_temperature=text_temperature,
                          text_top_k=text_top_k)
-    jitted = jax.jit(fn, donate_argnums=(1,) if donate else ())
+    jitted = jax.jit(backend.traced_on(fn), donate_argnums=(1,) if donate else ())
 
     def step(params: SpeechFrameParams, state: SpeechFrameState, pcm, active=None, seeds=None):
         if not isinstance(state, SpeechFrameState):

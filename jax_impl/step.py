@@ -12,13 +12,14 @@ functional, the caller's state is never touched.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from kernels_pallas import backend
 
 from . import state as st
 from .config import StackConfig
@@ -149,7 +150,7 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int =
     return step
 
 
-@functools.cache
+@backend.per_backend
 def make_step(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True,
               donate: bool = True, rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto",
               capture: tuple[str, ...] = ()) -> HostCheckedStep:
@@ -163,7 +164,7 @@ def make_step(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int
     """
     fn = step_fn(config, layer_loop=layer_loop, scan_unroll=scan_unroll, exact_rope=exact_rope,
                  rope_freqs=rope_freqs, kernels=kernels, capture=capture)
-    return HostCheckedStep(jax.jit(fn, donate_argnums=(1,) if donate else ()))
+    return HostCheckedStep(jax.jit(backend.traced_on(fn), donate_argnums=(1,) if donate else ()))
 
 
 # Recycling, jitted once each (b / mask traced), state donated so the rings are not copied.

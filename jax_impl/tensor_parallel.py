@@ -34,6 +34,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels_pallas import backend
+
 from .checkpoint import check_fit
 from .config import TemporalConfig, describe
 from .kernel_choice import check_kernels
@@ -146,7 +148,7 @@ def _all_reduced(axis: str, reduce_dtype) -> Callable:
     return out_linear
 
 
-@functools.cache
+@backend.per_backend
 def make_tensor_parallel_step(config: TemporalConfig, mesh: Mesh, axis: str = MODEL, *, layer_loop: str = "scan",
                               scan_unroll: int = 1, exact_rope: bool = True,
                               rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto",
@@ -191,7 +193,7 @@ def make_tensor_parallel_step(config: TemporalConfig, mesh: Mesh, axis: str = MO
 
     named = functools.partial(jax.tree.map, lambda s: NamedSharding(mesh, s))
     state_sh, rep = named(s_specs), NamedSharding(mesh, P())
-    jitted = jax.jit(step, out_shardings=(rep, state_sh), donate_argnums=(1,) if donate else ())
+    jitted = jax.jit(backend.traced_on(step), out_shardings=(rep, state_sh), donate_argnums=(1,) if donate else ())
     return PlacedStep(jitted, mesh, axis, named(p_specs), state_sh, rep,
                       "place params and state with jax_impl.sharding.shard_tensor_parallel(config, params, "
                       "state, mesh)")

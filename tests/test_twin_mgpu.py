@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_impl as jx
+from jax_impl.config import PRESETS
 from jax_impl.parity import bits
 from jax_impl.tables import rope_freqs
 from kernels_pallas import backend
@@ -519,6 +521,36 @@ def test_the_backend_is_read_from_the_environment(monkeypatch):
         backend.gpu_backend()
 
 
+def test_a_jitted_step_keeps_the_backend_chosen_when_it_was_made(monkeypatch):
+    """`backend.use` chooses over the variable. A factory's step (`per_backend`, `traced_on`) is traced on
+    the backend chosen when it was made, whenever it is first called; `make_step` keeps one per backend."""
+    monkeypatch.delenv(backend.VARIABLE, raising=False)
+    seen = []
+
+    @backend.per_backend
+    def factory(n):
+        def add(x):
+            seen.append(backend.gpu_backend())
+            return x + n
+        return jax.jit(backend.traced_on(add))
+
+    on_triton = factory(1)
+    with backend.use("mosaic_gpu"):
+        on_mosaic = factory(1)
+        assert factory(1) is on_mosaic and on_mosaic is not on_triton
+        on_triton(jnp.ones(2))  # first called here, traced on the backend it was made with
+    monkeypatch.setenv(backend.VARIABLE, "mosaic_gpu")
+    assert factory(1) is on_mosaic
+    on_mosaic(jnp.ones(2))
+    assert seen == ["triton", "mosaic_gpu"]
+    step = jx.make_step(PRESETS["mimi-small"], kernels="twin")
+    assert jx.make_step(PRESETS["mimi-small"], kernels="twin") is step
+    with backend.use("triton"):
+        assert jx.make_step(PRESETS["mimi-small"], kernels="twin") is not step
+    with pytest.raises(ValueError, match=r"use\(name\)"), backend.use("cuda"):
+        pass
+
+
 def test_each_twin_runs_its_mosaic_twin_where_it_takes_the_call(monkeypatch):
     """With the variable set, each twin kernel's call (under its custom_vjp) is its Mosaic twin's, on any
     jax: the Mosaic kernels replaced by recorders here."""
@@ -609,7 +641,6 @@ def test_interpreted_twin_steps_on_the_mosaic_kernels(monkeypatch):
     """The JAX twin step of each stack on the Mosaic GPU kernels, interpreted, four steps: within one
     bf16 rounding of the step on the Triton-backend twins (which run the CPU's lane form; the Mosaic
     kernels their MMA form, another order of the sums)."""
-    import jax_impl as jx
     from jax_impl.config import MimiConfig, TemporalConfig
 
     for cfg, T in ((MimiConfig(num_layers=2, dim=128, num_heads=2, context=10, ffn=256), 2),
@@ -880,8 +911,6 @@ def test_steps_compile_for_the_h200_on_mosaic_gpu_alone(stack, kernels, monkeypa
     16 inner steps) on the twins, and the stacks' default GPU step (kernels="pallas"), with
     PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu, compiled for the compile-only H200: no Pallas Triton lowering
     left (it needs a GPU present, and fails here)."""
-    import jax_impl as jx
-    from jax_impl.config import PRESETS
     from jax_impl.depformer import depformer_frame
     from jax_impl.depformer_config import DepformerConfig, buffer_shapes
 
@@ -906,8 +935,6 @@ def test_twin_step_gradient_compiles_for_the_h200_on_mosaic_gpu_alone(monkeypatc
     """jax.grad through Mimi's twin step at its real size (bf16, B=1) with PERSONAPLEX_PALLAS_BACKEND=
     mosaic_gpu, compiled for the compile-only H200: the backward's kernels (the linears' and norms'
     derivatives, the attention's, the ring write's) with no Pallas Triton lowering left."""
-    import jax_impl as jx
-    from jax_impl.config import PRESETS
 
     monkeypatch.setenv(backend.VARIABLE, "mosaic_gpu")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -928,7 +955,6 @@ def test_speech_frame_compiles_for_the_h200_on_mosaic_gpu_alone(monkeypatch):
     frame of the 7B temporal stack, the depformer's 16 inner steps, the embeddings and the sampler, the
     codec's decode), PERSONAPLEX_PALLAS_BACKEND=mosaic_gpu, compiled for the compile-only H200: no Pallas
     Triton lowering left."""
-    import jax_impl as jx
     from jax_impl import codec
     from jax_impl.codec_config import decoder_plan, encoder_plan, plan_convs
     from jax_impl.depformer_config import buffer_shapes
