@@ -56,6 +56,7 @@ from kernels_pallas.twin_norm_mgpu import lanes_tree
 __all__ = ["attention", "attention_native"]  # the plain reference: the Triton-backend module's
 
 BC = 64  # slots a block: wgmma's M, the A operand of the scores
+POSITION_ALIGN = 4  # int32 positions a row is padded to a multiple of: 16 bytes (below)
 NEG_INF = float("-inf")
 WGMMA = plgpu.Layout.WGMMA
 ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)  # a vector along a [64, n] array's rows / columns
@@ -83,17 +84,22 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     run = plgpu.InterpretGPUParams() if interpret else None
     queries = B * H * T
     staged = C % 8 != 0  # (module docstring)
+    # each row's positions padded with -1 (unread: the slots past C are masked) to whole 16 bytes: a block's
+    # positions are one contiguous copy, which Mosaic GPU makes a bulk copy, and a bulk copy's global
+    # address must be a multiple of 16 bytes (Mimi's 250 slots would start row b at b * 1000 bytes)
+    Cp = -(-C // POSITION_ALIGN) * POSITION_ALIGN
     split = plgpu.kernel(
-        functools.partial(_split_kernel, B=B, H=H, T=T, C=C, D=D, context=context, chunk=chunk,
+        functools.partial(_split_kernel, B=B, H=H, T=T, C=C, Cp=Cp, D=D, context=context, chunk=chunk,
                           scale=1.0 / math.sqrt(D), staged=staged, gpu=gpu),
         out_type=(jax.ShapeDtypeStruct((queries, Sp, D), tm.F32), jax.ShapeDtypeStruct((queries, S), tm.F32),
                   jax.ShapeDtypeStruct((queries, S), tm.F32)),
         grid=(queries, S), grid_names=("q", "s"), interpret=run, kernel_name="twin_attention_mgpu")
-    # the rings as rows of slots [L*B*H*C, D] (staged: [L*B*H, C, 1, D]) and the positions flat [B*C] (a block
+    # the rings as rows of slots [L*B*H*C, D] (staged: [L*B*H, C, 1, D]) and the positions flat [B*Cp] (a block
     # read past a ring row's end reads the next row's slots: masked, as past the ring's end)
     rows = (lambda r: r.reshape(-1, C, 1, D)) if staged else (lambda r: r.reshape(-1, D))
     acc, m, l = split(jnp.asarray(layer, jnp.int32).reshape(1), q.reshape(queries, D), rows(ring_k), rows(ring_v),
-                      positions.astype(jnp.int32).reshape(-1), q_pos.astype(jnp.int32).reshape(-1))
+                      jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, Cp - C)), constant_values=-1).reshape(-1),
+                      q_pos.astype(jnp.int32).reshape(-1))
     combine = plgpu.kernel(
         functools.partial(_combine_kernel, H=H, T=T, S=S, gpu=False if interpret else tm.Mosaic(COLS)),
         out_type=jax.ShapeDtypeStruct((B * T * H, D), q.dtype), grid=(queries,), grid_names=("q",), interpret=run,
@@ -103,7 +109,7 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
 
 
 def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_out, m_out, l_out, *, B, H, T, C,
-                  D, context, chunk, scale, staged, gpu):
+                  Cp, D, context, chunk, scale, staged, gpu):
     """Program (query, split): the split's blocks in order, then its partials (acc [D], m, l)."""
     tm.overlap_launches(gpu)
     bht, split = lax.axis_index("q"), lax.axis_index("s")
@@ -138,7 +144,7 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
             else:  # C % 8 == 0: the block starts at a multiple of 8 rows, as TMA's tiles do
                 block = (lambda ring: ring.at[pl.ds(pl.multiple_of(ring_row * C + c0, 8), BC)])
             for k, (src, dst) in enumerate(((block(k_gmem), k_buf.at[buf]), (block(v_gmem), v_buf.at[buf]),
-                                            (pos_gmem.at[pl.ds(b * C + c0, BC)], pos_buf.at[buf]))):
+                                            (pos_gmem.at[pl.ds(b * Cp + c0, BC)], pos_buf.at[buf]))):
                 plgpu.copy_gmem_to_smem(src, dst, bars.at[3 * buf + k])
 
         fetch(0)
