@@ -627,7 +627,6 @@ def main() -> None:
         public_note = run_public(cfg, args.stacks, args.batches, args, public, errors, past_budget, speech_cfg.codec)
         write()
     for name in args.pallas_backends:  # each stack's factories made, and traced, on this backend
-        failed = {}
         with backend.use(name):
             def on_backend(record: dict, name=name) -> None:
                 emit({**record, "pallas_backend": name})
@@ -635,19 +634,24 @@ def main() -> None:
             def budget(case: str, name=name) -> bool:
                 return past_budget(f"{case}_{name}")
 
+            def run(bench, *before, name=name, **options) -> None:
+                """bench(*before, on_backend, failed, budget, **options); its failures into `errors`, named
+                with the backend, written as it returns."""
+                failed = {}
+                bench(*before, on_backend, failed, budget, **options)
+                errors.update({f"{case}_{name}": why for case, why in failed.items()})
+                write()
+                release()
+
             if "depformer" in args.stacks:
-                bench_depformer(cfg.depformer, args.batches, args.kernels, args, bandwidth, on_backend, failed, budget)
-                release()  # its weights (torch's, viewed by JAX)
+                run(bench_depformer, cfg.depformer, args.batches, args.kernels, args, bandwidth)
             if "frame" in args.stacks:
-                bench_frame(cfg, args.batches, args, bandwidth, on_backend, failed, budget)
-                release()
+                run(bench_frame, cfg, args.batches, args, bandwidth)
             if "codec" in args.stacks:
-                bench_codec(speech_cfg.codec, args.batches, args.kernels, args, on_backend, failed, budget,
-                            moshi=not args.no_public and public_note is None)
-                release()
+                run(bench_codec, speech_cfg.codec, args.batches, args.kernels, args,
+                    moshi=not args.no_public and public_note is None)
             if "speech-frame" in args.stacks:
-                bench_speech_frame(speech_cfg, args.batches, args, on_backend, failed, budget)
-        errors.update({f"{case}_{name}": why for case, why in failed.items()})
+                run(bench_speech_frame, speech_cfg, args.batches, args)
     records = write()
     print(table(records))
     print(json.dumps(sessions_in_80ms(records, args.pallas_backends[0])))
