@@ -158,6 +158,7 @@ def _split_kernel(layer_gmem, q_gmem, k_gmem, v_gmem, pos_gmem, qpos_gmem, acc_o
             if staged:  # the block into the tiled buffers, through the registers (v below)
                 k_smem, v_smem = tiled
                 k_smem[...] = plgpu.load(k_buf.at[buf, :, 0, :], layout=WGMMA, optimized=False)
+                plgpu.commit_smem()  # the threads' stores seen by the tensor cores' reads (another proxy)
                 v = plgpu.load(v_buf.at[buf, :, 0, :], layout=WGMMA, optimized=False)
             else:
                 k_smem, v_smem = k_buf.at[buf], v_buf.at[buf]
