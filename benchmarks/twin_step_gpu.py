@@ -38,6 +38,7 @@ import torch
 import jax_impl
 from benchmarks.timing import host_ms, kernel_profile, run_meta, time_step, torch_graph
 from jax_impl.config import PRESETS
+from jax_impl.parity import bits
 from kernels_pallas import backend
 from kernels_pallas.contract import linear as contract
 from torch_bridge import MimiTransformer, TemporalStreaming
@@ -253,8 +254,8 @@ def mosaic_speed(module, params, xj, step, rec):
     got, state = jax.block_until_ready(mosaic(params, full_ring(), xj, None))
     rec["jax_mosaic_first_call_s"] = time.perf_counter() - t0
     want = step(params, full_ring(), xj, None)[0]
-    rec["jax_mosaic_identical"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got),
-                                                                                   jax.tree.leaves(want)))
+    rec["jax_mosaic_identical"] = all(np.array_equal(bits(a), bits(b))  # bits: a NaN equals its own bits
+                                      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
     rec["jax_mosaic_sync_ms"], rec["jax_mosaic_pipelined_ms"], state = time_step(mosaic, params, state, xj, None, 40)
     rec["jax_mosaic_kernels"], rec["jax_mosaic_top_kernels"] = kernel_profile(
         lambda: jax.block_until_ready(mosaic(params, state, xj, None)[0]))
