@@ -53,10 +53,10 @@ def use(name: str):
         _CHOSEN.reset(token)
 
 
-def traced_on(fn, name: str | None = None):
-    """fn, run (and so traced) under `use(name)`; name None: the backend chosen now. What a factory hands
-    to `jax.jit`, so that its step keeps the backend chosen when it was made."""
-    name = gpu_backend() if name is None else name
+def traced_on(fn):
+    """fn, run (and so traced) under `use` of the backend chosen now. What a factory hands to `jax.jit`,
+    so that its step keeps the backend chosen when it was made."""
+    name = gpu_backend()
 
     @functools.wraps(fn)
     def on_backend(*args, **kwargs):
