@@ -82,6 +82,7 @@ def init_codec_state(cfg: CodecConfig, batch_size: int, dtype=jnp.float32, *, de
     compile the step a second time."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    dtype = st.check_state_dtype("init_codec_state", dtype)
     if device is None:
         device = jax.devices()[0]
     elif not isinstance(device, jax.Device):
@@ -318,6 +319,28 @@ def _check_active(op: str, active, batch: int):
 def _check_state(op: str, state) -> None:
     if not isinstance(state, CodecState):
         raise TypeError(f"{op}(state): expected a jax_impl.codec.CodecState, got {type(state).__name__}")
+    st.check_live(op, state)
+
+
+def check_pcm(op: str, pcm, batch: int, frame_size: int, dtype) -> None:
+    """Refuse, naming `op` and pcm, anything but an array [batch, 1, frame_size] of a float dtype that
+    casts to the state's `dtype` exactly (ValueError for the shape, TypeError for the dtype). On the
+    host before a call as well as when traced: jit would narrow a float64 numpy array to float32
+    before a traced check could see it."""
+    shape, pdtype = getattr(pcm, "shape", None), getattr(pcm, "dtype", None)
+    if shape is None or pdtype is None:
+        raise ValueError(f"{op}(pcm): pcm must be an array [B={batch}, 1, {frame_size}], got {type(pcm).__name__}")
+    if tuple(shape) != (batch, 1, frame_size):
+        raise ValueError(f"{op}(pcm): pcm must have shape [B={batch}, 1, frame_size={frame_size}] (rank 3), got "
+                         f"{list(shape)}")
+    try:
+        name, want = jnp.dtype(pdtype).name, jnp.dtype(dtype).name
+    except TypeError:
+        raise TypeError(f"{op}(pcm): pcm must be a JAX or numpy array, got a {type(pcm).__name__} of dtype "
+                        f"{pdtype}") from None
+    if not jnp.issubdtype(pdtype, jnp.floating) or not exact_float_cast(name, want):
+        raise TypeError(f"{op}(pcm): pcm has dtype {name}; the state holds {want} and takes only a float dtype "
+                        f"that casts to it exactly")
 
 
 def encode_fn(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple[float, ...] | None = None):
@@ -335,13 +358,7 @@ def encode_fn(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple
     def encode(params: CodecParams, state: CodecState, pcm, active=None):
         _check_state("encode", state)
         B, dtype = state.batch_size, state.encoder_transformer.k.dtype
-        shape, pdtype = tuple(jnp.shape(pcm)), jnp.dtype(getattr(pcm, "dtype", None))
-        if shape != (B, 1, cfg.frame_size):
-            raise ValueError(f"encode(pcm): pcm must have shape [B={B}, 1, frame_size={cfg.frame_size}], "
-                             f"got {list(shape)}")
-        if not jnp.issubdtype(pdtype, jnp.floating) or not exact_float_cast(pdtype.name, jnp.dtype(dtype).name):
-            raise TypeError(f"encode(pcm): pcm has dtype {pdtype}; the state holds {jnp.dtype(dtype).name} and "
-                            f"takes only a dtype that casts to it exactly")
+        check_pcm("encode", pcm, B, cfg.frame_size, dtype)
         active = _check_active("encode", active, B)
         x = jnp.asarray(pcm).astype(dtype)
         emb, carries = run_plan(plan[:-1], params.convs, state.encoder, slots[:-1], x, active, state.first, ops)
@@ -438,6 +455,7 @@ def _codec_steps(cfg: CodecConfig, kernels: str, rope_freqs: tuple[float, ...] |
 
     def encode(params, state, pcm, active=None):
         _check_state("encode", state)
+        check_pcm("encode", pcm, state.batch_size, cfg.frame_size, state.encoder_transformer.k.dtype)
         return jit_encode(params, state, _on_state_device(state, pcm), _on_state_device(state, active))
 
     def decode(params, state, codes, active=None):
@@ -454,7 +472,7 @@ def _codec_steps(cfg: CodecConfig, kernels: str, rope_freqs: tuple[float, ...] |
 def codec_reset_slot(state: CodecState, b) -> CodecState:
     """Row b starts a fresh session: its carries zeroed, its first-frame flag set, both transformers'
     row reset to position 0 with zeroed rings (`state.reset_rows`)."""
-    row = jnp.arange(state.batch_size) == b
+    row = st.row_mask("reset_slot", state.encoder_transformer, b)
 
     def clear(carries):
         return jnp.where(row[:, None], jnp.zeros((), carries.dtype), carries)

@@ -48,8 +48,8 @@ from kernels_pallas import backend, twin_attention, twin_linear
 from kernels_pallas.contract.norm import TwinNorm
 
 from .depformer_config import DepformerConfig, buffer_shapes
-from .sampling import sample
-from .sampling_config import check_sampling
+from .sampling import is_integer_array, sample
+from .sampling_config import array_described, check_counter, check_sampling, check_seeds
 
 KERNELS = ("reference", "twin")
 F32 = jnp.float32
@@ -171,6 +171,7 @@ def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, a
     """
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    params = check_depformer_params(cfg, params)  # traced: shapes and dtypes, once a compile
     twin = kernels == "twin"
     if unroll is None:
         unroll = twin and jax.default_backend() == "gpu"
@@ -254,25 +255,33 @@ def make_depformer_step(cfg: DepformerConfig, kernels: str = "reference", *, tem
                                                         kernels=kernels, unroll=unroll)))
 
     def step(params, text_token, transformer_out, audio_tokens=None, audio_provided=None, seeds=None, counter=0):
+        if not isinstance(params, Mapping) or "in_proj" not in params:
+            raise ValueError(f"params must be the depformer's buffers by name (check_depformer_params), got "
+                             f"{type(params).__name__}")
         dtype = params["in_proj"].dtype
-        if jnp.ndim(transformer_out) != 3 or jnp.shape(transformer_out)[1:] != (1, cfg.temporal_dim):
+        if not hasattr(transformer_out, "dtype") or jnp.ndim(transformer_out) != 3 \
+                or jnp.shape(transformer_out)[1:] != (1, cfg.temporal_dim):
             raise ValueError(f"transformer_out must have shape [B, 1, {cfg.temporal_dim}], got "
-                             f"{list(jnp.shape(transformer_out))}")
+                             f"{array_described(transformer_out)}")
         if transformer_out.dtype != dtype:
             raise ValueError(f"transformer_out must be {dtype} (the params'), got {transformer_out.dtype}")
         B = transformer_out.shape[0]
-        if jnp.shape(text_token) != (B,) or not jnp.issubdtype(text_token.dtype, jnp.integer):
-            raise ValueError(f"text_token must be an integer array [{B}], got {text_token.dtype} {list(jnp.shape(text_token))}")
+        if not is_integer_array(text_token) or jnp.shape(text_token) != (B,):
+            raise ValueError(f"text_token must be an integer array [{B}], got {array_described(text_token)}")
         _check_ids("text_token", text_token, cfg.text_card)
         if (audio_tokens is None) != (audio_provided is None):
             raise ValueError("audio_tokens and audio_provided go together: pass both or neither")
         if audio_tokens is not None:
-            if jnp.shape(audio_tokens) != (B, cfg.dep_q) or jnp.shape(audio_provided) != (B, cfg.dep_q) \
-                    or audio_provided.dtype != jnp.bool_ or not jnp.issubdtype(audio_tokens.dtype, jnp.integer):
-                raise ValueError(f"audio_tokens (int) and audio_provided (bool) must have shape [{B}, {cfg.dep_q}]")
+            if not is_integer_array(audio_tokens) or getattr(audio_provided, "dtype", None) != jnp.bool_ \
+                    or jnp.shape(audio_tokens) != (B, cfg.dep_q) or jnp.shape(audio_provided) != (B, cfg.dep_q):
+                raise ValueError(f"audio_tokens (int) and audio_provided (bool) must have shape [{B}, {cfg.dep_q}], "
+                                 f"got {array_described(audio_tokens)} and {array_described(audio_provided)}")
             _check_ids("audio_tokens (where provided)", np.asarray(audio_tokens)[np.asarray(audio_provided)], cfg.card)
-        if temperature and (seeds is None or jnp.shape(seeds) != (B,)):
-            raise ValueError(f"sampling (temperature > 0) needs seeds [{B}]: the randomness is an explicit input")
-        return frame(params, text_token, transformer_out, audio_tokens, audio_provided, seeds, counter)
+        counter = check_counter(counter, B, is_integer_array)
+        counter = np.uint32(counter) if isinstance(counter, int) else counter  # any int: its value mod 2**32
+        if temperature:
+            check_seeds(seeds, B, is_integer_array)
+        return frame(params, text_token, transformer_out, audio_tokens, audio_provided, seeds if temperature else None,
+                     counter)
 
     return step

@@ -43,8 +43,8 @@ from .frame_config import (
     check_frame_kernels,
     embedding_shapes,
 )
-from .sampling import sample
-from .sampling_config import check_sampling
+from .sampling import is_integer_array, sample
+from .sampling_config import check_sampling, check_seeds
 from .state import StreamState
 from .step import step_fn
 from .weights import check_params
@@ -121,7 +121,8 @@ def frame_fn(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit: int | 
 
     user_tokens int [B, n_q - dep_q]; active bool [B]; replace_audio int [B, dep_q - dep_q_exit] (or
     None when dep_q_exit is dep_q); seeds int [B] or None (greedy). kernels: "reference" or "twin"
-    (module docstring). Arguments are not checked here (`make_frame_step` checks them).
+    (module docstring). The params' names, shapes and dtypes are checked when traced
+    (`check_frame_params`: once a compile, nothing at run time); the other arguments by `make_frame_step`.
     """
     D, K, CT = cfg.dep_q, cfg.num_codebooks, cfg.cache_len
     n = D if dep_q_exit is None else dep_q_exit
@@ -130,6 +131,7 @@ def frame_fn(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit: int | 
     temporal_step = step_fn(cfg.temporal, rope_freqs=rope_freqs, kernels=kernels)
 
     def fn(params, state: FrameState, user_tokens, active, replace_audio, seeds):
+        params = check_frame_params(cfg, params)
         cache, offset = state.token_cache, state.frame_offset
         rows = jnp.arange(offset.shape[0])[:, None]
         run = active[:, None]
@@ -209,6 +211,7 @@ def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit:
     def step(params, state: FrameState, user_tokens=None, active=None, replace_audio=None, seeds=None):
         if not isinstance(state, FrameState):
             raise TypeError(f"state must be a jax_impl.frame.FrameState, got {type(state).__name__}")
+        st.check_live("step", state)
         B = state.batch_size
         if tuple(state.token_cache.shape) != (B, cfg.num_codebooks, cfg.cache_len):
             raise ValueError(f"state.token_cache must have shape {[B, cfg.num_codebooks, cfg.cache_len]}, got "
@@ -227,10 +230,7 @@ def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit:
         if replace_audio is not None:
             _int_array("replace_audio", replace_audio, (B, D - n), cfg.card)
         if temperature or text_temperature:
-            if seeds is None or not jnp.issubdtype(getattr(seeds, "dtype", np.float32), jnp.integer) \
-                    or tuple(jnp.shape(seeds)) != (B,):
-                raise ValueError(f"seeds must be an integer array [{B}] when a temperature is > 0: the randomness "
-                                 f"is an explicit input")
+            check_seeds(seeds, B, is_integer_array)
         else:
             seeds = None
         return jitted(params, state, jnp.asarray(user_tokens), jnp.asarray(active),
@@ -268,6 +268,7 @@ def _recycle(op: str, state, arg):
     """Check on the host (the state stays valid on a refusal), then run the jitted op, state donated."""
     if not isinstance(state, FrameState):
         raise TypeError(f"{op}(state): expected a jax_impl.frame.FrameState, got {type(state).__name__}")
+    st.check_live(op, state)
     if op == "reset_rows":
         if getattr(arg, "dtype", None) != jnp.bool_ or tuple(jnp.shape(arg)) != (state.batch_size,):
             raise ValueError(f"reset_rows(mask): mask must be a bool array of shape [{state.batch_size}], got "

@@ -61,6 +61,7 @@ def init_lora(config: TemporalConfig, key: jax.Array, rank: int, *, scale: float
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise ValueError(f"init_lora(rank): must be a positive int, got {rank!r}")
     check_targets("init_lora(targets)", targets)
+    check_temporal("init_lora(config)", config)
     shapes = target_shapes(config)
     adapters = {}
     for name, k in zip(targets, jax.random.split(key, len(targets)), strict=True):
@@ -77,13 +78,18 @@ def check_targets(where: str, targets) -> None:
         raise ValueError(f"{where}: expected distinct targets among {list(LORA_TARGETS)}, got {list(targets)}")
 
 
+def check_temporal(where: str, config) -> None:
+    """TypeError naming `where` unless config is a temporal stack's (the adapters' only stack)."""
+    if not isinstance(config, TemporalConfig):
+        raise TypeError(f"{where}: adapters apply to the temporal stack only, got a {type(config).__name__}")
+
+
 def check_lora(config: StackConfig, lora, kernels: str = "reference") -> LoRA:
     """`lora` itself if it fits `config` (a temporal stack) on `kernels`; else TypeError / ValueError
     naming what is wrong (the stack, a target, a shape, a dtype). Checked on shapes and dtypes only (traceable)."""
     if not isinstance(lora, LoRA):
         raise TypeError(f"lora: expected a jax_impl.LoRA (init_lora), got {type(lora).__name__}")
-    if not isinstance(config, TemporalConfig):
-        raise TypeError(f"lora: adapters apply to the temporal stack only, got a {type(config).__name__}")
+    check_temporal("lora", config)
     if kernels == "twin":
         raise ValueError("lora: adapters run on kernels 'reference' or 'pallas', not 'twin'")
     if not (isinstance(lora.scale, float) and math.isfinite(lora.scale)):

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from .state import StreamState
+from .state import StreamState, check_live
 from .step import check_host_x
 
 SESSIONS = "sessions"  # the mesh axis of the sessions layout
@@ -101,6 +101,7 @@ class PlacedStep:
     def _args(self, params, state, x, active):
         if not isinstance(state, StreamState):
             raise TypeError(f"step(state): expected a jax_impl.StreamState, got {type(state).__name__}")
+        check_live("step", state)
         check_placed("step(params)", params, self._param_sharding, self._fix)
         check_placed("step(state)", state, self._state_sharding, self._fix)
         B = state.batch_size

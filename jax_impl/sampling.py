@@ -22,6 +22,7 @@ from .sampling_config import (
     UNIFORM_SCALE,
     UNIFORM_SHIFT,
     check_sampling,
+    check_seeds,
 )
 
 F32, U32 = jnp.float32, jnp.uint32
@@ -75,6 +76,12 @@ def top_k_mask(logits, k: int):
     return greater | (equal & (rank < k - greater.sum(axis=-1, keepdims=True)))
 
 
+def is_integer_array(x) -> bool:
+    """Whether x is an array (JAX or numpy) of an integer dtype (bool excluded)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and hasattr(x, "shape") and jnp.issubdtype(dtype, jnp.integer)
+
+
 def sample(logits, seeds=None, counter=0, *, temperature: float = 0.0, top_k: int = 0):
     """Tokens [B] int32 from logits [B, V] float32; seeds [B] uint32/int32, counter: int or [B].
     temperature, top_k: static (python numbers); temperature 0: greedy (seeds not read)."""
@@ -84,9 +91,7 @@ def sample(logits, seeds=None, counter=0, *, temperature: float = 0.0, top_k: in
     check_sampling(temperature, top_k, V)
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if seeds is None or jnp.shape(seeds) != (B,) or not jnp.issubdtype(jnp.asarray(seeds).dtype, jnp.integer):
-        raise ValueError(f"seeds must be an integer array [{B}] (sampling needs explicit randomness), got "
-                         f"{None if seeds is None else (jnp.asarray(seeds).dtype, jnp.shape(seeds))}")
+    check_seeds(seeds, B, is_integer_array)
     scores = logits + _mul(gumbel(seeds, counter, V), temperature)
     if top_k:
         scores = jnp.where(top_k_mask(logits, top_k), scores, -jnp.inf)

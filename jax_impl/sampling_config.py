@@ -41,3 +41,31 @@ def check_sampling(temperature, top_k, vocab: int) -> None:
         raise ValueError(f"temperature must be a finite float >= 0 (0: greedy), got {temperature!r}")
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= vocab:
         raise ValueError(f"top_k must be an int in 0..{vocab} (0: the whole vocabulary), got {top_k!r}")
+
+
+def array_described(x) -> str:
+    """x's dtype and shape for an error message ("int32 [4]"), or its type's name where x is no array."""
+    dtype = getattr(x, "dtype", None)
+    return f"{dtype} {list(x.shape)}" if dtype is not None and hasattr(x, "shape") else type(x).__name__
+
+
+def check_seeds(seeds, B: int, is_integer) -> None:
+    """Raise ValueError naming `seeds` unless it is an array [B] of an integer dtype (each row's
+    stream, taken mod 2**32): sampling's randomness is an explicit input. is_integer(x): whether x
+    is an array of an integer dtype, bool excluded, in the caller's framework."""
+    if not is_integer(seeds) or tuple(seeds.shape) != (B,):
+        raise ValueError(f"seeds must be an integer array [{B}] when a temperature is > 0 (the randomness is an "
+                         f"explicit input), got {array_described(seeds)}")
+
+
+def check_counter(counter, B: int, is_integer):
+    """The draw counter as given after checking it: an int (not a bool; taken mod 2**32 as the
+    seeds are, so any int fits) or an integer array of shape [] or [B] (`is_integer`: as
+    `check_seeds`'s). Raises TypeError / ValueError naming `counter`."""
+    if isinstance(counter, int) and not isinstance(counter, bool):
+        return counter % 2**32
+    if not is_integer(counter):
+        raise TypeError(f"counter must be an int or an integer array, got {array_described(counter)}")
+    if tuple(counter.shape) not in ((), (B,)):
+        raise ValueError(f"counter must have shape [] or [{B}], got {list(counter.shape)}")
+    return counter

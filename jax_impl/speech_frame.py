@@ -44,8 +44,8 @@ from . import state as st
 from .codec import CodecParams, CodecState
 from .frame import FrameState
 from .frame_config import FRAME_KERNELS, check_frame_kernels
-from .sampling_config import check_sampling
-from .snapshot import exact_float_cast
+from .sampling import is_integer_array
+from .sampling_config import check_sampling, check_seeds
 from .speech_frame_config import SpeechFrameConfig, SpeechFrameOutput
 
 I32 = jnp.int32
@@ -105,26 +105,6 @@ def speech_frame_fn(cfg: SpeechFrameConfig, *, kernels: str = "reference", codec
     return fn
 
 
-def check_pcm(cfg: SpeechFrameConfig, pcm, batch: int, dtype) -> None:
-    """ValueError naming `pcm` unless it is a float array [batch, 1, frame_size] whose dtype casts to
-    the state's `dtype` exactly."""
-    shape = getattr(pcm, "shape", None)
-    pdtype = getattr(pcm, "dtype", None)
-    if shape is None or pdtype is None:
-        raise ValueError(f"pcm must be an array [B={batch}, 1, {cfg.frame_size}], got {type(pcm).__name__}")
-    if tuple(shape) != (batch, 1, cfg.frame_size):
-        raise ValueError(f"pcm must have shape [B={batch}, 1, frame_size={cfg.frame_size}] (rank 3), got "
-                         f"{list(shape)}")
-    try:
-        name = jnp.dtype(pdtype).name
-    except TypeError:
-        name = str(pdtype)
-    want = jnp.dtype(dtype).name
-    if not name.startswith(("float", "bfloat")) or not exact_float_cast(name, want):
-        raise ValueError(f"pcm has dtype {name}; the state holds {want} and takes only a float dtype that casts "
-                         f"to it exactly")
-
-
 def make_speech_frame_step(cfg: SpeechFrameConfig, *, kernels: str = "reference", codec_rope_freqs=None,
                            lm_rope_freqs=None, temperature: float = 0.0, top_k: int = 0,
                            text_temperature: float = 0.0, text_top_k: int = 0, donate: bool = True):
@@ -153,18 +133,17 @@ def make_speech_frame_step(cfg: SpeechFrameConfig, *, kernels: str = "reference"
     def step(params: SpeechFrameParams, state: SpeechFrameState, pcm, active=None, seeds=None):
         if not isinstance(state, SpeechFrameState):
             raise TypeError(f"state must be a jax_impl.speech_frame.SpeechFrameState, got {type(state).__name__}")
+        st.check_live("step", state)
         B = state.batch_size
         where = state.lm.frame_offset.sharding
-        check_pcm(cfg, pcm, B, state.codec.encoder_transformer.k.dtype)
+        jcodec.check_pcm("step", pcm, B, cfg.frame_size, state.codec.encoder_transformer.k.dtype)
         if active is None:
             active = np.ones(B, bool)
         elif getattr(active, "dtype", None) != jnp.bool_ or tuple(jnp.shape(active)) != (B,):
             raise ValueError(f"active must be a bool array of shape [{B}], got {getattr(active, 'dtype', None)} "
                              f"{list(jnp.shape(active))}")
         if sampled:
-            if seeds is None or not jnp.issubdtype(getattr(seeds, "dtype", np.float32), jnp.integer) \
-                    or tuple(jnp.shape(seeds)) != (B,):
-                raise ValueError(f"seeds must be an integer array [{B}] when a temperature is > 0")
+            check_seeds(seeds, B, is_integer_array)
             seeds = jax.device_put(seeds, where)
         else:
             seeds = None
@@ -179,7 +158,7 @@ def speech_reset_slot(state: SpeechFrameState, b) -> SpeechFrameState:
     set, its transformers' rows reset with zeroed rings) and the LM frame's `reset_rows` (ring
     zeroed, positions, frame offset and token cache as a fresh row's). The row's state is then a
     fresh state's row, bit for bit."""
-    row = jnp.arange(state.batch_size) == b
+    row = st.row_mask("reset_slot", state.lm.temporal, b)
     return SpeechFrameState(jcodec.codec_reset_slot(state.codec, b), jframe.reset_rows(state.lm, row))
 
 
@@ -191,6 +170,7 @@ def jit_speech_reset_slot(state: SpeechFrameState, b) -> SpeechFrameState:
     checked on the host first (IndexError / TypeError, state untouched)."""
     if not isinstance(state, SpeechFrameState):
         raise TypeError(f"reset_slot(state): expected a SpeechFrameState, got {type(state).__name__}")
+    st.check_live("reset_slot", state)
     if not isinstance(b, jax.core.Tracer):
         st.check_row("reset_slot", state.lm.temporal, b)
     return _jit_reset_slot(state, b)

@@ -73,6 +73,17 @@ def state_shapes(config: StackConfig, batch_size: int) -> tuple[int, ...]:
     return (c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim)
 
 
+def check_state_dtype(op: str, dtype):
+    """dtype as a jnp.dtype after checking it: a float dtype, float64 only with jax_enable_x64 (without
+    it JAX would make float32 arrays, a silent narrowing); TypeError naming `op`."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{op}(dtype): must be a floating dtype, got {dtype}")
+    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+        raise TypeError(f"{op}(dtype): float64 needs jax_enable_x64 (without it JAX makes float32 arrays)")
+    return dtype
+
+
 def init_state(config: StackConfig, batch_size: int, dtype=jnp.float32, *, device=None) -> StreamState:
     """A fresh state: zero rings, offsets at 0.
 
@@ -84,9 +95,7 @@ def init_state(config: StackConfig, batch_size: int, dtype=jnp.float32, *, devic
     """
     if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"init_state(batch_size): must be a positive int, got {batch_size!r}")
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"init_state(dtype): must be a floating dtype, got {dtype}")
+    dtype = check_state_dtype("init_state", dtype)
     ring = state_shapes(config, int(batch_size))
     idx = index_dtype()
 
@@ -101,6 +110,14 @@ def init_state(config: StackConfig, batch_size: int, dtype=jnp.float32, *, devic
     elif not isinstance(device, (jax.sharding.Sharding, StreamState)):
         raise TypeError(f"init_state(device): expected a jax.Device, a Sharding or a StreamState of Shardings, "
                         f"got {type(device).__name__}")
+    shardings = device if isinstance(device, StreamState) else StreamState(*[device] * 4)
+    for name, shape, sharding in zip(StreamState._fields, (ring, ring, (batch_size,), (batch_size,)), shardings,
+                                     strict=True):
+        try:
+            sharding.shard_shape(shape)
+        except ValueError as err:  # e.g. batch_size not divisible by the devices it is split over
+            raise ValueError(f"init_state(device): state.{name} {list(shape)} (batch_size {batch_size}) does not "
+                             f"split as its sharding says: {err}") from None
     return jax.jit(make, out_shardings=device)()
 
 
@@ -114,12 +131,22 @@ def _committed(state: StreamState) -> StreamState:
     return jax.device_put(state, jax.tree.map(lambda a: a.sharding, state))
 
 
+def check_live(op: str, state) -> None:
+    """Refuse (ValueError naming `op`) a state of which a jitted call took an array by donation: it
+    is deleted, and only the state that call returned may be used. Traced leaves pass."""
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+            raise ValueError(f"{op}(state): the state was donated to an earlier call (its arrays are deleted); "
+                             f"use the state that call returned")
+
+
 def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def _check_row(op: str, state: StreamState, b):
-    """Validate b; a concrete b must be an in-range integer. Returns the [B] bool row mask."""
+def row_mask(op: str, state: StreamState, b):
+    """The [B] bool mask of row b, after validating b (a concrete b must be an in-range integer:
+    TypeError / IndexError naming `op`; a traced one a scalar integer)."""
     B = state.offset.shape[0]
     if _is_concrete(b):
         arr = np.asarray(b)
@@ -163,7 +190,7 @@ def reset_slot(state: StreamState, b) -> StreamState:
     Its ring rows are zeroed (session isolation, see the module docstring); a traced b out of
     range matches no row: a no-op.
     """
-    row = _check_row("reset_slot", state, b)
+    row = row_mask("reset_slot", state, b)
     ok = row.any()
     return state._replace(k=_clear_row(state.k, b, ok), v=_clear_row(state.v, b, ok),
                           start_offset=jnp.where(row, state.offset, state.start_offset))
@@ -171,7 +198,7 @@ def reset_slot(state: StreamState, b) -> StreamState:
 
 def check_row(op: str, state: StreamState, b) -> int:
     """A concrete row index b, validated (TypeError / IndexError naming `op`)."""
-    _check_row(op, state, b)
+    row_mask(op, state, b)
     return int(np.asarray(b))
 
 
@@ -183,7 +210,7 @@ def bump_slot_start(state: StreamState, b) -> StreamState:
     that masks the one spurious frame following a recycle, as PersonaPlex's stepper does).
     A query that sees no slot gets a zero attention output, as torch's SDPA returns.
     """
-    row = _check_row("bump_slot_start", state, b)
+    row = row_mask("bump_slot_start", state, b)
     return state._replace(start_offset=jnp.where(row, state.start_offset + 1, state.start_offset))
 
 

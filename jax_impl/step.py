@@ -101,10 +101,12 @@ class HostCheckedStep:
         self.jitted = jitted
 
     def __call__(self, params, state, x, active=None):
+        st.check_live("step", state)
         check_host_x(state, x)
         return self.jitted(params, state, x, active)
 
     def lower(self, params, state, x, active=None):
+        st.check_live("step", state)
         check_host_x(state, x)
         return self.jitted.lower(params, state, x, active)
 
@@ -186,6 +188,7 @@ def _check_recycle_args(op: str, state, b=None, mask=None) -> None:
     """
     if not isinstance(state, StreamState):
         raise TypeError(f"{op}(state): expected a jax_impl.StreamState, got {type(state).__name__}")
+    st.check_live(op, state)
     if b is not None and st._is_concrete(b):
         st.check_row(op, state, b)  # a concrete b: an in-range integer (reads a jax scalar on the host)
     if mask is not None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import jax_impl as jx
-from jax_impl.codec import init_codec_state, jit_codec_reset_slot, make_codec_step
+from jax_impl.codec import codec_reset_slot, init_codec_state, jit_codec_reset_slot, make_codec_step
 from tests.moshi_oracle import moshi_mimi
 from torch_bridge.codec import MimiCodec
 
@@ -102,6 +102,7 @@ def test_bad_inputs_are_refused_and_the_state_stays_valid():
         (encode, (pcm[..., :-1],), ValueError, "frame_size"),
         (encode, (pcm[:, 0],), ValueError, "shape"),
         (encode, (pcm.astype(jnp.int32),), TypeError, "dtype"),
+        (encode, (np.asarray(pcm, np.float64),), TypeError, "pcm has dtype float64"),  # jit would narrow it
         (encode, (pcm, jnp.ones(B)), TypeError, "active"),
         (encode, (pcm, jnp.ones(B + 1, bool)), ValueError, "active"),
         (decode, (codes + cfg.codebook_size,), ValueError, "codebook_size"),
@@ -109,16 +110,20 @@ def test_bad_inputs_are_refused_and_the_state_stays_valid():
         (decode, (codes.astype(jnp.float32),), TypeError, "int32 or int64"),
         (decode, (codes[:, :-1],), ValueError, "num_codebooks"),
         (jit_codec_reset_slot, (B,), IndexError, "out of range"),
+        (codec_reset_slot, (-1,), IndexError, "out of range"),
     ]
     for fn, args, error, match in bad:
         with pytest.raises(error, match=match):
-            fn(*((params, state) if fn is not jit_codec_reset_slot else (state,)), *args)
+            fn(*((params, state) if fn in (encode, decode) else (state,)), *args)
     with pytest.raises(TypeError, match=r"init_codec_state\(device\)"):
         init_codec_state(cfg, B, device="cpu")
     # nothing was donated: the state still steps, to the bits of a fresh one
     got, _ = run(cfg, params, [pcm], state)
     want, _ = run(cfg, params, [pcm], init_codec_state(cfg, B))
     assert all(np.array_equal(a, b) for a, b in zip(got[0], want[0], strict=True))
+    for fn, args in ((encode, (params, state, pcm)), (decode, (params, state, codes)), (jit_codec_reset_slot, (state, 0))):
+        with pytest.raises(ValueError, match="donated to an earlier call"):  # `run` stepped (and donated) it
+            fn(*args)
 
 
 def test_steps_compile_once_whatever_the_inputs_placement():

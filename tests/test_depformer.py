@@ -241,10 +241,14 @@ def test_bad_inputs_raise_clear_errors():
         ((text, out, audio + cfg.card + 1, provided), ValueError, "audio_tokens \\(where provided\\) must hold"),
         ((text, out, audio, provided.long()), TypeError, "audio_provided must be a torch.bool"),
         ((text, out, audio[:, :3], provided), ValueError, "audio_tokens must have shape"),
+        ((text.bool(), out), TypeError, "text_token must be an integer"),
     ]
     for args, kind, match in cases:
         with pytest.raises(kind, match=match):
             dep(*args)
+    # an unsigned dtype is read by its values (uint8 ids compared with -1 as uint8 would wrap)
+    ids = text.clamp(min=0)
+    assert torch.equal(dep(ids.to(torch.uint8), out), dep(ids, out))
     with pytest.raises(TypeError, match="dtype must be one of"):
         Depformer.from_config(cfg, dtype=torch.float64)
     with pytest.raises(ValueError, match="kernels must be one of"):
@@ -260,8 +264,18 @@ def test_sampled_frame_is_deterministic_and_greedy_at_top1():
     assert torch.equal(a, dep(text, out, temperature=0.9, top_k=10, seeds=seeds, counter=7))
     assert not torch.equal(a, dep(text, out, temperature=0.9, top_k=10, seeds=seeds, counter=8))
     assert torch.equal(dep(text, out, temperature=0.9, top_k=1, seeds=seeds), dep(text, out))
-    with pytest.raises(ValueError, match="needs seeds \\[3\\]"):
+    with pytest.raises(ValueError, match="seeds must be an integer array \\[3\\]"):
         dep(text, out, temperature=0.9)
+    with pytest.raises(ValueError, match="seeds must be an integer array \\[3\\]"):
+        dep(text, out, temperature=0.9, seeds=seeds.bool())
+    with pytest.raises(TypeError, match="counter must be an int or an integer array"):
+        dep(text, out, temperature=0.9, seeds=seeds, counter=0.5)
+    with pytest.raises(ValueError, match="counter must have shape \\[\\] or \\[3\\]"):
+        dep(text, out, temperature=0.9, seeds=seeds, counter=torch.zeros(2, dtype=torch.long))
+    # counters are taken mod 2**32, whatever their int or dtype: a uint8 counter is not multiplied in uint8
+    assert torch.equal(a, dep(text, out, temperature=0.9, top_k=10, seeds=seeds, counter=7 + 2**32))
+    assert torch.equal(dep(text, out, temperature=0.9, seeds=seeds, counter=torch.full((3,), 200, dtype=torch.uint8)),
+                       dep(text, out, temperature=0.9, seeds=seeds, counter=200))
     with pytest.raises(ValueError, match="top_k must be an int in 0..40"):
         dep(text, out, temperature=0.9, top_k=41, seeds=seeds)
 
@@ -319,7 +333,23 @@ def test_jax_bad_inputs():
         step(params, text, out.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="audio_tokens and audio_provided go together"):
         step(params, text, out, jnp.zeros((2, 8), jnp.int32))
-    with pytest.raises(ValueError, match="needs seeds"):
+    with pytest.raises(ValueError, match="seeds must be an integer array \\[2\\]"):
         jx.make_depformer_step(cfg, temperature=1.0)(params, text, out)
+    with pytest.raises(ValueError, match="seeds must be an integer array \\[2\\]"):
+        jx.make_depformer_step(cfg, temperature=1.0)(params, text, out, seeds=[1, 2])
     with pytest.raises(ValueError, match="params: wrong shapes: emb"):
         jx.check_depformer_params(cfg, {**params, "emb": params["emb"][:1]})
+    # the step checks its params when it is traced: a table of fewer sets would be read clamped
+    with pytest.raises(ValueError, match="params: wrong shapes: linears"):
+        step({**params, "linears": params["linears"][:1]}, text, out)
+    with pytest.raises(ValueError, match="one float dtype"):
+        step({**params, "emb": params["emb"].astype(jnp.bfloat16)}, text, out)
+    with pytest.raises(ValueError, match="text_token must be an integer array \\[2\\], got list"):
+        step(params, [0, 0], out)
+    with pytest.raises(ValueError, match="audio_tokens \\(int\\) and audio_provided \\(bool\\)"):
+        step(params, text, out, [[0] * 8] * 2, jnp.ones((2, 8), bool))
+    with pytest.raises(TypeError, match="counter must be an int or an integer array, got float"):
+        step(params, text, out, counter=0.5)
+    sampler, seeds = jx.make_depformer_step(cfg, temperature=1.0), jnp.asarray([1, 2])
+    assert np.array_equal(sampler(params, text, out, seeds=seeds, counter=5 + 2**32)[0],
+                          sampler(params, text, out, seeds=seeds, counter=5)[0])

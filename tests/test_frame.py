@@ -187,6 +187,10 @@ def test_bad_input_is_refused_and_changes_nothing():
         ({"user_tokens": user, "dep_q_exit": 5, "replace_audio": torch.full((B, 3), -3)}, ValueError,
          "replace_audio must hold token ids"),
         ({"user_tokens": user, "temperature": 0.5}, ValueError, "seeds must be an integer"),
+        ({"user_tokens": user, "temperature": 0.5, "seeds": torch.ones(B, dtype=torch.bool)}, ValueError,
+         "seeds must be an integer"),
+        ({"user_tokens": user, "text_temperature": 0.5, "seeds": torch.ones(B, dtype=torch.long, device="meta")},
+         ValueError, "seeds is on meta"),
     ]
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -195,6 +199,14 @@ def test_bad_input_is_refused_and_changes_nothing():
         frame.reset_slot(B)
     assert all(torch.equal(a, b) for a, b in zip(saved, (frame.token_cache, frame.frame_offset,
                                                            frame.temporal.state.k, frame.temporal.state.offset)))
+    # a table without data, or not dense, is refused with every other tensor: nothing is written
+    weights = frame.export_weights()
+    for spoil in (lambda t: t.to("meta"), lambda t: t.to_sparse()):
+        source = {k: v * 2 for k, v in weights.items()}
+        source["emb.3.weight"] = spoil(source["emb.3.weight"])
+        with pytest.raises(CheckpointError, match="emb.3.weight"):
+            frame.load_weights(source)
+    assert all(torch.equal(v, weights[k]) for k, v in frame.export_weights().items())
 
     params = jax_frame_params(frame)
     state = jf.init_frame_state(cfg, B)
@@ -210,9 +222,15 @@ def test_bad_input_is_refused_and_changes_nothing():
             step(params, state, *args)
     with pytest.raises(IndexError, match="reset_slot"):
         jf.jit_reset_slot(state, B)
-    out, state = step(params, state, n, None, np.zeros((B, 3), np.int32))  # the state is still valid
-    assert np.array_equal(np.asarray(state.frame_offset), [1, 1, 1])
+    # the params are checked when the step is traced: 1 of the 16 audio tables would drop 15 from the input
+    with pytest.raises(ValueError, match=r"params\['emb'\] must be float32\[16, 41, 48\]"):
+        step({**params, "emb": params["emb"][:1]}, state, n, None, np.zeros((B, 3), np.int32))
+    out, new = step(params, state, n, None, np.zeros((B, 3), np.int32))  # the state is still valid
+    assert np.array_equal(np.asarray(new.frame_offset), [1, 1, 1])
     assert np.array_equal(np.asarray(out.audio[:, 5:]), np.zeros((B, 3)))
+    for call in (lambda: step(params, state, n, None, np.zeros((B, 3), np.int32)), lambda: jf.jit_reset_slot(state, 0)):
+        with pytest.raises(ValueError, match="donated to an earlier call"):
+            call()
 
 
 def test_crosscheck_depformer_and_frame(capsys):

@@ -97,11 +97,13 @@ def test_dropin_bad_input_names_the_argument_and_changes_nothing():
     cases = [
         ((text[:2], out), {}, ValueError, "text_token must have shape \\[3\\]"),
         ((text, out.bfloat16()), {}, ValueError, "transformer_out must be torch.float32"),
-        ((text, out), {"temperature": 1.0}, ValueError, "needs integer seeds \\[3\\]"),
-        ((text, out), {"temperature": 1.0, "seeds": torch.ones(3)}, ValueError, "needs integer seeds"),
+        ((text, out), {"temperature": 1.0}, ValueError, "seeds must be an integer array \\[3\\]"),
+        ((text, out), {"temperature": 1.0, "seeds": torch.ones(3)}, ValueError, "seeds must be an integer array"),
+        ((text, out), {"temperature": 1.0, "seeds": torch.ones(3, dtype=torch.long, device="meta")}, ValueError,
+         "seeds is on meta"),
         ((text, out), {"temperature": -1.0}, ValueError, "temperature must be a finite float"),
-        ((text, out), {"counter": 1.5}, TypeError, "counter must be an int or an integer tensor"),
-        ((text, out), {"counter": torch.zeros(3)}, TypeError, "counter must be an int or an integer tensor"),
+        ((text, out), {"counter": 1.5}, TypeError, "counter must be an int or an integer array"),
+        ((text, out), {"counter": torch.zeros(3)}, TypeError, "counter must be an int or an integer array"),
         ((text, out), {"counter": torch.zeros(3, 2, dtype=torch.long)}, ValueError, "counter must have shape"),
         ((text, out, torch.zeros(3, cfg.dep_q, dtype=torch.long)), {}, ValueError, "audio_tokens and audio_provided"),
     ]

@@ -155,6 +155,12 @@ def test_bad_inputs_raise_naming_the_argument(tparams):
         step(jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), tparams), state, x, None)
     with pytest.raises(ValueError, match=r"step\(state\): rings must be"):
         step(tparams, jx.init_state(MCFG, B), x, None)
+    with pytest.raises(TypeError, match=r"init_state\(dtype\): float64 needs jax_enable_x64"):
+        jx.init_state(TCFG, B, jnp.float64)  # without x64, JAX would make float32 rings
+    jitted = jx.make_step(TCFG)
+    _, new = jitted(tparams, state, x)
+    with pytest.raises(ValueError, match=r"step\(state\): the state was donated to an earlier call"):
+        jitted(tparams, state, x)
 
 
 # ------------------------------------------------------------------------------ weights

@@ -104,6 +104,8 @@ def test_bad_adapters_are_refused(params):
         mcfg = jx.PRESETS["mimi-small"]
         jx.step_fn(mcfg, kernels="reference")(jx.with_lora(jx.init_params(mcfg, jax.random.key(0)), lora),
                                              jx.init_state(mcfg, B), jnp.zeros((B, 2, mcfg.dim)))
+    with pytest.raises(TypeError, match=r"init_lora\(config\): adapters apply to the temporal stack only"):
+        jx.init_lora(jx.PRESETS["mimi-small"], jax.random.key(1), 2)
     with pytest.raises(ValueError, match="rank"):
         jx.init_lora(TCFG, jax.random.key(1), 0)
     with pytest.raises(ValueError, match="targets"):

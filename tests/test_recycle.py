@@ -396,6 +396,10 @@ def test_jitted_recycle_ops_refuse_bad_concrete_arguments_before_donating():
     s = jax.jit(lambda st, b: jx.jit_reset_slot(st, b))(s, 5)  # traced b out of range: a no-op
     np.testing.assert_array_equal(s.start_offset, [5, 1])
     assert np.asarray(s.k[:, 1]).all()
-    s = jx.jit_reset_rows(s, np.array([False, True]))
+    old, s = s, jx.jit_reset_rows(s, np.array([False, True]))
     np.testing.assert_array_equal(s.offset, [5, 0])
     assert not np.asarray(s.v).any()
+    # the state a call took by donation is refused by name, not by XLA's "buffer has been deleted"
+    for op, arg in ((jx.jit_reset_slot, 0), (jx.jit_bump_slot_start, 0), (jx.jit_reset_rows, np.array([True, False]))):
+        with pytest.raises(ValueError, match=r"\(state\): the state was donated to an earlier call"):
+            op(old, arg)

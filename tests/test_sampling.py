@@ -98,11 +98,17 @@ def test_bad_arguments():
         tsample.sample(logits, torch.zeros(2, dtype=torch.long), temperature=-1.0)
     with pytest.raises(ValueError, match="top_k must be an int in 0..8"):
         tsample.sample(logits, torch.zeros(2, dtype=torch.long), temperature=1.0, top_k=9)
-    with pytest.raises(ValueError, match="seeds must be an integer torch tensor \\[2\\]"):
-        tsample.sample(logits, None, temperature=1.0)
+    for seeds in (None, torch.zeros(2), torch.zeros(2, dtype=torch.bool), torch.zeros(3, dtype=torch.long)):
+        with pytest.raises(ValueError, match="seeds must be an integer array \\[2\\]"):
+            tsample.sample(logits, seeds, temperature=1.0)
+    with pytest.raises(ValueError, match="seeds is on meta"):
+        tsample.sample(logits, torch.zeros(2, dtype=torch.long, device="meta"), temperature=1.0)
+    with pytest.raises(TypeError, match="counter must be an int or an integer array, got torch.float32"):
+        tsample.sample(logits, torch.zeros(2, dtype=torch.long), torch.zeros(2), temperature=1.0)
     with pytest.raises(ValueError, match="logits must be a float32"):
         tsample.sample(logits.double())
-    with pytest.raises(ValueError, match="seeds must be an integer array \\[2\\]"):
-        jsample.sample(jnp.zeros((2, 8)), jnp.zeros(3, jnp.int32), temperature=1.0)
+    for seeds in (jnp.zeros(3, jnp.int32), jnp.zeros(2, bool), [1, 2]):
+        with pytest.raises(ValueError, match="seeds must be an integer array \\[2\\]"):
+            jsample.sample(jnp.zeros((2, 8)), seeds, temperature=1.0)
     with pytest.raises(ValueError, match="top_k must be an int"):
         jsample.sample(jnp.zeros((2, 8)), jnp.zeros(2, jnp.int32), temperature=1.0, top_k=2.0)

@@ -133,6 +133,8 @@ def test_sessions_refusals_name_the_argument():
         sh.shard_sessions(params, jx.init_state(config, 3), mesh)
     with pytest.raises(ValueError, match=r"ShardedStreamer\(batch_size\): batch_size B = 5"):
         sh.ShardedStreamer(config, params, 5, mesh=mesh)
+    with pytest.raises(ValueError, match=r"init_state\(device\): state\.k \[.*\] \(batch_size 3\) does not split"):
+        jx.init_state(config, 3, device=sh.session_shardings(mesh))
     with pytest.raises(ValueError, match=r"make_sharded_step\(axis\): the mesh has axes \['sessions'\], not 'rows'"):
         sh.make_sharded_step(config, mesh, "rows")
     with pytest.raises(ValueError, match=r"session_mesh\(devices\): a device is listed twice"):

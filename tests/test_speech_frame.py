@@ -156,12 +156,22 @@ def test_bad_input_is_refused_and_changes_nothing(reference_step):
     _, state = step(params, state, pcm)
     before = host_state(state)
     frame.streaming_init(B)
-    for bad, match in ((pcm[:, :, :-1], "shape"), (pcm[:, 0], "rank 3"), (pcm.astype(np.float64), "dtype float64"),
-                       (pcm.astype(np.int16), "dtype int16"), ([[0.0]], "array")):
-        with pytest.raises(ValueError, match=f"pcm.*{match}|{match}.*pcm"):
+    for bad, match, error in ((pcm[:, :, :-1], "shape", ValueError), (pcm[:, 0], "rank 3", ValueError),
+                              (pcm.astype(np.float64), "dtype float64", TypeError),
+                              (pcm.astype(np.int16), "dtype int16", TypeError), ([[0.0]], "array", ValueError)):
+        with pytest.raises(error, match=f"pcm.*{match}|{match}.*pcm"):
             step(params, state, bad)
         with pytest.raises((ValueError, TypeError), match="pcm"):
             frame.step(torch.as_tensor(np.asarray(bad)) if not isinstance(bad, list) else bad)
+    with pytest.raises(TypeError, match="pcm must be a JAX or numpy array"):
+        step(params, state, torch.as_tensor(pcm))
+    # sampling arguments the LM frame refuses are refused before the encoder's state moves
+    for kwargs in ({"temperature": float("nan")}, {"temperature": 0.5},
+                   {"text_temperature": 0.5, "seeds": torch.ones(B, dtype=torch.long, device="meta")}):
+        with pytest.raises(ValueError, match="temperature|seeds"):
+            frame.step(torch.as_tensor(pcm), **kwargs)
+    with pytest.raises(IndexError, match="reset_slot"):
+        sf.speech_reset_slot(state, -1)
     with pytest.raises(ValueError, match="active"):
         step(params, state, pcm, np.ones(B + 1, bool))
     with pytest.raises(IndexError):
@@ -169,6 +179,10 @@ def test_bad_input_is_refused_and_changes_nothing(reference_step):
     for name, value in host_state(state).items():
         assert np.array_equal(value, before[name]), name
     assert not frame.lm.frame_offset.any() and not frame.codec.state.first.logical_not().any()
+    step(params, state, pcm)
+    for call in (lambda: step(params, state, pcm), lambda: sf.jit_speech_reset_slot(state, 0)):
+        with pytest.raises(ValueError, match="donated to an earlier call"):
+            call()
 
 
 def write_test_wav(path, samples: int, rate: int = 24000, channels: int = 1) -> None:
@@ -207,6 +221,13 @@ def test_speak_cli_writes_the_reply(tmp_path, capsys):
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert main(["speak", "--input", str(src), "--output", str(out), "--checkpoint-dir", str(tmp_path)]) == 1
     assert "missing tokenizer-*.safetensors" in capsys.readouterr().err
+    write_test_wav(src, fs)
+    src.write_bytes(src.read_bytes()[:-3])  # a cut file: its header counts more samples than it holds
+    assert main(["speak", "--input", str(src), "--output", str(out), "-q"]) == 1
+    assert f"--input {src}: truncated: its header says {fs} samples" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["speak", "--input", str(src), "--output", str(out), "--seed", str(2**64)])
+    assert "argument --seed: expected a 64-bit non-negative" in capsys.readouterr().err
 
 
 def test_crosscheck_speech_frame_cli(capsys):

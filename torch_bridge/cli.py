@@ -4,6 +4,7 @@ commands:
   crosscheck   run the torch path and the JAX path side by side; report, tensor by tensor,
                whether they are bit-identical (max abs / max ULP / first difference)
   stream       stream frames through the torch stacks and print ms/step
+  speak        stream a WAV file through the JAX speech frame and write the reply as a WAV
 
 examples:
   personaplex-jax crosscheck                                # small presets on CPU, real sizes on GPU
@@ -32,15 +33,15 @@ from jax_impl.kernel_choice import TORCH_KERNELS
 REQUIREMENT_NOT_MET = 3  # exit status of `crosscheck --require` when the run does not meet it
 
 
-def _int_at_least(minimum: int, what: str):
-    """An argparse type: an int >= minimum, else "expected a <what> integer, got ..."."""
+def _int_at_least(minimum: int, what: str, maximum: int | None = None):
+    """An argparse type: an int >= minimum (and <= maximum), else "expected a <what> integer, got ..."."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}") from None
-        if value < minimum:
+        if value < minimum or (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value}")
         return value
 
@@ -48,7 +49,13 @@ def _int_at_least(minimum: int, what: str):
 
 
 _positive_int = _int_at_least(1, "positive")
-_non_negative_int = _int_at_least(0, "non-negative")
+
+
+def _seed(text: str) -> int:
+    """An argparse type: a seed of torch's generators, 0..crosscheck.SEED_MAX."""
+    from .crosscheck import SEED_MAX
+
+    return _int_at_least(0, f"64-bit non-negative (0..{SEED_MAX})", SEED_MAX)(text)
 
 
 def _positive_float(text: str) -> float:
@@ -122,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
                          "(bit-exact with moshi) against XLA, close but not bit-identical (default: twin; reference "
                          "for the codec, whose twin kernels run interpreted on the CPU at seconds a frame)")
     cc.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    cc.add_argument("--seed", type=_non_negative_int, default=0,
+    cc.add_argument("--seed", type=_seed, default=0,
                     help="seed of the schedule and weights, >= 0 (default: 0)")
     cc.add_argument("--no-recycle", action="store_true", help="no reset_slot / bump_slot_start / reset_rows")
     cc.add_argument("--threads", type=_positive_int, default=None,
@@ -155,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="weights and state (default: bfloat16 on a GPU, float32 on the CPU)")
     sp.add_argument("--device", default=None, help="torch device of the weights (default: cuda if available)")
-    sp.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the random weights (default: 0)")
+    sp.add_argument("--seed", type=_seed, default=0, help="seed of the random weights (default: 0)")
     sp.add_argument("-q", "--quiet", action="store_true",
                     help="no progress on stderr (a bar on a terminal, else a line every few seconds)")
     st = sub.add_parser("stream", help="stream frames through the torch stacks, print ms/step")

@@ -35,7 +35,6 @@ from jax_impl.checkpoint import (
     CheckpointError,
     check_checkpoint,
     check_fit,
-    weight_dtype_problem,
 )
 from jax_impl.codec_config import (
     CodecConfig,
@@ -49,6 +48,7 @@ from jax_impl.snapshot import dtype_name, exact_float_cast
 from . import quantizer, seanet
 from .layers import check_triton_device
 from .model import FLOAT_DTYPES, MimiTransformer
+from .weights import as_tensor, source_problem
 
 # "reference": torch's ops, bit-exact with moshi; "twin": the twin kernels (`kernels_triton.twin_conv`
 # and the transformers' twins), bit-identical with the JAX codec's kernels="twin".
@@ -179,12 +179,8 @@ class MimiCodec(nn.Module):
         problems: dict[str, str] = {}
         shapes: dict[str, tuple[int, ...] | None] = {}
         for key, value in state_dict.items():
-            if not isinstance(value, (torch.Tensor, np.ndarray)) or getattr(value, "is_meta", False):
-                problems[key] = f"not a tensor: {key}: {type(value).__name__} (expected a torch.Tensor or numpy.ndarray)"
-                shapes[key] = None
-                continue
-            shapes[key] = tuple(value.shape)
-            if line := weight_dtype_problem(key, dtype_name(value), dtype_name(self.dtype)):
+            shapes[key] = tuple(value.shape) if isinstance(value, (torch.Tensor, np.ndarray)) else None
+            if line := source_problem(key, value, self.dtype):
                 problems[key] = line
         expected = codec_weight_shapes(self.config)
         transformer = tuple(prefix + "." for prefix in MIMI_PREFIXES)
@@ -204,9 +200,7 @@ class MimiCodec(nn.Module):
             raise CheckpointError("\n".join(messages), problems=lines)
 
         def tensor(key):
-            value = state_dict[key]
-            value = torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value
-            return value.to(device=self.device, dtype=self.dtype)
+            return as_tensor(state_dict[key]).to(device=self.device, dtype=self.dtype)
 
         staged = [(getattr(self, conv_buffer_name(k)), tensor(k)) for k in self._conv_keys]
         books = []

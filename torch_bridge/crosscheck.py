@@ -119,8 +119,12 @@ def resolve_device(device, name: str = "device") -> str:
     return str(dev)
 
 
-def check_int(name: str, value, minimum: int, allow_none: bool = False) -> int | None:
-    """value as an int >= minimum (None passes where allowed); TypeError / ValueError naming `name`."""
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a 64-bit seed
+
+
+def check_int(name: str, value, minimum: int, allow_none: bool = False, maximum: int | None = None) -> int | None:
+    """value as an int >= minimum and <= maximum (None passes where allowed); TypeError / ValueError
+    naming `name`."""
     if value is None and allow_none:
         return None
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
@@ -128,6 +132,8 @@ def check_int(name: str, value, minimum: int, allow_none: bool = False) -> int |
                         f"got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be {'positive' if minimum == 1 else f'>= {minimum}'}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return int(value)
 
 
@@ -164,7 +170,7 @@ def crosscheck(stack: str = "temporal", *, steps: int | None = None, batch: int 
     check_kernels("crosscheck(kernels)", kernels, CROSSCHECK_KERNELS)
     steps = None if steps is None else check_int("steps", steps, 1)  # None: default_steps, once config is known
     batch = check_int("batch", batch, 1)
-    seed = check_int("seed", seed, 0)
+    seed = check_int("seed", seed, 0, maximum=SEED_MAX)
     threads = check_int("threads", threads, 1, allow_none=True)
     frames = check_int("frames", frames, 1, allow_none=True)
     if isinstance(recycle_rate, bool) or not isinstance(recycle_rate, (int, float)) or not 0 < recycle_rate <= 12:

@@ -23,17 +23,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jax_impl.checkpoint import CheckpointError, weight_dtype_problem
+from jax_impl.checkpoint import CheckpointError
 from jax_impl.depformer_config import DEPFORMER_PREFIXES, DepformerConfig, buffer_shapes, load_plan
 from jax_impl.sampling_config import check_sampling
 
 from .layers import check_triton_device, rms_norm_f32
-from .sampling import sample
+from .sampling import check_randomness, is_integer_tensor, sample
+from .weights import as_tensor, source_problem
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # "reference": torch ops, bit-exact with moshi; "twin": the Triton twin kernels (`twin_depformer`, imported
@@ -41,34 +41,20 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNELS = ("reference", "twin")
 
 
-def _as_source(key: str, value, dtype: torch.dtype) -> tuple[torch.Tensor | None, str | None]:
-    """A state-dict value as a torch tensor (numpy arrays copied exactly), or its problem line."""
-    if isinstance(value, np.ndarray):
-        if value.dtype.name == "bfloat16":  # ml_dtypes: through its bits
-            value = torch.from_numpy(np.array(value).view(np.uint16)).view(torch.bfloat16)
-        elif value.dtype.name in ("float32", "float16"):
-            value = torch.from_numpy(np.array(value))
-        else:
-            return None, weight_dtype_problem(key, value.dtype.name, str(dtype).removeprefix("torch."))
-    if not isinstance(value, torch.Tensor):
-        return None, f"not a tensor: {key}: {type(value).__name__} (expected a torch.Tensor or a numpy.ndarray)"
-    if value.is_meta or value.layout != torch.strided:
-        return None, f"no data: {key}: a meta or non-dense tensor"
-    problem = weight_dtype_problem(key, str(value.dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
-    return (None, problem) if problem else (value, None)
-
-
-def _int_tensor(name: str, x, shape: tuple[int, ...], device) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+def int_tensor(name: str, x, shape: tuple[int, ...], device) -> torch.Tensor:
+    """x after checking that it is an integer torch tensor (bool excluded) of `shape` on `device`."""
+    if not is_integer_tensor(x):
         raise TypeError(f"{name} must be an integer torch tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if tuple(x.shape) != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device}; the depformer is on {device}")
+    if x.device != torch.device(device):
+        raise ValueError(f"{name} is on {x.device}; the module is on {torch.device(device)}")
     return x
 
 
-def _check_ids(name: str, ids: torch.Tensor, high: int) -> None:
+def check_ids(name: str, ids: torch.Tensor, high: int) -> None:
+    """Raise ValueError naming `name` unless every id of the integer tensor is in 0..high or -1."""
+    ids = ids.long()  # an unsigned dtype compared by its values
     bad = (ids < -1) | (ids > high)
     if bool(bad.any()):
         raise ValueError(f"{name} must hold token ids in 0..{high} or -1 (no token), got {ids[bad][0].item()}")
@@ -143,7 +129,8 @@ class Depformer(nn.Module):
         sources, problems = {}, []
         for key, value in state_dict.items():
             if isinstance(key, str) and key.startswith(DEPFORMER_PREFIXES):
-                sources[key], line = _as_source(key, value, self.dtype)
+                line = source_problem(key, value, self.dtype)
+                sources[key] = None if line else as_tensor(value)
                 problems += [line] if line else []
         shapes = {k: None if v is None else tuple(v.shape) for k, v in sources.items()}
         fills = load_plan(shapes, self.config, source=source, problems=problems)
@@ -202,18 +189,18 @@ class Depformer(nn.Module):
             raise ValueError(f"transformer_out must be {self.dtype} on {self.device} (the depformer's), got "
                              f"{transformer_out.dtype} on {transformer_out.device}")
         B = transformer_out.shape[0]
-        _check_ids("text_token", _int_tensor("text_token", text_token, (B,), self.device), c.text_card)
+        check_ids("text_token", int_tensor("text_token", text_token, (B,), self.device), c.text_card)
         if (audio_tokens is None) != (audio_provided is None):
             raise ValueError("audio_tokens and audio_provided go together: pass both or neither")
         if audio_tokens is not None:
-            _int_tensor("audio_tokens", audio_tokens, (B, c.dep_q), self.device)
+            int_tensor("audio_tokens", audio_tokens, (B, c.dep_q), self.device)
             if not isinstance(audio_provided, torch.Tensor) or audio_provided.dtype != torch.bool:
                 raise TypeError(f"audio_provided must be a torch.bool tensor, got "
                                 f"{getattr(audio_provided, 'dtype', type(audio_provided).__name__)}")
             if tuple(audio_provided.shape) != (B, c.dep_q) or audio_provided.device != self.device:
                 raise ValueError(f"audio_provided must have shape [{B}, {c.dep_q}] on {self.device}, got "
                                  f"{list(audio_provided.shape)} on {audio_provided.device}")
-            _check_ids("audio_tokens (where provided)", audio_tokens[audio_provided], c.card)
+            check_ids("audio_tokens (where provided)", audio_tokens[audio_provided], c.card)
 
     @staticmethod
     def _embed(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -256,8 +243,7 @@ class Depformer(nn.Module):
         B = transformer_out.shape[0]
         check_sampling(temperature, top_k, c.card)
         self._check_steps(steps)
-        if temperature and (not isinstance(seeds, torch.Tensor) or tuple(seeds.shape) != (B,)):
-            raise ValueError(f"sampling (temperature > 0) needs seeds [{B}]: the randomness is an explicit input")
+        seeds, counter = check_randomness(seeds, counter, B, self.device, bool(temperature))
         shape = (c.num_layers, B, c.num_heads, c.dep_q, c.head_dim)
         cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         cache_v = torch.zeros_like(cache_k)

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jax_impl.checkpoint import CheckpointError, check_checkpoint, weight_dtype_problem
+from jax_impl.checkpoint import CheckpointError, check_checkpoint
 from jax_impl.depformer_config import DEPFORMER_PREFIXES, load_plan
 from jax_impl.frame_config import (
     TEXT_COUNTER_BASE,
@@ -51,10 +51,11 @@ from jax_impl.frame_config import (
 )
 from jax_impl.sampling_config import check_sampling
 
-from .depformer import Depformer
+from .depformer import Depformer, check_ids, int_tensor
 from .layers import check_triton_device
 from .model import TemporalStreaming
-from .sampling import sample
+from .sampling import check_randomness, sample
+from .weights import as_tensor, source_problem
 
 EMBEDDING_PREFIXES = ("text_emb.", "emb.")
 
@@ -79,16 +80,8 @@ def frame_input(text_emb: torch.Tensor, emb: torch.Tensor, tokens_in: torch.Tens
 
 
 def check_tokens(name: str, x, shape: tuple[int, ...], high: int, device) -> torch.Tensor:
-    """x as checked: an integer tensor of `shape` on `device` holding ids in 0..high or -1."""
-    if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer torch tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
-    if x.device != torch.device(device):
-        raise ValueError(f"{name} is on {x.device}; the frame is on {device}")
-    bad = (x < -1) | (x > high)
-    if bool(bad.any()):
-        raise ValueError(f"{name} must hold token ids in 0..{high} or -1 (the zero token), got {x[bad][0].item()}")
+    """x as int64 after checking it: an integer tensor of `shape` on `device` holding ids in 0..high or -1."""
+    check_ids(name, int_tensor(name, x, shape, device), high)
     return x.long()
 
 
@@ -161,17 +154,11 @@ class LMFrame(nn.Module):
         want = self.embedding_weights()
         tables = {"text_emb.weight": ("text_emb", None)}
         tables.update({f"emb.{k}.weight": ("emb", k) for k in range(self.config.n_q)})
-        shapes, dtype_lines, errors = {}, {}, []
+        shapes, value_lines, errors = {}, {}, []
         for key, value in state_dict.items():
-            if isinstance(value, (torch.Tensor, np.ndarray)):
-                shapes[key] = tuple(value.shape)
-                line = weight_dtype_problem(key, str(value.dtype).removeprefix("torch."),
-                                            str(self.dtype).removeprefix("torch."))
-                if line:
-                    dtype_lines[key] = line
-            else:
-                shapes[key] = None
-                dtype_lines[key] = f"not a tensor: {key}: {type(value).__name__}"
+            shapes[key] = tuple(value.shape) if isinstance(value, (torch.Tensor, np.ndarray)) else None
+            if line := source_problem(key, value, self.dtype):
+                value_lines[key] = line
         lines = [f"missing: {key}" for key in tables if key not in shapes]
         for key, shape in shapes.items():
             if key.startswith(EMBEDDING_PREFIXES):
@@ -182,16 +169,16 @@ class LMFrame(nn.Module):
                 expected = tuple(want[name].shape[1 if k is not None else 0:])
                 if shape is not None and shape != expected:
                     lines.append(f"wrong shape: {key}: expected {list(expected)}, got {list(shape)}")
-                if key in dtype_lines:
-                    lines.append(dtype_lines[key])
+                if key in value_lines:
+                    lines.append(value_lines[key])
         problems = list(lines)
         if lines:
             errors.append("\n".join([f"{source} does not fit the frame's input tables:", *("  " + x for x in lines)]))
         checks = (
-            lambda: check_checkpoint(shapes, self.config.temporal, source=source, problems=dtype_lines),
+            lambda: check_checkpoint(shapes, self.config.temporal, source=source, problems=value_lines),
             lambda: load_plan({k: s for k, s in shapes.items() if k.startswith(DEPFORMER_PREFIXES)},
                               self.config.depformer, source=source,
-                              problems=[v for k, v in dtype_lines.items() if k.startswith(DEPFORMER_PREFIXES)]))
+                              problems=[v for k, v in value_lines.items() if k.startswith(DEPFORMER_PREFIXES)]))
         for check in checks:
             try:
                 check()
@@ -203,9 +190,7 @@ class LMFrame(nn.Module):
         self.depformer.load_weights(state_dict, source=source)  # its copies' check may still refuse: first
         self.temporal.load_weights(state_dict, source=source)
         for key, (name, k) in tables.items():
-            src = torch.as_tensor(np.asarray(state_dict[key]) if isinstance(state_dict[key], np.ndarray)
-                                  else state_dict[key])
-            (want[name] if k is None else want[name][k]).copy_(src.to(dtype=self.dtype))
+            (want[name] if k is None else want[name][k]).copy_(as_tensor(state_dict[key]).to(dtype=self.dtype))
 
     # ----------------------------------------------------------------------------- streaming
     def streaming_init(self, batch_size: int) -> None:
@@ -266,6 +251,13 @@ class LMFrame(nn.Module):
             raise ValueError(f"dep_q_exit must be an int in 1..{dep_q} (None: {dep_q}), got {dep_q_exit!r}")
         return dep_q_exit
 
+    def check_sampling_args(self, seeds, temperature, top_k, text_temperature, text_top_k) -> None:
+        """Refuse, naming the argument, the sampling arguments `step` would refuse (`check_sampling`;
+        integer seeds [B] on the frame's device where a temperature is > 0)."""
+        check_sampling(text_temperature, text_top_k, self.config.text_card)
+        check_sampling(temperature, top_k, self.config.card)
+        check_randomness(seeds, 0, self.batch_size, self.device, bool(temperature or text_temperature))
+
     @torch.no_grad()
     def step(self, user_tokens: torch.Tensor | None = None, active: torch.Tensor | None = None, *,
              replace_audio: torch.Tensor | None = None, dep_q_exit: int | None = None, seeds=None,
@@ -291,12 +283,7 @@ class LMFrame(nn.Module):
                              f"dep_q_exit {n}, replace_audio {'None' if replace_audio is None else 'given'}")
         tail = None if replace_audio is None else check_tokens("replace_audio", replace_audio, (B, c.dep_q - n),
                                                                 c.card, self.device)
-        check_sampling(text_temperature, text_top_k, c.text_card)
-        check_sampling(temperature, top_k, c.card)
-        if (temperature or text_temperature) and (not isinstance(seeds, torch.Tensor) or tuple(seeds.shape) != (B,)
-                                                  or seeds.dtype.is_floating_point):
-            raise ValueError(f"seeds must be an integer tensor [{B}] when a temperature is > 0: the randomness "
-                             f"is an explicit input")
+        self.check_sampling_args(seeds, temperature, top_k, text_temperature, text_top_k)
 
         # the token cache and offsets change in place at the end: a kernel that refuses to run
         # (a kernel that fails on its device) leaves the frame as it was

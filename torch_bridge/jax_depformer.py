@@ -24,6 +24,7 @@ from jax_impl.sampling_config import check_sampling
 
 from .depformer import Depformer
 from .dlpack import to_jax, to_torch
+from .sampling import check_randomness
 
 
 def _uint32_bits(x: torch.Tensor) -> torch.Tensor:
@@ -84,22 +85,14 @@ class JaxDepformer(Depformer):
         c = self.config
         B = transformer_out.shape[0]
         check_sampling(temperature, top_k, c.card)
-        if temperature and (not isinstance(seeds, torch.Tensor) or tuple(seeds.shape) != (B,)
-                            or seeds.dtype.is_floating_point or seeds.dtype == torch.bool):
-            raise ValueError(f"sampling (temperature > 0) needs integer seeds [{B}]: the randomness is an explicit input")
-        integer = isinstance(counter, int) or (isinstance(counter, torch.Tensor) and not counter.dtype.is_floating_point)
-        if not integer or isinstance(counter, bool) or getattr(counter, "dtype", None) == torch.bool:
-            raise TypeError(f"counter must be an int or an integer tensor, got {getattr(counter, 'dtype', type(counter))}")
-        if isinstance(counter, torch.Tensor) and tuple(counter.shape) not in ((), (B,)):
-            raise ValueError(f"counter must have shape [] or [{B}], got {list(counter.shape)}")
-        counter = torch.as_tensor(counter % 2**32 if isinstance(counter, int) else counter, device=self.device)
-        counter = to_jax(_uint32_bits(counter))
+        seeds, counter = check_randomness(seeds, counter, B, self.device, bool(temperature))
+        counter = to_jax(_uint32_bits(torch.as_tensor(counter, device=self.device)))
         if audio_tokens is None:
             audio_tokens = torch.zeros((B, c.dep_q), dtype=torch.int32, device=self.device)
             audio_provided = torch.zeros((B, c.dep_q), dtype=torch.bool, device=self.device)
         else:  # where not provided the ids are not read (and may be anything): zeros, so they fit int32
             audio_tokens = torch.where(audio_provided, audio_tokens, 0).to(torch.int32)
-        seeds = None if not temperature else to_jax(_uint32_bits(seeds.to(self.device)))
+        seeds = None if not temperature else to_jax(_uint32_bits(seeds))
         inputs = (text_token.to(torch.int32), transformer_out, audio_tokens, audio_provided)
         codes, logits = self._frame(float(temperature), top_k, steps)(
             self.jax_params(), *(to_jax(t, copy=None) for t in inputs), seeds, counter)

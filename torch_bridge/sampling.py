@@ -18,7 +18,9 @@ from jax_impl.sampling_config import (
     SQRT2,
     UNIFORM_SCALE,
     UNIFORM_SHIFT,
+    check_counter,
     check_sampling,
+    check_seeds,
 )
 
 MASK32 = 0xFFFFFFFF
@@ -73,6 +75,24 @@ def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
     return greater | (equal & (rank < k - greater.sum(dim=-1, keepdim=True)))
 
 
+def is_integer_tensor(x) -> bool:
+    """Whether x is a torch tensor of an integer dtype (bool excluded)."""
+    return isinstance(x, torch.Tensor) and not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
+
+
+def check_randomness(seeds, counter, B: int, device, sampled: bool):
+    """(seeds, counter) after checking them: `sampling_config.check_counter`, and where `sampled`
+    (a temperature > 0) `check_seeds`; their tensors on `device`. An int counter comes back mod
+    2**32, a tensor as int64 (so that `counter * steps + step` cannot wrap in a narrow dtype)."""
+    counter = check_counter(counter, B, is_integer_tensor)
+    if sampled:
+        check_seeds(seeds, B, is_integer_tensor)
+    for name, x in (("seeds", seeds if sampled else None), ("counter", counter)):
+        if isinstance(x, torch.Tensor) and x.device != torch.device(device):
+            raise ValueError(f"{name} is on {x.device}; expected {torch.device(device)}")
+    return seeds, counter.long() if isinstance(counter, torch.Tensor) else counter
+
+
 def sample(logits: torch.Tensor, seeds: torch.Tensor | None = None, counter=0, *, temperature: float = 0.0,
            top_k: int = 0) -> torch.Tensor:
     """Tokens [B] int64 from logits [B, V] float32; seeds [B] int (each row's stream, taken mod 2**32),
@@ -84,9 +104,7 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor | None = None, counter=0, *
     check_sampling(temperature, top_k, V)
     if temperature == 0:
         return logits.argmax(dim=-1)
-    if not isinstance(seeds, torch.Tensor) or seeds.dtype.is_floating_point or tuple(seeds.shape) != (B,):
-        raise ValueError(f"seeds must be an integer torch tensor [{B}] (sampling needs explicit randomness), got "
-                         f"{getattr(seeds, 'dtype', type(seeds).__name__)} {list(getattr(seeds, 'shape', []))}")
+    seeds, counter = check_randomness(seeds, counter, B, logits.device, True)
     scores = logits + torch.tensor(temperature, dtype=torch.float32) * gumbel(seeds, counter, V)
     if top_k:
         scores = torch.where(top_k_mask(logits, top_k), scores, float("-inf"))

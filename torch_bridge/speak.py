@@ -74,6 +74,9 @@ def read_wav(path: str, rate: int) -> np.ndarray:
                          f"out.wav)")
     if not n:
         raise ValueError(f"--input {path}: no samples")
+    if len(data) != 2 * n:
+        raise ValueError(f"--input {path}: truncated: its header says {n} samples, it holds {len(data)} bytes "
+                         f"of them")
     return np.frombuffer(data, "<i2").astype(np.float32) / 32768.0
 
 
@@ -116,6 +119,9 @@ def speak(input_path: str, output_path: str, *, preset: str | None = None, check
 
     from jax_impl import speech_frame as sf
 
+    from .crosscheck import SEED_MAX, check_int
+
+    seed = check_int("seed", seed, 0, maximum=SEED_MAX)
     device = resolve_device(device)
     preset = preset or default_preset(device)
     if preset not in SPEECH_PRESETS:

@@ -25,7 +25,6 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from jax_impl.checkpoint import CheckpointError
 from jax_impl.frame_config import check_frame_kernels
 from jax_impl.snapshot import exact_float_cast
 from jax_impl.speech_frame_config import SpeechFrameConfig, SpeechFrameOutput
@@ -73,7 +72,7 @@ class SpeechFrame(nn.Module):
         self.codec.load_weights(codec_state_dict, source=codec_source)
         try:
             self.lm.load_weights(lm_state_dict, source=lm_source)
-        except CheckpointError:
+        except BaseException:
             self.codec.load_state_dict(before)
             raise
 
@@ -152,6 +151,7 @@ class SpeechFrame(nn.Module):
                              f"{getattr(active, 'dtype', type(active).__name__)} {list(getattr(active, 'shape', []))}")
         sampling = {"seeds": seeds, "temperature": temperature, "top_k": top_k, "text_temperature": text_temperature,
                     "text_top_k": text_top_k}
+        self.lm.check_sampling_args(**sampling)  # before the encoder's state moves
         codes = self.codec.encode_frame(pcm, active)
         if c.user_path == "user_tokens":
             out = self.lm.step(codes, active, **sampling)

@@ -39,8 +39,9 @@ def _dtype_name(dtype) -> str:
     return dtype.name if isinstance(dtype, np.dtype) else str(dtype).removeprefix("torch.")
 
 
-def _source_problem(key: str, value, want: torch.dtype) -> str | None:
-    """The problem line of one state-dict value that cannot be copied into a buffer of dtype `want`."""
+def source_problem(key: str, value, want: torch.dtype) -> str | None:
+    """The problem line of one state-dict value that cannot be copied into a buffer of dtype `want`
+    (None where it can): not a tensor, a meta or non-dense tensor, a dtype that would narrow."""
     if not isinstance(value, (torch.Tensor, np.ndarray)):
         return f"not a tensor: {key}: {type(value).__name__} (expected a torch.Tensor or a numpy.ndarray)"
     if isinstance(value, torch.Tensor):
@@ -51,7 +52,7 @@ def _source_problem(key: str, value, want: torch.dtype) -> str | None:
     return weight_dtype_problem(key, _dtype_name(value.dtype), _dtype_name(want))
 
 
-def _as_tensor(value) -> torch.Tensor:
+def as_tensor(value) -> torch.Tensor:
     """A torch tensor of a checked state-dict value: itself, or an exact copy of a numpy array
     (numpy's ml_dtypes bfloat16 goes through its bits)."""
     if isinstance(value, torch.Tensor):
@@ -94,14 +95,14 @@ class StackWeights:
         if not isinstance(state_dict, Mapping):
             raise CheckpointError(f"{source}: expected a mapping key -> tensor, "
                                   f"got {type(state_dict).__name__}")
-        problems = {k: line for k, v in state_dict.items() if (line := _source_problem(k, v, self.dtype))}
+        problems = {k: line for k, v in state_dict.items() if (line := source_problem(k, v, self.dtype))}
         shapes = {k: (tuple(v.shape) if isinstance(v, (torch.Tensor, np.ndarray)) else None)
                   for k, v in state_dict.items()}
         keys = check_checkpoint(shapes, self.config, prefix, source=source, problems=problems)
         staged = []
         for key, (spec, layer) in keys.items():
             try:
-                src = _as_tensor(state_dict[key]).to(dtype=self.dtype).reshape(spec.shape)
+                src = as_tensor(state_dict[key]).to(dtype=self.dtype).reshape(spec.shape)
             except (RuntimeError, TypeError, ValueError) as err:
                 raise CheckpointError(f"{source}: {key} cannot be read: {err}") from None
             dst = getattr(self, spec.name)
