@@ -158,7 +158,7 @@ def test_bad_inputs_raise_naming_the_argument(tparams):
     with pytest.raises(TypeError, match=r"init_state\(dtype\): float64 needs jax_enable_x64"):
         jx.init_state(TCFG, B, jnp.float64)  # without x64, JAX would make float32 rings
     jitted = jx.make_step(TCFG)
-    _, new = jitted(tparams, state, x)
+    jitted(tparams, state, x)  # donates state
     with pytest.raises(ValueError, match=r"step\(state\): the state was donated to an earlier call"):
         jitted(tparams, state, x)
 
