@@ -260,8 +260,8 @@ def make_depformer_step(cfg: DepformerConfig, kernels: str = "reference", *, tem
                              f"{type(params).__name__}")
         dtype = params["in_proj"].dtype
         if not hasattr(transformer_out, "dtype") or jnp.ndim(transformer_out) != 3 \
-                or jnp.shape(transformer_out)[1:] != (1, cfg.temporal_dim):
-            raise ValueError(f"transformer_out must have shape [B, 1, {cfg.temporal_dim}], got "
+                or jnp.shape(transformer_out)[1:] != (1, cfg.temporal_dim) or not jnp.shape(transformer_out)[0]:
+            raise ValueError(f"transformer_out must have shape [B >= 1, 1, {cfg.temporal_dim}], got "
                              f"{array_described(transformer_out)}")
         if transformer_out.dtype != dtype:
             raise ValueError(f"transformer_out must be {dtype} (the params'), got {transformer_out.dtype}")

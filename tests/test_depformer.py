@@ -242,6 +242,7 @@ def test_bad_inputs_raise_clear_errors():
         ((text, out, audio, provided.long()), TypeError, "audio_provided must be a torch.bool"),
         ((text, out, audio[:, :3], provided), ValueError, "audio_tokens must have shape"),
         ((text.bool(), out), TypeError, "text_token must be an integer"),
+        ((text[:0], out[:0]), ValueError, "transformer_out must have shape \\[B >= 1, 1, 48\\]"),
     ]
     for args, kind, match in cases:
         with pytest.raises(kind, match=match):

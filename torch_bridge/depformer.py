@@ -183,8 +183,9 @@ class Depformer(nn.Module):
         c = self.config
         if not isinstance(transformer_out, torch.Tensor):
             raise TypeError(f"transformer_out must be a torch tensor, got {type(transformer_out).__name__}")
-        if transformer_out.dim() != 3 or transformer_out.shape[1:] != (1, c.temporal_dim):
-            raise ValueError(f"transformer_out must have shape [B, 1, {c.temporal_dim}], got {list(transformer_out.shape)}")
+        if transformer_out.dim() != 3 or transformer_out.shape[1:] != (1, c.temporal_dim) or not len(transformer_out):
+            raise ValueError(f"transformer_out must have shape [B >= 1, 1, {c.temporal_dim}], got "
+                             f"{list(transformer_out.shape)}")
         if transformer_out.dtype != self.dtype or transformer_out.device != self.device:
             raise ValueError(f"transformer_out must be {self.dtype} on {self.device} (the depformer's), got "
                              f"{transformer_out.dtype} on {transformer_out.device}")
