@@ -2,7 +2,8 @@
 # The project's two entry points; each sets up .venv (pinned, from the registries) first.
 #   bash run.sh main [ARGS]   the main job: the torch/JAX cross-check on the embedded default
 #   bash run.sh test [ARGS]   the test suite (CPU, 2 forced XLA host devices; Pallas and Triton kernels
-#                             interpreted; two pytest workers, one per core: most tests are single-threaded)
+#                             interpreted; two pytest workers, one per core: most tests are single-threaded;
+#                             an idle worker takes tests queued for the other: the slow ones do not end the run alone)
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -24,6 +25,6 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
     main) exec .venv/bin/personaplex-jax crosscheck "$@" ;;
-    test) XLA_FLAGS=${XLA_FLAGS:---xla_force_host_platform_device_count=2} TRITON_INTERPRET=1 exec .venv/bin/python -m pytest -n 2 "$@" ;;
+    test) XLA_FLAGS=${XLA_FLAGS:---xla_force_host_platform_device_count=2} TRITON_INTERPRET=1 exec .venv/bin/python -m pytest -n 2 --dist worksteal "$@" ;;
     *) echo "usage: bash run.sh main|test [ARGS]" >&2; exit 2 ;;
 esac

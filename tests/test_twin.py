@@ -54,8 +54,9 @@ NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
 def to_torch(a: np.ndarray) -> torch.Tensor:
-    """numpy (ml_dtypes bfloat16 included) -> torch with the same bits."""
-    a = np.ascontiguousarray(a)
+    """numpy (ml_dtypes bfloat16 included) -> torch with the same bits (a writable copy: a JAX array's
+    numpy view is read-only)."""
+    a = np.array(a, order="C")
     if a.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
