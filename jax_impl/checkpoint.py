@@ -13,6 +13,7 @@ Imported by both `torch_bridge` and `jax_impl`; it imports neither torch nor jax
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -271,36 +272,116 @@ def infer_config(shapes: Mapping[str, Sequence[int]], kind: str, prefix: str | N
     return sizes
 
 
+def unique_keys(where: str, error: type[Exception] = ValueError):
+    """A `json.load` object_pairs_hook that refuses (`error`, naming `where`) a key an object names
+    twice, where JSON would keep the last."""
+
+    def hook(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise error(f"{where} names {key!r} twice")
+            seen.add(key)
+        return dict(pairs)
+
+    return hook
+
+
+def safetensors_header(path: str | os.PathLike) -> dict:
+    """A safetensors file's header (key -> {"dtype", "shape", "data_offsets"}, and "__metadata__"),
+    read and checked before safetensors opens the file.
+
+    Raises `CheckpointError` naming the path for a directory, a file shorter than its header, and a
+    header that is not JSON or names a key twice (JSON keeps the last entry: the tensor would be read
+    with another entry's dtype); a missing file raises FileNotFoundError.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a directory, not a safetensors file")
+    with open(path, "rb") as f:
+        size, head = os.fstat(f.fileno()).st_size, f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else None
+        if n is None or n > size - 8:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {size} bytes, "
+                                  f"{'no header' if n is None else f'a header of {n} bytes'}")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys(f"{path}: its header", CheckpointError))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file: its header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a readable safetensors file: its header is not a JSON object")
+    return header
+
+
 def read_safetensors_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """A safetensors file's key -> shape, from its header (no tensor is read).
 
     Raises `CheckpointError` naming the path for a file that is not safetensors (corrupt,
-    truncated, empty); a missing file raises FileNotFoundError.
+    truncated, empty, a directory, a key named twice); a missing file raises FileNotFoundError.
     """
     from safetensors import SafetensorError, safe_open
 
+    safetensors_header(path)
     try:
         with safe_open(os.fspath(path), framework="numpy") as f:
             keys = f.keys()  # a safe_open handle: not iterable
             return {k: tuple(f.get_slice(k).get_shape()) for k in keys}
-    except SafetensorError as err:
+    except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{os.fspath(path)} is not a readable safetensors file: {err}") from None
+
+
+# the safetensors dtypes numpy holds (bfloat16 through ml_dtypes); float8 / float4 tensors it cannot read
+NUMPY_SAFETENSORS_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16",
+                                      "F32", "F64"})
 
 
 def read_safetensors(path: str | os.PathLike, keys, framework: str, **open_kwargs) -> dict:
     """The tensors `keys` of a safetensors file, as `framework` ("numpy", "pt") arrays.
 
-    Raises `CheckpointError` naming the path and the key of a tensor that cannot be read.
+    Raises `CheckpointError` naming the path and the key of a tensor that cannot be read (`safetensors_header`'s
+    checks first; for numpy, a dtype it cannot hold).
     """
     from safetensors import SafetensorError, safe_open
 
     path = os.fspath(path)
+    header = safetensors_header(path)
+    keys = list(keys)
+    if framework == "numpy":
+        for key in keys:
+            dtype = header.get(key, {}).get("dtype") if isinstance(header.get(key), dict) else None
+            if dtype is not None and dtype not in NUMPY_SAFETENSORS_DTYPES:
+                raise CheckpointError(f"{path}: tensor {key!r} cannot be read: its dtype {dtype} is not one numpy "
+                                      f"holds ({', '.join(sorted(NUMPY_SAFETENSORS_DTYPES))})")
     out, key = {}, None
     try:
         with safe_open(path, framework=framework, **open_kwargs) as f:
             for key in keys:
                 out[key] = f.get_tensor(key)
-    except (SafetensorError, TypeError, ValueError) as err:  # TypeError: a dtype numpy does not know
+    except (SafetensorError, OSError, TypeError, ValueError) as err:  # TypeError: a dtype numpy does not know
         where = "the file" if key is None else f"tensor {key!r}"
         raise CheckpointError(f"{path}: {where} cannot be read: {err}") from None
     return out
+
+
+def write_safetensors(path: str | os.PathLike, arrays: Mapping, framework: str, metadata: Mapping[str, str] | None = None,
+                      what: str = "safetensors file") -> None:
+    """Write `arrays` (numpy arrays for framework "numpy", CPU torch tensors for "pt") as a safetensors
+    file, `metadata` in its header; ValueError naming the path (and `what` it is) where it cannot be
+    written: a missing directory, a directory at the path, ..."""
+    from safetensors import SafetensorError
+
+    if framework == "pt":
+        from safetensors.torch import save_file
+    else:
+        from safetensors.numpy import save_file
+    target = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write the {what} {target}: the directory {folder} does not exist")
+    if os.path.isdir(target):
+        raise ValueError(f"cannot write the {what} {target}: it is a directory")
+    try:
+        save_file(dict(arrays), target, metadata=None if metadata is None else dict(metadata))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"cannot write the {what} {target}: {err}") from None

@@ -171,8 +171,8 @@ def check_restore_batch(snapshot_batch: int, batch_size: int | None, resize, whe
     if resize or batch_size is None or snapshot_batch == batch_size:
         return
     raise SnapshotError(f"{where}: the snapshot holds {snapshot_batch} rows (batch_size {snapshot_batch}), this "
-                        f"stream {batch_size}; nothing was changed. restore(snapshot, resize=True) replaces the "
-                        f"stream by the snapshot's {snapshot_batch} rows")
+                        f"stream {batch_size}; nothing was changed. With resize=True the snapshot's "
+                        f"{snapshot_batch} rows replace the stream")
 
 
 def check_ring_cast(src: str, dst: str, where: str = "restore(snapshot)") -> None:
@@ -201,42 +201,33 @@ def check_snapshot_values(offset: Sequence[int], start_offset: Sequence[int], in
 
 def read_stream_file(path, framework: str) -> dict:
     """The snapshot dict in a stream file (tensors of `framework`, "numpy" or "pt" on the CPU, and
-    "metadata" from the safetensors header); ValueError naming the path for an unreadable file."""
+    "metadata" from the safetensors header); ValueError naming the path for an unreadable file
+    (`checkpoint.safetensors_header`'s checks: a directory, a truncated file, a key named twice; a
+    tensor of a dtype the framework cannot hold)."""
     import os
 
-    from safetensors import SafetensorError, safe_open
+    from jax_impl.checkpoint import CheckpointError, read_safetensors, safetensors_header
 
     try:
-        with safe_open(os.fspath(path), framework=framework) as f:
-            snap = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (a safe_open handle)
-            meta = dict(f.metadata() or {})
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"{os.fspath(path)} is not a readable safetensors file: {err}") from None
+        header = safetensors_header(path)
+        meta = header.get("__metadata__") or {}
+        snap = read_safetensors(path, [k for k in header if k != "__metadata__"], framework)
+    except (CheckpointError, OSError) as err:
+        raise ValueError(f"{os.fspath(path)} is not a readable stream file: {err}") from None
     if "metadata" in snap:
         raise ValueError(f"{os.fspath(path)}: a tensor named 'metadata' is not part of a stream snapshot")
-    return {**snap, "metadata": meta}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError(f"{os.fspath(path)} is not a readable stream file: its header's metadata is not strings")
+    return {**snap, "metadata": dict(meta)}
 
 
 def write_stream_file(path, arrays: Mapping, metadata: Mapping[str, str], framework: str) -> None:
     """Write a stream file: `arrays` (numpy arrays for framework "numpy", CPU torch tensors for
     "pt") as its tensors, `metadata` in its header; ValueError naming the path where it cannot be
-    written (a missing directory, a directory at the path, ...), as `read_stream_file` names it."""
-    import os
+    written (`checkpoint.write_safetensors`), as `read_stream_file` names it."""
+    from jax_impl.checkpoint import write_safetensors
 
-    from safetensors import SafetensorError
-
-    if framework == "pt":
-        from safetensors.torch import save_file
-    else:
-        from safetensors.numpy import save_file
-    target = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(target))
-    if not os.path.isdir(folder):
-        raise ValueError(f"cannot write the stream file {target}: the directory {folder} does not exist")
-    try:
-        save_file(dict(arrays), target, metadata=dict(metadata))
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"cannot write the stream file {target}: {err}") from None
+    write_safetensors(path, arrays, framework, metadata, what="stream file")
 
 
 __all__ = ["FORMAT", "KEYS", "SnapshotError", "SnapshotLayout", "check_ring_cast", "check_snapshot_layout",

@@ -12,6 +12,7 @@ functional, the caller's state is never touched.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from types import MappingProxyType
 
@@ -299,10 +300,14 @@ class Streamer:
         nothing changes. `offset_bound` becomes the restored offsets' maximum (one host read), so
         the overflow guard holds for the restored stream too.
         """
-        layout = check_snapshot_layout(self.config, snapshot)
-        check_restore_batch(layout.batch_size, self.batch_size, resize)
+        self._restore(snapshot, resize, "restore(snapshot)")
+
+    def _restore(self, snapshot, resize: bool, where: str) -> None:
+        """`restore`, its errors headed by `where`."""
+        layout = check_snapshot_layout(self.config, snapshot, where)
+        check_restore_batch(layout.batch_size, self.batch_size, resize, where)
         device = next(iter(self.state.k.devices()))
-        state = state_from_snapshot(self.config, snapshot, self.state.k.dtype, device)
+        state = state_from_snapshot(self.config, snapshot, self.state.k.dtype, device, where)
         self.state, self.offset_bound = state, int(np.max(np.asarray(state.offset)))
 
     def save_stream(self, path) -> None:
@@ -311,7 +316,7 @@ class Streamer:
 
     def load_stream(self, path, resize: bool = False) -> None:
         """`restore` the stream a `save_stream` (of either side) wrote to `path` (`resize`: restore's)."""
-        self.restore(read_stream(path), resize)
+        self._restore(read_stream(path), resize, f"load_stream({os.fspath(path)})")
 
     def _convert_plan(self, params, rope_freqs):
         """(dtype, step options) of `convert(params, rope_freqs=...)`, after its checks (nothing changed)."""

@@ -79,6 +79,9 @@ def state_from_snapshot(config: StackConfig, snapshot, dtype=None, device=None,
     layout = check_snapshot_layout(config, snapshot, where)
     dtype = jnp.dtype(layout.dtype if dtype is None else dtype)
     check_ring_cast(layout.dtype, dtype.name, where)
+    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+        raise TypeError(f"{where}: rings of {dtype.name} (snapshot['k']) need jax_enable_x64: without it JAX "
+                        f"would make them float32, a rounding")
     offsets = {key: _host_ints(where, key, snapshot[key]) for key in ("offset", "start_offset")}
     check_snapshot_values([int(o) for o in offsets["offset"]], [int(o) for o in offsets["start_offset"]],
                           index_max(), where)

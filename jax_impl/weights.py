@@ -28,6 +28,7 @@ from jax_impl.checkpoint import (
     read_safetensors_shapes,
     weight_dtype_problem,
     weight_specs,
+    write_safetensors,
 )
 from jax_impl.config import StackConfig, describe
 
@@ -213,7 +214,15 @@ def load_safetensors(config: StackConfig, path: str | os.PathLike, prefix: str |
 
 
 def export_checkpoint(config: StackConfig, variables, prefix: str | None = None) -> dict[str, np.ndarray]:
-    """The weights in the Moshi checkpoint layout, as numpy arrays (bf16 via ml_dtypes)."""
+    """The weights in the Moshi checkpoint layout, as numpy arrays (bf16 via ml_dtypes). variables
+    are checked first (`check_params`: every leaf's shape, one loadable dtype): a transposed or
+    extra-layer leaf would otherwise be reshaped or cut into the file."""
+    leaves = jax.tree.leaves(variables)
+    dtype = dtype_name(leaves[0]) if leaves else None
+    if dtype not in LOADABLE_DTYPES:
+        raise CheckpointError(f"variables: the weights must be one of {', '.join(LOADABLE_DTYPES)} (the files "
+                              f"both paths load), got {dtype}")
+    check_params(config, variables, dtype=dtype, argname="variables")
     flat = stacked_weights(config, variables)
     return {key: np.asarray(flat[spec.name] if layer is None else flat[spec.name][layer]).reshape(spec.ckpt_shape)
             for key, (spec, layer) in checkpoint_keys(config, prefix).items()}
@@ -223,6 +232,4 @@ def save_safetensors(config: StackConfig, variables, path: str | os.PathLike, pr
     """Write `variables` as a safetensors file in the released checkpoints' layout (`export_checkpoint`:
     their keys and shapes, the parameters' dtype), so one file serves both paths: `load_safetensors`
     here and the torch stacks' read it back exactly. prefix: a Mimi stack's `encoder_transformer` / ..."""
-    from safetensors.numpy import save_file
-
-    save_file(export_checkpoint(config, variables, prefix), os.fspath(path))
+    write_safetensors(path, export_checkpoint(config, variables, prefix), "numpy")

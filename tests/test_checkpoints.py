@@ -163,6 +163,43 @@ def test_unreadable_files_one_error_naming_the_path(tmp_path, damage):
     assert_unchanged(stack, before)
 
 
+def test_files_that_misstate_their_tensors_are_refused_naming_the_path_and_key(tmp_path):
+    """A header naming a key twice (JSON would keep the last entry: its bytes read in another
+    dtype), a float8 tensor (numpy holds none), a directory: one CheckpointError each, on both
+    sides, the stack unchanged."""
+    good = tmp_path / "good.safetensors"
+    make(TCFG).save_safetensors(good)
+    data = good.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = data[8:8 + n].decode()
+    entry = json.dumps(MIDDLE) + ":" + json.dumps(json.loads(header)[MIDDLE], separators=(",", ":"))
+    twice = header.replace("{", "{" + entry.replace('"F32"', '"F16"') + ",", 1).encode()
+    (tmp_path / "twice.safetensors").write_bytes(len(twice).to_bytes(8, "little") + twice + data[8 + n:])
+    f8 = {k: v.float().to(torch.float8_e4m3fn) if k == MIDDLE else v for k, v in make(TCFG).export_weights().items()}
+    save_torch(f8, str(tmp_path / "f8.safetensors"))
+    stack = make(TCFG)
+    before = snapshot(stack)
+    for name, jax_message, torch_message in (
+            ("twice.safetensors", f"its header names '{MIDDLE}' twice", f"its header names '{MIDDLE}' twice"),
+            ("f8.safetensors", f"tensor '{MIDDLE}' cannot be read: its dtype F8_E4M3", f"wrong dtype: {MIDDLE}"),
+            ("", "is a directory, not a safetensors file", "is a directory, not a safetensors file")):
+        path = tmp_path / name
+        with pytest.raises(CheckpointError, match=f"^{path}.*{jax_message}"):
+            jx.load_safetensors(TCFG, path)
+        with pytest.raises(CheckpointError, match=f"^{path}(.|\n)*{torch_message}"):
+            stack.load_safetensors(path)
+    assert_unchanged(stack, before)
+    params = jx.load_safetensors(TCFG, good)
+    for save in (lambda p: stack.save_safetensors(p), lambda p: jx.save_safetensors(TCFG, params, p)):
+        with pytest.raises(ValueError, match=f"cannot write the safetensors file {tmp_path}: it is a directory"):
+            save(tmp_path)
+    # what a JAX save is given is checked first: a transposed leaf would be reshaped into the file
+    bad = {"params": {**params["params"], "text_linear": params["params"]["text_linear"].T}}
+    with pytest.raises(CheckpointError, match="variables do not fit(.|\n)*wrong shape: text_linear"):
+        jx.save_safetensors(TCFG, bad, tmp_path / "bad.safetensors")
+    assert not (tmp_path / "bad.safetensors").exists()
+
+
 def test_bfloat16_file_loads_exactly_on_both_sides(tmp_path):
     src = make(MCFG, seed=6, dtype=torch.bfloat16)
     path = tmp_path / "bf16.safetensors"

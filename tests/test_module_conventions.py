@@ -452,8 +452,8 @@ def test_streamer_restore_refuses_bad_snapshots_and_changes_nothing(tparams):
     assert np.asarray(r.state.start_offset).tolist() == [7, 0, 0]
 
 
-RESIZE_REFUSED = (r"restore\(snapshot\): the snapshot holds 2 rows \(batch_size 2\), this stream 3; nothing was "
-                  r"changed\. restore\(snapshot, resize=True\) replaces the stream by the snapshot's 2 rows")
+RESIZE_REFUSED = (r"^(restore\(snapshot\)|load_stream\(.*/s\.safetensors\)): the snapshot holds 2 rows \(batch_size "
+                  r"2\), this stream 3; nothing was changed\. With resize=True the snapshot's 2 rows replace the stream")
 
 
 @pytest.mark.parametrize("cls", [TemporalStreaming, JaxTemporalStreaming], ids=lambda c: c.__name__)
@@ -550,8 +550,14 @@ def test_a_streamer_file_restores_on_the_torch_path(tparams, tmp_path):
     model.load_stream(tmp_path / "s.safetensors")
     assert torch.equal(model.state.k, torch.from_numpy(np.array(s.state.k)))
     assert model.state.offset.tolist() == [9, 9, 9] and model.state.offset.dtype == torch.long
-    with pytest.raises(ValueError, match="not a readable safetensors file"):
+    with pytest.raises(ValueError, match="missing.safetensors is not a readable stream file"):
         model.load_stream(tmp_path / "missing.safetensors")
+    with pytest.raises(TypeError, match=r"restore\(snapshot\): rings of float64 \(snapshot\['k'\]\) need "
+                                        r"jax_enable_x64"):  # without x64, JAX would round them to float32
+        snap = model.snapshot()
+        jx.state_from_snapshot(TCFG, {**snap, "k": np.asarray(s.state.k, np.float64),
+                                      "v": np.asarray(s.state.v, np.float64),
+                                      "metadata": {**snap["metadata"], "dtype": "float64"}})
 
 
 def test_writing_a_stream_file_where_it_cannot_go_names_the_path(tparams, tmp_path):

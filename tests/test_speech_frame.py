@@ -203,7 +203,7 @@ def test_speak_cli_writes_the_reply(tmp_path, capsys):
     import wave
 
     from torch_bridge.cli import main
-    from torch_bridge.speak import RANDOM_NOTICE
+    from torch_bridge.speak import RANDOM_NOTICE, write_wav
 
     src, out = tmp_path / "in.wav", tmp_path / "out.wav"
     fs = SPEECH_PRESETS["personaplex-small"].frame_size
@@ -225,6 +225,11 @@ def test_speak_cli_writes_the_reply(tmp_path, capsys):
     src.write_bytes(src.read_bytes()[:-3])  # a cut file: its header counts more samples than it holds
     assert main(["speak", "--input", str(src), "--output", str(out), "-q"]) == 1
     assert f"--input {src}: truncated: its header says {fs} samples" in capsys.readouterr().err
+    src.write_bytes(b"")
+    assert main(["speak", "--input", str(src), "--output", str(out), "-q"]) == 1
+    assert f"--input {src}: not a PCM WAV file (it ends inside its header)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"2 samples of the reply are not finite \(NaN or inf; the first at sample 1\)"):
+        write_wav(str(out), np.array([0.5, np.nan, np.inf], np.float32), 24000)
     with pytest.raises(SystemExit):
         main(["speak", "--input", str(src), "--output", str(out), "--seed", str(2**64)])
     assert "argument --seed: expected a 64-bit non-negative" in capsys.readouterr().err

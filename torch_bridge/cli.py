@@ -390,12 +390,13 @@ def _crosscheck_config(args, size: str):
 def _read_config_json(path: str, kind: str) -> dict:
     """The fields of a --config JSON object, checked against TemporalConfig / MimiConfig: every
     name known, ints as ints, floats as numbers (an int is taken exactly as a float)."""
+    from jax_impl.checkpoint import unique_keys
     from jax_impl.config import MimiConfig, TemporalConfig
 
     cls = TemporalConfig if kind == "temporal" else MimiConfig
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = json.load(f, object_pairs_hook=unique_keys(f"--config {path}"))
     except OSError as err:
         raise ValueError(f"--config: cannot read {path}: {err.strerror}") from None
     except UnicodeDecodeError as err:

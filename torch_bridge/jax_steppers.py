@@ -147,13 +147,12 @@ class JaxBacked:
         snap = self._streamer.snapshot()
         return {key: v if key == "metadata" else to_torch(v) for key, v in snap.items()}
 
-    def restore(self, snapshot: dict, resize: bool = False) -> None:
-        """As the torch stack's `restore` (another batch size only with `resize=True`), into the JAX
-        state (`Streamer.restore`: validated copies, the overflow bound recomputed). Takes torch tensors (any device JAX has), jax or numpy
-        arrays; int64 offsets (a torch stack's) are checked to fit JAX's index dtype, then
-        converted exactly. On a refusal nothing changes (not streaming: still not streaming).
-        """
-        where = "restore(snapshot)"
+    def _restore(self, snapshot: dict, resize: bool, where: str) -> None:
+        """The torch stack's `restore` and `load_stream` (another batch size only with `resize=True`), into
+        the JAX state (`Streamer.restore`: validated copies, the overflow bound recomputed). Takes torch
+        tensors (any device JAX has), jax or numpy arrays; int64 offsets (a torch stack's) are checked to
+        fit JAX's index dtype, then converted exactly. On a refusal nothing changes (not streaming: still
+        not streaming). Errors headed by `where`."""
         layout = check_snapshot_layout(self.config, snapshot, where)
         check_restore_batch(layout.batch_size, None if self._streamer is None else self._streamer.batch_size, resize,
                             where)
@@ -168,7 +167,7 @@ class JaxBacked:
                 a = a.cpu().numpy() if key in ("offset", "start_offset") else to_jax(a, copy=None)
             arrays[key] = a
         streamer = self._streamer if self._streamer is not None else self._new_streamer(layout.batch_size)
-        streamer.restore({**arrays, "metadata": snapshot["metadata"]}, resize)
+        streamer._restore({**arrays, "metadata": snapshot["metadata"]}, resize, where)
         self._streamer = streamer
 
     def step(self, x: torch.Tensor, active: torch.Tensor | None = None):

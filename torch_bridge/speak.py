@@ -66,8 +66,13 @@ def read_wav(path: str, rate: int) -> np.ndarray:
         with wave.open(path, "rb") as f:
             channels, width, found, n = f.getnchannels(), f.getsampwidth(), f.getframerate(), f.getnframes()
             data = f.readframes(n)
+    except EOFError:
+        raise ValueError(f"--input {path}: not a PCM WAV file (it ends inside its header)") from None
     except wave.Error as err:
-        raise ValueError(f"--input {path}: not a PCM WAV file ({err})") from None
+        extensible = "65534" in str(err)  # WAVE_FORMAT_EXTENSIBLE, which Python's wave module does not read
+        raise ValueError(f"--input {path}: not a PCM WAV file ({err}" + (
+            "; a WAVE_FORMAT_EXTENSIBLE header: write it as plain PCM first, e.g. sox in.wav -e signed -b 16 out.wav"
+            if extensible else "") + ")") from None
     if (channels, width, found) != (1, 2, rate):
         raise ValueError(f"--input {path}: expected mono 16-bit PCM at {rate} Hz, found {channels} channel(s), "
                          f"{8 * width}-bit, {found} Hz (convert it first, e.g. sox in.wav -r {rate} -c 1 -b 16 "
@@ -81,7 +86,12 @@ def read_wav(path: str, rate: int) -> np.ndarray:
 
 
 def write_wav(path: str, samples: np.ndarray, rate: int) -> int:
-    """samples (float, [-1, 1]) as a mono 16-bit PCM WAV; returns how many were clipped to [-1, 1]."""
+    """samples (float, [-1, 1]) as a mono 16-bit PCM WAV; returns how many were clipped to [-1, 1].
+    Samples that are not finite have no 16-bit value: ValueError naming the file, nothing written."""
+    bad = np.flatnonzero(~np.isfinite(samples))
+    if bad.size:
+        raise ValueError(f"--output {path}: {bad.size} samples of the reply are not finite (NaN or inf; the first "
+                         f"at sample {bad[0]}): the model's output holds no sound there; nothing written")
     clipped = int(np.count_nonzero(np.abs(samples) > 1))
     ints = np.round(np.clip(samples, -1, 1) * 32767).astype("<i2")
     with wave.open(path, "wb") as f:

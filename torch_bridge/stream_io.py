@@ -68,7 +68,10 @@ class StackStreamIO:
         exactly into a float32 stack, a narrowing is refused; int32 offsets widen to int64.
         On a refusal nothing changes. Same dtype and device: bit-identical continuation.
         """
-        where = "restore(snapshot)"
+        self._restore(snapshot, resize, "restore(snapshot)")
+
+    def _restore(self, snapshot: dict, resize: bool, where: str) -> None:
+        """`restore`, its errors headed by `where`."""
         layout = check_snapshot_layout(self.config, snapshot, where)
         check_restore_batch(layout.batch_size, None if self._state is None else self._state.batch_size, resize,
                             where)
@@ -90,4 +93,4 @@ class StackStreamIO:
 
     def load_stream(self, path: str | os.PathLike, resize: bool = False) -> None:
         """`restore` the stream that `save_stream` (of either path) wrote to `path` (`resize`: restore's)."""
-        self.restore(read_torch_stream(path), resize)
+        self._restore(read_torch_stream(path), resize, f"load_stream({os.fspath(path)})")

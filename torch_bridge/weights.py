@@ -21,6 +21,7 @@ from jax_impl.checkpoint import (
     read_safetensors_shapes,
     weight_dtype_problem,
     weight_specs,
+    write_safetensors,
 )
 from jax_impl.config import StackConfig
 
@@ -131,6 +132,4 @@ class StackWeights:
         """Write the weights as a safetensors file in the released checkpoints' layout (`export_weights`:
         their keys and shapes, this stack's dtype), so one file serves both paths: `load_safetensors`
         and the JAX loaders read it back exactly. prefix: a Mimi stack's `encoder_transformer` / ..."""
-        from safetensors.torch import save_file
-
-        save_file(self.export_weights(prefix), os.fspath(path))
+        write_safetensors(path, self.export_weights(prefix), "pt")
