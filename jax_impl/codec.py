@@ -319,7 +319,7 @@ def _check_active(op: str, active, batch: int):
 def _check_state(op: str, state) -> None:
     if not isinstance(state, CodecState):
         raise TypeError(f"{op}(state): expected a jax_impl.codec.CodecState, got {type(state).__name__}")
-    st.check_live(op, state)
+    st.check_live(f"{op}(state)", state)
 
 
 def check_pcm(op: str, pcm, batch: int, frame_size: int, dtype) -> None:

@@ -211,7 +211,7 @@ def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit:
     def step(params, state: FrameState, user_tokens=None, active=None, replace_audio=None, seeds=None):
         if not isinstance(state, FrameState):
             raise TypeError(f"state must be a jax_impl.frame.FrameState, got {type(state).__name__}")
-        st.check_live("step", state)
+        st.check_live("step(state)", state)
         B = state.batch_size
         if tuple(state.token_cache.shape) != (B, cfg.num_codebooks, cfg.cache_len):
             raise ValueError(f"state.token_cache must have shape {[B, cfg.num_codebooks, cfg.cache_len]}, got "
@@ -268,7 +268,7 @@ def _recycle(op: str, state, arg):
     """Check on the host (the state stays valid on a refusal), then run the jitted op, state donated."""
     if not isinstance(state, FrameState):
         raise TypeError(f"{op}(state): expected a jax_impl.frame.FrameState, got {type(state).__name__}")
-    st.check_live(op, state)
+    st.check_live(f"{op}(state)", state)
     if op == "reset_rows":
         if getattr(arg, "dtype", None) != jnp.bool_ or tuple(jnp.shape(arg)) != (state.batch_size,):
             raise ValueError(f"reset_rows(mask): mask must be a bool array of shape [{state.batch_size}], got "

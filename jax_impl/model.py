@@ -126,6 +126,15 @@ class MimiStack(_StackBase):
         return self._layers(mimi_layer, state, x, active, lora)
 
 
+def check_loop_options(layer_loop, scan_unroll=1) -> None:
+    """ValueError naming the option unless layer_loop is one of LAYER_LOOPS and scan_unroll a positive
+    int: checked where a step or stepper is made, not at its first step."""
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+    if not isinstance(scan_unroll, int) or isinstance(scan_unroll, bool) or scan_unroll < 1:
+        raise ValueError(f"scan_unroll must be a positive int, got {scan_unroll!r}")
+
+
 def stack_module(config: StackConfig, param_dtype=jnp.float32, *, layer_loop: str = "scan",
                  scan_unroll: int = 1, exact_rope: bool = True, rope_freqs: tuple | None = None,
                  kernels: str = "reference", remat_layers: bool = False) -> nn.Module:
@@ -138,10 +147,7 @@ def stack_module(config: StackConfig, param_dtype=jnp.float32, *, layer_loop: st
     calls the next (RESULTS.md, "Waiting for a step"): XLA puts temporaries into the output's allocation,
     whose address then changes at every call, and the unrolled step's one CUDA graph of 46 nodes is
     brought up to date each time (~180 us), the rolled loop's small ones in ~11 us."""
-    if layer_loop not in LAYER_LOOPS:
-        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
-    if not isinstance(scan_unroll, int) or isinstance(scan_unroll, bool) or scan_unroll < 1:
-        raise ValueError(f"scan_unroll must be a positive int, got {scan_unroll!r}")
+    check_loop_options(layer_loop, scan_unroll)
     cls = TemporalStack if isinstance(config, TemporalConfig) else MimiStack
     return cls(config, param_dtype=jnp.dtype(param_dtype), layer_loop=layer_loop, scan_unroll=scan_unroll,
                exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=kernels, remat_layers=remat_layers)

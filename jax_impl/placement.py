@@ -101,13 +101,14 @@ class PlacedStep:
     def _args(self, params, state, x, active):
         if not isinstance(state, StreamState):
             raise TypeError(f"step(state): expected a jax_impl.StreamState, got {type(state).__name__}")
-        check_live("step", state)
+        check_live("step(state)", state)
         check_placed("step(params)", params, self._param_sharding, self._fix)
         check_placed("step(state)", state, self._state_sharding, self._fix)
         B = state.batch_size
         if active is None:
             active = np.ones((B,), bool)
-        if np.shape(x)[:1] != (B,) or np.shape(active) != (B,):  # let the step's own checks name them
+        if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (x, active)) \
+                or np.shape(x)[:1] != (B,) or np.shape(active) != (B,):  # let the step's own checks name them
             return params, state, x, active
         check_host_x(state, x)  # before device_put, which would narrow a numpy float64 x
         return params, state, jax.device_put(x, self._row), jax.device_put(active, self._row)

@@ -83,6 +83,7 @@ def session_layout(state: StreamState, where: str = "state") -> tuple[Mesh, str]
     """(mesh, axis) of a session-sharded state (from `state.k.sharding`); ValueError if it is not one."""
     if not isinstance(state, StreamState):
         raise TypeError(f"{where}: expected a jax_impl.StreamState, got {type(state).__name__}")
+    st.check_live(where, state)
     sharding = getattr(state.k, "sharding", None)
     spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
     if len(spec) < 2 or spec[0] is not None or not isinstance(spec[1], str):
@@ -236,15 +237,15 @@ class ShardedStreamer(Streamer):
         snap = state_snapshot(self.config, self.state)
         return {k: v if k == "metadata" else self._out(v) for k, v in snap.items()}
 
-    def restore(self, snapshot, resize: bool = False) -> None:
-        """As `Streamer.restore` (another batch size only with `resize=True`), the restored state
-        placed by row on this mesh; a snapshot whose batch size does not split over the mesh is
+    def _restore(self, snapshot, resize: bool, where: str) -> None:
+        """`Streamer.restore` and `load_stream` (another batch size only with `resize=True`), the restored
+        state placed by row on this mesh; a snapshot whose batch size does not split over the mesh is
         refused (ValueError), nothing changed."""
-        layout = check_snapshot_layout(self.config, snapshot, "restore(snapshot)")
-        check_sessions("restore(snapshot)", layout.batch_size, self.mesh, self.axis)
-        check_restore_batch(layout.batch_size, self.batch_size, resize)
+        layout = check_snapshot_layout(self.config, snapshot, where)
+        check_sessions(where, layout.batch_size, self.mesh, self.axis)
+        check_restore_batch(layout.batch_size, self.batch_size, resize, where)
         state = state_from_snapshot(self.config, snapshot, self.state.k.dtype,  # made split by row
-                                    session_shardings(self.mesh, self.axis))
+                                    session_shardings(self.mesh, self.axis), where)
         self.state, self.offset_bound = state, int(np.max(np.asarray(state.offset)))
 
     def convert(self, params, *, device=None, rope_freqs=KEEP) -> None:

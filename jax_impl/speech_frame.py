@@ -133,7 +133,7 @@ def make_speech_frame_step(cfg: SpeechFrameConfig, *, kernels: str = "reference"
     def step(params: SpeechFrameParams, state: SpeechFrameState, pcm, active=None, seeds=None):
         if not isinstance(state, SpeechFrameState):
             raise TypeError(f"state must be a jax_impl.speech_frame.SpeechFrameState, got {type(state).__name__}")
-        st.check_live("step", state)
+        st.check_live("step(state)", state)
         B = state.batch_size
         where = state.lm.frame_offset.sharding
         jcodec.check_pcm("step", pcm, B, cfg.frame_size, state.codec.encoder_transformer.k.dtype)
@@ -170,7 +170,7 @@ def jit_speech_reset_slot(state: SpeechFrameState, b) -> SpeechFrameState:
     checked on the host first (IndexError / TypeError, state untouched)."""
     if not isinstance(state, SpeechFrameState):
         raise TypeError(f"reset_slot(state): expected a SpeechFrameState, got {type(state).__name__}")
-    st.check_live("reset_slot", state)
+    st.check_live("reset_slot(state)", state)
     if not isinstance(b, jax.core.Tracer):
         st.check_row("reset_slot", state.lm.temporal, b)
     return _jit_reset_slot(state, b)

@@ -131,12 +131,12 @@ def _committed(state: StreamState) -> StreamState:
     return jax.device_put(state, jax.tree.map(lambda a: a.sharding, state))
 
 
-def check_live(op: str, state) -> None:
-    """Refuse (ValueError naming `op`) a state of which a jitted call took an array by donation: it
-    is deleted, and only the state that call returned may be used. Traced leaves pass."""
+def check_live(where: str, state) -> None:
+    """Refuse (ValueError headed by `where`) a state of which a jitted call took an array by donation:
+    it is deleted, and only the state that call returned may be used. Traced leaves pass."""
     for leaf in jax.tree.leaves(state):
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
-            raise ValueError(f"{op}(state): the state was donated to an earlier call (its arrays are deleted); "
+            raise ValueError(f"{where}: the state was donated to an earlier call (its arrays are deleted); "
                              f"use the state that call returned")
 
 

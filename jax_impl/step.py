@@ -26,7 +26,7 @@ from . import state as st
 from .config import StackConfig
 from .kernel_choice import JAX_KERNELS, check_kernels
 from .lora import split_lora
-from .model import stack_module
+from .model import check_loop_options, stack_module
 from .ops import pick_kernels
 from .snapshot import check_restore_batch, check_snapshot_layout, exact_float_cast
 from .state import StreamState
@@ -102,12 +102,12 @@ class HostCheckedStep:
         self.jitted = jitted
 
     def __call__(self, params, state, x, active=None):
-        st.check_live("step", state)
+        st.check_live("step(state)", state)
         check_host_x(state, x)
         return self.jitted(params, state, x, active)
 
     def lower(self, params, state, x, active=None):
-        st.check_live("step", state)
+        st.check_live("step(state)", state)
         check_host_x(state, x)
         return self.jitted.lower(params, state, x, active)
 
@@ -137,6 +137,7 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int =
     on kernels "reference" and "pallas".
     """
     check_kernels("step_fn(kernels)", kernels, JAX_KERNELS)
+    check_loop_options(layer_loop, scan_unroll)
 
     def step(params, state, x, active=None):
         active = check_step_inputs(config, params, state, x, active)
@@ -174,7 +175,7 @@ def make_step(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int
 _jit_reset_slot = jax.jit(st.reset_slot, donate_argnums=(0,))
 _jit_bump_slot_start = jax.jit(st.bump_slot_start, donate_argnums=(0,))
 _jit_reset_rows = jax.jit(st.reset_rows, donate_argnums=(0,))
-jit_reset_streaming = jax.jit(st.reset_streaming, donate_argnums=(0,))
+_jit_reset_streaming = jax.jit(st.reset_streaming, donate_argnums=(0,))
 
 
 def _check_recycle_args(op: str, state, b=None, mask=None) -> None:
@@ -189,7 +190,7 @@ def _check_recycle_args(op: str, state, b=None, mask=None) -> None:
     """
     if not isinstance(state, StreamState):
         raise TypeError(f"{op}(state): expected a jax_impl.StreamState, got {type(state).__name__}")
-    st.check_live(op, state)
+    st.check_live(f"{op}(state)", state)
     if b is not None and st._is_concrete(b):
         st.check_row(op, state, b)  # a concrete b: an in-range integer (reads a jax scalar on the host)
     if mask is not None:
@@ -213,6 +214,12 @@ def jit_bump_slot_start(state: StreamState, b) -> StreamState:
     return _jit_bump_slot_start(state, b)
 
 
+def jit_reset_streaming(state: StreamState) -> StreamState:
+    """`reset_streaming` (every row a fresh stream) jitted, state donated; the state checked first."""
+    _check_recycle_args("reset_streaming", state)
+    return _jit_reset_streaming(state)
+
+
 def jit_reset_rows(state: StreamState, mask) -> StreamState:
     """`reset_rows` jitted, state donated. mask: bool [B] (a numpy or jax array), checked first
     (refused: TypeError / ValueError naming mask, state untouched)."""
@@ -228,8 +235,9 @@ class Streamer:
 
     The guard: `offset_bound` is a Python int, an upper bound of every row's offset
     (+T per step whatever `active` says, back to 0 when every row is reset). A step that could
-    take it past the index dtype's maximum raises OverflowError before launching anything:
-    no device sync, no extra work or recompilation in the jitted step.
+    take it past the index dtype's maximum reads the offsets once (rows reset since may have
+    lowered them) and raises OverflowError before launching anything if it still could:
+    otherwise no device sync, no extra work or recompilation in the jitted step.
 
     device: where the state is made (`init_state`'s: a Device, a Sharding or a StreamState of them;
     default: JAX's default device), in place, never copied there from the default device.
@@ -256,7 +264,11 @@ class Streamer:
 
     def step(self, x, active=None):
         T = int(np.shape(x)[1]) if np.ndim(x) == 3 else 0
-        st.check_headroom(self.offset_bound, T, self.state.offset.dtype)
+        try:
+            st.check_headroom(self.offset_bound, T, self.state.offset.dtype)
+        except OverflowError:  # the bound outlives rows reset since (reset_rows of some): read the offsets once
+            self.offset_bound = int(np.max(np.asarray(self.state.offset)))
+            st.check_headroom(self.offset_bound, T, self.state.offset.dtype)
         if active is not None and not isinstance(active, jax.Array):
             active = jnp.asarray(active)
         outputs, self.state = self._step(self.params, self.state, x, active)

@@ -42,6 +42,7 @@ from .kernel_choice import check_kernels
 from .layers import run_layers, temporal_layer
 from .ops import linear, pick_kernels, rms_norm_f32
 from .placement import MODEL, PlacedStep, axis_size, check_divisible
+from .snapshot import exact_float_cast
 from .state import StreamState
 from .step import check_step_inputs
 from .tables import step_tables
@@ -168,8 +169,17 @@ def make_tensor_parallel_step(config: TemporalConfig, mesh: Mesh, axis: str = MO
         raise ValueError(f"make_tensor_parallel_step(kernels): 'twin' is not split over devices; use one of "
                          f"{list(TP_KERNELS)}")
     check_kernels("make_tensor_parallel_step(kernels)", kernels, TP_KERNELS)
+    if reduce_dtype is not None:
+        try:
+            reduce_dtype = jnp.dtype(reduce_dtype)
+        except TypeError:
+            raise TypeError(f"make_tensor_parallel_step(reduce_dtype): expected None or a float dtype, got "
+                            f"{reduce_dtype!r}") from None
+        if not jnp.issubdtype(reduce_dtype, jnp.floating):
+            raise TypeError(f"make_tensor_parallel_step(reduce_dtype): expected None or a float dtype, got "
+                            f"{reduce_dtype}")
     p_specs, s_specs = tensor_parallel_specs(axis)
-    out_linear = _all_reduced(axis, None if reduce_dtype is None else jnp.dtype(reduce_dtype))
+    out_linear = _all_reduced(axis, reduce_dtype)
     layer_fn = functools.partial(temporal_layer, out_linear=out_linear)  # the one-device layer, its sums all-reduced
     c = config
 
@@ -188,6 +198,9 @@ def make_tensor_parallel_step(config: TemporalConfig, mesh: Mesh, axis: str = MO
         if not isinstance(state, StreamState):
             raise TypeError(f"step(state): expected a jax_impl.StreamState, got {type(state).__name__}")
         check_step_inputs(c, _flax_view(c, tp), state, x, active)  # global shapes and dtypes, at trace time
+        if reduce_dtype is not None and not exact_float_cast(jnp.dtype(state.k.dtype).name, reduce_dtype.name):
+            raise TypeError(f"make_tensor_parallel_step(reduce_dtype): {reduce_dtype} would round the partial sums "
+                            f"of this {jnp.dtype(state.k.dtype).name} stack; use None or a wider float dtype")
         return jax.shard_map(local, mesh=mesh, in_specs=(p_specs, s_specs, P(), P()),
                              out_specs=(P(), s_specs))(tp, state, x, active)
 

@@ -45,10 +45,11 @@ from kernels_pallas.contract.mrope import (
     check_flags,
     check_geometry,
     check_position_range,
+    check_positions_dtype,
     check_sections,
     check_tables,
     default_blocks,
-    default_num_warps,
+    pick_num_warps,
     stream_index,
 )
 from kernels_pallas.contract.numerics import INT32_MAX, next_pow2
@@ -235,7 +236,7 @@ def _call(q, k, a, b, plan: _Plan):
     bt = bt if plan.block_tokens is None else plan.block_tokens
     bh = bh if plan.block_heads is None else plan.block_heads
     num_blocks = check_blocks(bt, bh, num_tokens)
-    num_warps = default_num_warps(bt, bh, rotary_dim) if plan.num_warps is None else plan.num_warps
+    num_warps = pick_num_warps(plan.num_warps, bt, bh, rotary_dim)
     interpret = _use_interpret(plan.interpret)
     kernel = functools.partial(
         _mrope_kernel, num_tokens=num_tokens, num_q_heads=hq, num_kv_heads=hk, head_size=head_size,
@@ -424,10 +425,9 @@ def mrope_from_cache(
     check_flags(mrope_interleaved, is_neox_style)
     _require_array("positions", positions)
     _require_array("cos_sin_cache", cos_sin_cache)
-    check_dtype("cos_sin_cache", jnp.dtype(cos_sin_cache.dtype), (jnp.dtype(jnp.float32),))
-    if not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"positions dtype must be an integer type (int32), got {positions.dtype}")
+    check_positions_dtype(jnp.dtype(positions.dtype).name)
     check_cache_shapes(tuple(positions.shape), tuple(cos_sin_cache.shape), num_tokens, rotary_dim)
+    check_dtype("cos_sin_cache", jnp.dtype(cos_sin_cache.dtype), (jnp.dtype(jnp.float32),))
     if cos_sin_cache.size > INT32_MAX:
         raise ValueError(f"cos_sin_cache must have fewer than 2**31 elements, got {cos_sin_cache.size}")
     num_streams = 3 if len(positions.shape) == 2 else 1

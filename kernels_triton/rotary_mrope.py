@@ -44,10 +44,11 @@ from kernels_pallas.contract.mrope import (
     check_flags,
     check_geometry,
     check_position_range,
+    check_positions_dtype,
     check_sections,
     check_tables,
     default_blocks,
-    default_num_warps,
+    pick_num_warps,
 )
 from kernels_pallas.contract.numerics import INT32_MAX, next_pow2
 from kernels_triton import twin_math as tm
@@ -206,7 +207,7 @@ def _launch(q, k, cos, sin, pos, num_streams, sections, max_position, head_size,
     bt = bt if block_tokens is None else block_tokens
     bh = bh if block_heads is None else block_heads
     num_blocks = check_blocks(bt, bh, num_tokens)
-    num_warps = default_num_warps(bt, bh, rotary_dim) if num_warps is None else num_warps
+    num_warps = pick_num_warps(num_warps, bt, bh, rotary_dim)
     # 32-bit q/k offsets when every element's fits (masked lanes are never dereferenced).
     last = max((num_tokens - 1) * x.stride(0) + x.shape[1] for x in (q, k))
     _mrope_kernel[(num_blocks,)](
@@ -329,6 +330,8 @@ def mrope_(
     _refuse_grad(q=q, k=k, cos=cos, sin=sin)
     check_flags(mrope_interleaved, is_neox_style)
     for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004 (the Pallas twin's)
         check_dtype(name, t.dtype, SUPPORTED_DTYPES)
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
@@ -370,8 +373,7 @@ def _check_cache_args(positions, cos_sin_cache, num_tokens, rotary_dim, device):
         raise ValueError(f"positions must be a torch.Tensor, got {type(positions).__name__}")  # noqa: TRY004
     if not isinstance(cos_sin_cache, torch.Tensor):
         raise ValueError(f"cos_sin_cache must be a torch.Tensor, got {type(cos_sin_cache).__name__}")  # noqa: TRY004
-    if positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions dtype must be int32 or int64, got {positions.dtype}")
+    check_positions_dtype(str(positions.dtype).removeprefix("torch."))
     check_cache_shapes(tuple(positions.shape), tuple(cos_sin_cache.shape), num_tokens, rotary_dim)
     check_dtype("cos_sin_cache", cos_sin_cache.dtype, (torch.float32,))
     for name, t in (("positions", positions), ("cos_sin_cache", cos_sin_cache)):

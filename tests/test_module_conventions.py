@@ -104,6 +104,33 @@ def assert_params_view_buffers(model) -> None:
 
 # ============================================================================ 1. module conventions
 @pytest.mark.parametrize("cls", CLASSES, ids=ids)
+def test_load_state_dict_keeps_to_the_loaders_rules(cls):
+    """`nn.Module.load_state_dict` would cast float64 values into the float32 buffers and, with
+    assign=True, swap in buffers of another dtype: both refused naming the key, nothing written. A
+    drop-in streaming through an assign=True load steps with the new buffers: the bits of an in-place
+    load of the same values."""
+    from jax_impl.checkpoint import CheckpointError
+
+    model = make(cls)
+    model.streaming_init(B)
+    before = weights_of(model)
+    halved = {k: v * 0.5 for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="wrong dtype: in_proj: float64"):
+        model.load_state_dict({k: v.double() for k, v in halved.items()})
+    with pytest.raises(CheckpointError, match=r"not assignable: in_proj: torch.bfloat16 \[2, "):
+        model.load_state_dict({k: v.bfloat16() for k, v in halved.items()}, assign=True)
+    assert all(torch.equal(v, before[k]) for k, v in model.weights().items())
+    inputs = frames(model, 2, seed=4)
+    twin = make(cls)
+    twin.streaming_init(B)
+    model.load_state_dict({k: v.clone() for k, v in halved.items()}, assign=True)
+    twin.load_state_dict(halved)
+    assert model.in_proj.data_ptr() != twin.in_proj.data_ptr()
+    for a, b in zip(run(model, inputs), run(twin, inputs), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=ids)
 @pytest.mark.filterwarnings("ignore:Complex modules are a new feature")
 def test_refused_conversions_change_nothing(cls):
     """While streaming: float64, complex, narrowing the ring, turning the int64 offsets into
@@ -694,3 +721,11 @@ def test_check_headroom_takes_a_state_or_a_bound():
     with pytest.raises(ValueError, match=r"check_headroom\(T\)"):
         jx.check_headroom(state, -1)
     assert np.asarray(near.offset).tolist() == [INT32_MAX - 1, 0]  # read, not touched
+
+
+def test_loop_options_are_checked_when_a_stepper_is_made():
+    """A bad layer_loop is refused where the step or the drop-in is made, not at its first step."""
+    for make_it in (lambda: JaxTemporalStreaming.from_config(TCFG, layer_loop="bogus"),
+                    lambda: jx.make_step(TCFG, layer_loop=None), lambda: jx.step_fn(MCFG, scan_unroll=0)):
+        with pytest.raises(ValueError, match="layer_loop must be one of|scan_unroll must be a positive int"):
+            make_it()

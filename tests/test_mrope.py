@@ -601,6 +601,8 @@ CACHE_ERROR_CASES = [
     ("position negative", _bad(pos=np.full((3, 4), -1, np.int32)), "positions must lie"),
     ("position past int32", _bad(pos=np.full((3, 4), 2**32 + 5, np.int64)), "positions must lie"),
     ("positions float", _bad(pos=np.zeros((3, 4), np.float32)), "positions dtype"),
+    ("positions int16", _bad(pos=np.zeros((3, 4), np.int16)), "positions dtype must be int32 or int64, got int16"),
+    ("positions uint32", _bad(pos=np.zeros((3, 4), np.uint32)), "positions dtype must be int32 or int64, got uint32"),
     ("positions shape", _bad(pos=np.zeros((2, 4), np.int32)), "positions must have shape"),
     ("positions tokens", _bad(pos=np.zeros((3, 5), np.int32)), "positions must have shape"),
     ("cache shape", _bad(cache=np.zeros((97, 6), np.float32)), "cos_sin_cache must have shape"),
@@ -642,10 +644,21 @@ def test_cache_errors(impl, g, match):
 @pytest.mark.parametrize("kw,match", [
     ({"block_tokens": 3}, "block_tokens"),
     ({"block_heads": 0}, "block_heads"),
+    ({"num_warps": 3}, "num_warps must be a power of two in 1..32, got 3"),
+    ({"num_warps": True}, "num_warps must be a power of two in 1..32, got True"),
 ])
 def test_block_size_errors(impl, kw, match):
     with pytest.raises(ValueError, match=match):
         impl(_good(), cache_form=False, **kw)
+
+
+def test_tables_that_are_not_arrays_are_named():
+    g = _good()
+    t = {name: torch.from_numpy(g[name]) for name in ("q", "k", "sin")}
+    with pytest.raises(ValueError, match="cos must be a torch.Tensor, got list"):
+        kt.mrope(t["q"], t["k"], g["cos"].tolist(), t["sin"], g["sec"], g["hs"], g["rd"])
+    with pytest.raises(ValueError, match="cos must be a jax array, got list"):
+        kp.mrope(g["q"], g["k"], g["cos"].tolist(), g["sin"], g["sec"], g["hs"], g["rd"])
 
 
 @pytest.mark.parametrize("flag", ["mrope_interleaved", "is_neox_style"])

@@ -400,6 +400,27 @@ def test_jitted_recycle_ops_refuse_bad_concrete_arguments_before_donating():
     np.testing.assert_array_equal(s.offset, [5, 0])
     assert not np.asarray(s.v).any()
     # the state a call took by donation is refused by name, not by XLA's "buffer has been deleted"
-    for op, arg in ((jx.jit_reset_slot, 0), (jx.jit_bump_slot_start, 0), (jx.jit_reset_rows, np.array([True, False]))):
+    for op, arg in ((jx.jit_reset_slot, 0), (jx.jit_bump_slot_start, 0), (jx.jit_reset_rows, np.array([True, False])),
+                    (lambda st, _: jx.jit_reset_streaming(st), None)):
         with pytest.raises(ValueError, match=r"\(state\): the state was donated to an earlier call"):
             op(old, arg)
+    with pytest.raises(TypeError, match=r"reset_streaming\(state\): expected a jax_impl.StreamState, got dict"):
+        jx.jit_reset_streaming({"k": s.k})
+
+
+def test_streamer_guard_reads_the_offsets_once_it_would_refuse():
+    """The overflow guard's bound (+T a step) outlives rows reset since; where it would refuse a step,
+    the Streamer reads the offsets once: rows reset one at a time keep streaming, and a row that is
+    really at the limit is still refused."""
+    cfg = config("temporal")
+    s = jx.Streamer(cfg, jx.init_params(cfg, jax.random.key(0)), 2)
+    top = jx.state.index_max()
+    snap = {**s.snapshot(), "offset": np.array([top, 5], np.int32), "start_offset": np.zeros(2, np.int32)}
+    s.restore(snap)
+    x = jnp.zeros((2, 1, cfg.dim))
+    with pytest.raises(OverflowError):
+        s.step(x)
+    s.reset_rows(np.array([True, False]))  # the row at the limit starts again; the bound is still `top`
+    assert s.offset_bound == top
+    s.step(x)
+    assert s.offset_bound == 6 and np.asarray(s.state.offset).tolist() == [1, 6]

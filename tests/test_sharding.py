@@ -163,6 +163,13 @@ def test_sessions_refusals_name_the_argument():
     with pytest.raises(ValueError, match=r"reset_rows\(mask\): mask must have shape \[4\]"):
         sh.sharded_reset_rows(state, np.ones(3, bool))
     assert not state.k.is_deleted()  # refused before the donated call
+    with pytest.raises(TypeError, match=r"step\(active\): active must be a bool array, got list"):
+        step(sparams, state, x, [True] * B)  # not placed as an array: the step's own check names it
+    donated, state = state, sh.sharded_reset_slot(state, 1)
+    for op, arg in ((sh.sharded_reset_slot, 0), (sh.sharded_bump_slot_start, 0), (sh.sharded_reset_rows, np.ones(B, bool)),
+                    (sh.sharded_reset_streaming, None), (lambda s: step(sparams, s, x), None)):
+        with pytest.raises(ValueError, match="the state was donated to an earlier call"):
+            op(donated, arg) if arg is not None else op(donated)
     streamer = sh.ShardedStreamer(config, params, B, mesh=mesh)
     odd = jx.state_snapshot(config, jx.init_state(config, 3))
     with pytest.raises(ValueError, match=r"restore\(snapshot\): batch_size B = 3 must be divisible"):
@@ -224,7 +231,7 @@ def test_sharded_streamer_restore_of_another_batch_size_only_when_asked():
     got.step(frames("mimi", config, 0))
     before = jax.tree.map(jnp.copy, got.state)
     with pytest.raises(ValueError, match=r"restore\(snapshot\): the snapshot holds 2 rows \(batch_size 2\), this "
-                                         r"stream 4; nothing was changed\. restore\(snapshot, resize=True\)"):
+                                         r"stream 4; nothing was changed\. With resize=True"):
         got.restore(snap)
     assert_same_stream(got.state, before)
     assert_sessions_layout(got.state, mesh)
@@ -354,6 +361,11 @@ def test_tensor_parallel_refusals_name_the_argument():
         step(params, state, x)  # Flax variables: not the tensor-parallel layout
     with pytest.raises(CheckpointError, match=r"step\(params\): expected a Flax variables dict"):
         jx.make_step(config)(tp, jx.init_state(config, B), x)  # and the plain step refuses the split layout
+    for dtype in (jnp.int32, "foo"):  # the partial sums would be truncated to integers
+        with pytest.raises(TypeError, match=r"make_tensor_parallel_step\(reduce_dtype\): expected None or a float"):
+            sh.make_tensor_parallel_step(config, mesh, reduce_dtype=dtype)
+    with pytest.raises(TypeError, match=r"reduce_dtype\): bfloat16 would round the partial sums of this float32"):
+        sh.make_tensor_parallel_step(config, mesh, reduce_dtype=jnp.bfloat16)(tp, state, x)
 
 
 @two_devices

@@ -48,7 +48,7 @@ from jax_impl.snapshot import dtype_name, exact_float_cast
 from . import quantizer, seanet
 from .layers import check_triton_device
 from .model import FLOAT_DTYPES, MimiTransformer
-from .weights import as_tensor, source_problem
+from .weights import ExactLoads, as_tensor, source_problem
 
 # "reference": torch's ops, bit-exact with moshi; "twin": the twin kernels (`kernels_triton.twin_conv`
 # and the transformers' twins), bit-identical with the JAX codec's kernels="twin".
@@ -77,7 +77,7 @@ class CodecState:
         return self.first.shape[0]
 
 
-class MimiCodec(nn.Module):
+class MimiCodec(ExactLoads, nn.Module):
     """The Mimi codec, streaming (inference only: weights are buffers, calls run under no_grad)."""
 
     def __init__(self, config: CodecConfig, dtype: torch.dtype = torch.float32, device=None,

@@ -33,7 +33,7 @@ from jax_impl.sampling_config import check_sampling
 
 from .layers import check_triton_device, rms_norm_f32
 from .sampling import check_randomness, is_integer_tensor, sample
-from .weights import as_tensor, source_problem
+from .weights import ExactLoads, as_tensor, source_problem
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # "reference": torch ops, bit-exact with moshi; "twin": the Triton twin kernels (`twin_depformer`, imported
@@ -60,7 +60,7 @@ def check_ids(name: str, ids: torch.Tensor, high: int) -> None:
         raise ValueError(f"{name} must hold token ids in 0..{high} or -1 (no token), got {ids[bad][0].item()}")
 
 
-class Depformer(nn.Module):
+class Depformer(ExactLoads, nn.Module):
     """The depformer with stacked weight buffers (`buffer_shapes`): one copy of each weight set."""
 
     def __init__(self, config: DepformerConfig, dtype=torch.float32, device=None, kernels: str = "reference"):

@@ -55,7 +55,7 @@ from .depformer import Depformer, check_ids, int_tensor
 from .layers import check_triton_device
 from .model import TemporalStreaming
 from .sampling import check_randomness, sample
-from .weights import as_tensor, source_problem
+from .weights import ExactLoads, as_tensor, source_problem
 
 EMBEDDING_PREFIXES = ("text_emb.", "emb.")
 
@@ -85,7 +85,7 @@ def check_tokens(name: str, x, shape: tuple[int, ...], high: int, device) -> tor
     return x.long()
 
 
-class LMFrame(nn.Module):
+class LMFrame(ExactLoads, nn.Module):
     """The temporal stack, its input tables, the text head and sampling, and the depformer, as one frame.
 
     kernels: "reference" or "twin" (module docstring), for the whole frame."""

@@ -20,6 +20,7 @@ import torch
 
 import jax_impl
 from jax_impl.kernel_choice import JAX_KERNELS, check_kernels
+from jax_impl.model import check_loop_options
 from jax_impl.snapshot import (
     ARRAY_KEYS,
     check_restore_batch,
@@ -44,6 +45,7 @@ class JaxBacked:
         "reference", "pallas", or "twin" (the Pallas twins: the bits of the torch stack built with
         kernels="twin"); `self.kernels` says it. layer_loop: "python" or "scan"."""
         check_kernels(f"{type(self).__name__}(kernels)", kernels, JAX_KERNELS)
+        check_loop_options(layer_loop)
         super().__init__(*args, **kwargs)
         self.kernels = kernels  # what steps this module: the JAX step's kernels
         self._layer_loop = layer_loop
@@ -112,6 +114,13 @@ class JaxBacked:
         # copied (B bools), as the torch path accepts it.
         args = [to_jax(a, copy=None) if isinstance(a, torch.Tensor) else a for a in args]
         getattr(self._streamer, "reset_streaming" if op == "reset" else op)(*args)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        """`nn.Module`'s load (`load_state_dict`), the JAX side following while streaming: a load with
+        assign=True replaces the buffers, and the params become views of the new ones."""
+        super()._load_from_state_dict(*args, **kwargs)
+        if self._streamer is not None:
+            self._streamer.convert(self.jax_params())
 
     def _apply(self, fn, recurse=True):
         """The torch stack's conversions (`.to()`, `.float()`, `.cpu()`, `.share_memory()`, ...; see

@@ -28,7 +28,7 @@ from .layers import check_triton_device, mimi_layer, rms_norm_f32, temporal_laye
 from .state import TorchStreamState
 from .stream_io import StackStreamIO
 from .tables import TorchStepTables, build_step_tables, rope_freqs, twin_tables
-from .weights import StackWeights
+from .weights import ExactLoads, StackWeights
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The exact widenings (jax_impl.checkpoint.WIDENINGS: bf16/f16 -> f32) as torch dtype pairs.
@@ -36,7 +36,7 @@ _LOSSLESS = {(getattr(torch, a), getattr(torch, b)) for a, b in WIDENINGS}
 
 
 
-class StreamingStack(StackWeights, StackStreamIO, nn.Module):
+class StreamingStack(StackWeights, StackStreamIO, ExactLoads, nn.Module):
     """Shared machinery: stacked weights, streaming state, validation, checkpoint I/O.
 
     Threads: a small stack on the CPU (the `-small` presets) steps fastest on one torch thread,

@@ -63,6 +63,33 @@ def as_tensor(value) -> torch.Tensor:
     return torch.from_numpy(np.array(value))
 
 
+class ExactLoads:
+    """`nn.Module.load_state_dict` held to `load_weights`' rules for this module's own buffers: torch
+    would cast a float64 value into a float32 buffer (a narrowing) and, with assign=True, replace a
+    buffer by a value of another dtype, shape or device. Refused (`CheckpointError` naming each key)
+    before this module's buffers are written (a mixin before `nn.Module`)."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        assign = local_metadata.get("assign_to_params_buffers", False)
+        lines = []
+        for name, buf in self._buffers.items():
+            key = prefix + name
+            if buf is None or name in self._non_persistent_buffers_set or key not in state_dict:
+                continue
+            value = state_dict[key]
+            line = source_problem(key, value, buf.dtype)
+            if line is None and assign and isinstance(value, torch.Tensor) \
+                    and (value.dtype, value.shape, value.device) != (buf.dtype, buf.shape, buf.device):
+                line = (f"not assignable: {key}: {value.dtype} {list(value.shape)} on {value.device}; the buffer is "
+                        f"{buf.dtype} {list(buf.shape)} on {buf.device} (assign=True would keep the value's)")
+            if line:
+                lines.append(line)
+        if lines:
+            head = f"load_state_dict: {type(self).__name__} refused its tensors (none of them written):"
+            raise CheckpointError("\n".join([head, *("  " + line for line in lines)]), problems=lines)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
+
 class StackWeights:
     """The weight methods of a torch stack (mixed into `model.StreamingStack`)."""
 

@@ -143,6 +143,25 @@ def default_num_warps(block_tokens, block_heads, rotary_dim):
     return max(1, min(8, block_tokens * block_heads * next_pow2(rotary_dim // 2) // 512))
 
 
+def pick_num_warps(num_warps, block_tokens, block_heads, rotary_dim):
+    """num_warps as the caller gave it (checked: a power of two, 1 to 32), or None: `default_num_warps`."""
+    if num_warps is None:
+        return default_num_warps(block_tokens, block_heads, rotary_dim)
+    if not isinstance(num_warps, int) or isinstance(num_warps, bool) or not 1 <= num_warps <= 32 \
+            or num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps must be a power of two in 1..32, got {num_warps!r}")
+    return num_warps
+
+
+POSITION_DTYPES = ("int32", "int64")  # int64 positions are checked to fit int32 before the kernel reads them
+
+
+def check_positions_dtype(name: str) -> None:
+    """ValueError unless the positions' dtype (by name: "int32", "int16", "bool", ...) is one of POSITION_DTYPES."""
+    if name not in POSITION_DTYPES:
+        raise ValueError(f"positions dtype must be int32 or int64, got {name}")
+
+
 def check_blocks(block_tokens, block_heads, num_tokens):
     """Validates caller-given tile sizes; returns the number of token blocks (the grid)."""
     for name, v in (("block_tokens", block_tokens), ("block_heads", block_heads)):
