@@ -264,13 +264,14 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     at most `_FEW_QUERIES` queries B*H*T, or `_SMALL_HEAD_WARPS` (`_warps`), and `_STAGES`, read at call time).
     Returns [B, T, H, D] in q's dtype (the layout the out-projection reads), and sems if given.
     """
-    B, H, T, _D, _C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
+    B, H, T, _D, _C = check_twin_attention(q, ring_k, ring_v, positions, q_pos, context)
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: jnp.zeros((n,), jnp.int32))
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     options = _Options(context, num_warps, num_stages, interpret, form, ring_k.shape[0])
-    out, sems = _differentiable(options, q, ring_k, ring_v, jnp.asarray(layer, jnp.int32), positions, q_pos, sems)
+    out, sems = _differentiable(options, q, ring_k, ring_v, tm.layer_index("attention", layer, ring_k.shape[0]), positions,
+                                q_pos, sems)
     return (out, sems) if given else out
 
 
@@ -506,7 +507,8 @@ def attention_bwd(d_out: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, po
 def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int, **_):
     """The plain jax.numpy reference of `attention`'s lane form (same signature and bits; the MMA
     form's bits are the tensor cores', held to the Triton twin's on the GPU)."""
-    _B, _H, _T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
+    _B, _H, _T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos, context)
+    layer = tm.layer_index("attention_native", layer, ring_k.shape[0])
     plan = AttentionBlocks.for_shapes(C)
     BC, chunk, S = plan.block_slots, plan.chunk, plan.splits
     pad = S * chunk - C

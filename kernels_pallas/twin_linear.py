@@ -65,6 +65,7 @@ from kernels_pallas.contract.linear import (
     TWIN_PALLAS_PREFETCH,
     LinearBlocks,
     MmaBlocks,
+    check_native_linear,
     check_twin_linear,
     check_twin_qkv,
     mosaic_takes_linear,
@@ -225,7 +226,7 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
                        residual is not None, None if split is None else split.offset,
                        None if rms is None else rms.eps, block_m, block_n, num_warps, num_stages, prefetch, form,
                        interpret)
-    return _linear_vjp(x, w, jnp.asarray(layer, jnp.int32), scale, residual, *_norm_arrays(norm),
+    return _linear_vjp(x, w, tm.layer_index("linear", layer, w.shape[0]), scale, residual, *_norm_arrays(norm),
                        None if split is None else split.weight, None if rms is None else rms.ss, opts)
 
 
@@ -515,7 +516,8 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     Differentiable in x, w, the norm's weights, rms.ss and the rings (the one kernel: a `jax.custom_vjp`,
     rope_write's backward then the linear's, `contract.grad`); cos and sin are refused, as `rope_write` does.
     """
-    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
+    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask,
+                                         tm.host_values(write_index))
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     mosaic = form != "lanes" and backend.on_mosaic() and mosaic_takes_linear(
@@ -527,7 +529,8 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
                      num_stages=num_stages, form="lanes", interpret=interpret).reshape(B, T, 3, H, D)
         return twin_rope.rope_write(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
                                     write_index, write_mask, interpret=interpret)
-    layers = jnp.stack([jnp.asarray(i, jnp.int32) for i in (layer, layer if ring_layer is None else ring_layer)])
+    layers = jnp.stack([tm.layer_index("linear_rope_write", layer, w.shape[0]),
+                        tm.layer_index("linear_rope_write", layer if ring_layer is None else ring_layer, ring_k.shape[0])])
     lin = _LinearOpts(None, None if norm is None else norm.kind, None if norm is None else norm.eps, False, None,
                       None if rms is None else rms.eps, block_m, block_n, num_warps, num_stages, TWIN_PALLAS_PREFETCH,
                       "mma", interpret)
@@ -633,13 +636,14 @@ def _whole(a):
     return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
 
 
-def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm=None, form=None, **_):
+def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm=None, split=None, rms=None,
+                  form=None, **_):
     """The plain jax.numpy reference of the lane form: the same signature and bits, without Pallas
     (the MMA form's bits are the tensor cores': no plain reference has them)."""
-    if form not in (None, "lanes"):
-        raise ValueError(f"linear_native(form): the reference computes the lane form only, got {form!r}")
+    check_native_linear(form, split, rms)
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     M, K, N, N_out = check_twin_linear(x, w, act, scale, residual, norm)
+    layer = tm.layer_index("linear_native", layer, w.shape[0])
     if norm is not None:
         x = twin_norm.norm_native(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps)
     BK = twin_lanes(K)
@@ -660,7 +664,8 @@ def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index,
                              ring_layer=None, form=None, **_):
     """The plain jax.numpy reference of `linear_rope_write`'s lane form: `linear_native` then
     `twin_rope.rope_write_native`, the same signature and bits (the MMA form's bits are the tensor cores')."""
-    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
+    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask,
+                                    tm.host_values(write_index))
     qkv = linear_native(x, w, layer, norm=norm, form=form).reshape(B, T, 3, H, D)
     return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
                                        write_index, write_mask)

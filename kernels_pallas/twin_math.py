@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
@@ -38,6 +39,7 @@ from kernels_pallas.contract.numerics import (
     SIN_POLY,
     SQRT1_2,
     TWO_OVER_PI,
+    check_index,
 )
 
 F32 = jnp.float32
@@ -228,3 +230,22 @@ def silu(x, gpu: bool):
 def gelu(x, gpu: bool):
     """The exact (erf) GELU: (x / 2) (1 + erf(x / sqrt 2))."""
     return mul(mul(x, F32(0.5), gpu), F32(1.0) + erf(mul(x, F32(SQRT1_2), gpu), gpu), gpu)
+
+
+def host_values(x):
+    """x's values where reading them waits on no device (numpy; a concrete JAX array on the CPU), else
+    None (traced, or on a GPU): what `contract.numerics.check_index` may read."""
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) \
+            and all(d.platform == "cpu" for d in x.devices()):
+        return np.asarray(x)
+    return None
+
+
+def layer_index(who: str, layer, L: int) -> jax.Array:
+    """The layer index of a twin's stacked weights [L, ...] as an int32 scalar, after `check_index` (an
+    index outside [0, L) would read another layer's weights, or memory of none)."""
+    check_index(who, "layer", layer, L, host_values(layer), scalar=True)
+    return jnp.asarray(layer, jnp.int32).reshape(())
+

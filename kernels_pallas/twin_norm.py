@@ -123,7 +123,7 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
     check_twin_norm(x, weight, bias, kind)
-    return _norm_vjp(x, weight, bias, jnp.asarray(layer, jnp.int32), (kind, eps, block_m, num_warps, interpret))
+    return _norm_vjp(x, weight, bias, tm.layer_index("norm", layer, weight.shape[0]), (kind, eps, block_m, num_warps, interpret))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -227,7 +227,7 @@ def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None
         raise ValueError(f"split(x): D={D} must be a multiple of {TWIN_SPLIT_GROUP}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    return _split_vjp(interpret, x, weight, jnp.asarray(layer, jnp.int32))
+    return _split_vjp(interpret, x, weight, tm.layer_index("split", layer, weight.shape[0]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as pltriton
 from kernels_pallas import backend
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.numerics import next_pow2
-from kernels_pallas.contract.rope import check_twin_rope
+from kernels_pallas.contract.rope import check_rope_tables, check_twin_rope
 
 
 def angle_sincos(pos, freqs, gpu: bool):
@@ -71,9 +71,7 @@ def tables(offset: jax.Array, T: int, freqs: jax.Array, *, interpret: bool | Non
     row. The JAX twin step makes them in its entry kernel (`twin_entry`) with the rest of its tables;
     this is the tables alone, the twin of `kernels_triton.twin_rope.tables`. On Mosaic GPU where
     `kernels_pallas.backend` says so and D/2 is a multiple of 8 (`twin_rope_mgpu.tables`)."""
-    B, half = offset.shape[0], freqs.shape[0]
-    if half & (half - 1):
-        raise ValueError(f"tables(freqs): D/2 must be a power of two, got {half}")
+    B, half = check_rope_tables(offset, T, freqs)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if backend.on_mosaic() and half % 8 == 0:
@@ -158,10 +156,10 @@ def rope_write(qkv: jax.Array, cos: jax.Array | None, sin: jax.Array | None, rin
     (or int32, nonzero where written: the kernel reads int32).
     q comes back as [B, H, T, D]. Differentiable in qkv and the rings (module docstring).
     """
-    check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
+    check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask, tm.host_values(write_index))
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    return _differentiable(interpret, qkv, cos, sin, ring_k, ring_v, jnp.asarray(layer, jnp.int32),
+    return _differentiable(interpret, qkv, cos, sin, ring_k, ring_v, tm.layer_index("rope_write", layer, ring_k.shape[0]),
                            write_index, write_mask)
 
 
@@ -314,7 +312,9 @@ def rotate_and_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_ma
     """`rope_write_native` with the rotation `turn(r, i, cos, sin, dtype)` (`rotate`'s arguments; r, i
     float32 of one shape, cos, sin broadcasting to it), the rest XLA's data movement: the Mosaic GPU
     backend's rope write (`twin_rope_mgpu`) passes its elementwise kernel."""
-    B, T, H, D, (_L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
+    B, T, H, D, (L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask,
+                                         tm.host_values(write_index))
+    layer = tm.layer_index("rope_write", layer, L)
     if cos is None:  # no rotation: q and k as projected
         q, k = (qkv[:, :, p].transpose(0, 2, 1, 3) for p in (0, 1))                # [B, H, T, D]
     else:

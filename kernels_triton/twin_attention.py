@@ -21,7 +21,7 @@ from kernels_pallas.contract.attention import (
     twin_attention_form,
     twin_sems_size,
 )
-from kernels_pallas.contract.numerics import TWIN_MMA_ROWS
+from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, check_index
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -162,7 +162,7 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
 
 def _forward(q, ring_k, ring_v, layer, positions, q_pos, *, context, sems, num_warps, num_stages, form):
     """The forward kernel: `attention` without autograd."""
-    B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
+    B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos, context)
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: torch.zeros(n, dtype=torch.int32, device=q.device))
     if sems.device != q.device or not sems.is_contiguous():
@@ -353,7 +353,8 @@ def attention_native(q, ring_k, ring_v, layer, positions, q_pos, *, context: int
     """The plain torch reference of `attention`'s lane form (same signature and bits; the MMA form's
     bits are the tensor cores'): every query at once, split by split and block by block in the
     contract's order (`kernels_pallas.twin_attention`'s docstring)."""
-    B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos)
+    B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos, context)
+    check_index("attention_native", "layer", layer, ring_k.shape[0], tm.host_values(layer), scalar=True)
     plan = AttentionBlocks.for_shapes(C)
     BC, chunk, S = plan.block_slots, plan.chunk, plan.splits
     f32, pad = torch.float32, S * chunk - C

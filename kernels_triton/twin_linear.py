@@ -17,6 +17,7 @@ from kernels_pallas.contract.linear import (
     TWIN_TRITON_LINEAR_STAGES,
     LinearBlocks,
     MmaBlocks,
+    check_native_linear,
     check_twin_linear,
     check_twin_qkv,
     stack_one_layer,
@@ -36,7 +37,7 @@ from kernels_pallas.contract.norm import (
     split_one_layer,
     twin_norm_unroll,
 )
-from kernels_pallas.contract.numerics import twin_lanes
+from kernels_pallas.contract.numerics import check_index, twin_lanes
 from kernels_triton import twin_grad, twin_norm, twin_rope
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
@@ -441,7 +442,8 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
     twin's signature and bits): `linear` then `twin_rope.rope_write`, one kernel in the MMA form;
     cos = sin = None: no rotation; ring_layer: the rings' layer where not `layer`. Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place.
     Differentiable as the Pallas twin (the one kernel: `_QkvRopeWrite`); without gradients, the kernels run directly."""
-    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
+    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask,
+                                         tm.host_values(write_index))
     interpreted = interpreting(_qkv_kernel)
     chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpreted, form, block_n)
     check_twin_split(None, rms, norm, M, K, N, chosen, "linear_rope_write")
@@ -517,13 +519,14 @@ def _qkv_rope_write(x, w, layer_t, ring_t, nw, nb, ss, cos, sin, ring_k, ring_v,
     return q, ring_k, ring_v
 
 # ------------------------------------------------------------------------------- the plain references
-def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm=None, form=None, **_):
+def linear_native(x, w, layer=None, *, act=None, scale=None, residual=None, norm=None, split=None, rms=None,
+                  form=None, **_):
     """The plain torch reference of the lane form: the same signature and bits, without Triton (the
     MMA form's bits are the tensor cores': no plain reference has them)."""
-    if form not in (None, "lanes"):
-        raise ValueError(f"linear_native(form): the reference computes the lane form only, got {form!r}")
+    check_native_linear(form, split, rms)
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     _, K, _, N_out = check_twin_linear(x, w, act, scale, residual, norm)
+    check_index("linear_native", "layer", layer, w.shape[0], tm.host_values(layer), scalar=True)
     layer = int(layer) if isinstance(layer, torch.Tensor) else layer
     if norm is not None:
         x = twin_norm.norm_native(x, norm.weight, norm.bias, layer, kind=norm.kind, eps=norm.eps)
@@ -547,7 +550,8 @@ def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index,
                              ring_layer=None, form=None, **_):
     """The plain torch reference of `linear_rope_write`'s lane form: `linear_native` then
     `twin_rope.rope_write_native` (the rings written in place), the same signature and bits."""
-    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
+    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask,
+                                    tm.host_values(write_index))
     qkv = linear_native(x, w, layer, norm=norm, form=form).reshape(B, T, 3, H, D)
     return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
                                        write_index, write_mask)

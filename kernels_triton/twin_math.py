@@ -29,6 +29,7 @@ from kernels_pallas.contract.numerics import (
     SIN_POLY,
     SQRT1_2,
     TWO_OVER_PI,
+    check_index,
 )
 
 _LOG2E = tl.constexpr(LOG2E)
@@ -66,19 +67,31 @@ def check_device(device, who: str) -> None:
                            "before importing triton to run the kernels on the CPU, or use a CUDA device")
 
 
+def host_values(x):
+    """x's values where reading them waits on no device (a CPU tensor), else None (on a GPU): what
+    `contract.numerics.check_index` may read."""
+    return x.detach().numpy() if isinstance(x, torch.Tensor) and x.device.type == "cpu" else None
+
+
 _LAYER_TENSORS: dict = {}
 
 
 def layer_tensor(layer, L: int, device, who: str) -> torch.Tensor:
-    """The layer index as a 1-element int32 device tensor (an int is range-checked here).
+    """The layer index as a 1-element int32 device tensor, after `contract.numerics.check_index` (an int or
+    a CPU tensor is range-checked here; a GPU tensor's value is not read: in range by its caller).
 
     An int's tensor is made once per (device, layer) and kept: no host-to-device copy per call,
     so the twin layers can be captured in a CUDA graph.
     """
-    if isinstance(layer, torch.Tensor):
+    if type(layer) is int and (cached := _LAYER_TENSORS.get((torch.device(device), layer))) is not None:
+        return cached  # made and checked once, the launches' hot path
+    if torch.device(device).type == "meta":
+        raise ValueError(f"{who}: meta tensors hold no data for the kernels to read")
+    if isinstance(layer, torch.Tensor):  # its values are read where that waits on no device (the CPU)
+        check_index(who, "layer", layer, L, host_values(layer), scalar=True)
         return layer.reshape(1).to(device=device, dtype=torch.int32)
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
-        raise ValueError(f"{who}(layer): expected an int in [0, {L}) or an int tensor, got {layer!r}")
+    check_index(who, "layer", layer, L)  # a Python or numpy int; anything else refused by type
+    layer = int(layer)
     key = (torch.device(device), layer)
     if key not in _LAYER_TENSORS:
         _LAYER_TENSORS[key] = torch.tensor([layer], dtype=torch.int32, device=device)

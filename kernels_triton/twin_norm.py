@@ -138,8 +138,9 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, laye
           block_m: int | None, num_warps: int) -> torch.Tensor:
     """`norm`'s kernel, not differentiated."""
     M, D = check_twin_norm(x, weight, bias, kind)
-    if not x.is_contiguous():
-        raise ValueError(f"norm(x): must be contiguous, got strides {x.stride()}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"norm({name}): must be contiguous, got strides {t.stride()}")
     blocks = NormBlocks.for_shapes(M, D, block_m, interpreting(_kernel))
     BM, BK = blocks.block_m, blocks.block_k
     out = torch.empty_like(x)

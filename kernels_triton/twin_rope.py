@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_pallas.contract.numerics import next_pow2
-from kernels_pallas.contract.rope import check_twin_rope
+from kernels_pallas.contract.numerics import check_index, next_pow2
+from kernels_pallas.contract.rope import check_rope_tables, check_twin_rope
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -30,9 +30,8 @@ def _tables_kernel(offset_ptr, freqs_ptr, cos_ptr, sin_ptr, TP: tl.constexpr, HA
 
 def tables(offset: torch.Tensor, T: int, freqs: torch.Tensor):
     """(cos, sin) float32 [B, T, D/2] for positions offset[b] + t (the Pallas twin's bits)."""
-    B, half = offset.shape[0], freqs.shape[0]
-    if half & (half - 1):
-        raise ValueError(f"tables(freqs): D/2 must be a power of two, got {half}")
+    B, half = check_rope_tables(offset, T, freqs)
+    offset = offset.contiguous()
     Tp = next_pow2(T)
     cos = torch.empty((B, Tp, half), dtype=torch.float32, device=offset.device)
     sin = torch.empty_like(cos)
@@ -117,7 +116,8 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | 
 
 def _forward(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask):
     """The forward kernel: `rope_write` without autograd."""
-    B, T, H, D, (L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
+    B, T, H, D, (L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask,
+                                         tm.host_values(write_index))
     for name, t in (("qkv", qkv), ("ring_k", ring_k), ("ring_v", ring_v), ("cos", cos), ("sin", sin)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"rope_write({name}): must be contiguous, got strides {t.stride()}")
@@ -220,7 +220,9 @@ def tables_native(offset, T: int, freqs):
 def rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask, **_):
     """The plain torch reference of `rope_write`: the same signature and bits (the rings written in
     place where write_mask says; returns (q [B, H, T, D], ring_k, ring_v)), without Triton."""
-    B, T, H, D, _ = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask)
+    B, T, H, D, (L, _) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask,
+                                         tm.host_values(write_index))
+    check_index("rope_write", "layer", layer, L, tm.host_values(layer), scalar=True)
     x = qkv.float().reshape(B, T, 3, H, D // 2, 2)
 
     def rotate(p):  # the contract's rotation of q (p=0) or k (p=1), [B, H, T, D] in qkv's dtype

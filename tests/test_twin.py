@@ -241,6 +241,57 @@ def test_linear_refuses_bad_arguments():
         tli.linear(torch.ones(2, 8), torch.ones(1, 4, 8), 3)
 
 
+def test_indexes_outside_their_arrays_are_refused_alike_on_both_sides():
+    """A layer, or a ring slot, that the caller holds on the host is checked against its array on
+    both sides (a kernel would read another layer's weights, or write outside the ring); a bool or
+    float index and a layer of several elements are refused by type; other argument slips too."""
+    x, w = np.ones((2, 16), np.float32), np.ones((2, 8, 16), np.float32)
+    calls = {"pallas": lambda layer, **kw: pli.linear(jnp.asarray(x), jnp.asarray(w), layer, **kw),
+             "pallas native": lambda layer, **kw: pli.linear_native(jnp.asarray(x), jnp.asarray(w), layer, **kw),
+             "triton": lambda layer, **kw: tli.linear(to_torch(x), to_torch(w), layer, **kw),
+             "triton native": lambda layer, **kw: tli.linear_native(to_torch(x), to_torch(w), layer, **kw)}
+    for side, call in calls.items():
+        host = jnp.int32 if side.startswith("pallas") else (lambda v: torch.tensor(v))
+        for layer, error, message in ((2, ValueError, r"expected values in \[0, 2\), got 2"),
+                                      (-1, ValueError, r".*got -1"), (np.int64(5), ValueError, r".*got 5"),
+                                      (host(2), ValueError, r".*got 2"), (True, TypeError, "expected integers"),
+                                      (host([0, 1]), TypeError, "expected one index")):
+            with pytest.raises(error, match=rf"linear(_native)?\(layer\): {message}"):
+                call(layer)
+        if "native" in side:
+            with pytest.raises(ValueError, match=r"linear_native\(split, rms\): the split RMSNorm's halves"):
+                call(0, rms=TwinRms(np.ones(2, np.float32), 1e-5))
+    with pytest.raises(ValueError, match="meta tensors hold no data"):
+        tli.linear(torch.ones(2, 16, device="meta"), torch.ones(2, 8, 16, device="meta"), 0)
+    B, T, H, D, C = 2, 1, 2, 8, 4
+    qkv, ring = np.ones((B, T, 3, H, D), np.float32), np.zeros((1, B, H, C, D), np.float32)
+    mask = np.ones((B, T), bool)
+    for slots, message in ((np.array([[4], [0]]), r"write_index\): expected values in \[0, 4\), got 4"),
+                           (np.array([[0], [-1]]), r"write_index\): expected values in \[0, 4\), got -1")):
+        with pytest.raises(ValueError, match=message):
+            pr.rope_write(jnp.asarray(qkv), None, None, jnp.asarray(ring), jnp.asarray(ring), 0, jnp.asarray(slots),
+                          jnp.asarray(mask))
+        with pytest.raises(ValueError, match=message):  # before: written outside the ring
+            tr.rope_write(to_torch(qkv), None, None, to_torch(ring), to_torch(ring.copy()), 0, torch.tensor(slots),
+                          torch.tensor(mask))
+    with pytest.raises(ValueError, match=r"rope_write\(qkv\): the head dim D must be a power of two"):
+        tr.rope_write(to_torch(qkv[..., :6]), None, None, to_torch(ring[..., :6]), to_torch(ring[..., :6].copy()), 0,
+                      torch.zeros(B, T, dtype=torch.long), torch.tensor(mask))
+    freqs = np.ones(4, np.float32)
+    for offset, T_, table in ((np.zeros((2, 2), np.int32), 1, freqs), (np.zeros(2, np.int32), 1, freqs[None]),
+                              (np.zeros(2, np.int32), -1, freqs)):
+        for tables, arr in ((pr.tables, jnp.asarray), (tr.tables, to_torch)):
+            with pytest.raises(ValueError, match=r"tables\((offset|T|freqs)\)"):
+                tables(arr(offset), T_, arr(table))
+    strided = torch.tensor([3, 99, 5, 99], dtype=torch.int32)[::2]  # read as its values, not its storage
+    for got, want in zip(tr.tables(strided, 2, to_torch(freqs)), tr.tables(strided.contiguous(), 2, to_torch(freqs)),
+                         strict=True):
+        assert torch.equal(got, want)
+    norm_w = to_torch(np.ones((16, 2), np.float32)).t()
+    with pytest.raises(ValueError, match=r"norm\(weight\): must be contiguous"):
+        tn.norm(to_torch(x), norm_w, None, 0, kind="rms", eps=1e-5)
+
+
 @pytest.mark.parametrize("kind,act,dtype,M", [("rms", None, "bfloat16", 3), ("rms", "silu_gate", "float32", 5),
                                               ("layer", "gelu", "bfloat16", 4), ("layer", None, "float32", 7)])
 def test_linear_with_fused_norm_has_the_bits_of_norm_then_linear(kind, act, dtype, M, monkeypatch):

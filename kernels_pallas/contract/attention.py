@@ -82,8 +82,11 @@ def check_twin_sems(sems, n: int, where: str, make):
     return sems
 
 
-def check_twin_attention(q, ring_k, ring_v, positions, q_pos):
-    """(B, H, T, D, C) of a twin attention call, after checking every shape."""
+def check_twin_attention(q, ring_k, ring_v, positions, q_pos, context=None):
+    """(B, H, T, D, C) of a twin attention call, after checking every shape, and `context` where given
+    (the visible window's length in positions: an int >= 1)."""
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+        raise ValueError(f"attention(context): expected an int >= 1, got {context!r}")
     if len(q.shape) != 4:
         raise ValueError(f"attention(q): expected [B, H, T, D], got shape {tuple(q.shape)}")
     B, H, T, D = q.shape

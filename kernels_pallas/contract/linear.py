@@ -326,6 +326,16 @@ def stack_one_layer(w, scale, norm, layer):
 LINEAR_ACTS = (None, "silu_gate", "gelu")  # the twin linears' activations
 
 
+def check_native_linear(form, split, rms) -> None:
+    """What the linears' plain references refuse: they compute the lane form, without the split
+    RMSNorm's halves (`split`, `rms`: the MMA form's, whose bits are the tensor cores')."""
+    if form not in (None, "lanes"):
+        raise ValueError(f"linear_native(form): the reference computes the lane form only, got {form!r}")
+    if split is not None or rms is not None:
+        raise ValueError("linear_native(split, rms): the split RMSNorm's halves run in the MMA form only, which "
+                         "has no plain reference")
+
+
 def check_twin_linear(x, w, act, scale, residual, norm=None):
     """(M, K, N, N_out) of a twin linear call, after checking shapes, dtypes, act and the fused norm."""
     if act not in LINEAR_ACTS:
@@ -359,7 +369,7 @@ class Shaped(NamedTuple):
     dtype: Any
 
 
-def check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask):
+def check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask, slots=None):
     """(B, T, H, D, M, K, N) of a `linear_rope_write` call, after checking every shape: the
     linear's, rope_write's, and that x is [B*T, K] and w [L, 3*H*D, K]."""
     if len(ring_k.shape) != 5 or len(write_index.shape) != 2:
@@ -367,7 +377,7 @@ def check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask
                          f"{tuple(ring_k.shape)} and {tuple(write_index.shape)}")
     (B, T), H, D = write_index.shape, ring_k.shape[2], ring_k.shape[4]
     M, K, N, _ = check_twin_linear(x, w, None, None, None, norm)
-    check_twin_rope(Shaped((B, T, 3, H, D), x.dtype), cos, sin, ring_k, ring_v, write_index, write_mask)
+    check_twin_rope(Shaped((B, T, 3, H, D), x.dtype), cos, sin, ring_k, ring_v, write_index, write_mask, slots)
     if (M, N) != (B * T, 3 * H * D):
         raise ValueError(f"linear_rope_write: x must be [B*T={B * T}, K] and w [L, 3*H*D={3 * H * D}, K], got x "
                          f"{tuple(x.shape)} and w {tuple(w.shape)}")

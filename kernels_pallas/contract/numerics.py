@@ -29,6 +29,9 @@ Standard library only.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 INT32_MAX = 2**31 - 1  # flat element offsets computed in int32 must stay at or below this
 
 # exp (Cephes expf): n = round(x log2 e), r = x - n ln 2 in two parts, a degree-7 polynomial
@@ -95,3 +98,28 @@ def choose_form(who: str, form: str | None, fits: bool, compiled: bool, needs: s
     if form is not None:
         return form
     return "mma" if compiled and fits else "lanes"
+
+
+def check_index(who: str, name: str, index, high: int, values=None, scalar: bool = False) -> None:
+    """Refuse, naming `who`'s `name`, an index argument that is not integers (a bool is not one) or
+    whose values lie outside [0, high). `values`: what the caller could read of an array without
+    waiting on a device (numpy values of a host array; None for one that is traced or on a GPU: not
+    read, and the kernels use it unchecked, so it must be in range, as the step's tables make it).
+    A Python or numpy int is read here. `high` 0 is refused: there is nothing to index. scalar: one
+    index (an array of one element), as a layer is."""
+    dtype = str(getattr(index, "dtype", "")).removeprefix("torch.")
+    if isinstance(index, bool) or dtype == "bool":
+        raise TypeError(f"{who}({name}): expected integers, got {index!r}")
+    if isinstance(index, numbers.Integral):
+        values = int(index)
+    elif not dtype.startswith(("int", "uint")):
+        raise TypeError(f"{who}({name}): expected integers, got {dtype or type(index).__name__}")
+    elif scalar and math.prod(index.shape) != 1:
+        raise TypeError(f"{who}({name}): expected one index, got an array of shape {list(index.shape)}")
+    if high < 1:
+        raise ValueError(f"{who}({name}): nothing to index (a size of {high})")
+    if values is None or not getattr(values, "size", 1):
+        return
+    low, top = (values, values) if isinstance(values, int) else (int(values.min()), int(values.max()))
+    if low < 0 or top >= high:
+        raise ValueError(f"{who}({name}): expected values in [0, {high}), got {low if low < 0 else top}")

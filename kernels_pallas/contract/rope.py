@@ -5,15 +5,33 @@ Standard library only.
 
 from __future__ import annotations
 
+from kernels_pallas.contract.numerics import check_index
+
 RING_CONVENTIONS = ("personaplex", "moshi")  # where a ring's slots' positions count from (jax_impl/tables.py)
 
 
-def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask):
+def check_rope_tables(offset, T, freqs) -> tuple[int, int]:
+    """(B, D/2) of a twin `tables` call, after checking offset int [B], T an int >= 0 and freqs [D/2]
+    with D/2 a power of two."""
+    if len(offset.shape) != 1 or not str(offset.dtype).removeprefix("torch.").startswith(("int", "uint")):
+        raise ValueError(f"tables(offset): expected an int array [B], got {offset.dtype} {list(offset.shape)}")
+    if isinstance(T, bool) or not isinstance(T, int) or T < 0:
+        raise ValueError(f"tables(T): expected an int >= 0, got {T!r}")
+    half = freqs.shape[0] if len(freqs.shape) == 1 else 0
+    if half < 1 or half & (half - 1):
+        raise ValueError(f"tables(freqs): expected [D/2] with D/2 a power of two, got shape {list(freqs.shape)}")
+    return offset.shape[0], half
+
+
+def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask, slots=None):
     """(B, T, H, D, (L, C)) of a twin rope_write call, after checking every shape; cos and sin may
-    both be None (no rotation)."""
+    both be None (no rotation). slots: the values of write_index where the caller reads them without
+    waiting on a device (`numerics.check_index`): a slot outside the ring would be written anyway."""
     if len(qkv.shape) != 5 or qkv.shape[2] != 3:
         raise ValueError(f"rope_write(qkv): expected [B, T, 3, H, D], got shape {tuple(qkv.shape)}")
     B, T, _, H, D = qkv.shape
+    if D < 2 or D & (D - 1):
+        raise ValueError(f"rope_write(qkv): the head dim D must be a power of two >= 2 (pairs), got {D}")
     if (cos is None) != (sin is None):
         raise ValueError("rope_write: cos and sin go together: pass both (rotate q and k) or neither (no rotation)")
     for name, t in (("cos", cos), ("sin", sin)):
@@ -26,6 +44,7 @@ def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask):
     if tuple(write_index.shape) != (B, T) or tuple(write_mask.shape) != (B, T):
         raise ValueError(f"rope_write: write_index and write_mask must be [{B}, {T}], got "
                          f"{tuple(write_index.shape)} and {tuple(write_mask.shape)}")
+    check_index("rope_write", "write_index", write_index, ring_k.shape[3], slots)
     return B, T, H, D, (ring_k.shape[0], ring_k.shape[3])
 
 
