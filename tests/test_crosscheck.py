@@ -297,6 +297,31 @@ def test_verdict_and_levels():
         near.require(greedy=True)
 
 
+def test_values_that_are_not_finite_on_one_side_are_not_close(tmp_path):
+    """A NaN or inf where the other side has a number (or an inf of the other sign) has no distance:
+    max rel inf, `close` fails; NaN against NaN agrees in value. The JSON stays strict."""
+    x = np.ones(4, np.float32)
+    for a, b in ((x, np.float32([np.nan, 1, 1, 1])), (np.float32([np.nan, 1, 1, 1]), np.float32([np.nan, 2, 1, 1])),
+                 (np.float32([np.inf, 1, 1, 1]), np.float32([np.inf, 100, 1, 1])),
+                 (np.float32([np.inf, 1, 1, 1]), np.float32([-np.inf, 1, 1, 1]))):
+        report = _report(out=(a, b))
+        if np.isnan(a[0]) and np.isnan(b[0]):
+            assert report.tensors["out"].max_rel == 1.0  # the finite difference, scaled by the finite values
+        elif np.isinf(a[0]) and np.isinf(b[0]) and a[0] == b[0]:
+            assert report.tensors["out"].max_rel == 99.0
+        else:
+            assert report.tensors["out"].max_rel == float("inf")
+        assert not report.holds("close"), (a, b)
+        report.write_json(tmp_path / "r.json")
+
+        def refuse(name):
+            raise ValueError(f"non-standard JSON: {name}")
+
+        json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)
+    nan_both = _report(out=(np.float32([np.nan, 1]), np.float32([np.nan, 1])))
+    assert nan_both.holds("identical")
+
+
 def test_argmax_record_counts_near_ties_and_fails_real_differences():
     record = rp.ArgmaxRecord("text_logits", tie_tol=1e-4)
     torch_logits = np.array([[1.0, 0.99999, -1.0], [1.0, 0.5, -1.0]], np.float32)  # row 0: a near tie

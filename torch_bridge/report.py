@@ -9,6 +9,7 @@ It compares host arrays (numpy, or anything `jax_impl.parity.as_numpy` takes): n
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import textwrap
 from dataclasses import asdict, dataclass, field
@@ -71,9 +72,15 @@ class TensorRecord:
         worst = int(ulp.max()) if ulp is not None and ulp.size else 0
         rel = 0.0
         if worst:
-            scale = float(np.max(np.abs(a.astype(np.float64)))) or 1.0
-            rel = float(np.nanmax(diff)) / scale
-            self.max_abs = max(self.max_abs, float(np.nanmax(diff)))
+            # a NaN or inf on one side only (or an inf of the other sign) is a disagreement no
+            # distance measures: rel inf; both NaN agree in value (not in bits). Scales over finite values.
+            finite = np.isfinite(a) & np.isfinite(b) if a.dtype.kind == "f" else np.ones(a.shape, bool)
+            odd = ~finite & ~((a == b) | (np.isnan(a) & np.isnan(b))) if a.dtype.kind == "f" else finite & False
+            a64 = np.abs(np.where(finite, a, 0).astype(np.float64))
+            scale = float(a64.max()) if a64.size else 0.0
+            dmax = float(np.where(finite, diff, 0).max()) if diff.size else 0.0
+            rel = math.inf if odd.any() else dmax / (scale or 1.0)
+            self.max_abs = max(self.max_abs, math.inf if odd.any() else dmax)
             self.max_rel = max(self.max_rel, rel)
             self.max_ulp = max(self.max_ulp, worst)
             if self.first_diff is None:
@@ -110,7 +117,8 @@ class ArgmaxRecord:
         a = as_numpy(torch_logits).astype(np.float32)
         b = as_numpy(jax_logits).astype(np.float32)
         top2 = np.partition(a, -2, axis=-1)[..., -2:]
-        tie = top2[..., 1] - top2[..., 0] < self.tie_tol * float(np.abs(a).max())
+        finite = np.abs(a[np.isfinite(a)])  # the scale of the finite logits: an inf one makes no tie
+        tie = top2[..., 1] - top2[..., 0] < self.tie_tol * float(finite.max() if finite.size else 0.0)
         differ = a.argmax(-1) != b.argmax(-1)
         bad = differ & ~tie
         self.steps += 1
@@ -235,12 +243,12 @@ class CrosscheckReport:
         lines = [self.header(),
                  "",
                  (f"{'tensor':<14}{'bit-identical':<15}{'steps equal':>12}{'max abs':>11}{'max rel':>10}"
-                  f"{'max ULP':>9}  first diff"),
-                 "-" * 90]
+                  f"{'max ULP':>21}  first diff"),
+                 "-" * 102]
         for r in self.tensors.values():
             where = "-" if r.first_diff is None else f"step {r.first_diff[0]} at {list(r.first_diff[1])}"
             lines.append(f"{r.name:<14}{'yes' if r.identical else 'NO':<15}"
-                         f"{f'{r.identical_steps}/{r.steps}':>12}{r.max_abs:>11.3g}{r.max_rel:>10.2g}{r.max_ulp:>9}  {where}")
+                         f"{f'{r.identical_steps}/{r.steps}':>12}{r.max_abs:>11.3g}{r.max_rel:>10.2g}{r.max_ulp:>21}  {where}")
         lines.append("")
         if self.argmax is not None:
             a = self.argmax
@@ -261,8 +269,17 @@ class CrosscheckReport:
         return out
 
     def write_json(self, path) -> None:
+        """The report as strict JSON: a distance that is not finite (a NaN or inf on one side) is
+        written as the string "inf" / "nan", which every JSON reader takes."""
+        def strict(v):
+            if isinstance(v, float) and not math.isfinite(v):
+                return str(v)
+            if isinstance(v, dict):
+                return {k: strict(x) for k, x in v.items()}
+            return [strict(x) for x in v] if isinstance(v, (list, tuple)) else v
+
         with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
+            json.dump(strict(self.to_json()), f, indent=1, allow_nan=False)
 
     def plot(self, path) -> None:
         """Three panels over the steps: per-step relative error of the float tensors (log scale,
@@ -284,7 +301,8 @@ class CrosscheckReport:
             ax1.plot(steps, np.maximum(np.asarray(r.per_step_rel), REL_FLOOR), lw=0.9,
                      label=f"{r.name} ({r.dtype})")
         ax1.set_yscale("log")
-        top = max([REL_FLOOR * 10, *(r.max_rel for r in floats), *self.close_bounds().values()])
+        rels = [v for r in floats for v in r.per_step_rel if math.isfinite(v)]  # an infinite step: off the top
+        top = max([REL_FLOOR * 10, *rels, *self.close_bounds().values()])
         ax1.set_ylim(REL_FLOOR / 4, top * 4)
         left = blended_transform_factory(ax1.transAxes, ax1.transData)
         ax1.axhline(REL_FLOOR, color="0.5", ls=":", lw=1)
