@@ -18,6 +18,16 @@ from dataclasses import dataclass
 
 from kernels_pallas.contract.rope import RING_CONVENTIONS
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+FLOAT32_TINY = 2.0**-149             # the smallest positive float32 (a subnormal)
+
+
+def positive_float32(value) -> bool:
+    """Whether value is a number (not a bool) > 0 that float32 holds without becoming 0 or inf: the
+    eps of the float32 norms and the sampler's temperature are computed in float32."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and FLOAT32_TINY <= value <= FLOAT32_MAX)
+
 
 def _check_positive(config, names: Sequence[str]) -> None:
     for name in names:
@@ -36,9 +46,9 @@ def _check_common(config) -> None:
         raise ValueError(f"ring_convention must be one of {RING_CONVENTIONS}, got {config.ring_convention!r}")
     if not config.max_period > 1.0:
         raise ValueError(f"max_period must be > 1, got {config.max_period!r}")
-    eps = config.norm_eps
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"norm_eps must be a finite float > 0, got {eps!r}")
+    if not positive_float32(config.norm_eps):
+        raise ValueError(f"norm_eps must be a float > 0 that float32 holds (the norms compute in float32), got "
+                         f"{config.norm_eps!r}")
 
 
 class _StackGeometry:

@@ -23,12 +23,12 @@ and a file that ships it (PersonaPlex's) is used as is.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .checkpoint import check_fit
+from .config import positive_float32
 
 # The key prefixes of the depformer's tensors in a Moshi/PersonaPlex LM checkpoint; other keys
 # (the temporal stack, its embeddings and heads) are not the depformer's and are ignored.
@@ -69,9 +69,9 @@ class DepformerConfig:
         if self.weight_sets > self.dep_q:
             raise ValueError(f"DepformerConfig.weight_sets ({self.weight_sets}) must be at most dep_q ({self.dep_q}): "
                              f"a set no step reads")
-        eps = self.norm_eps
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and eps > 0):
-            raise ValueError(f"DepformerConfig.norm_eps must be a finite float > 0, got {eps!r}")
+        if not positive_float32(self.norm_eps):
+            raise ValueError(f"DepformerConfig.norm_eps must be a float > 0 that float32 holds (the norms compute "
+                             f"in float32), got {self.norm_eps!r}")
 
     @property
     def head_dim(self) -> int:

@@ -20,7 +20,7 @@ largest logit.
 
 from __future__ import annotations
 
-import math
+from .config import positive_float32
 
 HASH_MUL = (0x7FEB352D, 0x846CA68B)   # the multipliers of lowbias32 (shifts 16, 15, 16)
 HASH_SHIFTS = (16, 15, 16)
@@ -36,9 +36,9 @@ LOG_POLY = (1 / 13, 1 / 11, 1 / 9, 1 / 7, 1 / 5, 1 / 3, 1.0)
 def check_sampling(temperature, top_k, vocab: int) -> None:
     """Raise ValueError naming the argument unless 0 <= temperature (finite) and 0 <= top_k <= vocab
     (0: the whole vocabulary)."""
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) \
-            or not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite float >= 0 (0: greedy), got {temperature!r}")
+    if not (temperature == 0 and not isinstance(temperature, bool) or positive_float32(temperature)):
+        raise ValueError(f"temperature must be 0 (greedy) or a float > 0 that float32 holds (the sampler's), got "
+                         f"{temperature!r}")
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= vocab:
         raise ValueError(f"top_k must be an int in 0..{vocab} (0: the whole vocabulary), got {top_k!r}")
 

@@ -174,11 +174,28 @@ def test_drop_in_refuses_bad_input_with_state_unchanged():
     for call, exc in [(lambda: model.step(torch.zeros(2, 2, 31)), ValueError),
                       (lambda: model.step(torch.zeros(2, 2, 32), torch.ones(2)), TypeError),
                       (lambda: model.reset_slot(2), IndexError),
-                      (lambda: model.reset_rows(torch.ones(3, dtype=torch.bool)), ValueError)]:
-        with pytest.raises(exc):
+                      (lambda: model.reset_rows(torch.ones(3, dtype=torch.bool)), ValueError),
+                      (lambda: model.step(torch.zeros(2, 2, 32, requires_grad=True)), TypeError)]:
+        with pytest.raises(exc):  # x requiring grad: JAX cannot give torch's autograd a graph
             call()
     for k, v in vars(model.state).items():
         assert torch.equal(v, before[k]), k
+
+
+def test_from_torch_of_a_twin_stack_steps_on_the_twins():
+    """A stack built with kernels="twin" gets a drop-in with its bits (kernels "auto": the twins)."""
+    from torch_bridge import MimiTransformer, from_torch
+
+    module = MimiTransformer(num_layers=2, dim=32, num_heads=4, context=10, ffn=64, kernels="twin")
+    dropin = from_torch(module)
+    assert dropin.kernels == "twin" and from_torch(MimiTransformer(num_layers=1, dim=32, num_heads=4, context=10,
+                                                                   ffn=64)).kernels == "auto"
+    module.streaming_init(2)
+    dropin.streaming_init(2)
+    x = torch.randn(2, 2, 32, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(module.step(x), dropin.step(x))
+    with pytest.raises(ValueError, match="layer_loop must be one of"):
+        from_torch(module, layer_loop="bogus")
 
 
 def test_state_views_are_zero_copy():

@@ -94,8 +94,9 @@ def test_draws_follow_the_softmax():
 
 def test_bad_arguments():
     logits = torch.zeros(2, 8)
-    with pytest.raises(ValueError, match="temperature must be a finite float >= 0"):
-        tsample.sample(logits, torch.zeros(2, dtype=torch.long), temperature=-1.0)
+    for temperature in (-1.0, 1e39, 1e-50, float("nan")):  # 1e39 is inf in float32, 1e-50 is 0
+        with pytest.raises(ValueError, match="temperature must be 0 \\(greedy\\) or a float > 0 that float32 holds"):
+            tsample.sample(logits, torch.zeros(2, dtype=torch.long), temperature=temperature)
     with pytest.raises(ValueError, match="top_k must be an int in 0..8"):
         tsample.sample(logits, torch.zeros(2, dtype=torch.long), temperature=1.0, top_k=9)
     for seeds in (None, torch.zeros(2), torch.zeros(2, dtype=torch.bool), torch.zeros(3, dtype=torch.long)):

@@ -192,6 +192,10 @@ class JaxBacked:
         behind each step: on an H200 it added 0.01-0.51 ms a step (benchmarks/RESULTS.md, "dropin_overhead").
         """
         _, active = self._check_step_inputs(x, active)
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise TypeError(f"step(x): x requires grad, and this {type(self).__name__} steps in JAX, where torch's "
+                            f"autograd cannot follow; differentiate with jax.grad through jax_impl.step_fn, or "
+                            f"step the torch module")
         outputs = self._streamer.step(to_jax(x, copy=None), None if active is None else to_jax(active, copy=None))
         return jax.tree_util.tree_map(to_torch, outputs)
 
@@ -207,8 +211,11 @@ class JaxMimiTransformer(JaxBacked, MimiTransformer):
 
 def from_torch(module: StreamingStack | Depformer, *, layer_loop: str = "python",
                kernels: str = "auto") -> JaxBacked | JaxDepformer:
-    """A JAX-backed stepper on the very same weight buffers as `module` (no copy). A `Depformer`
-    gives a `JaxDepformer` (kernels "auto": the module's own; layer_loop unused)."""
+    """A JAX-backed stepper on the very same weight buffers as `module` (no copy), with its bits where
+    it has twins: kernels "auto" is "twin" for a stack built with kernels="twin" (else JAX's choice,
+    `jax_impl.kernel_choice`). A `Depformer` gives a `JaxDepformer` (kernels "auto": the module's own;
+    layer_loop checked, unused)."""
+    check_loop_options(layer_loop)
     if isinstance(module, Depformer):
         return JaxDepformer.from_torch(module, None if kernels == "auto" else kernels)
     if isinstance(module, JaxBacked):
@@ -217,6 +224,7 @@ def from_torch(module: StreamingStack | Depformer, *, layer_loop: str = "python"
         raise TypeError(f"from_torch(module): expected TemporalStreaming, MimiTransformer or Depformer, "
                         f"got {type(module).__name__}")
     cls = JaxTemporalStreaming if isinstance(module, TemporalStreaming) else JaxMimiTransformer
+    kernels = "twin" if kernels == "auto" and module.kernels == "twin" else kernels
     stepper = cls.from_config(module.config, dtype=module.dtype, device="meta", layer_loop=layer_loop,
                               kernels=kernels)
     for name, buffer in module.weights().items():
