@@ -263,6 +263,13 @@ def test_indexes_outside_their_arrays_are_refused_alike_on_both_sides():
                 call(0, rms=TwinRms(np.ones(2, np.float32), 1e-5))
     with pytest.raises(ValueError, match="meta tensors hold no data"):
         tli.linear(torch.ones(2, 16, device="meta"), torch.ones(2, 8, 16, device="meta"), 0)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)  # JAX would narrow it to float32, Triton keep it
+    for call in (lambda: pli.linear(x64, w64, 0), lambda: tli.linear(to_torch(x64), to_torch(w64), 0),
+                 lambda: pn.norm(x64, w64[:, 0], None, 0, kind="rms", eps=1e-5),
+                 lambda: tn.norm(to_torch(x64), to_torch(w64[:, 0]), None, 0, kind="rms", eps=1e-5)):
+        with pytest.raises(TypeError, match=r"(linear\(x\)|norm\(x\)): expected one of float32, bfloat16, float16, "
+                                            r"got float64"):
+            call()
     B, T, H, D, C = 2, 1, 2, 8, 4
     qkv, ring = np.ones((B, T, 3, H, D), np.float32), np.zeros((1, B, H, C, D), np.float32)
     mask = np.ones((B, T), bool)

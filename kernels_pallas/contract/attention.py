@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernels_pallas.contract.numerics import choose_form, next_pow2, sixteen_bit
+from kernels_pallas.contract.numerics import check_twin_dtype, choose_form, next_pow2, sixteen_bit
 
 # the Triton attention's launch (speed only): the fastest of benchmarks/twin_tune_gpu.py on an H200
 TWIN_TRITON_ATTENTION_STAGES = 1  # software-pipeline depth of its loop over a split's blocks (3: -6% at B=1, +2% at B=4)
@@ -87,6 +87,7 @@ def check_twin_attention(q, ring_k, ring_v, positions, q_pos, context=None):
     (the visible window's length in positions: an int >= 1)."""
     if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
         raise ValueError(f"attention(context): expected an int >= 1, got {context!r}")
+    check_twin_dtype("attention", "q", q)
     if len(q.shape) != 4:
         raise ValueError(f"attention(q): expected [B, H, T, D], got shape {tuple(q.shape)}")
     B, H, T, D = q.shape

@@ -3,7 +3,7 @@ constants and argument checks, framework-free (standard library only)."""
 
 from __future__ import annotations
 
-from kernels_pallas.contract.numerics import largest_pow2_divisor
+from kernels_pallas.contract.numerics import check_twin_dtype, largest_pow2_divisor
 
 ELU_BLOCK = 1024  # elements of an ELU program, compiled (interpreted: one program for the whole array)
 NEAREST_BLOCK = 64  # codebook entries a nearest program scores at once (speed only)
@@ -38,6 +38,7 @@ def check_conv1d(x, w, bias, residual, stride: int, dilation: int,
                  width: int = 0) -> tuple[int, int, int, int, int, int]:
     """(B, in, L, out, k, T) of a twin conv1d call, after checking shapes, dtypes and the geometry;
     L counts the carry's `width` samples before x's."""
+    check_twin_dtype("conv1d", "x", x)
     for name, v in (("stride", stride), ("dilation", dilation)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"conv1d({name}): expected a positive int, got {v!r}")
@@ -144,6 +145,7 @@ def nearest_plan(N: int, split: int | None = None) -> tuple[int, int]:
 
 def check_nearest(x, entries) -> tuple[int, int, int]:
     """(M, N, D) of a twin nearest call, after checking shapes and dtypes."""
+    check_twin_dtype("nearest", "x", x)
     if len(x.shape) != 2:
         raise ValueError(f"nearest(x): expected [M, D], got shape {tuple(x.shape)}")
     if len(entries.shape) != 2 or entries.shape[1] != x.shape[1] or entries.shape[0] == 0:

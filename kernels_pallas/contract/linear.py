@@ -21,6 +21,7 @@ from kernels_pallas.contract.norm import (
 )
 from kernels_pallas.contract.numerics import (
     TWIN_MMA_ROWS,
+    check_twin_dtype,
     choose_form,
     largest_pow2_divisor,
     next_pow2,
@@ -340,6 +341,7 @@ def check_twin_linear(x, w, act, scale, residual, norm=None):
     """(M, K, N, N_out) of a twin linear call, after checking shapes, dtypes, act and the fused norm."""
     if act not in LINEAR_ACTS:
         raise ValueError(f"linear(act): must be one of {LINEAR_ACTS}, got {act!r}")
+    check_twin_dtype("linear", "x", x)
     if len(x.shape) != 2:
         raise ValueError(f"linear(x): expected [M, K], got shape {tuple(x.shape)}")
     if len(w.shape) != 3 or w.shape[2] != x.shape[1]:

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 from kernels_pallas.contract import numerics
 from kernels_pallas.contract.numerics import (
+    check_twin_dtype,
     largest_pow2_divisor,
     next_pow2,
     twin_lanes,
@@ -150,6 +151,7 @@ def check_norm_params(kind, weight, bias, D, where, layers=None):
 
 def check_twin_norm(x, weight, bias, kind):
     """(M, D) of a twin norm call, after checking shapes and dtypes."""
+    check_twin_dtype("norm", "x", x)
     if len(x.shape) != 2:
         raise ValueError(f"norm(x): expected [M, D], got shape {tuple(x.shape)}")
     M, D = x.shape

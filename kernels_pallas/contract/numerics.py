@@ -61,6 +61,19 @@ TWIN_MMA_ROWS = 16  # rows of the MMA forms' operand: the attention's query, rep
 SIXTEEN_BIT = ("bfloat16", "float16", "torch.bfloat16", "torch.float16")  # dtypes of the MMA forms, as str(dtype)
 
 
+TWIN_FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # what the twins compute on, either framework
+
+
+def check_twin_dtype(who: str, name: str, x) -> None:
+    """TypeError naming `who`'s `name` unless x is an array or tensor of a dtype the twins compute on:
+    a float64 array would come back float32 from the Pallas side (JAX narrows it), float64 from the
+    Triton side."""
+    dtype = str(getattr(x, "dtype", "")).removeprefix("torch.")
+    if dtype not in TWIN_FLOAT_DTYPES:
+        raise TypeError(f"{who}({name}): expected one of {', '.join(TWIN_FLOAT_DTYPES)}, got "
+                        f"{dtype or type(x).__name__}")
+
+
 def sixteen_bit(dtype) -> bool:
     """Whether `dtype` (an array's or tensor's `.dtype`, either framework's) is one the MMA forms take.
     A scalar type such as `jnp.bfloat16` is refused rather than read as another dtype: its str is the

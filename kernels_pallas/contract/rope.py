@@ -5,7 +5,7 @@ Standard library only.
 
 from __future__ import annotations
 
-from kernels_pallas.contract.numerics import check_index
+from kernels_pallas.contract.numerics import check_index, check_twin_dtype
 
 RING_CONVENTIONS = ("personaplex", "moshi")  # where a ring's slots' positions count from (jax_impl/tables.py)
 
@@ -27,6 +27,7 @@ def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask, slot
     """(B, T, H, D, (L, C)) of a twin rope_write call, after checking every shape; cos and sin may
     both be None (no rotation). slots: the values of write_index where the caller reads them without
     waiting on a device (`numerics.check_index`): a slot outside the ring would be written anyway."""
+    check_twin_dtype("rope_write", "qkv", qkv)
     if len(qkv.shape) != 5 or qkv.shape[2] != 3:
         raise ValueError(f"rope_write(qkv): expected [B, T, 3, H, D], got shape {tuple(qkv.shape)}")
     B, T, _, H, D = qkv.shape
