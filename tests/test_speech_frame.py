@@ -196,7 +196,7 @@ def write_test_wav(path, samples: int, rate: int = 24000, channels: int = 1) -> 
         f.writeframes(x.tobytes())
 
 
-def test_speak_cli_writes_the_reply(tmp_path, capsys):
+def test_speak_cli_writes_the_reply(tmp_path, capsys, monkeypatch):
     """`speak` on the CPU: the reply has the padded input's length and rate, the random-weights notice,
     the real-time factor and latencies are printed; a WAV of another rate, a missing checkpoint file,
     are refused naming what they found."""
@@ -233,6 +233,20 @@ def test_speak_cli_writes_the_reply(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["speak", "--input", str(src), "--output", str(out), "--seed", str(2**64)])
     assert "argument --seed: expected a 64-bit non-negative" in capsys.readouterr().err
+    # another preset's files: refused from their headers, before a model of the preset's size is made
+    from safetensors.torch import save_file
+
+    from torch_bridge.frame import LMFrame
+
+    small = LMFrame.from_config(SPEECH_PRESETS["personaplex-small"].lm)
+    save_file({k: v.contiguous() for k, v in small.export_weights().items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "tokenizer-x.safetensors").write_bytes(b"")
+    write_test_wav(src, fs)
+    made = []
+    monkeypatch.setattr(SpeechFrame, "from_config", lambda *a, **k: made.append(a) or pytest.fail("a model was made"))
+    assert main(["speak", "--input", str(src), "--output", str(out), "--preset", "personaplex",
+                 "--checkpoint-dir", str(tmp_path), "-q"]) == 1
+    assert f"{tmp_path / 'model.safetensors'}" in capsys.readouterr().err and not made
 
 
 def test_crosscheck_speech_frame_cli(capsys):

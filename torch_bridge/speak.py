@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from jax_impl.checkpoint import read_safetensors, read_safetensors_shapes
+from jax_impl.checkpoint import check_checkpoint, read_safetensors, read_safetensors_shapes
 from jax_impl.speech_frame_config import SPEECH_PRESETS
 
 from .crosscheck import resolve_device
@@ -132,7 +132,7 @@ def speak(input_path: str, output_path: str, *, preset: str | None = None, check
     from .crosscheck import SEED_MAX, check_int
 
     seed = check_int("seed", seed, 0, maximum=SEED_MAX)
-    device = resolve_device(device)
+    device = resolve_device(device, "--device")
     preset = preset or default_preset(device)
     if preset not in SPEECH_PRESETS:
         raise ValueError(f"--preset must be one of {list(SPEECH_PRESETS)}, got {preset!r}")
@@ -141,6 +141,8 @@ def speak(input_path: str, output_path: str, *, preset: str | None = None, check
         raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     cfg = SPEECH_PRESETS[preset]
     files = checkpoint_files(checkpoint_dir) if checkpoint_dir else None
+    if files:  # the temporal stack's shapes, from the header, before a model of the preset's size is made
+        check_checkpoint(read_safetensors_shapes(files[0]), cfg.lm.temporal, source=files[0])
     samples = read_wav(input_path, cfg.codec.sample_rate)
     fs = cfg.frame_size
     frames = -(-samples.size // fs)
