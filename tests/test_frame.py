@@ -247,3 +247,7 @@ def test_crosscheck_depformer_and_frame(capsys):
     assert "codes         yes" in capsys.readouterr().out
     assert main(["crosscheck", "--stack", "frame", "--context", "8"]) != 0
     assert "--context: not taken by --stack frame" in capsys.readouterr().err
+    assert main(["crosscheck", "--stack", "depformer", "--size", "full"]) != 0  # it would run the small sizes
+    assert "--size: not taken by --stack depformer" in capsys.readouterr().err
+    assert main(["crosscheck", "--stack", "depformer", "--plot", "r.txt"]) != 0  # before the run, not after it
+    assert "--plot: expected a .png file name" in capsys.readouterr().err

@@ -214,6 +214,13 @@ def _crosscheck(args) -> int:
             return tqdm(it, desc=f"crosscheck {args.stack}", unit="step", leave=False)
     elif not args.quiet:  # a log or a pipe: a plain line every few seconds
         progress = progress_lines(f"crosscheck {args.stack}")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise ValueError(f"--plot: expected a .png file name, got {args.plot}")
+    if args.plot:
+        _require_matplotlib()
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            _check_writable(flag, path)  # now, not after the whole run
     if args.stack in ("depformer", "frame", "speech-frame"):
         return _crosscheck_lm(args, progress)
 
@@ -223,13 +230,6 @@ def _crosscheck(args) -> int:
         size = "full" if args.checkpoint or (device or "").startswith("cuda") else "auto"
     if args.checkpoint and not os.path.isfile(args.checkpoint):
         raise ValueError(f"--checkpoint: no such file: {args.checkpoint}")
-    if args.plot and not args.plot.lower().endswith(".png"):
-        raise ValueError(f"--plot: expected a .png file name, got {args.plot}")
-    if args.plot:
-        _require_matplotlib()
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:
-            _check_writable(flag, path)  # now, not after the whole run
     if args.stack == "codec":
         report = _crosscheck_codec(args, size, progress)
     else:
@@ -276,12 +276,11 @@ def _crosscheck_lm(args, progress) -> int:
                                       ("--frames", args.frames), ("--num-heads", args.num_heads),
                                       ("--context", args.context), ("--max-period", args.max_period),
                                       ("--norm-eps", args.norm_eps)) if value is not None]
+    if args.stack != "speech-frame" and args.size != "auto":
+        given.append("--size")
     if given:
         raise ValueError(f"{', '.join(given)}: not taken by --stack {args.stack} (it runs PersonaPlex's sizes, "
                          f"small on the CPU)")
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:
-            _check_writable(flag, path)
     if args.stack == "speech-frame":
         preset = {"auto": None, "small": "personaplex-small", "full": "personaplex"}[args.size]
         report = crosscheck_speech_frame(steps=args.steps, batch=args.batch, dtype=args.dtype, preset=preset,
