@@ -182,10 +182,14 @@ def speak(input_path: str, output_path: str, *, preset: str | None = None, check
     rtf = float(timed.sum() / (len(timed) * 1e3 * fs / cfg.codec.sample_rate))
     result = SpeakResult(frames, padded, rtf, float(np.median(timed)), float(np.percentile(timed, 90)), seconds[0],
                          clipped)
+    silent = min(cfg.max_delay, frames)
     say(f"reply: {output_path}, {frames * fs} samples at {cfg.codec.sample_rate} Hz (silent for the first "
-        f"{cfg.max_delay} frames: the LM's delays)" + (f"; {clipped} samples clipped to [-1, 1]" if clipped else ""))
+        f"{silent} frame{'s' if silent != 1 else ''}: the LM's delays)"
+        + (f"; {clipped} samples clipped to [-1, 1]" if clipped else ""))
+    compile_note = (f"frame 0, {result.compile_s:.1f} s with the compile, left out" if frames > 1 else
+                    "one frame: its time includes the compile")
     say(f"real-time factor {rtf:.3f} (compute / audio time); per-frame latency median {result.median_ms:.2f} ms, "
-        f"p90 {result.p90_ms:.2f} ms (frame 0, {result.compile_s:.1f} s with the compile, left out)")
+        f"p90 {result.p90_ms:.2f} ms ({compile_note})")
     return result
 
 
