@@ -45,6 +45,7 @@ from kernels_pallas.contract.conv import (
     check_conv_transpose1d,
     check_nearest,
     check_stream,
+    check_taps,
     nearest_plan,
     next_pow2,
     taps_plan,
@@ -181,8 +182,7 @@ def taps(x: jax.Array, *, kernel_size: int, stride: int = 1, dilation: int = 1, 
                                    carry_slot=carry_slot, active=active, first=first, replicate=replicate,
                                    interpret=interpret)
     W, ROW, OFF = carry_geometry(x, carry, carry_slot)
-    span = (kernel_size - 1) * dilation + 1
-    T = (W + L - span) // stride + 1
+    T = check_taps(kernel_size, stride, dilation, W + L)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     RT, CH, BC = taps_plan(T, C, kernel_size, W, stride)

@@ -127,7 +127,10 @@ def _entry_kernel(*refs, T, C, HT, X, convention, all_active, gpu):
     tiles(X, lambda i: pltriton.store(xout_ref.at[b * X + i], pltriton.load(x_ref.at[b * X + i])))
 
 
-def _check(offset, start_offset, active, x, freqs):
+def _check(offset, start_offset, active, x, freqs, capacity, num_heads):
+    for name, v in (("capacity", capacity), ("num_heads", num_heads)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"entry({name}): expected a positive int, got {v!r}")
     B = offset.shape[0] if len(offset.shape) == 1 else -1
     for name, a in (("offset", offset), ("start_offset", start_offset)):
         if tuple(a.shape) != (B,) or not jnp.issubdtype(a.dtype, jnp.integer):
@@ -154,7 +157,7 @@ def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array | None, 
     capacity: the ring's slots C; convention: the ring convention (`contract.rope.RING_CONVENTIONS`);
     num_heads: H (the counters are `contract.attention.twin_sems_size(B, H, T)`).
     """
-    _check(offset, start_offset, active, x, freqs)
+    _check(offset, start_offset, active, x, freqs, capacity, num_heads)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     out = _differentiable((capacity, convention, num_heads, interpret), offset, start_offset, active, x, freqs)
@@ -164,7 +167,7 @@ def entry(offset: jax.Array, start_offset: jax.Array, active: jax.Array | None, 
 def _forward(statics, offset, start_offset, active, x, freqs) -> Entry:
     """The kernel (`entry`, its arguments checked); statics: (capacity, convention, num_heads, interpret)."""
     capacity, convention, num_heads, interpret = statics
-    B, T, half = _check(offset, start_offset, active, x, freqs)
+    B, T, half = _check(offset, start_offset, active, x, freqs, capacity, num_heads)
     if backend.on_mosaic() and half % 8 == 0:  # the same bits: the RoPE tables by a Mosaic GPU kernel, the rest by XLA
         from kernels_pallas import twin_rope_mgpu
 
@@ -217,7 +220,7 @@ _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd, symbolic_zeros=
 def entry_native(offset, start_offset, active, x, freqs, *, capacity: int, convention: str, num_heads: int,
                  **_) -> Entry:
     """The plain jax.numpy reference of `entry` (same signature and bits)."""
-    B, T, _half = _check(offset, start_offset, active, x, freqs)
+    B, T, _half = _check(offset, start_offset, active, x, freqs, capacity, num_heads)
     idx = offset.dtype
     active = jnp.ones((B,), bool) if active is None else active
     q_pos, write_index, write_mask, end_offset, positions = row_tables(

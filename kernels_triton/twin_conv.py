@@ -17,6 +17,7 @@ from kernels_pallas.contract.conv import (
     check_conv_transpose1d,
     check_nearest,
     check_stream,
+    check_taps,
     nearest_plan,
     next_pow2,
     taps_plan,
@@ -145,7 +146,7 @@ def taps(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation: int = 
     B, C, L = x.shape
     check_stream("taps", x, carry, active, first, replicate, carry_slot)
     W, ROW, OFF = carry_geometry(x, carry, carry_slot)
-    T = (W + L - (kernel_size - 1) * dilation - 1) // stride + 1
+    T = check_taps(kernel_size, stride, dilation, W + L)
     RT, CH, BC = taps_plan(T, C, kernel_size, W, stride)
     cols = torch.empty(B * T, C * kernel_size, dtype=x.dtype, device=x.device)
     x = x.contiguous()

@@ -294,6 +294,19 @@ def test_indexes_outside_their_arrays_are_refused_alike_on_both_sides():
     for got, want in zip(tr.tables(strided, 2, to_torch(freqs)), tr.tables(strided.contiguous(), 2, to_torch(freqs)),
                          strict=True):
         assert torch.equal(got, want)
+    from kernels_pallas import twin_conv as pc
+    from kernels_triton import twin_conv as tc
+
+    signal = np.ones((1, 2, 6), np.float32)
+    for kw, message in (({"kernel_size": 0}, r"taps\(kernel_size\): expected a positive int, got 0"),
+                        ({"kernel_size": 4, "dilation": 2}, r"a window of 7 samples .* longer than the 6 given"),
+                        ({"kernel_size": 2.0}, r"taps\(kernel_size\): expected a positive int, got 2.0")):
+        for taps, arr in ((pc.taps, jnp.asarray), (tc.taps, to_torch)):
+            with pytest.raises(ValueError, match=message):
+                taps(arr(signal), **kw)
+    with pytest.raises(ValueError, match=r"entry\(capacity\): expected a positive int, got 0"):
+        pe.entry(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), None, jnp.zeros((2, 1, 8)), jnp.ones(4),
+                 capacity=0, convention="moshi", num_heads=2)
     norm_w = to_torch(np.ones((16, 2), np.float32)).t()
     with pytest.raises(ValueError, match=r"norm\(weight\): must be contiguous"):
         tn.norm(to_torch(x), norm_w, None, 0, kind="rms", eps=1e-5)

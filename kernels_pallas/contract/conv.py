@@ -16,6 +16,19 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def check_taps(kernel_size, stride, dilation, length: int) -> int:
+    """T, the rows of a taps call over `length` samples (the carry's and x's), after checking
+    kernel_size, stride and dilation (positive ints) and that one window fits in them."""
+    for name, v in (("kernel_size", kernel_size), ("stride", stride), ("dilation", dilation)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"taps({name}): expected a positive int, got {v!r}")
+    span = (kernel_size - 1) * dilation + 1
+    if span > length:
+        raise ValueError(f"taps(kernel_size): a window of {span} samples (kernel_size {kernel_size}, dilation "
+                         f"{dilation}) is longer than the {length} given (the carry's and x's)")
+    return (length - span) // stride + 1
+
+
 def taps_plan(T: int, channels: int, k: int, width: int, stride: int) -> tuple[int, int, int]:
     """(rows, channels, cols) of a taps program's tile over the tap matrix [T, channels * k] of one batch
     row: RT rows, CH whole channels (CH * k columns: every tap of a channel in one program), written
