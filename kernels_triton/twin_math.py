@@ -83,8 +83,10 @@ def layer_tensor(layer, L: int, device, who: str) -> torch.Tensor:
     An int's tensor is made once per (device, layer) and kept: no host-to-device copy per call,
     so the twin layers can be captured in a CUDA graph.
     """
-    if type(layer) is int and (cached := _LAYER_TENSORS.get((torch.device(device), layer))) is not None:
-        return cached  # made and checked once, the launches' hot path
+    if type(layer) is int and 0 <= layer < L:  # the launches' hot path: an in-range int's tensor, made once
+        cached = _LAYER_TENSORS.get((torch.device(device), layer))
+        if cached is not None:
+            return cached
     if torch.device(device).type == "meta":
         raise ValueError(f"{who}: meta tensors hold no data for the kernels to read")
     if isinstance(layer, torch.Tensor):  # its values are read where that waits on no device (the CPU)
