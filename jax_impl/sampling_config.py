@@ -34,7 +34,8 @@ LOG_POLY = (1 / 13, 1 / 11, 1 / 9, 1 / 7, 1 / 5, 1 / 3, 1.0)
 
 
 def check_sampling(temperature, top_k, vocab: int) -> None:
-    """Raise ValueError naming the argument unless 0 <= temperature (finite) and 0 <= top_k <= vocab
+    """Raise ValueError naming the argument unless temperature is 0 (greedy) or a number float32 holds
+    (`config.positive_float32`: the sampler scales the noise by it in float32), and 0 <= top_k <= vocab
     (0: the whole vocabulary)."""
     if not (temperature == 0 and not isinstance(temperature, bool) or positive_float32(temperature)):
         raise ValueError(f"temperature must be 0 (greedy) or a float > 0 that float32 holds (the sampler's), got "
