@@ -40,7 +40,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import backend, twin_rope
 from kernels_pallas.contract.attention import twin_sems_size
-from kernels_pallas.contract.numerics import next_pow2
+from kernels_pallas.contract.numerics import next_pow2, positive_int
 from kernels_pallas.contract.rope import RING_CONVENTIONS
 
 TILE = 1024  # elements of positions and of x a program handles at a time (a loop over tiles)
@@ -129,7 +129,7 @@ def _entry_kernel(*refs, T, C, HT, X, convention, all_active, gpu):
 
 def _check(offset, start_offset, active, x, freqs, capacity, num_heads):
     for name, v in (("capacity", capacity), ("num_heads", num_heads)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not positive_int(v):
             raise ValueError(f"entry({name}): expected a positive int, got {v!r}")
     B = offset.shape[0] if len(offset.shape) == 1 else -1
     for name, a in (("offset", offset), ("start_offset", start_offset)):

@@ -86,7 +86,7 @@ from kernels_pallas.contract.norm import (
     split_one_layer,
     twin_norm_unroll,
 )
-from kernels_pallas.contract.numerics import twin_lanes
+from kernels_pallas.contract.numerics import positive_int, twin_lanes
 
 
 def _epilogue(acc, dtype, act, scale, residual, gpu):
@@ -318,7 +318,7 @@ def _linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, s
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     split = split_one_layer(split)
     M, K, _, N_out = check_twin_linear(x, w, act, scale, residual, norm)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+    if not positive_int(prefetch):
         raise ValueError(f"linear(prefetch): expected an int >= 1, got {prefetch!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"

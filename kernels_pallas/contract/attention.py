@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernels_pallas.contract.numerics import check_twin_dtype, choose_form, next_pow2, sixteen_bit
+from kernels_pallas.contract.numerics import (
+    check_twin_dtype,
+    choose_form,
+    next_pow2,
+    positive_int,
+    sixteen_bit,
+)
 
 # the Triton attention's launch (speed only): the fastest of benchmarks/twin_tune_gpu.py on an H200
 TWIN_TRITON_ATTENTION_STAGES = 1  # software-pipeline depth of its loop over a split's blocks (3: -6% at B=1, +2% at B=4)
@@ -85,7 +91,7 @@ def check_twin_sems(sems, n: int, where: str, make):
 def check_twin_attention(q, ring_k, ring_v, positions, q_pos, context=None):
     """(B, H, T, D, C) of a twin attention call, after checking every shape, and `context` where given
     (the visible window's length in positions: an int >= 1)."""
-    if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+    if context is not None and not positive_int(context):
         raise ValueError(f"attention(context): expected an int >= 1, got {context!r}")
     check_twin_dtype("attention", "q", q)
     if len(q.shape) != 4:

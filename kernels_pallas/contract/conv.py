@@ -3,7 +3,7 @@ constants and argument checks, framework-free (standard library only)."""
 
 from __future__ import annotations
 
-from kernels_pallas.contract.numerics import check_twin_dtype, largest_pow2_divisor
+from kernels_pallas.contract.numerics import check_twin_dtype, largest_pow2_divisor, positive_int
 
 ELU_BLOCK = 1024  # elements of an ELU program, compiled (interpreted: one program for the whole array)
 NEAREST_BLOCK = 64  # codebook entries a nearest program scores at once (speed only)
@@ -20,7 +20,7 @@ def check_taps(kernel_size, stride, dilation, length: int) -> int:
     """T, the rows of a taps call over `length` samples (the carry's and x's), after checking
     kernel_size, stride and dilation (positive ints) and that one window fits in them."""
     for name, v in (("kernel_size", kernel_size), ("stride", stride), ("dilation", dilation)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not positive_int(v):
             raise ValueError(f"taps({name}): expected a positive int, got {v!r}")
     span = (kernel_size - 1) * dilation + 1
     if span > length:
@@ -53,7 +53,7 @@ def check_conv1d(x, w, bias, residual, stride: int, dilation: int,
     L counts the carry's `width` samples before x's."""
     check_twin_dtype("conv1d", "x", x)
     for name, v in (("stride", stride), ("dilation", dilation)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        if not positive_int(v):
             raise ValueError(f"conv1d({name}): expected a positive int, got {v!r}")
     if len(x.shape) != 3:
         raise ValueError(f"conv1d(x): expected [B, in, L], got shape {tuple(x.shape)}")
@@ -118,7 +118,7 @@ def carry_geometry(x, carry, slot) -> tuple[int, int, int]:
 
 def check_conv_transpose1d(x, w, bias, stride: int, groups: int) -> tuple[int, int, int, int, int]:
     """(B, in, T, out, k) of a twin conv_transpose1d call, after checking shapes, dtypes and groups."""
-    if isinstance(stride, bool) or not isinstance(stride, int) or stride <= 0:
+    if not positive_int(stride):
         raise ValueError(f"conv_transpose1d(stride): expected a positive int, got {stride!r}")
     if len(x.shape) != 3:
         raise ValueError(f"conv_transpose1d(x): expected [B, in, T], got shape {tuple(x.shape)}")
@@ -151,7 +151,7 @@ def nearest_plan(N: int, split: int | None = None) -> tuple[int, int]:
     entries: 5.3 and 16.9; 64: 2.2 and 13.5; RESULTS.md)."""
     if split is None:
         split = largest_pow2_divisor(N, NEAREST_SPLIT)
-    if isinstance(split, bool) or not isinstance(split, int) or split <= 0 or N % split:
+    if not positive_int(split) or N % split:
         raise ValueError(f"nearest(split): expected a positive divisor of the {N} entries, got {split!r}")
     return split, largest_pow2_divisor(split, NEAREST_BLOCK)
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kernels_pallas.contract.numerics import next_pow2
+from kernels_pallas.contract.numerics import next_pow2, positive_int
 
 
 def check_geometry(q_shape, k_shape, head_size, rotary_dim):
     for name, v in (("head_size", head_size), ("rotary_dim", rotary_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        if not positive_int(v):
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even, got {rotary_dim}")

@@ -61,6 +61,11 @@ TWIN_MMA_ROWS = 16  # rows of the MMA forms' operand: the attention's query, rep
 SIXTEEN_BIT = ("bfloat16", "float16", "torch.bfloat16", "torch.float16")  # dtypes of the MMA forms, as str(dtype)
 
 
+def positive_int(v) -> bool:
+    """Whether v is an int >= 1 (a bool is not an int here): the sizes, strides and counts the kernels take."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 TWIN_FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # what the twins compute on, either framework
 
 
