@@ -52,12 +52,14 @@ def int_tensor(name: str, x, shape: tuple[int, ...], device) -> torch.Tensor:
     return x
 
 
-def check_ids(name: str, ids: torch.Tensor, high: int) -> None:
-    """Raise ValueError naming `name` unless every id of the integer tensor is in 0..high or -1."""
+def check_ids(name: str, ids: torch.Tensor, high: int) -> torch.Tensor:
+    """The ids as int64, after raising ValueError naming `name` unless every id of the integer tensor is
+    in 0..high or -1."""
     ids = ids.long()  # an unsigned dtype compared by its values
     bad = (ids < -1) | (ids > high)
     if bool(bad.any()):
         raise ValueError(f"{name} must hold token ids in 0..{high} or -1 (no token), got {ids[bad][0].item()}")
+    return ids
 
 
 class Depformer(ExactLoads, nn.Module):

@@ -81,8 +81,7 @@ def frame_input(text_emb: torch.Tensor, emb: torch.Tensor, tokens_in: torch.Tens
 
 def check_tokens(name: str, x, shape: tuple[int, ...], high: int, device) -> torch.Tensor:
     """x as int64 after checking it: an integer tensor of `shape` on `device` holding ids in 0..high or -1."""
-    check_ids(name, int_tensor(name, x, shape, device), high)
-    return x.long()
+    return check_ids(name, int_tensor(name, x, shape, device), high)
 
 
 class LMFrame(ExactLoads, nn.Module):
@@ -207,7 +206,8 @@ class LMFrame(ExactLoads, nn.Module):
             raise RuntimeError("the frame is not streaming: call streaming_init(batch_size) first")
         return self.frame_offset.shape[0]
 
-    def _check_row(self, op: str, b) -> int:
+    def check_row(self, op: str, b) -> int:
+        """b, after checking it is an int row index of the stream (TypeError / IndexError naming `op`)."""
         if not isinstance(b, int) or isinstance(b, bool):
             raise TypeError(f"{op}(b): b must be an int row index, got {type(b).__name__}")
         if not 0 <= b < self.batch_size:
@@ -225,14 +225,14 @@ class LMFrame(ExactLoads, nn.Module):
     def reset_slot(self, b: int) -> None:
         """Row b starts a new session: its ring forgotten (the temporal `reset_slot`: positions keep
         counting), its frame offset back to 0 (initial tokens until the delays pass), its cache cleared."""
-        b = self._check_row("reset_slot", b)
+        b = self.check_row("reset_slot", b)
         self.temporal.reset_slot(b)
         self.frame_offset[b] = 0
         self.token_cache[b] = UNGENERATED_TOKEN
 
     def bump_slot_start(self, b: int) -> None:
         """The temporal stack's `bump_slot_start(b)` (after `reset_slot(b)`: the sacrifice tick)."""
-        self.temporal.bump_slot_start(self._check_row("bump_slot_start", b))
+        self.temporal.bump_slot_start(self.check_row("bump_slot_start", b))
 
     def reset_rows(self, mask: torch.Tensor) -> None:
         """Rows where mask [B] is True start a fresh stream, positions from 0 (moshi's

@@ -74,8 +74,8 @@ class TensorRecord:
         if worst:
             # a NaN or inf on one side only (or an inf of the other sign) is a disagreement no
             # distance measures: rel inf; both NaN agree in value (not in bits). Scales over finite values.
-            finite = np.isfinite(a) & np.isfinite(b) if a.dtype.kind == "f" else np.ones(a.shape, bool)
-            odd = ~finite & ~((a == b) | (np.isnan(a) & np.isnan(b))) if a.dtype.kind == "f" else finite & False
+            finite = np.isfinite(a) & np.isfinite(b)  # every element of an integer tensor
+            odd = ~finite & ~((a == b) | (np.isnan(a) & np.isnan(b)))
             a64 = np.abs(np.where(finite, a, 0).astype(np.float64))
             scale = float(a64.max()) if a64.size else 0.0
             dmax = float(np.where(finite, diff, 0).max()) if diff.size else 0.0

@@ -101,13 +101,9 @@ class SpeechFrame(nn.Module):
         """Row b starts a fresh session: the codec's `reset_slot` and the LM frame's `reset_rows` (its
         ring zeroed, positions, frame offset and token cache a fresh row's): nothing of the old
         session is left in any part of the state."""
-        B = self.batch_size
-        if not isinstance(b, int) or isinstance(b, bool):
-            raise TypeError(f"reset_slot(b): b must be an int row index, got {type(b).__name__}")
-        if not 0 <= b < B:
-            raise IndexError(f"reset_slot(b): b={b} is out of range for batch_size {B}")
+        b = self.lm.check_row("reset_slot", b)
         self.codec.reset_slot(b)
-        self.lm.reset_rows(torch.arange(B, device=self.device) == b)
+        self.lm.reset_rows(torch.arange(self.batch_size, device=self.device) == b)
 
     def state_arrays(self) -> dict[str, torch.Tensor]:
         """Every state tensor by name, as `jax_impl.speech_frame.speech_state_arrays` names the JAX
