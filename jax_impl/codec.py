@@ -306,14 +306,7 @@ def _transformer_options(kernels: str, rope_freqs) -> dict:
 
 
 def _check_active(op: str, active, batch: int):
-    if active is None:
-        return jnp.ones(batch, bool)
-    dtype = getattr(active, "dtype", None)
-    if dtype is None or jnp.dtype(dtype) != jnp.bool_:
-        raise TypeError(f"{op}(active): active must be a bool array, got {dtype or type(active).__name__}")
-    if tuple(jnp.shape(active)) != (batch,):
-        raise ValueError(f"{op}(active): active must have shape [{batch}], got {list(jnp.shape(active))}")
-    return active
+    return jnp.ones(batch, bool) if active is None else st.check_row_flags(op, "active", active, batch)
 
 
 def _check_state(op: str, state) -> None:

@@ -84,7 +84,7 @@ def check_frame_params(cfg: FrameConfig, params: Mapping) -> dict:
                          f"{sorted(params) if isinstance(params, Mapping) else type(params).__name__}")
     dep = check_depformer_params(cfg.depformer, params["depformer"])
     dtype = dep["in_proj"].dtype
-    check_params(cfg.temporal, params["temporal"], dtype=dtype, argname="params['temporal']")
+    check_params(cfg.temporal, params["temporal"], dtype=dtype, argname="params['temporal']", adapters=True)
     out = {"temporal": params["temporal"], "depformer": dep}
     for name, shape in embedding_shapes(cfg).items():
         out[name] = jnp.asarray(params[name])
@@ -219,11 +219,7 @@ def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit:
         if user_tokens is None and not cfg.user_codebooks:
             user_tokens = jnp.zeros((B, 0), I32)
         _int_array("user_tokens", user_tokens, (B, cfg.user_codebooks), cfg.card)
-        if active is None:
-            active = jnp.ones((B,), bool)
-        elif getattr(active, "dtype", None) != jnp.bool_ or tuple(jnp.shape(active)) != (B,):
-            raise ValueError(f"active must be a bool array of shape [{B}], got {getattr(active, 'dtype', None)} "
-                             f"{list(jnp.shape(active))}")
+        active = jnp.ones((B,), bool) if active is None else st.check_row_flags("step", "active", active, B)
         if (replace_audio is None) != (n == D):
             raise ValueError(f"replace_audio must be given exactly when dep_q_exit < dep_q ({D}): dep_q_exit {n}, "
                              f"replace_audio {'None' if replace_audio is None else 'given'}")
@@ -270,9 +266,7 @@ def _recycle(op: str, state, arg):
         raise TypeError(f"{op}(state): expected a jax_impl.frame.FrameState, got {type(state).__name__}")
     st.check_live(f"{op}(state)", state)
     if op == "reset_rows":
-        if getattr(arg, "dtype", None) != jnp.bool_ or tuple(jnp.shape(arg)) != (state.batch_size,):
-            raise ValueError(f"reset_rows(mask): mask must be a bool array of shape [{state.batch_size}], got "
-                             f"{getattr(arg, 'dtype', type(arg).__name__)} {list(jnp.shape(arg))}")
+        st.check_row_flags(op, "mask", arg, state.batch_size)
     else:
         st.check_row(op, state.temporal, arg)
     return _jitted[op](state, jnp.asarray(arg))

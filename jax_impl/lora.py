@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .config import StackConfig, TemporalConfig
 from .ops import acc_dtype, linear
@@ -60,6 +61,11 @@ def init_lora(config: TemporalConfig, key: jax.Array, rank: int, *, scale: float
     """Fresh adapters: A ~ U(-1/sqrt(in), 1/sqrt(in)) (moshi's `LoRALinear` init), B = 0, in `dtype`."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise ValueError(f"init_lora(rank): must be a positive int, got {rank!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"init_lora(scale): expected a real number, got {type(scale).__name__} {scale!r}")
+    if not math.isfinite(scale):
+        raise ValueError(f"init_lora(scale): expected a finite number, got {scale!r}")
+    dtype = check_adapter_dtype("init_lora(dtype)", dtype)
     check_targets("init_lora(targets)", targets)
     check_temporal("init_lora(config)", config)
     shapes = target_shapes(config)
@@ -72,7 +78,20 @@ def init_lora(config: TemporalConfig, key: jax.Array, rank: int, *, scale: float
     return check_lora(config, LoRA(adapters, float(scale)))
 
 
+def check_adapter_dtype(where: str, dtype) -> jnp.dtype:
+    """dtype as a jnp.dtype if adapters may hold it: a float dtype JAX keeps (float64 only with
+    jax_enable_x64; without it JAX would make float32 arrays); TypeError naming `where`."""
+    dtype = jnp.dtype(dtype)
+    if dtype.name not in ("float16", "bfloat16", "float32", "float64"):
+        raise TypeError(f"{where}: expected float16, bfloat16, float32 or float64, got {dtype}")
+    if dtype.name == "float64" and not jax.config.jax_enable_x64:
+        raise TypeError(f"{where}: float64 needs jax_enable_x64 (without it JAX would make float32 arrays)")
+    return dtype
+
+
 def check_targets(where: str, targets) -> None:
+    if isinstance(targets, str):
+        raise TypeError(f"{where}: expected a sequence of target names, got the string {targets!r}")
     bad = [t for t in targets if t not in LORA_TARGETS]
     if bad or not targets or len(set(targets)) != len(targets):
         raise ValueError(f"{where}: expected distinct targets among {list(LORA_TARGETS)}, got {list(targets)}")
@@ -100,16 +119,20 @@ def check_lora(config: StackConfig, lora, kernels: str = "reference") -> LoRA:
     L = config.num_layers
     for name, ad in lora.adapters.items():
         fan_in, fan_out = target_shapes(config)[name]
-        a, b = (ad.get(k) if isinstance(ad, Mapping) else None for k in ("a", "b"))
+        if not isinstance(ad, Mapping) or set(ad) != {"a", "b"}:
+            raise ValueError(f"lora.adapters[{name!r}]: expected a dict with the keys 'a' and 'b', got "
+                             f"{sorted(ad) if isinstance(ad, Mapping) else type(ad).__name__}")
+        a, b = ad["a"], ad["b"]
         r = a.shape[1] if getattr(a, "ndim", 0) == 3 else None
         want = {"a": (L, r, fan_in), "b": (L, fan_out, r)}
         for key, arr in (("a", a), ("b", b)):
             shape = tuple(getattr(arr, "shape", ()))
-            if r is None or shape != want[key] or not jnp.issubdtype(arr.dtype, jnp.floating):
+            if r is None or shape != want[key] or not hasattr(arr, "dtype"):
                 raise ValueError(f"lora.adapters[{name!r}][{key!r}]: expected a float array of shape "
                                  f"[L={L}, {'r, in=' + str(fan_in) if key == 'a' else f'out={fan_out}, r'}] "
                                  f"(a and b of one rank r), got {getattr(arr, 'dtype', type(arr).__name__)}"
                                  f"{list(shape)}")
+            check_adapter_dtype(f"lora.adapters[{name!r}][{key!r}]", arr.dtype)
     return lora
 
 
@@ -135,6 +158,10 @@ def adapted_linear(x: jax.Array, w: jax.Array, blocks, scale: float) -> jax.Arra
     y = linear(x, w, dtype=acc)
     xf = x.astype(acc)
     for row, ad in blocks:
+        wide = [jnp.dtype(v.dtype) for v in ad.values() if jnp.promote_types(v.dtype, acc) != acc]
+        if wide:  # float64 adapters on float32 activations: the sum would narrow them
+            raise TypeError(f"lora: adapters of {wide[0]} on {x.dtype} activations would be rounded to {acc}; "
+                            f"give the adapters a dtype that widens to {acc} exactly")
         d = linear(linear(xf, ad["a"].astype(acc)), ad["b"].astype(acc))
         y = y.at[..., row:row + d.shape[-1]].add(jnp.asarray(scale, acc) * d)
     return y.astype(x.dtype)

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import numpy as np
 
-_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+FLOATS = ("float16", "bfloat16", "float32", "float64")  # the dtypes ulp_distance orders
 NAN_DISTANCE = np.iinfo(np.uint64).max
 
 
 def as_numpy(x) -> np.ndarray:
-    """A numpy array of x without changing its dtype (bf16 stays ml_dtypes.bfloat16)."""
+    """A numpy array of x without changing its dtype (bf16 stays ml_dtypes.bfloat16); a torch tensor
+    that requires grad is read detached."""
     if isinstance(x, np.ndarray):
         return x
+    if callable(getattr(x, "detach", None)):
+        x = x.detach()
     try:
         return np.asarray(x)
     except (TypeError, RuntimeError):  # e.g. a torch bfloat16 tensor: go through DLPack
@@ -29,8 +33,8 @@ def as_numpy(x) -> np.ndarray:
 def _float_dtype_check(a: np.ndarray, b: np.ndarray) -> None:
     if a.dtype != b.dtype:
         raise TypeError(f"ulp_distance: dtypes differ ({a.dtype} vs {b.dtype}); compare like with like")
-    if a.dtype.kind not in "fV" and "bfloat16" not in str(a.dtype):
-        raise TypeError(f"ulp_distance: a floating dtype is needed, got {a.dtype}")
+    if str(a.dtype) not in FLOATS:
+        raise TypeError(f"ulp_distance: expected one of {FLOATS}, got {a.dtype}")
     if a.shape != b.shape:
         raise ValueError(f"ulp_distance: shapes differ ({a.shape} vs {b.shape})")
 
@@ -38,6 +42,8 @@ def _float_dtype_check(a: np.ndarray, b: np.ndarray) -> None:
 def bits(x) -> np.ndarray:
     """The raw bits of an array as unsigned integers of its width: equal bits <=> equal arrays."""
     a = np.ascontiguousarray(as_numpy(x))
+    if a.dtype.itemsize not in _UINT or a.dtype.kind not in "biufV":
+        raise TypeError(f"bits: expected an array of 1-, 2-, 4- or 8-byte bools or numbers, got {a.dtype}")
     return a.view(_UINT[a.dtype.itemsize])
 
 
@@ -61,18 +67,3 @@ def ulp_distance(a, b) -> np.ndarray:
 def max_ulp(a, b) -> int:
     d = ulp_distance(a, b)
     return int(d.max()) if d.size else 0
-
-
-def max_abs(a, b) -> float:
-    a, b = as_numpy(a).astype(np.float64), as_numpy(b).astype(np.float64)
-    return float(np.max(np.abs(a - b))) if a.size else 0.0
-
-
-def max_rel(a, b, floor: float | None = None) -> float:
-    """max |a - b| / max(|b|, floor); floor defaults to 1e-3 * max|b| (ignores tiny entries)."""
-    a, b = as_numpy(a).astype(np.float64), as_numpy(b).astype(np.float64)
-    if not a.size:
-        return 0.0
-    if floor is None:
-        floor = 1e-3 * float(np.max(np.abs(b))) or np.finfo(np.float64).tiny
-    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), floor)))

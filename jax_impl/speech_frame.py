@@ -137,11 +137,7 @@ def make_speech_frame_step(cfg: SpeechFrameConfig, *, kernels: str = "reference"
         B = state.batch_size
         where = state.lm.frame_offset.sharding
         jcodec.check_pcm("step", pcm, B, cfg.frame_size, state.codec.encoder_transformer.k.dtype)
-        if active is None:
-            active = np.ones(B, bool)
-        elif getattr(active, "dtype", None) != jnp.bool_ or tuple(jnp.shape(active)) != (B,):
-            raise ValueError(f"active must be a bool array of shape [{B}], got {getattr(active, 'dtype', None)} "
-                             f"{list(jnp.shape(active))}")
+        active = np.ones(B, bool) if active is None else st.check_row_flags("step", "active", active, B)
         if sampled:
             check_seeds(seeds, B, is_integer_array)
             seeds = jax.device_put(seeds, where)

@@ -160,15 +160,20 @@ def row_mask(op: str, state: StreamState, b):
     return jnp.arange(B) == b
 
 
-def check_mask(op: str, state: StreamState, mask):
-    B = state.offset.shape[0]
-    dtype = getattr(mask, "dtype", None)
+def check_row_flags(op: str, name: str, flags, batch: int):
+    """flags itself after checking it is a bool array [batch], a flag a row (an `active` mask, a
+    `reset_rows` mask): TypeError for another dtype, ValueError for another shape, naming `op(name)`.
+    Shapes and dtypes only: also for traced flags."""
+    dtype = getattr(flags, "dtype", None)
     if dtype is None or jnp.dtype(dtype) != jnp.bool_:
-        raise TypeError(f"{op}(mask): mask must be a bool array, got {dtype or type(mask).__name__}")
-    shape = jnp.shape(mask)
-    if tuple(shape) != (B,):
-        raise ValueError(f"{op}(mask): mask must have shape [{B}], got {list(shape)}")
-    return jnp.asarray(mask)
+        raise TypeError(f"{op}({name}): {name} must be a bool array, got {dtype or type(flags).__name__}")
+    if tuple(jnp.shape(flags)) != (batch,):
+        raise ValueError(f"{op}({name}): {name} must have shape [{batch}], got {list(jnp.shape(flags))}")
+    return flags
+
+
+def check_mask(op: str, state: StreamState, mask):
+    return jnp.asarray(check_row_flags(op, "mask", mask, state.offset.shape[0]))
 
 
 def _clear_row(ring: jax.Array, b, ok) -> jax.Array:

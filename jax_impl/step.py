@@ -55,21 +55,14 @@ def check_step_inputs(config: StackConfig, params, state: StreamState, x, active
         if tuple(a.shape) != (B,) or not jnp.issubdtype(a.dtype, jnp.integer):
             raise ValueError(f"step(state): {name} must be an integer array of shape [{B}], "
                              f"got {a.dtype}{list(a.shape)}")
-    check_params(c, params, dtype=dtype, argname="step(params)")
+    check_params(c, params, dtype=dtype, argname="step(params)", adapters=True)
     shape = tuple(getattr(x, "shape", ()))
     if len(shape) != 3 or shape[0] != B or shape[2] != c.dim:
         raise ValueError(f"step(x): x must have shape [B={B}, T, dim={c.dim}], got {list(shape)}")
     if not 1 <= shape[1] <= c.capacity:
         raise ValueError(f"step(x): T = x.shape[1] must be in 1..capacity={c.capacity}, got {shape[1]}")
     check_x_dtype(x, dtype)
-    if active is None:
-        return None
-    a_dtype = getattr(active, "dtype", None)
-    if a_dtype is None or jnp.dtype(a_dtype) != jnp.bool_:
-        raise TypeError(f"step(active): active must be a bool array, got {a_dtype or type(active).__name__}")
-    if tuple(active.shape) != (B,):
-        raise ValueError(f"step(active): active must have shape [{B}], got {list(active.shape)}")
-    return active
+    return None if active is None else st.check_row_flags("step", "active", active, B)
 
 
 def check_x_dtype(x, dtype) -> None:
@@ -248,7 +241,7 @@ class Streamer:
                  device=None, kernels: str = "auto"):
         self.config = config
         check_kernels("Streamer(kernels)", kernels, JAX_KERNELS)
-        check_params(config, params, dtype=jnp.dtype(dtype))
+        check_params(config, params, dtype=jnp.dtype(dtype), argname="Streamer(params)", adapters=True)
         self.params = params
         self.state = st.init_state(config, batch_size, dtype, device=device)  # made where it lives
         self.offset_bound = 0

@@ -132,11 +132,14 @@ def stacked_weights(config: StackConfig, variables) -> dict[str, jax.Array]:
     return {s.name: (p["layers"][s.name] if s.per_layer else p[s.name]) for s in weight_specs(config)}
 
 
-def check_params(config: StackConfig, variables, dtype=None, argname: str = "params") -> None:
+def check_params(config: StackConfig, variables, dtype=None, argname: str = "params", *,
+                 adapters: bool = False) -> None:
     """Raise `CheckpointError` listing every missing, unexpected, mis-shaped or mis-typed leaf.
 
     variables: `{"params": {"layers": {name: [L, ...]}, name: [...]}}`; leaves are named
     `layers/in_proj`, `text_linear`, ... in the message. dtype: every leaf's dtype, or None.
+    adapters: whether LoRA adapters may ride beside them under "lora" (`lora.with_lora`: where a step
+    runs them); any other top-level key is refused, as adapters under a misspelt key would be dropped.
     """
     p = variables.get("params") if isinstance(variables, Mapping) else None
     layers = p.get("layers", {}) if isinstance(p, Mapping) else None
@@ -144,6 +147,11 @@ def check_params(config: StackConfig, variables, dtype=None, argname: str = "par
         raise CheckpointError(f"{argname}: expected a Flax variables dict "
                               f"{{'params': {{'layers': {{...}}, ...}}}} (see jax_impl.params_from_stacked), "
                               f"got {type(variables).__name__}")
+    allowed = ("params", "lora") if adapters else ("params",)
+    extra = [k for k in variables if k not in allowed]
+    if extra:
+        raise CheckpointError(f"{argname}: unexpected top-level keys {extra}; expected {list(allowed)}"
+                              + ("" if adapters else " (LoRA adapters run in the step, not here)"))
     want = {("layers/" if s.per_layer else "") + s.name: s.stacked_shape(config.num_layers)
             for s in weight_specs(config)}
     have = {f"layers/{k}": v for k, v in layers.items()}

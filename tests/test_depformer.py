@@ -250,6 +250,9 @@ def test_bad_inputs_raise_clear_errors():
     # an unsigned dtype is read by its values (uint8 ids compared with -1 as uint8 would wrap)
     ids = text.clamp(min=0)
     assert torch.equal(dep(ids.to(torch.uint8), out), dep(ids, out))
+    # uint64's largest value is not -1 (no token), which int64 would read it as
+    with pytest.raises(ValueError, match=f"text_token must hold token ids in 0..50 or -1 \\(no token\\), got {2**64 - 1}"):
+        dep(torch.full((3,), 2**64 - 1, dtype=torch.uint64), out)
     with pytest.raises(TypeError, match="dtype must be one of"):
         Depformer.from_config(cfg, dtype=torch.float64)
     with pytest.raises(ValueError, match="kernels must be one of"):

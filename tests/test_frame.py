@@ -216,10 +216,16 @@ def test_bad_input_is_refused_and_changes_nothing():
     n = user.numpy()
     for args, message in [((out_of_range.numpy(), None, np.zeros((B, 3), np.int32)), "user_tokens must hold"),
                           ((n, None, None), "replace_audio must be given exactly"),
-                          ((n, None, np.full((B, 3), cfg.card + 1, np.int32)), "replace_audio must hold"),
-                          ((n, np.ones(B, np.int32), np.zeros((B, 3), np.int32)), "active must be a bool")]:
+                          ((n, None, np.full((B, 3), cfg.card + 1, np.int32)), "replace_audio must hold")]:
         with pytest.raises(ValueError, match=message):
             step(params, state, *args)
+    # the dtype of a row mask is a TypeError, its shape a ValueError, as on the torch frame
+    with pytest.raises(TypeError, match=r"step\(active\): active must be a bool array, got int32"):
+        step(params, state, n, np.ones(B, np.int32), np.zeros((B, 3), np.int32))
+    with pytest.raises(ValueError, match=rf"step\(active\): active must have shape \[{B}\]"):
+        step(params, state, n, np.ones(B + 1, bool), np.zeros((B, 3), np.int32))
+    with pytest.raises(TypeError, match=r"reset_rows\(mask\): mask must be a bool array"):
+        jf.jit_reset_rows(state, np.ones(B, np.int32))
     with pytest.raises(IndexError, match="reset_slot"):
         jf.jit_reset_slot(state, B)
     # the params are checked when the step is traced: 1 of the 16 audio tables would drop 15 from the input

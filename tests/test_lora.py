@@ -110,6 +110,37 @@ def test_bad_adapters_are_refused(params):
         jx.init_lora(TCFG, jax.random.key(1), 0)
     with pytest.raises(ValueError, match="targets"):
         jx.init_lora(TCFG, jax.random.key(1), 2, targets=("q", "k"))
+    with pytest.raises(TypeError, match=r"init_lora\(targets\): expected a sequence of target names, got the string"):
+        jx.init_lora(TCFG, jax.random.key(1), 2, targets="qv")
+    for scale, kind in (("2", TypeError), (True, TypeError), (float("nan"), ValueError)):
+        with pytest.raises(kind, match=r"init_lora\(scale\)"):
+            jx.init_lora(TCFG, jax.random.key(1), 2, scale=scale)
+    for dtype in (jnp.int32, np.float64):  # float64 without jax_enable_x64 would be made float32
+        with pytest.raises(TypeError, match=r"init_lora\(dtype\)"):
+            jx.init_lora(TCFG, jax.random.key(1), 2, dtype=dtype)
+    step = jx.step_fn(TCFG, kernels="reference")
+    extra = jx.LoRA({**lora.adapters, "q": {**lora.adapters["q"], "alpha": 1.0}}, lora.scale)
+    with pytest.raises(ValueError, match=r"lora.adapters\['q'\]: expected a dict with the keys 'a' and 'b'"):
+        step(jx.with_lora(params, extra), state, x)
+    wide = jx.LoRA({**lora.adapters, "q": {k: np.asarray(v, np.float64) for k, v in lora.adapters["q"].items()}},
+                   lora.scale)
+    with pytest.raises(TypeError, match=r"lora.adapters\['q'\]\['a'\]: float64 needs jax_enable_x64"):
+        step(jx.with_lora(params, wide), state, x)
+    # adapters under another key would be dropped: the step refuses the key
+    with pytest.raises(jx.CheckpointError, match=r"step\(params\): unexpected top-level keys \['LoRA'\]"):
+        step({**params, "LoRA": lora}, state, x)
+    with pytest.raises(jx.CheckpointError, match=r"variables: unexpected top-level keys \['lora'\]"):
+        jx.export_checkpoint(TCFG, jx.with_lora(params, lora))
+
+
+def test_float64_adapters_are_not_rounded_onto_float32_activations(params):
+    """With jax_enable_x64, float64 adapters on a float32 step would be rounded to float32 in the sum."""
+    state, x = inputs()
+    lora = jx.init_lora(TCFG, jax.random.key(1), 2)
+    with jax.enable_x64(True):
+        wide = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), lora)
+        with pytest.raises(TypeError, match="adapters of float64 on float32 activations would be rounded"):
+            jx.step_fn(TCFG, kernels="reference")(jx.with_lora(params, wide), state, x)
 
 
 def readme_example() -> str:

@@ -3,6 +3,7 @@ checkpoints round-trip through safetensors in the Moshi layout."""
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,6 +119,8 @@ def test_bad_input_is_refused_and_state_unchanged(name):
         (lambda: stack.reset_slot(B), IndexError, "out of range"),
         (lambda: stack.reset_slot(-1), IndexError, "out of range"),
         (lambda: stack.reset_slot(1.0), TypeError, "int row index"),
+        (lambda: stack.reset_slot(np.bool_(True)), TypeError, "int row index"),
+        (lambda: stack.reset_slot(np.int64(B)), IndexError, "out of range"),
         (lambda: stack.bump_slot_start(B), IndexError, "out of range"),
         (lambda: stack.reset_rows(torch.ones(B)), TypeError, r"reset_rows\(mask\)"),
         (lambda: stack.reset_rows(torch.ones(2 * B, dtype=torch.bool)), ValueError, r"reset_rows\(mask\)"),
@@ -126,7 +129,7 @@ def test_bad_input_is_refused_and_state_unchanged(name):
         with pytest.raises(exc, match=pattern):
             call()
         assert_state_unchanged(stack, before)
-    stack.reset_slot(1)
+    stack.reset_slot(np.int64(1))  # a numpy integer row, as the JAX recycle ops take
     stack.bump_slot_start(0)
     stack.bump_slot_start(0)  # start_offset 2 == offset 2
     stack.bump_slot_start(0)  # and past it: a plain += 1 (the sacrifice tick), no refusal

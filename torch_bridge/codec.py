@@ -48,6 +48,7 @@ from jax_impl.snapshot import dtype_name, exact_float_cast
 from . import quantizer, seanet
 from .layers import check_triton_device
 from .model import FLOAT_DTYPES, MimiTransformer
+from .state import check_row
 from .weights import ExactLoads, as_tensor, source_problem
 
 # "reference": torch's ops, bit-exact with moshi; "twin": the twin kernels (`kernels_triton.twin_conv`
@@ -244,10 +245,7 @@ class MimiCodec(ExactLoads, nn.Module):
         """Row b starts a fresh session: its carries zeroed, its first-frame flag set, the transformers'
         row reset to position 0 with zeroed rings (`MimiTransformer.reset_rows`)."""
         state = self._require_state("reset_slot")
-        if not isinstance(b, int) or isinstance(b, bool):
-            raise TypeError(f"reset_slot(b): b must be an int row index, got {type(b).__name__}")
-        if not 0 <= b < state.batch_size:
-            raise IndexError(f"reset_slot(b): b={b} is out of range for batch_size {state.batch_size}")
+        b = check_row("reset_slot", b, state.batch_size)
         for carry in state.encoder + state.decoder:
             carry[b].zero_()
         state.first[b] = True

@@ -55,10 +55,12 @@ def int_tensor(name: str, x, shape: tuple[int, ...], device) -> torch.Tensor:
 def check_ids(name: str, ids: torch.Tensor, high: int) -> torch.Tensor:
     """The ids as int64, after raising ValueError naming `name` unless every id of the integer tensor is
     in 0..high or -1."""
-    ids = ids.long()  # an unsigned dtype compared by its values
-    bad = (ids < -1) | (ids > high)
+    signed = ids.dtype.is_signed
+    ids = ids.long()  # unsigned: compared by value; uint64 past 2**63 wraps negative, so below 0 is past high
+    bad = (ids < (-1 if signed else 0)) | (ids > high)
     if bool(bad.any()):
-        raise ValueError(f"{name} must hold token ids in 0..{high} or -1 (no token), got {ids[bad][0].item()}")
+        got = ids[bad][0].item() % (1 << 64) if not signed else ids[bad][0].item()
+        raise ValueError(f"{name} must hold token ids in 0..{high} or -1 (no token), got {got}")
     return ids
 
 

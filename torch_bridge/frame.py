@@ -55,6 +55,7 @@ from .depformer import Depformer, check_ids, int_tensor
 from .layers import check_triton_device
 from .model import TemporalStreaming
 from .sampling import check_randomness, sample
+from .state import check_row
 from .weights import ExactLoads, as_tensor, source_problem
 
 EMBEDDING_PREFIXES = ("text_emb.", "emb.")
@@ -207,12 +208,8 @@ class LMFrame(ExactLoads, nn.Module):
         return self.frame_offset.shape[0]
 
     def check_row(self, op: str, b) -> int:
-        """b, after checking it is an int row index of the stream (TypeError / IndexError naming `op`)."""
-        if not isinstance(b, int) or isinstance(b, bool):
-            raise TypeError(f"{op}(b): b must be an int row index, got {type(b).__name__}")
-        if not 0 <= b < self.batch_size:
-            raise IndexError(f"{op}(b): b={b} is out of range for batch_size {self.batch_size}")
-        return b
+        """b as an int, after checking it is a row index of the stream (`state.check_row`)."""
+        return check_row(op, b, self.batch_size)
 
     def _check_mask(self, name: str, mask) -> torch.Tensor:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
@@ -285,8 +282,10 @@ class LMFrame(ExactLoads, nn.Module):
                                                                 c.card, self.device)
         self.check_sampling_args(seeds, temperature, top_k, text_temperature, text_top_k)
 
-        # the token cache and offsets change in place at the end: a kernel that refuses to run
-        # (a kernel that fails on its device) leaves the frame as it was
+        # every argument is checked above, before anything moves; the token cache and frame offsets are
+        # copied back at the end, but the temporal stack's ring and offsets move when it steps: an error
+        # raised after that (a kernel failing on its device) leaves the stack a frame ahead of the cache:
+        # start the rows afresh (`reset_rows`)
         cache, offset, CT = self.token_cache.clone(), self.frame_offset.clone(), c.cache_len
         run = active[:, None, None]
         if c.user_codebooks:  # the caller's codebooks, written delay frames ahead

@@ -25,7 +25,7 @@ from jax_impl.snapshot import dtype_name, exact_float_cast
 from kernels_pallas.contract.attention import twin_sems_size
 
 from .layers import check_triton_device, mimi_layer, rms_norm_f32, temporal_layer, triton_twins
-from .state import TorchStreamState
+from .state import TorchStreamState, check_row
 from .stream_io import StackStreamIO
 from .tables import TorchStepTables, build_step_tables, rope_freqs, twin_tables
 from .weights import ExactLoads, StackWeights
@@ -108,12 +108,7 @@ class StreamingStack(StackWeights, StackStreamIO, ExactLoads, nn.Module):
         return self._state
 
     def _check_row(self, op: str, b) -> int:
-        state = self._require_state(op)
-        if not isinstance(b, int) or isinstance(b, bool):
-            raise TypeError(f"{op}(b): b must be an int row index, got {type(b).__name__}")
-        if not 0 <= b < state.batch_size:
-            raise IndexError(f"{op}(b): b={b} is out of range for batch_size {state.batch_size}")
-        return b
+        return check_row(op, b, self._require_state(op).batch_size)
 
     def _check_row_mask(self, name: str, mask, state: TorchStreamState) -> torch.Tensor:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
