@@ -185,6 +185,52 @@ def test_cli_bad_checkpoint(tmp_path, capsys):
                  "--kernels", "reference", "--checkpoint", str(small)]) == 0
 
 
+@pytest.mark.parametrize("argv", [["crosscheck"], ["crosscheck", "--stack", "mimi-encoder"],
+                                  ["crosscheck", "--stack", "codec"], ["crosscheck", "--stack", "depformer"],
+                                  ["crosscheck", "--stack", "frame"], ["crosscheck", "--stack", "speech-frame"],
+                                  ["stream"]])
+def test_cli_batch_that_cannot_fit_one_line_error(argv, capsys, monkeypatch):
+    """--batch 10**9 once reached torch's allocator (a traceback of a 12 TB ring): refused before
+    anything is allocated, naming --batch and how many rows the device's memory could hold."""
+    import torch_bridge.crosscheck_codec as ccc
+    import torch_bridge.crosscheck_lm as ccl
+    import torch_bridge.crosscheck_speech as ccs
+
+    for module, name in ((cc, "crosscheck"), (ccc, "crosscheck_codec"), (ccl, "crosscheck_lm"),
+                         (ccs, "crosscheck_speech_frame")):
+        monkeypatch.setattr(module, name, _must_not_run)
+    assert main([*argv, "--batch", str(10**9)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("personaplex-jax: error: --batch: expected at most ") and "\n" not in err
+    assert "rows on cpu, got 1000000000: a row takes at least " in err and "GiB of memory" in err
+
+
+def test_cli_batch_bound_is_the_memory_over_a_rows_state(capsys, monkeypatch):
+    """The bound is exact: a row of the temporal run holds its state twice (torch's and JAX's, the
+    JAX state's bytes counted for both), and a device of 10 rows' bytes takes --batch 10, not 11."""
+    import jax
+
+    from jax_impl.state import init_state
+    from torch_bridge import cli
+
+    row = 2 * sum(x.nbytes for x in jax.tree.leaves(init_state(PRESETS["temporal-small"], 1)))
+    monkeypatch.setattr(cli, "_device_memory", lambda device: 10 * row)
+    ran = []
+
+    def record(stack, **kwargs):
+        ran.append(kwargs["batch"])
+        raise ValueError("recorded")  # main's one-line error: nothing runs
+
+    monkeypatch.setattr(cc, "crosscheck", record)
+    assert main(["crosscheck", "--batch", "10", "-q"]) == 1 and ran == [10]
+    assert capsys.readouterr().err.strip() == "personaplex-jax: error: recorded"
+    assert main(["crosscheck", "--batch", "11", "-q"]) == 1 and ran == [10]
+    assert capsys.readouterr().err.strip() == (
+        f"personaplex-jax: error: --batch: expected at most 10 rows on cpu, got 11: a row takes at least {row:,} "
+        f"bytes (its streaming state, torch's and JAX's), {11 * row / 2**30:,.1f} GiB in all, more than its "
+        f"{10 * row / 2**30:,.1f} GiB of memory")
+
+
 @pytest.mark.parametrize("argv,flag", [(["--steps", "0"], "--steps"), (["--seed", "-1"], "--seed"),
                                        (["--threads", "0"], "--threads"), (["--require", "exact"], "--require")])
 def test_cli_usage_errors_exit_2_naming_the_flag(argv, flag, capsys):

@@ -249,6 +249,83 @@ def test_speak_cli_writes_the_reply(tmp_path, capsys, monkeypatch):
     assert f"{tmp_path / 'model.safetensors'}" in capsys.readouterr().err and not made
 
 
+def riff_wav(*chunks: tuple[bytes, bytes, int | None]) -> bytes:
+    """A WAV file by hand: mono 16-bit PCM at 24 kHz, then `chunks` (id, bytes, declared size or None for
+    their length), each odd-sized one followed by the pad byte RIFF requires and its size does not count."""
+    import struct
+
+    fmt = (b"fmt ", struct.pack("<HHIIHH", 1, 1, 24000, 48000, 2, 16), None)
+    body = b"".join(name + struct.pack("<I", len(data) if size is None else size) + data + b"\0" * (len(data) % 2)
+                    for name, data, size in (fmt, *chunks))
+    return b"RIFF" + struct.pack("<I", 4 + len(body)) + b"WAVE" + body
+
+
+def test_read_wav_skips_pad_bytes_and_refuses_half_a_sample(tmp_path, capsys):
+    """RIFF pads an odd-sized chunk with a byte its size does not count: an odd LIST chunk before the
+    data and an odd chunk after it are skipped, their pad bytes too, the samples read exactly. A data
+    chunk of 5 bytes is 2.5 samples: refused naming the file and the size (it once lost its last byte
+    silently), through the command line in one line, no reply written."""
+    from torch_bridge.cli import main
+    from torch_bridge.speak import read_wav
+
+    src, out = tmp_path / "in.wav", tmp_path / "out.wav"
+    samples = np.array([1, -2, 32767, -32768], "<i2")
+    src.write_bytes(riff_wav((b"LIST", b"INFOx", None), (b"data", samples.tobytes(), None), (b"junk", b"abc", None)))
+    assert np.array_equal(read_wav(str(src), 24000), samples / np.float32(32768))
+    src.write_bytes(riff_wav((b"data", samples.tobytes() + b"\x07", None)))
+    with pytest.raises(ValueError, match=f"--input {src}: malformed: its data chunk declares 9 bytes, not a whole "
+                                         "number of 2-byte samples"):
+        read_wav(str(src), 24000)
+    src.write_bytes(riff_wav((b"data", b"\x07", None)))  # less than one sample
+    assert main(["speak", "--input", str(src), "--output", str(out), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"personaplex-jax: error: --input {src}: malformed: its data chunk declares 1 bytes")
+    assert err.count("\n") == 1 and not out.exists()
+
+
+def test_speak_cli_counts_every_problem_of_a_grouped_checkpoint_error(tmp_path, capsys):
+    """The one-line form of a loader's multi-line error counts its problems: a temporal checkpoint of 12
+    problems, summarized a kind a line with advice after them, says 10 missing and 2 wrong shape; a
+    codec file refused by three checks (its convolutions and two transformers, a head each) says 3
+    missing and 3 wrong shape and names the three parts (the heads and summaries were once counted as
+    problems of kinds of their own)."""
+    from safetensors.torch import save_file
+
+    from torch_bridge.cli import main
+    from torch_bridge.frame import LMFrame
+
+    cfg = SPEECH_PRESETS["personaplex-small"]
+    src, out, lm, codec = (tmp_path / n for n in ("in.wav", "out.wav", "model.safetensors", "tokenizer-x.safetensors"))
+    write_test_wav(src, cfg.frame_size)
+    good = {k: v.contiguous() for k, v in LMFrame.from_config(cfg.lm).export_weights().items()}
+    temporal = sorted(k for k in good if k.startswith("transformer."))
+    bad = {k: v for k, v in good.items() if k not in temporal[:10]}
+    bad.update({k: torch.zeros(3, 3) for k in temporal[10:12]})
+    save_file(bad, str(lm))
+    save_file({k: v.contiguous() for k, v in moshi_mimi(cfg.codec).state_dict().items()}, str(codec))
+    argv = ["speak", "--input", str(src), "--output", str(out), "--checkpoint-dir", str(tmp_path), "-q"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{lm} does not fit TemporalConfig" in err
+    assert ": 12 problems (every one in this error's .problems): 10 missing, 2 wrong shape (first: missing: " in err
+
+    save_file(good, str(lm))
+    weights = {k: v.contiguous() for k, v in moshi_mimi(cfg.codec).state_dict().items()}
+    for part in ("decoder.model.0.conv.conv", "encoder_transformer.transformer.layers.0.linear1",
+                 "decoder_transformer.transformer.layers.1.linear2"):
+        del weights[f"{part}.bias" if part.startswith("decoder.") else f"{part}.weight"]
+    for key in ("encoder.model.0.conv.conv.weight", "encoder_transformer.transformer.layers.0.linear2.weight",
+                "decoder_transformer.transformer.layers.0.linear1.weight"):
+        weights[key] = torch.zeros(3, 3)
+    save_file(weights, str(codec))
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.count(f"{codec} does not fit") == 3
+    assert err.endswith("prefix 'decoder_transformer.': 3 missing, 3 wrong shape "
+                        "(first: missing: decoder.model.0.conv.conv.bias)\n")
+    assert not out.exists()
+
+
 def test_crosscheck_speech_frame_cli(capsys):
     from torch_bridge.cli import main
 

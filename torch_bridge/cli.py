@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 
 from jax_impl.checkpoint import CheckpointError
 from jax_impl.config import RING_CONVENTIONS
@@ -201,7 +202,9 @@ def _speak(args) -> int:
 
 
 def _crosscheck(args) -> int:
-    from .crosscheck import crosscheck, progress_lines, resolve_device
+    from jax_impl.state import init_state
+
+    from .crosscheck import crosscheck, default_config, progress_lines, resolve_device
 
     args.kernels = args.kernels or ("reference" if args.stack in ("codec", "speech-frame") else "twin")
     if args.kernels == "twin" and resolve_device(args.device, "--device") == "cpu":
@@ -236,6 +239,9 @@ def _crosscheck(args) -> int:
         config, note = _crosscheck_config(args, size)
         if note:
             print(note)
+        where = resolve_device(device, "--device")
+        shapes = config or default_config(args.stack, where)
+        _check_batch(args.batch, where, lambda b: init_state(shapes, b, args.dtype))
         report = crosscheck(args.stack, steps=args.steps, batch=args.batch,
                             convention=args.convention or "personaplex", dtype=args.dtype, frames=args.frames,
                             config=config, checkpoint=args.checkpoint, device=device, seed=args.seed,
@@ -268,6 +274,14 @@ def _require_matplotlib() -> None:
 def _crosscheck_lm(args, progress) -> int:
     """`crosscheck --stack depformer|frame|speech-frame` (`crosscheck_lm`, `crosscheck_speech_frame`):
     the flags of a stack's config do not apply."""
+    import jax
+
+    from jax_impl.frame import init_frame_state
+    from jax_impl.frame_config import FRAME_PRESETS
+    from jax_impl.speech_frame import init_speech_frame_state
+    from jax_impl.speech_frame_config import SPEECH_PRESETS
+
+    from .crosscheck import default_preset, resolve_device
     from .crosscheck_lm import crosscheck_lm
     from .crosscheck_speech import crosscheck_speech_frame
 
@@ -281,8 +295,19 @@ def _crosscheck_lm(args, progress) -> int:
     if given:
         raise ValueError(f"{', '.join(given)}: not taken by --stack {args.stack} (it runs PersonaPlex's sizes, "
                          f"small on the CPU)")
+    where = resolve_device(args.device, "--device")
+    preset = {"auto": None, "small": "personaplex-small", "full": "personaplex"}[args.size]
+    lm = FRAME_PRESETS[default_preset(where)]
     if args.stack == "speech-frame":
-        preset = {"auto": None, "small": "personaplex-small", "full": "personaplex"}[args.size]
+        cfg = SPEECH_PRESETS[preset or default_preset(where)]
+        _check_batch(args.batch, where, lambda b: init_speech_frame_state(cfg, b, args.dtype))
+    elif args.stack == "frame":
+        _check_batch(args.batch, where, lambda b: init_frame_state(lm, b, args.dtype))
+    else:  # the depformer keeps no state between steps; a step's logits: float32 [B, dep_q, card]
+        _check_batch(args.batch, where, lambda b: jax.ShapeDtypeStruct((b, lm.depformer.dep_q, lm.depformer.card),
+                                                                        "float32"),
+                     held="a step's logits, torch's and JAX's")
+    if args.stack == "speech-frame":
         report = crosscheck_speech_frame(steps=args.steps, batch=args.batch, dtype=args.dtype, preset=preset,
                                          device=args.device, seed=args.seed, recycle=not args.no_recycle,
                                          threads=args.threads, kernels=args.kernels, progress=progress)
@@ -305,10 +330,11 @@ def _crosscheck_lm(args, progress) -> int:
 def _crosscheck_codec(args, size: str, progress):
     """`crosscheck_codec` from the flags. The transformer stacks' config flags do not apply: the codec's
     config is a preset (--size) or, with --checkpoint, the released Mimi's."""
+    from jax_impl.codec import init_codec_state
     from jax_impl.codec_config import CODEC_PRESETS
 
     from .crosscheck import resolve_device
-    from .crosscheck_codec import crosscheck_codec
+    from .crosscheck_codec import crosscheck_codec, default_codec_config
 
     for flag, value in (("--convention", args.convention), ("--frames", args.frames), ("--config", args.config_json),
                         *((_FLAGS[f], getattr(args, f)) for f in _FLAGS)):
@@ -316,7 +342,10 @@ def _crosscheck_codec(args, size: str, progress):
             raise ValueError(f"{flag}: does not apply to --stack codec (its config is the preset of --size, "
                              f"or the released Mimi's with --checkpoint)")
     config = None if size == "auto" else CODEC_PRESETS["mimi" if size == "full" else "mimi-small"]
-    steps = args.steps or (8 if args.kernels == "twin" and resolve_device(args.device, "--device") == "cpu" else 300)
+    where = resolve_device(args.device, "--device")
+    shapes = config or default_codec_config(where)
+    _check_batch(args.batch, where, lambda b: init_codec_state(shapes, b, args.dtype))
+    steps = args.steps or (8 if args.kernels == "twin" and where == "cpu" else 300)
     return crosscheck_codec(steps=steps, batch=args.batch, dtype=args.dtype, config=config,
                             checkpoint=args.checkpoint, device=args.device, seed=args.seed,
                             recycle=not args.no_recycle, threads=args.threads, kernels=args.kernels,
@@ -333,6 +362,33 @@ def _check_writable(flag: str, path: str) -> None:
         raise ValueError(f"{flag}: cannot write {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ValueError(f"{flag}: cannot write {path}: permission denied")
+
+
+def _check_batch(batch: int, device: str, arrays, held: str = "its streaming state, torch's and JAX's",
+                 copies: int = 2) -> None:
+    """Refuse a --batch whose rows cannot fit the device's memory, before anything is allocated (torch's
+    allocator would raise, or the system end the run part-way). arrays(b): the JAX arrays of b rows the
+    run holds at once, each with a row axis (b rows: b times one row's bytes), as shapes (jax.eval_shape:
+    nothing is made); copies: how many times the run holds them (2: torch's and JAX's). Only those are
+    counted, against all of the device's memory: a refused run could never fit (one let through may
+    still not)."""
+    import jax
+
+    row = copies * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: arrays(1))))
+    memory = _device_memory(device)
+    if batch * row > memory:
+        raise ValueError(f"--batch: expected at most {memory // row} rows on {device}, got {batch}: a row takes at "
+                         f"least {row:,} bytes ({held}), {batch * row / 2**30:,.1f} GiB in all, more than its "
+                         f"{memory / 2**30:,.1f} GiB of memory")
+
+
+def _device_memory(device: str) -> int:
+    """Bytes of memory of a torch device: a GPU's, else the host's (physical memory)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 _FLAGS = {"num_heads": "--num-heads", "context": "--context", "max_period": "--max-period",
@@ -425,15 +481,23 @@ def _read_config_json(path: str, kind: str) -> dict:
 
 
 def _stream(args) -> int:
+    import jax
     import torch
 
     from jax_impl.config import PRESETS
+    from jax_impl.state import init_state
 
     from .model import MimiTransformer, TemporalStreaming
 
+    runs = (("temporal-small", 1), ("mimi-small", 2))
+    for name, T in runs:  # one stack at a time: its state and its --steps inputs, torch's only
+        config = PRESETS[name]
+        _check_batch(args.batch, "cpu", lambda b, c=config, T=T: (
+            init_state(c, b), jax.ShapeDtypeStruct((args.steps, b, T, c.dim), "float32")),
+            held=f"its state and {args.steps} steps' inputs", copies=1)
     torch.manual_seed(0)
     print(f"{'stack':<16}{'T':>3}{'steps':>7}{'torch ms/step':>15}")
-    for name, T in (("temporal-small", 1), ("mimi-small", 2)):
+    for name, T in runs:
         config = PRESETS[name]
         cls = TemporalStreaming if name.startswith("temporal") else MimiTransformer
         stack = cls.from_config(config)
@@ -457,20 +521,23 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, CheckpointError, OSError) as err:
         # What a user can cause: bad values (ValueError), checkpoints that do not fit or cannot be
         # read (CheckpointError), files (OSError). Anything else is a bug: its traceback shows.
-        print(f"personaplex-jax: error: {_one_line(str(err))}", file=sys.stderr)
+        print(f"personaplex-jax: error: {_one_line(err)}", file=sys.stderr)
         return 1
 
 
-def _one_line(message: str) -> str:
-    """A multi-line report (a checkpoint's every bad key) as one line: head, counts, first item."""
-    head, *items = [line.strip() for line in message.splitlines() if line.strip()]
+def _one_line(err: Exception) -> str:
+    """A multi-line report (a checkpoint's every bad key) as one line: its heads, how many problems of
+    each kind, the first. A CheckpointError's `problems` are counted, not its message's lines: the
+    message may summarize a kind in one line (`check_fit`), add advice, and join the reports of
+    several parts (a codec's convolutions and transformers), each under a head of its own."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    heads = [line.rstrip(":") for line in lines if not line[0].isspace()]
+    items = list(getattr(err, "problems", ())) or [line.strip() for line in lines if line[0].isspace()]
     if not items:
-        return head
-    kinds = {}
-    for item in items:
-        kinds.setdefault(item.split(":")[0], []).append(item)
-    counts = ", ".join(f"{len(v)} {k}" for k, v in kinds.items())
-    return f"{head.rstrip(':')}: {counts} (first: {items[0]})"
+        return "; ".join(heads)
+    kinds = Counter(item.partition(": ")[0] for item in items)  # the kind: the text before the first ': '
+    counts = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    return f"{'; '.join(heads)}: {counts} (first: {items[0]})"
 
 
 if __name__ == "__main__":

@@ -48,6 +48,12 @@ CPU_TWIN_WRAPS = 3
 PROGRESS_EVERY_S = 5.0  # progress_lines: a line every this many seconds
 
 
+def default_preset(device: str) -> str:
+    """The LM frame's and the speech frame's preset (`FRAME_PRESETS`, `SPEECH_PRESETS`: the same names):
+    PersonaPlex's sizes on a GPU; on the CPU its small preset (the real 80 ms frames, narrow)."""
+    return "personaplex" if device.startswith("cuda") else "personaplex-small"
+
+
 def default_config(stack: str, device: str) -> StackConfig:
     """Small presets on the CPU, the real sizes on a GPU."""
     kind = "temporal" if stack == "temporal" else "mimi"

@@ -25,7 +25,7 @@ from jax_impl.depformer import make_depformer_step
 from jax_impl.frame import init_frame_state, jit_reset_rows, jit_reset_slot, make_frame_step
 from jax_impl.frame_config import FRAME_PRESETS
 
-from .crosscheck import CROSSCHECK_KERNELS, DTYPES, device_name, resolve_device
+from .crosscheck import CROSSCHECK_KERNELS, DTYPES, default_preset, device_name, resolve_device
 from .depformer import Depformer
 from .dlpack import to_jax
 from .frame import LMFrame, jax_frame_params
@@ -66,7 +66,7 @@ def crosscheck_lm(stack: str = "frame", *, steps: int | None = None, batch: int 
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
     device = resolve_device(device)
     steps = default_steps(stack, kernels, device) if steps is None else steps
-    cfg = FRAME_PRESETS["personaplex" if device.startswith("cuda") else "personaplex-small"]
+    cfg = FRAME_PRESETS[default_preset(device)]
     saved = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

@@ -25,7 +25,7 @@ import torch
 from jax_impl import speech_frame as sf
 from jax_impl.speech_frame_config import SPEECH_PRESETS, SpeechFrameConfig
 
-from .crosscheck import DTYPES, check_int, device_name, resolve_device
+from .crosscheck import DTYPES, check_int, default_preset, device_name, resolve_device
 from .report import CrosscheckReport, TensorRecord
 from .speech_frame import SpeechFrame
 
@@ -44,11 +44,6 @@ class SpeechCrosscheckReport(CrosscheckReport):
                 f"{c['num_codebooks']} codebooks; LM dim {c['dim']}, {c['num_layers']} layers, context "
                 f"{c['context']}, dep_q {c['dep_q']} (user codes via {c['user_path']}); {self.dtype}, B={self.batch}, "
                 f"kernels {self.kernels}, {self.steps} steps on {self.device}")
-
-
-def default_speech_preset(device: str) -> str:
-    """PersonaPlex's sizes on a GPU; on the CPU its small preset (the real 1,920-sample frames, narrow)."""
-    return "personaplex" if device.startswith("cuda") else "personaplex-small"
 
 
 def default_speech_steps(kernels: str, device: str) -> int:
@@ -77,7 +72,7 @@ def crosscheck_speech_frame(*, steps: int | None = None, batch: int = 4, dtype: 
                             progress=None) -> SpeechCrosscheckReport:
     """Run the torch and JAX speech frames side by side for `steps` frames; the per-tensor report.
 
-    preset: a `SPEECH_PRESETS` name (default: `default_speech_preset`). steps: None for
+    preset: a `SPEECH_PRESETS` name (default: `crosscheck.default_preset`). steps: None for
     `default_speech_steps`. Random weights from `seed`. recycle: a random `reset_slot` now and then.
     threads: torch's CPU threads (None: 1 on the CPU; restored after). kernels: module docstring.
     Every argument is checked before any work, ValueError / TypeError naming it.
@@ -93,7 +88,7 @@ def crosscheck_speech_frame(*, steps: int | None = None, batch: int = 4, dtype: 
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be a callable wrapping the step range, or None; got {progress!r}")
     device = resolve_device(device)
-    preset = preset or default_speech_preset(device)
+    preset = preset or default_preset(device)
     if preset not in SPEECH_PRESETS:
         raise ValueError(f"preset must be one of {list(SPEECH_PRESETS)}, got {preset!r}")
     steps = check_int("steps", default_speech_steps(kernels, device) if steps is None else steps, 1)
@@ -153,4 +148,4 @@ def _run(preset: str, cfg: SpeechFrameConfig, *, steps, batch, dtype, device, se
                                   jax_ms=jax_ms)
 
 
-__all__ = ["SPEECH_CROSSCHECK_KERNELS", "SpeechCrosscheckReport", "crosscheck_speech_frame", "default_speech_preset"]
+__all__ = ["SPEECH_CROSSCHECK_KERNELS", "SpeechCrosscheckReport", "crosscheck_speech_frame"]

@@ -68,7 +68,8 @@ class TensorRecord:
             ulp = diff
         else:
             ulp = ulp_distance(a, b)
-            diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+            with np.errstate(invalid="ignore"):  # inf - inf: NaN, which only finite elements' distance skips
+                diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
         worst = int(ulp.max()) if ulp is not None and ulp.size else 0
         rel = 0.0
         if worst:

@@ -31,7 +31,7 @@ import torch
 from jax_impl.checkpoint import check_checkpoint, read_safetensors, read_safetensors_shapes
 from jax_impl.speech_frame_config import SPEECH_PRESETS
 
-from .crosscheck import resolve_device
+from .crosscheck import default_preset, resolve_device
 from .speech_frame import SpeechFrame
 
 LM_FILE = "model.safetensors"
@@ -54,18 +54,15 @@ class SpeakResult(NamedTuple):
     clipped: int
 
 
-def default_preset(device: str) -> str:
-    """PersonaPlex's sizes on a GPU; on the CPU its small preset (the real 80 ms frames, narrow: seconds a run)."""
-    return "personaplex" if device.startswith("cuda") else "personaplex-small"
-
-
 def read_wav(path: str, rate: int) -> np.ndarray:
     """The samples of a mono 16-bit PCM WAV at `rate` Hz as float32 in [-1, 1); ValueError naming
-    the file and what it holds otherwise."""
+    the file and what it holds otherwise. RIFF pads an odd-sized chunk to an even size with a byte its
+    size does not count (`wave` skips it); a data chunk whose size is not a whole number of samples is
+    malformed, refused rather than its last byte dropped."""
     try:
         with wave.open(path, "rb") as f:
             channels, width, found, n = f.getnchannels(), f.getsampwidth(), f.getframerate(), f.getnframes()
-            data = f.readframes(n)
+            data = f.readframes(n + 1)  # the data chunk to its declared end: a partial frame there shows
     except EOFError:
         raise ValueError(f"--input {path}: not a PCM WAV file (it ends inside its header)") from None
     except wave.Error as err:
@@ -77,6 +74,10 @@ def read_wav(path: str, rate: int) -> np.ndarray:
         raise ValueError(f"--input {path}: expected mono 16-bit PCM at {rate} Hz, found {channels} channel(s), "
                          f"{8 * width}-bit, {found} Hz (convert it first, e.g. sox in.wav -r {rate} -c 1 -b 16 "
                          f"out.wav)")
+    if len(data) > 2 * n:  # n = the chunk's size // 2: a byte more is half a sample
+        raise ValueError(f"--input {path}: malformed: its data chunk declares {len(data)} bytes, not a whole "
+                         f"number of 2-byte samples (a RIFF pad byte after an odd-sized chunk is not counted in "
+                         f"its size)")
     if not n:
         raise ValueError(f"--input {path}: no samples")
     if len(data) != 2 * n:
@@ -121,7 +122,7 @@ def speak(input_path: str, output_path: str, *, preset: str | None = None, check
           kernels: str = "reference", dtype: str | None = None, device: str | None = None, seed: int = 0,
           progress=None, say=print) -> SpeakResult:
     """Stream `input_path` through the JAX speech frame and write the reply to `output_path` (module
-    docstring). preset: a `SPEECH_PRESETS` name (default: `default_preset`); kernels: "reference" or
+    docstring). preset: a `SPEECH_PRESETS` name (default: `crosscheck.default_preset`); kernels: "reference" or
     "twin"; dtype: "float32" or "bfloat16" (default: bfloat16 on a GPU, float32 on the CPU); device:
     torch's, where the weights live (JAX reads them in place); progress: wraps the frame range;
     say: prints the run's lines."""
