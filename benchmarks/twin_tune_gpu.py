@@ -128,7 +128,8 @@ STAGES = (None,)     # --stages: the Triton loops' pipeline depths to sweep (Non
 PALLAS = True        # --no-pallas-sweep: time the Pallas linear at its default tile only
 TRITON = True        # --no-triton-sweep: time the Triton linear at its default tile only
 PREFETCH = (linear.TWIN_PALLAS_PREFETCH,)  # --prefetch: the Pallas linear's prefetch depths to sweep
-DEFAULTS = {k: getattr(contract_module(k), k) for k in ("TWIN_MAX_BK", "TWIN_ATTENTION_BC", "TWIN_ATTENTION_CHUNK")}
+DEFAULTS = {k: getattr(contract_module(k), k)
+            for k in ("TWIN_MAX_BK", "TWIN_ATTENTION_BC", "TWIN_ATTENTION_CHUNK", "TWIN_PALLAS_PREFETCH")}
 
 
 def tune_linear(name, shape, out, ceiling, small):
@@ -183,9 +184,9 @@ def tune_linear(name, shape, out, ceiling, small):
     jnorm = None if tnorm is None else tnorm._replace(weight=to_jax(nw))
     tiles = [{"config": "default", "bm": None, "bn": None, "warps": 4, "lanes": lanes0}] + stage1 * PALLAS
     for cfg in [{**c, "prefetch": p_} for c in tiles for p_ in PREFETCH]:
-        with_contract(TWIN_MAX_BK=cfg["lanes"])
+        with_contract(TWIN_MAX_BK=cfg["lanes"], TWIN_PALLAS_PREFETCH=cfg["prefetch"])
         kw = {"act": act, "block_m": cfg["bm"], "block_n": cfg["bn"], "num_warps": cfg["warps"], "form": "lanes"}
-        pkw = {**kw, "norm": jnorm, "prefetch": cfg["prefetch"]}
+        pkw = {**kw, "norm": jnorm}
         try:
             f1 = jax.jit(lambda x, w, r, pkw=pkw: pli.linear(x, w, L - 1, residual=r, **pkw))
             fn = jax.jit(lambda x, w, r, pkw=pkw: [pli.linear(x, w, i % L, residual=r, **pkw) for i in range(2 * L)])
@@ -233,7 +234,7 @@ def tune_attention(out, ceiling, small):
     pallas = []
     for label, cfg in (("best", best), ("default", {"bc": DEFAULTS["TWIN_ATTENTION_BC"],
                                                     "chunk": DEFAULTS["TWIN_ATTENTION_CHUNK"],
-                                                    "warps": pa._warps(B * H * T, D)})):
+                                                    "warps": attention.twin_attention_launch(None, None, True, B * H * T, D, C)[0]})):
         with_contract(TWIN_ATTENTION_BC=cfg["bc"], TWIN_ATTENTION_CHUNK=cfg["chunk"])
         jq, jk, jv, jp, jqp = (to_jax(t) for t in (q, ring_k, ring_v, positions, q_pos))
         try:

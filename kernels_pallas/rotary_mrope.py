@@ -39,11 +39,11 @@ from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import backend
 from kernels_pallas.contract.mrope import (
-    check_blocks,
     check_cache_shapes,
     check_dtype,
     check_flags,
     check_geometry,
+    check_launch_args,
     check_position_range,
     check_positions_dtype,
     check_sections,
@@ -235,7 +235,7 @@ def _call(q, k, a, b, plan: _Plan):
     bt, bh = default_blocks(num_tokens, hq, hk, rotary_dim)
     bt = bt if plan.block_tokens is None else plan.block_tokens
     bh = bh if plan.block_heads is None else plan.block_heads
-    num_blocks = check_blocks(bt, bh, num_tokens)
+    num_blocks = -(-num_tokens // bt)
     num_warps = pick_num_warps(plan.num_warps, bt, bh, rotary_dim)
     interpret = _use_interpret(plan.interpret)
     kernel = functools.partial(
@@ -365,6 +365,7 @@ def mrope(
       ``(q, k)`` with the shapes and dtype of the inputs.
     """
     q, k, (num_tokens, _, _) = _check_qk(q, k, head_size, rotary_dim)
+    check_launch_args("mrope", block_tokens, block_heads, num_warps)
     check_flags(mrope_interleaved, is_neox_style)
     for name, t in (("cos", cos), ("sin", sin)):
         _require_array(name, t)
@@ -422,6 +423,7 @@ def mrope_from_cache(
       materialised: each program gathers its rows from the cache.
     """
     q, k, (num_tokens, _, _) = _check_qk(q, k, head_size, rotary_dim)
+    check_launch_args("mrope_from_cache", block_tokens, block_heads, num_warps)
     check_flags(mrope_interleaved, is_neox_style)
     _require_array("positions", positions)
     _require_array("cos_sin_cache", cos_sin_cache)

@@ -81,6 +81,7 @@ from kernels_pallas.contract.attention import (
     check_twin_attention,
     check_twin_sems,
     twin_attention_form,
+    twin_attention_launch,
     twin_sems_size,
 )
 from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, sixteen_bit
@@ -239,16 +240,6 @@ def _store_out(o_ref, out, bht, H, T, D):
     pltriton.store(o_ref.at[((b * T + t) * H + h) * D + jnp.arange(D, dtype=jnp.int32)], out)
 
 
-def _warps(queries: int, D: int, C: int) -> int:
-    """The Pallas attention's warps a program for a step of `queries` queries of head dim D over C
-    slots (speed only)."""
-    if queries <= contract.TWIN_PALLAS_ATTENTION_FEW_QUERIES:
-        return contract.TWIN_PALLAS_ATTENTION_FEW_WARPS
-    if D <= contract.TWIN_PALLAS_ATTENTION_SMALL_HEAD and C > contract.TWIN_ATTENTION_BC:
-        return contract.TWIN_PALLAS_ATTENTION_SMALL_HEAD_WARPS
-    return contract.TWIN_PALLAS_ATTENTION_WARPS
-
-
 def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positions: jax.Array,
               q_pos: jax.Array, *, context: int, sems: jax.Array | None = None, num_warps: int | None = None,
               num_stages: int | None = None, interpret: bool | None = None, form: str | None = None):
@@ -260,11 +251,12 @@ def attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, positio
     returned all 0 again, so one buffer serves every call of a step (carry it through the layer
     loop: a buffer made inside each call costs a kernel a call). None: made here.
     form: "lanes" or "mma" (None: `contract.attention.twin_attention_form`'s choice; the two give other bits).
-    num_warps, num_stages: speed only (None: `contract.attention.TWIN_PALLAS_ATTENTION_WARPS`, or `_FEW_WARPS` for
-    at most `_FEW_QUERIES` queries B*H*T, or `_SMALL_HEAD_WARPS` (`_warps`), and `_STAGES`, read at call time).
+    num_warps, num_stages: speed only (None, both twins' default: this backend's, read at call time,
+    `contract.attention.twin_attention_launch`).
     Returns [B, T, H, D] in q's dtype (the layout the out-projection reads), and sems if given.
     """
-    B, H, T, _D, _C = check_twin_attention(q, ring_k, ring_v, positions, q_pos, context)
+    B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos, context)
+    num_warps, num_stages = twin_attention_launch(num_warps, num_stages, True, B * H * T, D, C)
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: jnp.zeros((n,), jnp.int32))
     if interpret is None:
@@ -279,8 +271,8 @@ class _Options(NamedTuple):
     """attention's static options (custom_vjp's non-differentiable argument)."""
 
     context: int
-    num_warps: int | None
-    num_stages: int | None
+    num_warps: int
+    num_stages: int
     interpret: bool
     form: str | None
     layers: int  # L, the stacked rings' layers (the shape of their cotangent)
@@ -315,8 +307,7 @@ def _forward(o: _Options, q, ring_k, ring_v, layer, positions, q_pos, sems):
         aliases = {len(operands) - 1: 4}
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(parts,), input_output_aliases=aliases, interpret=o.interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=o.num_warps or _warps(B * H * T, D, C),
-                                                num_stages=o.num_stages or contract.TWIN_PALLAS_ATTENTION_STAGES),
+        compiler_params=pltriton.CompilerParams(num_warps=o.num_warps, num_stages=o.num_stages),
         name="twin_attention",
     )(*operands)
     out = outs[0 if S == 1 else 3].reshape(B, T, H, D)

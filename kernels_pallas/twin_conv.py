@@ -43,7 +43,9 @@ from kernels_pallas.contract.conv import (
     carry_geometry,
     check_conv1d,
     check_conv_transpose1d,
+    check_elu,
     check_nearest,
+    check_signal,
     check_stream,
     check_taps,
     nearest_plan,
@@ -70,6 +72,7 @@ def elu(x: jax.Array, *, interpret: bool | None = None) -> jax.Array:
     """The contract's ELU of every element of x (any shape, float); x's shape and dtype. On Mosaic GPU
     where `kernels_pallas.backend` says so (`twin_conv_mgpu.elu`)."""
     _check_float("elu", "x", x)
+    check_elu(x)
     if backend.on_mosaic():
         from kernels_pallas import twin_conv_mgpu
 
@@ -96,6 +99,7 @@ def elu(x: jax.Array, *, interpret: bool | None = None) -> jax.Array:
 def elu_native(x, **_):
     """The plain jax.numpy reference of `elu`: the same signature and bits."""
     _check_float("elu", "x", x)
+    check_elu(x)
     return tm.to_dtype(_elu_f32(x.astype(tm.F32), False), x.dtype)
 
 
@@ -173,7 +177,7 @@ def taps(x: jax.Array, *, kernel_size: int, stride: int = 1, dilation: int = 1, 
     array you no longer need; the rest of a packed state is left as it is). active, first: bool [B]
     (None: every row active, none first). Where `kernels_pallas.backend` says Mosaic GPU: its ELU kernel, then
     XLA's gather (`twin_conv_mgpu.taps`, the same bits)."""
-    B, C, L = x.shape
+    B, C, L = check_signal("taps", x)
     check_stream("taps", x, carry, active, first, replicate, carry_slot)
     if backend.on_mosaic():
         from kernels_pallas import twin_conv_mgpu
@@ -220,7 +224,7 @@ def _whole(a):
 def taps_native(x, *, kernel_size, stride=1, dilation=1, elu=False, carry=None, carry_slot=None, active=None,
                 first=None, replicate=False, **_):
     """The plain jax.numpy reference of `taps`: the same signature and bits (no carry written in place)."""
-    B, C, _ = x.shape
+    B, C, _ = check_signal("taps", x)
     if carry_slot is not None:  # the convolution's carry out of the packed state, and back into it after
         check_stream("taps", x, carry, active, first, replicate, carry_slot)
         (offset, width), packed = carry_slot, carry

@@ -40,7 +40,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import backend, twin_rope
 from kernels_pallas.contract.attention import twin_sems_size
-from kernels_pallas.contract.numerics import next_pow2, positive_int
+from kernels_pallas.contract.numerics import check_nonempty, next_pow2, positive_int
 from kernels_pallas.contract.rope import RING_CONVENTIONS
 
 TILE = 1024  # elements of positions and of x a program handles at a time (a loop over tiles)
@@ -141,8 +141,9 @@ def _check(offset, start_offset, active, x, freqs, capacity, num_heads):
         raise ValueError(f"entry(active): expected bool [{B}], got {active.dtype}{list(active.shape)}")
     if len(x.shape) != 3 or x.shape[0] != B:
         raise ValueError(f"entry(x): expected [{B}, T, dim], got {list(x.shape)}")
-    half = freqs.shape[0]
-    if len(freqs.shape) != 1 or half & (half - 1):
+    check_nonempty("entry", "x", x.shape, ("batch row (B)", "query (T)", "feature (dim)"))
+    half = freqs.shape[0] if len(freqs.shape) == 1 else 0
+    if half < 1 or half & (half - 1):
         raise ValueError(f"entry(freqs): expected [D/2] with D/2 a power of two, got {list(freqs.shape)}")
     return B, x.shape[1], half
 

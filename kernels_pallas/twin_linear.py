@@ -62,7 +62,6 @@ from jax.experimental.pallas import triton as pltriton
 from kernels_pallas import backend, twin_grad, twin_norm, twin_rope
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.linear import (
-    TWIN_PALLAS_PREFETCH,
     LinearBlocks,
     MmaBlocks,
     check_native_linear,
@@ -75,6 +74,7 @@ from kernels_pallas.contract.linear import (
     twin_mma_fuse_norm,
     twin_mma_rows,
     twin_mma_stages,
+    twin_pallas_prefetch,
     twin_qkv_plan,
 )
 from kernels_pallas.contract.norm import (
@@ -82,11 +82,12 @@ from kernels_pallas.contract.norm import (
     TwinNorm,
     TwinRms,
     TwinSplit,
+    check_rms,
     check_twin_split,
     split_one_layer,
     twin_norm_unroll,
 )
-from kernels_pallas.contract.numerics import positive_int, twin_lanes
+from kernels_pallas.contract.numerics import check_launch, twin_lanes
 
 
 def _epilogue(acc, dtype, act, scale, residual, gpu):
@@ -110,9 +111,10 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, K, BN, BK, N_out, act, norm, eps, ha
             prefetch, gpu):
     """Program (i, j): rows block i, columns j*BN.. of the output (x_ref: [BM, K] rows block).
 
-    The loop carries the weight tiles of the next `prefetch` blocks, each loaded `prefetch`
-    iterations before it is used (a prefetch into registers): the kernel waits on memory latency,
-    and this keeps loads in flight while it computes (the Triton twin pipelines its loop instead).
+    The loop carries the weight tiles of the next `prefetch` blocks (`contract.linear.twin_pallas_prefetch`),
+    each loaded `prefetch` iterations before it is used (a prefetch into registers): the kernel waits on
+    memory latency, and this keeps loads in flight while it computes (the Triton twin pipelines its loop
+    instead).
     """
     refs = list(refs)
     nw_ref, nb_ref = (refs.pop(0), refs.pop(0)) if norm else (None, None)
@@ -197,8 +199,7 @@ def _mma_kernel(layer_ref, x_ref, w_ref, *refs, M, K, R, BN, BK, N_out, act, nor
 def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
            residual: jax.Array | None = None, norm: TwinNorm | None = None, split: TwinSplit | None = None,
            rms: TwinRms | None = None, block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
-           num_stages: int | None = None, prefetch: int = TWIN_PALLAS_PREFETCH, form: str | None = None,
-           interpret: bool | None = None):
+           num_stages: int | None = None, form: str | None = None, interpret: bool | None = None):
     """y = epilogue(norm(x) @ w[layer].T), batch-invariant (module docstring).
 
     x: [M, K] float32/bfloat16/float16; w: [L, N, K] (layer: int or int32 scalar, may be
@@ -208,8 +209,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     form: "lanes" or "mma" (None: `contract.linear.twin_linear_form`'s choice; the two give other bits).
     block_m, block_n: output tile (the MMA form's block_m: 16, 32 or 64 rows, None:
     `contract.linear.twin_mma_rows`); num_stages: the pipeline depth (None: the MMA form's
-    `contract.linear.twin_mma_stages`, the lane form's 2); prefetch: weight blocks the lane form loads ahead
-    itself. These change the speed, never the bits.
+    `contract.linear.twin_mma_stages`, the lane form's 2); num_warps: a power of two in 1..32. These change
+    the speed, never the bits (the lane form's prefetch depth, too: `contract.linear.twin_pallas_prefetch`).
     split, rms (MMA form only): the split RMSNorm (`contract.norm.TwinSplit`); with split the call returns
     (y, u [M, N_out], ss float32 [M, N_out/G]); with rms, x is the split norm's u.
 
@@ -217,15 +218,14 @@ def linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, sc
     scale, residual, the norm's weights and the split norm's (split.weight, rms.ss; with split, in
     all three outputs); the layer index has no cotangent.
     """
+    check_launch("linear", num_warps, num_stages)
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     split = split_one_layer(split)
     check_twin_linear(x, w, act, scale, residual, norm)
-    if rms is not None and not isinstance(rms, TwinRms):
-        raise TypeError(f"linear(rms): expected a TwinRms or None, got {type(rms).__name__}")
+    check_rms(rms)
     opts = _LinearOpts(act, None if norm is None else norm.kind, None if norm is None else norm.eps,
                        residual is not None, None if split is None else split.offset,
-                       None if rms is None else rms.eps, block_m, block_n, num_warps, num_stages, prefetch, form,
-                       interpret)
+                       None if rms is None else rms.eps, block_m, block_n, num_warps, num_stages, form, interpret)
     return _linear_vjp(x, w, tm.layer_index("linear", layer, w.shape[0]), scale, residual, *_norm_arrays(norm),
                        None if split is None else split.weight, None if rms is None else rms.ss, opts)
 
@@ -244,7 +244,6 @@ class _LinearOpts(NamedTuple):
     block_n: int | None
     num_warps: int
     num_stages: int | None
-    prefetch: int
     form: str | None
     interpret: bool | None
 
@@ -255,7 +254,7 @@ class _LinearOpts(NamedTuple):
                 "split": None if self.split_offset is None else TwinSplit(alpha, self.split_offset),
                 "rms": None if self.rms_eps is None else TwinRms(ss, self.rms_eps), "block_m": self.block_m,
                 "block_n": self.block_n, "num_warps": self.num_warps, "num_stages": self.num_stages,
-                "prefetch": self.prefetch, "form": self.form, "interpret": self.interpret}
+                "form": self.form, "interpret": self.interpret}
 
 
 def _norm_arrays(norm: TwinNorm | None) -> tuple:
@@ -312,14 +311,11 @@ _linear_vjp.defvjp(_linear_fwd, _linear_bwd)
 def _linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, scale: jax.Array | None = None,
             residual: jax.Array | None = None, norm: TwinNorm | None = None, split: TwinSplit | None = None,
             rms: TwinRms | None = None, block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
-            num_stages: int | None = None, prefetch: int = TWIN_PALLAS_PREFETCH, form: str | None = None,
-            interpret: bool | None = None):
+            num_stages: int | None = None, form: str | None = None, interpret: bool | None = None):
     """`linear`'s kernels, not differentiated (the backward's own products call this)."""
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     split = split_one_layer(split)
     M, K, _, N_out = check_twin_linear(x, w, act, scale, residual, norm)
-    if not positive_int(prefetch):
-        raise ValueError(f"linear(prefetch): expected an int >= 1, got {prefetch!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if form != "lanes" and backend.on_mosaic() and mosaic_takes_linear(x.dtype, K, N_out, norm=norm is not None,
@@ -359,7 +355,7 @@ def _linear(x: jax.Array, w: jax.Array, layer=None, *, act: str | None = None, s
     kernel = functools.partial(_kernel, K=K, BN=BN, BK=BK, N_out=N_out, act=act,
                                norm=None if norm is None else norm.kind, eps=None if norm is None else norm.eps,
                                has_scale=scale is not None, has_res=residual is not None,
-                               fused=x.dtype in (jnp.bfloat16, jnp.float16), prefetch=min(prefetch, K // BK),
+                               fused=x.dtype in (jnp.bfloat16, jnp.float16), prefetch=twin_pallas_prefetch(K, BK),
                                gpu=not interpret)
     out = pl.pallas_call(
         kernel,
@@ -518,6 +514,7 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     """
     B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask,
                                          tm.host_values(write_index))
+    check_launch("linear_rope_write", num_warps, num_stages)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     mosaic = form != "lanes" and backend.on_mosaic() and mosaic_takes_linear(
@@ -532,8 +529,7 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     layers = jnp.stack([tm.layer_index("linear_rope_write", layer, w.shape[0]),
                         tm.layer_index("linear_rope_write", layer if ring_layer is None else ring_layer, ring_k.shape[0])])
     lin = _LinearOpts(None, None if norm is None else norm.kind, None if norm is None else norm.eps, False, None,
-                      None if rms is None else rms.eps, block_m, block_n, num_warps, num_stages, TWIN_PALLAS_PREFETCH,
-                      "mma", interpret)
+                      None if rms is None else rms.eps, block_m, block_n, num_warps, num_stages, "mma", interpret)
     return _qkv_vjp(_QkvOpts(lin, block_m, BN, num_warps, num_stages, interpret, mosaic), x, w, layers,
                     *_norm_arrays(norm), None if rms is None else rms.ss, cos, sin, ring_k, ring_v, write_index,
                     write_mask)

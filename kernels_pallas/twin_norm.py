@@ -33,11 +33,13 @@ from kernels_pallas.contract.norm import (
     TWIN_NORM_WARPS,
     TWIN_SPLIT_GROUP,
     NormBlocks,
+    check_eps,
+    check_norm_grad,
     check_norm_params,
     check_twin_norm,
     twin_norm_unroll,
 )
-from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, twin_lanes
+from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, check_launch, twin_lanes
 
 
 def row_sum(load, D, BK, unroll, tree=tm.tree_sum):
@@ -116,13 +118,16 @@ def _kernel(layer_ref, x_ref, w_ref, b_ref, o_ref, *, D, BK, kind, eps, gpu):
 def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=None, *, kind: str = "rms",
          eps: float, block_m: int | None = None, num_warps: int = TWIN_NORM_WARPS, interpret: bool | None = None) -> jax.Array:
     """The contract's norm of each row of x [M, D]; weight, bias [L, D] at `layer` (int or traced
-    int32 scalar), or [D] with layer=None; bias only for kind="layer". Returns x's shape and dtype.
+    int32 scalar), or [D] with layer=None; bias only for kind="layer" (refused for "rms"); eps: a float
+    >= 0; num_warps: a power of two in 1..32 (speed only). Returns x's shape and dtype.
 
     Differentiable (`jax.custom_vjp`: `norm_grad` and `twin_grad.batch_sum`, `contract.grad`)
     in x, weight and bias; the layer index has no cotangent."""
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
     check_twin_norm(x, weight, bias, kind)
+    check_eps("norm(eps)", eps)
+    check_launch("norm", num_warps)
     return _norm_vjp(x, weight, bias, tm.layer_index("norm", layer, weight.shape[0]), (kind, eps, block_m, num_warps, interpret))
 
 
@@ -153,7 +158,7 @@ def _norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None, layer, *, kin
           block_m: int | None, num_warps: int, interpret: bool | None) -> jax.Array:
     """`norm`'s kernel, not differentiated; its Mosaic GPU twin's where that runs (`kernels_pallas.backend`:
     rows of a multiple of 128 features, spread over a warpgroup)."""
-    weight, bias, layer = _stacked(weight, bias, layer, kind)
+    weight, bias, layer = _stacked(weight, bias, layer)
     M, D = check_twin_norm(x, weight, bias, kind)
     BK = twin_lanes(D)
     if interpret is None:
@@ -175,7 +180,7 @@ def _norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None, layer, *, kin
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
         name=f"twin_{kind}_norm",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, ((0, Mp - M), (0, 0))), weight, bias)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.pad(x, ((0, Mp - M), (0, 0))), weight, _bias_operand(weight, bias))
     return out[:M]
 
 
@@ -221,7 +226,7 @@ def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None
 
     Differentiable (`jax.custom_vjp`: `split_grad` and `twin_grad.batch_sum`, `contract.grad`) in x
     and weight; the layer index has no cotangent."""
-    weight, _, layer = _stacked(weight, None, layer, "rms")
+    weight, _, layer = _stacked(weight, None, layer)
     _, D = check_twin_norm(x, weight, None, "rms")
     if D % TWIN_SPLIT_GROUP:
         raise ValueError(f"split(x): D={D} must be a multiple of {TWIN_SPLIT_GROUP}")
@@ -275,7 +280,7 @@ def _split(x, weight, layer, interpret: bool):
 
 def split_native(x, weight, layer=None, **_):
     """The plain jax.numpy reference of `split`: the same signature and bits, without Pallas."""
-    weight, _, layer = _stacked(weight, None, layer, "rms")
+    weight, _, layer = _stacked(weight, None, layer)
     M, D = check_twin_norm(x, weight, None, "rms")
     xf = x.astype(tm.F32)
     alpha = lax.dynamic_index_in_dim(weight, layer, keepdims=False).astype(tm.F32)[None, :]
@@ -283,26 +288,30 @@ def split_native(x, weight, layer=None, **_):
     return tm.to_dtype(tm.mul(xf, alpha, False), x.dtype), ss
 
 
-def _stacked(weight, bias, layer, kind):
-    """[D] weights (layer=None) as a one-layer stack; RMSNorm gets a zero bias it never reads."""
+def _stacked(weight, bias, layer):
+    """[D] weights (layer=None) as a one-layer stack."""
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
-    if kind == "rms" and bias is None:
-        bias = weight  # unread: the rms kernel adds no bias
     return weight, bias, layer
+
+
+def _bias_operand(weight, bias):
+    """The bias a norm kernel takes: RMSNorm's none (refused by the checks) becomes the weight, unread."""
+    return weight if bias is None else bias
 
 
 def norm_native(x, weight, bias=None, layer=None, *, kind: str = "rms", eps: float, **_):
     """The plain jax.numpy reference: the same signature and bits, without Pallas."""
-    weight, bias, layer = _stacked(weight, bias, layer, kind)
+    weight, bias, layer = _stacked(weight, bias, layer)
     M, D = check_twin_norm(x, weight, bias, kind)
+    check_eps("norm(eps)", eps)
     BK = twin_lanes(D)
     xf = x.astype(tm.F32)
     blocks = xf.reshape(M, D // BK, BK)
     stats = row_stats(lambda kb: lax.dynamic_index_in_dim(blocks, kb, axis=1, keepdims=False), D, BK, kind, eps,
                    False)
     w = lax.dynamic_index_in_dim(weight, layer, keepdims=False).astype(tm.F32)[None, :]
-    b = lax.dynamic_index_in_dim(bias, layer, keepdims=False).astype(tm.F32)[None, :]
+    b = lax.dynamic_index_in_dim(_bias_operand(weight, bias), layer, keepdims=False).astype(tm.F32)[None, :]
     return tm.to_dtype(normalize(xf, w, b, stats, kind, False), x.dtype)
 
 
@@ -350,14 +359,6 @@ def _norm_kernel(layer_ref, x_ref, dy_ref, w_ref, dx_ref, tw_ref, *, D, BK, kind
         tw_ref[:, pl.ds(kb * BK, BK)] = b
 
 
-def check_norm_grad(x, dy, weight, bias, kind):
-    """(M, D) of a norm_grad call, checked: x, dy [M, D] of one dtype, the norm's weights."""
-    M, D = check_twin_norm(x, weight, bias, kind)
-    if tuple(dy.shape) != (M, D) or str(dy.dtype) != str(x.dtype):
-        raise ValueError(f"norm_grad(dy): expected {x.dtype} [{M}, {D}], got {dy.dtype} {tuple(dy.shape)}")
-    return M, D
-
-
 def norm_grad(x: jax.Array, dy: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=None, *,
               kind: str = "rms", eps: float, block_m: int | None = None, interpret: bool | None = None):
     """The twin norm's derivative (`contract.grad`): x, dy [M, D] in one dtype; weight, bias [L, D] at
@@ -367,7 +368,7 @@ def norm_grad(x: jax.Array, dy: jax.Array, weight: jax.Array, bias: jax.Array | 
     (`twin_norm_mgpu.norm_grad`)."""
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
-    M, D = check_norm_grad(x, dy, weight, bias, kind)
+    M, D = check_norm_grad(x, dy, weight, bias, kind, eps)
     BK = twin_lanes(D)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -396,7 +397,7 @@ def norm_grad_native(x, dy, weight, bias=None, layer=None, *, kind: str = "rms",
     """The plain jax.numpy reference of `norm_grad`: the same signature and bits, without Pallas."""
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
-    M, D = check_norm_grad(x, dy, weight, bias, kind)
+    M, D = check_norm_grad(x, dy, weight, bias, kind, eps)
     BK = twin_lanes(D)
     w = lax.dynamic_index_in_dim(weight, layer, keepdims=False).astype(tm.F32).reshape(D // BK, BK)
 

@@ -34,13 +34,13 @@ from kernels_pallas.contract.linear import (
     check_mosaic_interpreter,
     mosaic_padded_rows,
 )
-from kernels_pallas.contract.norm import TWIN_SPLIT_GROUP, check_twin_norm
+from kernels_pallas.contract.norm import TWIN_SPLIT_GROUP, check_norm_grad, check_twin_norm
 from kernels_pallas.contract.numerics import twin_lanes
 from kernels_pallas.elementwise_mgpu import LANES, lane_setup
 from kernels_pallas.twin_norm import (
+    _bias_operand,
     _rms_r,
     _stacked,
-    check_norm_grad,
     check_split_grad,
     check_split_rms_grad,
     norm_grad_native,
@@ -67,7 +67,7 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
     `layer` (int or traced int32 scalar), or [D] with layer=None; bias only for kind="layer"; D a
     multiple of 128. Returns x's shape and dtype. interpret: None runs compiled on a GPU backend,
     interpreted elsewhere (jax >= 0.11)."""
-    weight, bias, layer = _stacked(weight, bias, layer, kind)
+    weight, bias, layer = _stacked(weight, bias, layer)
     M, D = check_twin_norm(x, weight, bias, kind)
     if twin_lanes(D) != LANES:
         raise ValueError(f"norm(x): the Mosaic GPU norm needs D a multiple of {LANES} (a lane a thread), "
@@ -79,7 +79,7 @@ def norm(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, layer=N
                         grid_names=("row",), interpret=plgpu.InterpretGPUParams() if interpret else None,
                         kernel_name=f"twin_{kind}_norm_mgpu")
     blocks = (lambda a: a.reshape(*a.shape[:-1], nkb, LANES))  # [.., D] -> [.., D / BK, BK]: the same buffer
-    y = call(jnp.asarray(layer, jnp.int32).reshape(1), blocks(x), blocks(weight), blocks(bias))
+    y = call(jnp.asarray(layer, jnp.int32).reshape(1), blocks(x), blocks(weight), blocks(_bias_operand(weight, bias)))
     return y.reshape(M, D)
 
 
@@ -126,7 +126,7 @@ def norm_grad(x: jax.Array, dy: jax.Array, weight: jax.Array, bias: jax.Array | 
     sums' tree through shared memory)."""
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
-    M, D = check_norm_grad(x, dy, weight, bias, kind)
+    M, D = check_norm_grad(x, dy, weight, bias, kind, eps)
     if twin_lanes(D) != LANES:
         raise ValueError(f"norm_grad(x): the Mosaic GPU kernel needs D a multiple of {LANES}, got D={D}")
     interpret, lanes, gpu = lane_setup("norm_grad", interpret)
@@ -353,7 +353,7 @@ def split(x: jax.Array, weight: jax.Array, layer=None, *, interpret: bool | None
     """`twin_norm.split` (the producer's half of the split RMSNorm of x [M, D] itself): (u [M, D] in x's
     dtype, ss float32 [M, D / TWIN_SPLIT_GROUP]); weight: alpha [L, D] at `layer` (int or traced), or [D]
     with layer=None. A program is 64 rows of one group of columns (`split_halves`, `store_column`)."""
-    weight, _, layer = _stacked(weight, None, layer, "rms")
+    weight, _, layer = _stacked(weight, None, layer)
     M, D = check_twin_norm(x, weight, None, "rms")
     groups = D // TWIN_SPLIT_GROUP
     if D % TWIN_SPLIT_GROUP:

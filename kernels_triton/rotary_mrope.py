@@ -38,11 +38,11 @@ import triton
 import triton.language as tl
 
 from kernels_pallas.contract.mrope import (
-    check_blocks,
     check_cache_shapes,
     check_dtype,
     check_flags,
     check_geometry,
+    check_launch_args,
     check_position_range,
     check_positions_dtype,
     check_sections,
@@ -206,7 +206,7 @@ def _launch(q, k, cos, sin, pos, num_streams, sections, max_position, head_size,
     bt, bh = default_blocks(num_tokens, hq, hk, rotary_dim)
     bt = bt if block_tokens is None else block_tokens
     bh = bh if block_heads is None else block_heads
-    num_blocks = check_blocks(bt, bh, num_tokens)
+    num_blocks = triton.cdiv(num_tokens, bt)
     num_warps = pick_num_warps(num_warps, bt, bh, rotary_dim)
     # 32-bit q/k offsets when every element's fits (masked lanes are never dereferenced).
     last = max((num_tokens - 1) * x.stride(0) + x.shape[1] for x in (q, k))
@@ -327,6 +327,7 @@ def mrope_(
       num_warps: warps per program; None gives one warp per 512 elements of the q half-tile.
     """
     num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim, "mrope_")
+    check_launch_args("mrope", block_tokens, block_heads, num_warps)
     _refuse_grad(q=q, k=k, cos=cos, sin=sin)
     check_flags(mrope_interleaved, is_neox_style)
     for name, t in (("cos", cos), ("sin", sin)):
@@ -414,6 +415,7 @@ def mrope_from_cache_(
       materialised: each program gathers its rows from the cache.
     """
     num_tokens, _, _ = _check_qk(q, k, head_size, rotary_dim, "mrope_from_cache_")
+    check_launch_args("mrope_from_cache", block_tokens, block_heads, num_warps)
     _refuse_grad(q=q, k=k, cos_sin_cache=cos_sin_cache)
     check_flags(mrope_interleaved, is_neox_style)
     _check_cache_args(positions, cos_sin_cache, num_tokens, rotary_dim, q.device)

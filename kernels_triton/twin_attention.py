@@ -13,12 +13,11 @@ import triton.language as tl
 
 from kernels_pallas.contract import attention as contract
 from kernels_pallas.contract.attention import (
-    TWIN_TRITON_ATTENTION_STAGES,
-    TWIN_TRITON_ATTENTION_WARPS,
     AttentionBlocks,
     check_twin_attention,
     check_twin_sems,
     twin_attention_form,
+    twin_attention_launch,
     twin_sems_size,
 )
 from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, check_index
@@ -147,12 +146,12 @@ def _combine(acc_ptr, m_ptr, l_ptr, o_ptr, b, t, h, bht, d, H: tl.constexpr, T: 
 
 def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer, positions: torch.Tensor,
               q_pos: torch.Tensor, *, context: int, sems: torch.Tensor | None = None,
-              num_warps: int = TWIN_TRITON_ATTENTION_WARPS, num_stages: int = TWIN_TRITON_ATTENTION_STAGES,
-              form: str | None = None):
+              num_warps: int | None = None, num_stages: int | None = None, form: str | None = None):
     """The Pallas twin's signature and bits; returns [B, T, H, D] in q's dtype, and sems if given
     (its counters counted on in place and left all 0). form: as the Pallas twin's (None:
-    `contract.attention.twin_attention_form`, compiled being not interpreted). Differentiable in q
-    and the rings where autograd records (`_Attention`)."""
+    `contract.attention.twin_attention_form`, compiled being not interpreted); num_warps, num_stages:
+    None, this backend's (`contract.attention.twin_attention_launch`). Differentiable in q and the
+    rings where autograd records (`_Attention`)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, ring_k, ring_v)):
         return _Attention.apply(q, ring_k, ring_v, layer, positions, q_pos, context, sems, num_warps, num_stages,
                                 form)
@@ -163,6 +162,7 @@ def attention(q: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, layer
 def _forward(q, ring_k, ring_v, layer, positions, q_pos, *, context, sems, num_warps, num_stages, form):
     """The forward kernel: `attention` without autograd."""
     B, H, T, D, C = check_twin_attention(q, ring_k, ring_v, positions, q_pos, context)
+    num_warps, num_stages = twin_attention_launch(num_warps, num_stages, False, B * H * T, D, C)
     given = sems is not None
     sems = check_twin_sems(sems, twin_sems_size(B, H, T), "attention", lambda n: torch.zeros(n, dtype=torch.int32, device=q.device))
     if sems.device != q.device or not sems.is_contiguous():

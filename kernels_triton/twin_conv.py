@@ -15,7 +15,9 @@ from kernels_pallas.contract.conv import (
     carry_geometry,
     check_conv1d,
     check_conv_transpose1d,
+    check_elu,
     check_nearest,
+    check_signal,
     check_stream,
     check_taps,
     nearest_plan,
@@ -45,6 +47,7 @@ def _elu_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr)
 def elu(x: torch.Tensor) -> torch.Tensor:
     """The contract's ELU of every element of x (any shape, float); x's shape and dtype."""
     _check_float("elu", "x", x)
+    check_elu(x)
     flat = x.contiguous().reshape(-1)
     out = torch.empty_like(flat)
     n = flat.numel()
@@ -58,6 +61,7 @@ def elu(x: torch.Tensor) -> torch.Tensor:
 def elu_native(x: torch.Tensor, **_) -> torch.Tensor:
     """The plain torch reference of `elu`: the same signature and bits (torch ops, one rounding each)."""
     _check_float("elu", "x", x)
+    check_elu(x)
     xf = x.float()
     return torch.where(xf > 0, xf, exp_native(xf) - 1.0).to(x.dtype)
 
@@ -143,7 +147,7 @@ def taps(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation: int = 
     """The tap matrix of a convolution over [carry, act(x)], one kernel: the Pallas twin's
     signature and bits; with carry returns (X, the new carry array), a new tensor (the carry is not
     written; a packed state is copied whole, its other carries as they were)."""
-    B, C, L = x.shape
+    B, C, L = check_signal("taps", x)
     check_stream("taps", x, carry, active, first, replicate, carry_slot)
     W, ROW, OFF = carry_geometry(x, carry, carry_slot)
     T = check_taps(kernel_size, stride, dilation, W + L)
@@ -169,7 +173,7 @@ def taps_native(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation:
                 carry: torch.Tensor | None = None, carry_slot: tuple[int, int] | None = None,
                 active: torch.Tensor | None = None, first: torch.Tensor | None = None, replicate: bool = False, **_):
     """The plain torch reference of `taps`: the same signature and bits."""
-    B, C, _ = x.shape
+    B, C, _ = check_signal("taps", x)
     if carry_slot is not None:  # the convolution's carry out of the packed state, and into a copy of it after
         check_stream("taps", x, carry, active, first, replicate, carry_slot)
         (offset, width), packed = carry_slot, carry.clone()
@@ -291,9 +295,8 @@ def nearest(x: torch.Tensor, entries: torch.Tensor, *, split: int | None = None)
     S = N // split
     best = torch.empty(M, S, dtype=torch.float32, device=x.device)
     arg = torch.empty(M, S, dtype=torch.int32, device=x.device)
-    if M:
-        _nearest_kernel[(M, S)](x.contiguous(), entries.contiguous(), best, arg, N=N, D=D, S=S, SPLIT=split, BN=BN,
-                                BK=twin_lanes(D), num_warps=4, enable_fp_fusion=False)
+    _nearest_kernel[(M, S)](x.contiguous(), entries.contiguous(), best, arg, N=N, D=D, S=S, SPLIT=split, BN=BN,
+                            BK=twin_lanes(D), num_warps=4, enable_fp_fusion=False)
     return _first_least(best, arg, N)
 
 

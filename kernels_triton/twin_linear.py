@@ -33,11 +33,12 @@ from kernels_pallas.contract.norm import (
     TwinNorm,
     TwinRms,
     TwinSplit,
+    check_rms,
     check_twin_split,
     split_one_layer,
     twin_norm_unroll,
 )
-from kernels_pallas.contract.numerics import check_index, twin_lanes
+from kernels_pallas.contract.numerics import check_index, check_launch, twin_lanes
 from kernels_triton import twin_grad, twin_norm, twin_rope
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
@@ -208,21 +209,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, layer=None, *, act: str | None = No
 
     x: [M, K]; w: [L, N, K] with layer an int or int tensor, or [N, K] with layer=None; norm: a
     `TwinNorm` to fuse, or None; form: "lanes", "mma" or None (`contract.linear.twin_linear_form`).
-    block_m (the MMA form's: 16, 32 or 64 rows, `contract.linear.twin_mma_rows`), block_n, num_warps,
-    num_stages (of the pipelined loop over K; None: the form's default): speed only, never the bits.
+    block_m (the MMA form's: 16, 32 or 64 rows, `contract.linear.twin_mma_rows`), block_n, num_warps (a
+    power of two in 1..32), num_stages (of the pipelined loop over K; None: the form's default): speed
+    only, never the bits.
     split, rms: the split RMSNorm (the Pallas twin's).
 
     Differentiable (a `torch.autograd.Function`: the Pallas twin's backward, `contract.grad`, on the
     Triton twins, the same bits) in x, w, scale, residual, the norm's weights and the split norm's
     (split.weight, rms.ss). Without gradients, the kernels run directly.
     """
+    check_launch("linear", num_warps, num_stages)
     w, scale, norm, layer = stack_one_layer(w, scale, norm, layer)
     split = split_one_layer(split)
     nw, nb = (None, None) if norm is None else (norm.weight, norm.bias)
     kwargs = {"act": act, "scale": scale, "residual": residual, "norm": norm, "split": split, "rms": rms,
               "block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "form": form}
-    if rms is not None and not isinstance(rms, TwinRms):
-        raise TypeError(f"linear(rms): expected a TwinRms or None, got {type(rms).__name__}")
+    check_rms(rms)
     alpha, ss = None if split is None else split.weight, None if rms is None else rms.ss
     if not twin_grad.needs_grad(x, w, scale, residual, nw, nb, alpha, ss):
         return _linear(x, w, layer, **kwargs)
@@ -444,6 +446,7 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
     Differentiable as the Pallas twin (the one kernel: `_QkvRopeWrite`); without gradients, the kernels run directly."""
     B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask,
                                          tm.host_values(write_index))
+    check_launch("linear_rope_write", num_warps, num_stages)
     interpreted = interpreting(_qkv_kernel)
     chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpreted, form, block_n)
     check_twin_split(None, rms, norm, M, K, N, chosen, "linear_rope_write")

@@ -13,11 +13,13 @@ from kernels_pallas.contract.norm import (
     TWIN_NORM_WARPS,
     TWIN_SPLIT_GROUP,
     NormBlocks,
+    check_eps,
+    check_norm_grad,
     check_norm_params,
     check_twin_norm,
     twin_norm_unroll,
 )
-from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, twin_lanes
+from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, check_launch, twin_lanes
 from kernels_triton import twin_grad
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
@@ -107,6 +109,8 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
     check_twin_norm(x, weight, bias, kind)
+    check_eps("norm(eps)", eps)
+    check_launch("norm", num_warps)
     if not twin_grad.needs_grad(x, weight, bias):
         return _norm(x, weight, bias, layer, kind=kind, eps=eps, block_m=block_m, num_warps=num_warps)
     return _Norm.apply(x, weight, bias, tm.layer_tensor(layer, weight.shape[0], x.device, "norm"),
@@ -263,6 +267,7 @@ def norm_native(x, weight, bias=None, layer=None, *, kind: str = "rms", eps: flo
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
     _, D = check_twin_norm(x, weight, bias, kind)
+    check_eps("norm(eps)", eps)
     xf = x.float()
     stats = row_stats_native(xf, D, kind, eps)
     w = weight[_layer_index(layer)].float()[None, :]
@@ -331,20 +336,12 @@ def _norm_kernel(layer_ptr, x_ptr, dy_ptr, w_ptr, dx_ptr, tw_ptr, M, eps, INV_D:
         tl.store(tw_ptr + offs, tw, mask=m_ok[:, None])
 
 
-def check_norm_grad(x, dy, weight, bias, kind):
-    """(M, D) of a norm_grad call, checked (the Pallas twin's check)."""
-    M, D = check_twin_norm(x, weight, bias, kind)
-    if tuple(dy.shape) != (M, D) or dy.dtype != x.dtype:
-        raise ValueError(f"norm_grad(dy): expected {x.dtype} [{M}, {D}], got {dy.dtype} {tuple(dy.shape)}")
-    return M, D
-
-
 def norm_grad(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, layer=None,
               *, kind: str = "rms", eps: float, block_m: int | None = None):
     """The twin norm's derivative: the Pallas twin's signature and bits; (dx, tw float32)."""
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
-    M, D = check_norm_grad(x, dy, weight, bias, kind)
+    M, D = check_norm_grad(x, dy, weight, bias, kind, eps)
     x, dy, weight = x.contiguous(), dy.contiguous(), weight.contiguous()
     interpreted = interpreting(_norm_kernel)
     blocks = NormBlocks.for_shapes(M, D, block_m, interpreted)
@@ -362,7 +359,7 @@ def norm_grad_native(x, dy, weight, bias=None, layer=None, *, kind: str = "rms",
     """The plain torch reference of `norm_grad`: the same signature and bits, without Triton."""
     if layer is None:
         weight, bias, layer = weight[None], None if bias is None else bias[None], 0
-    _, D = check_norm_grad(x, dy, weight, bias, kind)
+    _, D = check_norm_grad(x, dy, weight, bias, kind, eps)
     BK, inv_d = twin_lanes(D), 1.0 / D
     xf, dyf = x.float(), dy.float()
     g = dyf * weight[int(layer)].float()[None, :]

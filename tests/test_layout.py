@@ -24,10 +24,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TWINS = ("twin_attention", "twin_grad", "twin_linear", "twin_norm", "twin_rope")
-# Parameters one backend has and the other cannot: Pallas picks interpretation per call (`interpret`)
-# and its lane-form linear prefetches weight blocks (`prefetch`); Triton decides interpretation when
-# a kernel is decorated (TRITON_INTERPRET) and pipelines with `num_stages`, which both take.
-BACKEND_ONLY = {"interpret", "prefetch"}
+# The one parameter one backend has and the other cannot: Pallas picks interpretation per call
+# (`interpret`); Triton decides it when a kernel is decorated (TRITON_INTERPRET).
+BACKEND_ONLY = {"interpret"}
 
 
 def imported_after(statement: str) -> set[str]:

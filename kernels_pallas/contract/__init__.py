@@ -13,4 +13,9 @@ Standard library only: arrays are asked for `shape`, `ndim` and `dtype`, never c
 plans are functions of the shapes (and the backend) alone: both twins choose the same tiles, and the
 tiles that fix a result's bits (the lanes of a sum, the attention's blocks) depend on no batch size.
 A plan's constants are read at call time, so a benchmark may set them (both twins follow).
+
+The arguments are checked here, once for both twins, before anything runs: every array of a twin
+kernel has at least one element along each axis (`numerics.check_nonempty`: no empty results; the
+MRoPE kernels alone return zero tokens as they are, `mrope`), and a launch's num_warps and num_stages
+are ones the compilers take (`numerics.check_launch`).
 """

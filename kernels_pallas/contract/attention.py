@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from kernels_pallas.contract.numerics import (
+    check_launch,
+    check_nonempty,
     check_twin_dtype,
     choose_form,
     next_pow2,
@@ -16,10 +18,11 @@ from kernels_pallas.contract.numerics import (
     sixteen_bit,
 )
 
-# the Triton attention's launch (speed only): the fastest of benchmarks/twin_tune_gpu.py on an H200
+# the Triton attention's launch where the caller gives none (`twin_attention_launch`; speed only): the fastest
+# of benchmarks/twin_tune_gpu.py on an H200
 TWIN_TRITON_ATTENTION_STAGES = 1  # software-pipeline depth of its loop over a split's blocks (3: -6% at B=1, +2% at B=4)
 TWIN_TRITON_ATTENTION_WARPS = 2
-TWIN_PALLAS_ATTENTION_WARPS = 2  # warps of the Pallas attention's programs (the JAX twin step's; RESULTS.md)
+TWIN_PALLAS_ATTENTION_WARPS = 2  # warps of the Pallas attention's programs where the caller gives none (RESULTS.md)
 # ... and where a step has at most TWIN_PALLAS_ATTENTION_FEW_QUERIES queries (B*H*T: the temporal step to B=4),
 # a latency-bound grid: 4 warps took 19.9-20.2 against 20.2-21.3 us a layer at B=1 and 60.4-60.8 against
 # 61.3-62.6 at B=4, in repeated ncu sweeps; 2 warps 820 against 871 at B=64 (RESULTS.md)
@@ -73,6 +76,27 @@ def twin_attention_form(D: int, BC: int, dtype, compiled: bool, form: str | None
                       f"slots that are multiples of 16; got {dtype}, D={D}, BC={BC}")
 
 
+def twin_attention_launch(num_warps: int | None, num_stages: int | None, pallas: bool, queries: int, D: int,
+                          C: int) -> tuple[int, int]:
+    """(num_warps, num_stages) of a twin attention call of `queries` queries (B*H*T) of head dim D over
+    C slots: the caller's (checked), or where None (both twins' default) the fastest of its backend on
+    an H200 (speed only), read at call time. The Pallas twin: TWIN_PALLAS_ATTENTION_FEW_WARPS for a
+    latency-bound step of at most TWIN_PALLAS_ATTENTION_FEW_QUERIES queries, else
+    TWIN_PALLAS_ATTENTION_SMALL_HEAD_WARPS for small heads over more than one block of slots, else
+    TWIN_PALLAS_ATTENTION_WARPS; TWIN_PALLAS_ATTENTION_STAGES. The Triton twin:
+    TWIN_TRITON_ATTENTION_WARPS and TWIN_TRITON_ATTENTION_STAGES."""
+    if num_warps is None and pallas:
+        num_warps = (TWIN_PALLAS_ATTENTION_FEW_WARPS if queries <= TWIN_PALLAS_ATTENTION_FEW_QUERIES else
+                     TWIN_PALLAS_ATTENTION_SMALL_HEAD_WARPS if D <= TWIN_PALLAS_ATTENTION_SMALL_HEAD
+                     and C > TWIN_ATTENTION_BC else TWIN_PALLAS_ATTENTION_WARPS)
+    elif num_warps is None:
+        num_warps = TWIN_TRITON_ATTENTION_WARPS
+    if num_stages is None:
+        num_stages = TWIN_PALLAS_ATTENTION_STAGES if pallas else TWIN_TRITON_ATTENTION_STAGES
+    check_launch("attention", num_warps, num_stages)
+    return num_warps, num_stages
+
+
 def twin_sems_size(B: int, H: int, T: int) -> int:
     """Counters a step's twin kernels count on (`twin_attention.attention(sems=)`): one a query."""
     return B * H * T
@@ -96,6 +120,7 @@ def check_twin_attention(q, ring_k, ring_v, positions, q_pos, context=None):
     check_twin_dtype("attention", "q", q)
     if len(q.shape) != 4:
         raise ValueError(f"attention(q): expected [B, H, T, D], got shape {tuple(q.shape)}")
+    check_nonempty("attention", "q", q.shape, ("batch row (B)", "head (H)", "query (T)", "feature (D)"))
     B, H, T, D = q.shape
     if D & (D - 1):
         raise ValueError(f"attention(q): the head dim must be a power of two, got {D}")
@@ -103,6 +128,7 @@ def check_twin_attention(q, ring_k, ring_v, positions, q_pos, context=None):
         if len(r.shape) != 5 or (r.shape[1], r.shape[2], r.shape[4]) != (B, H, D) or str(r.dtype) != str(q.dtype):
             raise ValueError(f"attention({name}): expected [L, {B}, {H}, C, {D}] in {q.dtype}, "
                              f"got {r.dtype}{list(r.shape)}")
+        check_nonempty("attention", name, r.shape, ("layer (L)", "batch row (B)", "head (H)", "slot (C)"))
     C = ring_k.shape[3]
     if tuple(positions.shape) != (B, C) or tuple(q_pos.shape) != (B, T):
         raise ValueError(f"attention: positions must be [{B}, {C}] and q_pos [{B}, {T}], got "

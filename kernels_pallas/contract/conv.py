@@ -3,7 +3,12 @@ constants and argument checks, framework-free (standard library only)."""
 
 from __future__ import annotations
 
-from kernels_pallas.contract.numerics import check_twin_dtype, largest_pow2_divisor, positive_int
+from kernels_pallas.contract.numerics import (
+    check_nonempty,
+    check_twin_dtype,
+    largest_pow2_divisor,
+    positive_int,
+)
 
 ELU_BLOCK = 1024  # elements of an ELU program, compiled (interpreted: one program for the whole array)
 NEAREST_BLOCK = 64  # codebook entries a nearest program scores at once (speed only)
@@ -14,6 +19,21 @@ TAPS_COLS = 512  # the most tap columns a taps program writes (`taps_plan`; spee
 
 def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def check_signal(who: str, x, frames: bool = False) -> tuple[int, int, int]:
+    """(B, in, L) of `who`'s x [B, in, L] with at least one batch row and channel (`numerics.check_nonempty`):
+    a convolution's samples are its window's to count, with the carry's (`check_taps`); a transposed
+    convolution's x [B, in, T] (`frames`) needs at least one frame too."""
+    if len(x.shape) != 3:
+        raise ValueError(f"{who}(x): expected [B, in, {'T' if frames else 'L'}], got shape {tuple(x.shape)}")
+    check_nonempty(who, "x", x.shape, ("batch row (B)", "channel (in)", "frame (T)")[:3 if frames else 2])
+    return tuple(x.shape)
+
+
+def check_elu(x) -> None:
+    """An ELU's x (any shape): at least one element."""
+    check_nonempty("elu", "x", x.shape, ("element",) * len(x.shape))
 
 
 def check_taps(kernel_size, stride, dilation, length: int) -> int:
@@ -55,12 +75,11 @@ def check_conv1d(x, w, bias, residual, stride: int, dilation: int,
     for name, v in (("stride", stride), ("dilation", dilation)):
         if not positive_int(v):
             raise ValueError(f"conv1d({name}): expected a positive int, got {v!r}")
-    if len(x.shape) != 3:
-        raise ValueError(f"conv1d(x): expected [B, in, L], got shape {tuple(x.shape)}")
-    B, cin, L = x.shape
+    B, cin, L = check_signal("conv1d", x)
     L += width
     if len(w.shape) != 3 or w.shape[1] != cin:
         raise ValueError(f"conv1d(w): expected [out, in={cin}, k] (groups 1), got shape {tuple(w.shape)}")
+    check_nonempty("conv1d", "w", w.shape, ("output channel (out)", "channel (in)", "tap (k)"))
     if str(w.dtype) != str(x.dtype):
         raise TypeError(f"conv1d(w): dtype {w.dtype} differs from x's {x.dtype}")
     cout, _, k = w.shape
@@ -120,11 +139,10 @@ def check_conv_transpose1d(x, w, bias, stride: int, groups: int) -> tuple[int, i
     """(B, in, T, out, k) of a twin conv_transpose1d call, after checking shapes, dtypes and groups."""
     if not positive_int(stride):
         raise ValueError(f"conv_transpose1d(stride): expected a positive int, got {stride!r}")
-    if len(x.shape) != 3:
-        raise ValueError(f"conv_transpose1d(x): expected [B, in, T], got shape {tuple(x.shape)}")
-    B, cin, T = x.shape
+    B, cin, T = check_signal("conv_transpose1d", x, frames=True)
     if len(w.shape) != 3 or w.shape[0] != cin:
         raise ValueError(f"conv_transpose1d(w): expected [in={cin}, out / groups, k], got shape {tuple(w.shape)}")
+    check_nonempty("conv_transpose1d", "w", w.shape, ("channel (in)", "output channel (out / groups)", "tap (k)"))
     if str(w.dtype) != str(x.dtype):
         raise TypeError(f"conv_transpose1d(w): dtype {w.dtype} differs from x's {x.dtype}")
     if groups == 1:
@@ -161,6 +179,7 @@ def check_nearest(x, entries) -> tuple[int, int, int]:
     check_twin_dtype("nearest", "x", x)
     if len(x.shape) != 2:
         raise ValueError(f"nearest(x): expected [M, D], got shape {tuple(x.shape)}")
+    check_nonempty("nearest", "x", x.shape, ("row (M)", "feature (D)"))
     if len(entries.shape) != 2 or entries.shape[1] != x.shape[1] or entries.shape[0] == 0:
         raise ValueError(f"nearest(entries): expected [N >= 1, D={x.shape[1]}], got shape {tuple(entries.shape)}")
     if str(entries.dtype) != str(x.dtype):

@@ -17,10 +17,12 @@ from kernels_pallas.contract import numerics
 from kernels_pallas.contract.norm import (
     TWIN_SPLIT_GROUP,
     TwinNorm,
+    check_eps,
     check_norm_params,
 )
 from kernels_pallas.contract.numerics import (
     TWIN_MMA_ROWS,
+    check_nonempty,
     check_twin_dtype,
     choose_form,
     largest_pow2_divisor,
@@ -36,7 +38,7 @@ TWIN_LANE_PRODUCTS = 8192  # ... or more, up to this many products a step of its
 TWIN_LANE_MAX_BM = 128     # ... and this many rows (`LinearBlocks.for_shapes`)
 TWIN_INTERPRET_MAX_BN = 256  # interpreted (CPU), fewer, larger programs: each costs Python overhead
 TWIN_TRITON_LINEAR_STAGES = 4  # the Triton lane form's software-pipeline depth over K (twin_tune_gpu's fastest)
-TWIN_PALLAS_PREFETCH = 1  # weight blocks the Pallas linear loads ahead of their use (speed only)
+TWIN_PALLAS_PREFETCH = 1  # weight blocks the Pallas lane form loads ahead of their use (twin_pallas_prefetch)
 TWIN_FUSED_NORM_MAX_BM = 4  # a linear's norm runs fused only up to this many rows a program (twin_fuse_norm)
 TWIN_INTERPRET_FUSED_NORM_MAX_BM = 64  # ... interpreted (every interpreted tile, TWIN_INTERPRET_MAX_BM)
 TWIN_MMA_FUSED_NORM_MAX_BLOCKS = 4  # the MMA form fuses its norm only up to this many K blocks (twin_mma_fuse_norm)
@@ -186,6 +188,14 @@ def twin_mma_stages(N_out: int, BN: int, BK: int, weight_tiles: int = 1, itemsiz
     shallower = range(depth - 1, 2, -1)
     return next((d for d in shallower if programs <= resident(d)),
                 next((d for d in shallower if resident(d) >= 2 * H200_SMS), depth))
+
+
+def twin_pallas_prefetch(K: int, BK: int) -> int:
+    """Weight blocks the Pallas lane form loads ahead of their use: TWIN_PALLAS_PREFETCH (read at call
+    time: a benchmark sets it), at most the K / BK blocks there are. Speed only. A constant of that
+    backend, not an argument: its lowering has no pipelined loop (the Triton twin's `num_stages`), and
+    the twins take one signature, with no keyword one of them would ignore."""
+    return min(TWIN_PALLAS_PREFETCH, K // BK)
 
 
 def twin_fuse_norm(BM: int, interpreted: bool = False) -> bool:
@@ -348,6 +358,8 @@ def check_twin_linear(x, w, act, scale, residual, norm=None):
         raise ValueError(f"linear(w): expected [L, N, K={x.shape[1]}], got shape {tuple(w.shape)}")
     if str(w.dtype) != str(x.dtype):
         raise TypeError(f"linear(w): dtype {w.dtype} differs from x's {x.dtype}")
+    check_nonempty("linear", "x", x.shape, ("row (M)", "column (K)"))
+    check_nonempty("linear", "w", w.shape, ("layer (L)", "row (N)"))
     M, K = x.shape
     N = w.shape[1]
     if act == "silu_gate" and N % 2:
@@ -361,6 +373,7 @@ def check_twin_linear(x, w, act, scale, residual, norm=None):
         if not isinstance(norm, TwinNorm):
             raise TypeError(f"linear(norm): expected a TwinNorm or None, got {type(norm).__name__}")
         check_norm_params(norm.kind, norm.weight, norm.bias, K, "linear(norm.{})", layers=w.shape[0])
+        check_eps("linear(norm.eps)", norm.eps)
     return M, K, N, N_out
 
 

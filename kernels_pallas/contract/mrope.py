@@ -1,5 +1,9 @@
 """The MRoPE kernels' contract (`rotary_mrope` on both sides): argument checks and the tile plan.
 
+Sizes: a call of zero tokens returns q and k as they are, launching nothing (vLLM's API: a batch may
+hold no tokens), after the same checks as any other call (`check_launch_args` included); every other
+size (heads, head_size, rotary_dim, the cache's rows) is at least 1.
+
 Standard library only: arrays are asked for `shape`, `ndim` and `dtype`.
 """
 
@@ -7,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kernels_pallas.contract.numerics import next_pow2, positive_int
+from kernels_pallas.contract.numerics import check_launch, next_pow2, positive_int
 
 
 def check_geometry(q_shape, k_shape, head_size, rotary_dim):
@@ -143,14 +147,20 @@ def default_num_warps(block_tokens, block_heads, rotary_dim):
     return max(1, min(8, block_tokens * block_heads * next_pow2(rotary_dim // 2) // 512))
 
 
+def check_launch_args(who, block_tokens, block_heads, num_warps):
+    """The caller's tile sizes (positive powers of two) and warps (`numerics.check_launch`), each None for
+    the plan's: checked as a call starts, so that a call of zero tokens, which launches nothing, refuses
+    them as any other call does."""
+    for name, v in (("block_tokens", block_tokens), ("block_heads", block_heads)):
+        if v is not None and (not positive_int(v) or v & (v - 1)):
+            raise ValueError(f"{name} must be a positive power of two, got {v!r}")
+    if num_warps is not None:
+        check_launch(who, num_warps)
+
+
 def pick_num_warps(num_warps, block_tokens, block_heads, rotary_dim):
-    """num_warps as the caller gave it (checked: a power of two, 1 to 32), or None: `default_num_warps`."""
-    if num_warps is None:
-        return default_num_warps(block_tokens, block_heads, rotary_dim)
-    if not isinstance(num_warps, int) or isinstance(num_warps, bool) or not 1 <= num_warps <= 32 \
-            or num_warps & (num_warps - 1):
-        raise ValueError(f"num_warps must be a power of two in 1..32, got {num_warps!r}")
-    return num_warps
+    """num_warps as the caller gave it (`check_launch_args`), or None: `default_num_warps`."""
+    return default_num_warps(block_tokens, block_heads, rotary_dim) if num_warps is None else num_warps
 
 
 POSITION_DTYPES = ("int32", "int64")  # int64 positions are checked to fit int32 before the kernel reads them
@@ -160,14 +170,6 @@ def check_positions_dtype(name: str) -> None:
     """ValueError unless the positions' dtype (by name: "int32", "int16", "bool", ...) is one of POSITION_DTYPES."""
     if name not in POSITION_DTYPES:
         raise ValueError(f"positions dtype must be int32 or int64, got {name}")
-
-
-def check_blocks(block_tokens, block_heads, num_tokens):
-    """Validates caller-given tile sizes; returns the number of token blocks (the grid)."""
-    for name, v in (("block_tokens", block_tokens), ("block_heads", block_heads)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v & (v - 1):
-            raise ValueError(f"{name} must be a positive power of two, got {v!r}")
-    return -(-num_tokens // block_tokens)
 
 
 def stream_index(rotary_dim: int, mrope_section: Sequence[int], mrope_interleaved: bool) -> list[int]:

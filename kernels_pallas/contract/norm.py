@@ -7,10 +7,13 @@ Standard library only.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any, NamedTuple
 
 from kernels_pallas.contract import numerics
 from kernels_pallas.contract.numerics import (
+    check_nonempty,
     check_twin_dtype,
     largest_pow2_divisor,
     next_pow2,
@@ -103,6 +106,16 @@ class TwinRms(NamedTuple):
     eps: float
 
 
+def check_rms(rms, where="linear"):
+    """rms: None or a TwinRms with a good eps (`check_eps`), checked before a linear's options are built
+    from it: there an eps of None had read as no split norm at all (the sums left unscaled)."""
+    if rms is None:
+        return
+    if not isinstance(rms, TwinRms):
+        raise TypeError(f"{where}(rms): expected a TwinRms or None, got {type(rms).__name__}")
+    check_eps(f"{where}(rms.eps)", rms.eps)
+
+
 def check_twin_split(split, rms, norm, M, K, N_out, form, where="linear"):
     """split (a TwinSplit) and rms (a TwinRms): their types, shapes, and the MMA form they need."""
     if split is None and rms is None:
@@ -110,8 +123,7 @@ def check_twin_split(split, rms, norm, M, K, N_out, form, where="linear"):
     if form != "mma":
         raise ValueError(f"{where}(split, rms): the split RMSNorm runs in the MMA form only, got form {form!r}")
     if rms is not None:
-        if not isinstance(rms, TwinRms):
-            raise TypeError(f"{where}(rms): expected a TwinRms or None, got {type(rms).__name__}")
+        check_rms(rms, where)
         if norm is not None:
             raise ValueError(f"{where}(rms): x is already the split norm's u; pass norm=None with rms")
         G = K // TWIN_SPLIT_GROUP
@@ -147,6 +159,15 @@ def check_norm_params(kind, weight, bias, D, where, layers=None):
             raise ValueError(f"{where.format(name)}: expected [{L}, D={D}], got shape {tuple(t.shape)}")
     if kind == "layer" and bias is None:
         raise ValueError(f"{where.format('bias')}: kind='layer' needs a bias")
+    if kind == "rms" and bias is not None:  # the kernels would not read it: refused, not ignored
+        raise ValueError(f"{where.format('bias')}: kind='rms' adds no bias, got one (pass None)")
+
+
+def check_eps(where: str, eps) -> None:
+    """Refuse a norm's epsilon that is not a finite real number >= 0 (a bool is not one); where: its
+    name, "norm(eps)"-like. None reached the kernels as a raw error, another on each side."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"{where}: expected a finite float >= 0, got {eps!r}")
 
 
 def check_twin_norm(x, weight, bias, kind):
@@ -154,8 +175,16 @@ def check_twin_norm(x, weight, bias, kind):
     check_twin_dtype("norm", "x", x)
     if len(x.shape) != 2:
         raise ValueError(f"norm(x): expected [M, D], got shape {tuple(x.shape)}")
+    check_nonempty("norm", "x", x.shape, ("row (M)", "feature (D)"))
     M, D = x.shape
     check_norm_params(kind, weight, bias, D, "norm({})")
     return M, D
 
 
+def check_norm_grad(x, dy, weight, bias, kind, eps):
+    """(M, D) of a norm_grad call, checked: x, dy [M, D] of one dtype, the norm's weights and eps."""
+    M, D = check_twin_norm(x, weight, bias, kind)
+    check_eps("norm_grad(eps)", eps)
+    if tuple(dy.shape) != (M, D) or str(dy.dtype) != str(x.dtype):
+        raise ValueError(f"norm_grad(dy): expected {x.dtype} [{M}, {D}], got {dy.dtype} {tuple(dy.shape)}")
+    return M, D

@@ -66,6 +66,28 @@ def positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
+def check_nonempty(who: str, name: str, shape, counts) -> None:
+    """Refuse, naming `who`'s `name`, an array with a dimension of size 0; counts: what each dimension
+    counts ("row (M)", ...), in the shape's order. The twin kernels' rule: every size is at least 1.
+    An empty grid is no launch on one backend and a raw error on the other, and an empty batch of a
+    linear would only move the refusal into its backward (the weights' gradient sums over K = M)."""
+    for size, what in zip(shape, counts):
+        if size < 1:
+            raise ValueError(f"{who}({name}): expected at least one {what}, got shape {tuple(shape)}")
+
+
+def check_launch(who: str, num_warps, num_stages=None) -> None:
+    """Refuse, naming `who`'s argument, a launch setting that would reach a compiler unchecked (refused
+    there in its own words, or read as another: Pallas took a num_stages of 0 as its default), before
+    anything runs, alike on both twins: num_warps a power of two in 1..32 (the warps of a program),
+    num_stages None (the kernel's default) or an int >= 1 (a pipeline depth). Speed only: neither
+    changes the bits."""
+    if not positive_int(num_warps) or num_warps > 32 or num_warps & (num_warps - 1):
+        raise ValueError(f"{who}: num_warps must be a power of two in 1..32, got {num_warps!r}")
+    if num_stages is not None and not positive_int(num_stages):
+        raise ValueError(f"{who}: num_stages must be None or an int >= 1, got {num_stages!r}")
+
+
 TWIN_FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # what the twins compute on, either framework
 
 

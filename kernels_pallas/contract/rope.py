@@ -5,18 +5,19 @@ Standard library only.
 
 from __future__ import annotations
 
-from kernels_pallas.contract.numerics import check_index, check_twin_dtype
+from kernels_pallas.contract.numerics import check_index, check_nonempty, check_twin_dtype, positive_int
 
 RING_CONVENTIONS = ("personaplex", "moshi")  # where a ring's slots' positions count from (jax_impl/tables.py)
 
 
 def check_rope_tables(offset, T, freqs) -> tuple[int, int]:
-    """(B, D/2) of a twin `tables` call, after checking offset int [B], T an int >= 0 and freqs [D/2]
-    with D/2 a power of two."""
+    """(B, D/2) of a twin `tables` call, after checking offset int [B] (B >= 1), T an int >= 1 and freqs
+    [D/2] with D/2 a power of two (every size at least 1: `numerics.check_nonempty`)."""
     if len(offset.shape) != 1 or not str(offset.dtype).removeprefix("torch.").startswith(("int", "uint")):
         raise ValueError(f"tables(offset): expected an int array [B], got {offset.dtype} {list(offset.shape)}")
-    if isinstance(T, bool) or not isinstance(T, int) or T < 0:
-        raise ValueError(f"tables(T): expected an int >= 0, got {T!r}")
+    check_nonempty("tables", "offset", offset.shape, ("batch row (B)",))
+    if not positive_int(T):
+        raise ValueError(f"tables(T): expected an int >= 1, got {T!r}")
     half = freqs.shape[0] if len(freqs.shape) == 1 else 0
     if half < 1 or half & (half - 1):
         raise ValueError(f"tables(freqs): expected [D/2] with D/2 a power of two, got shape {list(freqs.shape)}")
@@ -30,6 +31,7 @@ def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask, slot
     check_twin_dtype("rope_write", "qkv", qkv)
     if len(qkv.shape) != 5 or qkv.shape[2] != 3:
         raise ValueError(f"rope_write(qkv): expected [B, T, 3, H, D], got shape {tuple(qkv.shape)}")
+    check_nonempty("rope_write", "qkv", qkv.shape, ("batch row (B)", "query (T)", "part", "head (H)", "feature (D)"))
     B, T, _, H, D = qkv.shape
     if D < 2 or D & (D - 1):
         raise ValueError(f"rope_write(qkv): the head dim D must be a power of two >= 2 (pairs), got {D}")
@@ -42,6 +44,7 @@ def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask, slot
         if len(r.shape) != 5 or (r.shape[1], r.shape[2], r.shape[4]) != (B, H, D) or str(r.dtype) != str(qkv.dtype):
             raise ValueError(f"rope_write({name}): expected [L, {B}, {H}, C, {D}] in {qkv.dtype}, "
                              f"got {r.dtype}{list(r.shape)}")
+        check_nonempty("rope_write", name, r.shape, ("layer (L)", "batch row (B)", "head (H)", "slot (C)"))
     if tuple(write_index.shape) != (B, T) or tuple(write_mask.shape) != (B, T):
         raise ValueError(f"rope_write: write_index and write_mask must be [{B}, {T}], got "
                          f"{tuple(write_index.shape)} and {tuple(write_mask.shape)}")
