@@ -399,7 +399,8 @@ def decode_fn(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple
 
 
 def check_codes_layout(cfg: CodecConfig, codes, batch: int) -> None:
-    dtype = jnp.dtype(getattr(codes, "dtype", None))
+    st.check_array("decode(codes)", codes)
+    dtype = jnp.dtype(codes.dtype)
     if dtype not in (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64)):
         raise TypeError(f"decode(codes): codes must be int32 or int64, got {dtype}")
     if tuple(jnp.shape(codes)) != (batch, cfg.num_codebooks):
@@ -449,6 +450,7 @@ def _codec_steps(cfg: CodecConfig, kernels: str, rope_freqs: tuple[float, ...] |
     def encode(params, state, pcm, active=None):
         _check_state("encode", state)
         check_pcm("encode", pcm, state.batch_size, cfg.frame_size, state.encoder_transformer.k.dtype)
+        _check_active("encode", active, state.batch_size)
         return jit_encode(params, state, _on_state_device(state, pcm), _on_state_device(state, active))
 
     def decode(params, state, codes, active=None):

@@ -47,6 +47,7 @@ from jax import lax
 from kernels_pallas import backend, twin_attention, twin_linear
 from kernels_pallas.contract.norm import TwinNorm
 
+from . import state as st
 from .depformer_config import DepformerConfig, buffer_shapes
 from .sampling import is_integer_array, sample
 from .sampling_config import array_described, check_counter, check_sampling, check_seeds
@@ -259,6 +260,10 @@ def make_depformer_step(cfg: DepformerConfig, kernels: str = "reference", *, tem
             raise ValueError(f"params must be the depformer's buffers by name (check_depformer_params), got "
                              f"{type(params).__name__}")
         dtype = params["in_proj"].dtype
+        for name, x in (("text_token", text_token), ("transformer_out", transformer_out),
+                        ("audio_tokens", audio_tokens), ("audio_provided", audio_provided)):
+            if hasattr(x, "dtype"):  # another framework's array (no array at all: the checks below name it)
+                st.check_array(name, x)
         if not hasattr(transformer_out, "dtype") or jnp.ndim(transformer_out) != 3 \
                 or jnp.shape(transformer_out)[1:] != (1, cfg.temporal_dim) or not jnp.shape(transformer_out)[0]:
             raise ValueError(f"transformer_out must have shape [B >= 1, 1, {cfg.temporal_dim}], got "

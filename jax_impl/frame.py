@@ -168,9 +168,9 @@ def frame_fn(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit: int | 
 
 def _int_array(name: str, x, shape: tuple[int, ...], high: int) -> np.ndarray:
     """x on the host after checking its dtype, shape and token ids (0..high or -1)."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array, got {dtype or type(x).__name__}")
+    st.check_array(name, x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got {x.dtype}")
     if tuple(jnp.shape(x)) != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(jnp.shape(x))}")
     host = np.asarray(x)

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from .state import StreamState, check_live
-from .step import check_host_x
+from .step import check_host_args
 
 SESSIONS = "sessions"  # the mesh axis of the sessions layout
 MODEL = "model"        # the mesh axis of the tensor-parallel layout
@@ -110,7 +110,7 @@ class PlacedStep:
         if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (x, active)) \
                 or np.shape(x)[:1] != (B,) or np.shape(active) != (B,):  # let the step's own checks name them
             return params, state, x, active
-        check_host_x(state, x)  # before device_put, which would narrow a numpy float64 x
+        check_host_args(state, x, active)  # before device_put, which would narrow a numpy float64 x
         return params, state, jax.device_put(x, self._row), jax.device_put(active, self._row)
 
     def __call__(self, params, state, x, active=None):

@@ -7,7 +7,9 @@ it into an FMA), so the float operations are the torch side's, one rounding each
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kernels_pallas.twin_math import mul
@@ -78,8 +80,7 @@ def top_k_mask(logits, k: int):
 
 def is_integer_array(x) -> bool:
     """Whether x is an array (JAX or numpy) of an integer dtype (bool excluded)."""
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and hasattr(x, "shape") and jnp.issubdtype(dtype, jnp.integer)
+    return isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.integer)
 
 
 def sample(logits, seeds=None, counter=0, *, temperature: float = 0.0, top_k: int = 0):

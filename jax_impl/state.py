@@ -160,13 +160,24 @@ def row_mask(op: str, state: StreamState, b):
     return jnp.arange(B) == b
 
 
+def check_array(where: str, x) -> None:
+    """TypeError naming `where` unless x is a JAX array (traced or not) or a numpy array: the JAX steps
+    take no torch tensor (`torch_bridge.to_jax` shares one without a copy; the drop-ins take torch's)."""
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        kind = f"{type(x).__module__}.{type(x).__name__}"
+        hint = " (torch_bridge.to_jax shares a tensor with JAX)" if kind == "torch.Tensor" else ""
+        raise TypeError(f"{where}: expected a JAX or numpy array, got {kind}{hint}")
+
+
 def check_row_flags(op: str, name: str, flags, batch: int):
     """flags itself after checking it is a bool array [batch], a flag a row (an `active` mask, a
     `reset_rows` mask): TypeError for another dtype, ValueError for another shape, naming `op(name)`.
     Shapes and dtypes only: also for traced flags."""
-    dtype = getattr(flags, "dtype", None)
-    if dtype is None or jnp.dtype(dtype) != jnp.bool_:
-        raise TypeError(f"{op}({name}): {name} must be a bool array, got {dtype or type(flags).__name__}")
+    if not hasattr(flags, "dtype"):
+        raise TypeError(f"{op}({name}): {name} must be a bool array, got {type(flags).__name__}")
+    check_array(f"{op}({name})", flags)
+    if jnp.dtype(flags.dtype) != jnp.bool_:
+        raise TypeError(f"{op}({name}): {name} must be a bool array, got {flags.dtype}")
     if tuple(jnp.shape(flags)) != (batch,):
         raise ValueError(f"{op}({name}): {name} must have shape [{batch}], got {list(jnp.shape(flags))}")
     return flags

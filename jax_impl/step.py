@@ -56,7 +56,8 @@ def check_step_inputs(config: StackConfig, params, state: StreamState, x, active
             raise ValueError(f"step(state): {name} must be an integer array of shape [{B}], "
                              f"got {a.dtype}{list(a.shape)}")
     check_params(c, params, dtype=dtype, argname="step(params)", adapters=True)
-    shape = tuple(getattr(x, "shape", ()))
+    st.check_array("step(x)", x)
+    shape = tuple(x.shape)
     if len(shape) != 3 or shape[0] != B or shape[2] != c.dim:
         raise ValueError(f"step(x): x must have shape [B={B}, T, dim={c.dim}], got {list(shape)}")
     if not 1 <= shape[1] <= c.capacity:
@@ -78,16 +79,21 @@ def check_x_dtype(x, dtype) -> None:
                         f"x.astype(jnp.{jnp.dtype(dtype).name}) if that rounding is what you want")
 
 
-def check_host_x(state, x) -> None:
-    """`check_x_dtype` of a step's x on the host, before a jitted call (`HostCheckedStep` says why);
-    an x or state the step cannot take otherwise passes, for the step's own checks to name."""
+def check_host_args(state, x, active=None) -> None:
+    """A step's x and active on the host, before a jitted call: JAX or numpy arrays (jit would fail
+    to read a torch tensor with an error of its own) and x's dtype (`check_x_dtype`: jit would narrow
+    a numpy float64 x to float32, `HostCheckedStep`). A state the step cannot take passes, for the
+    step's own checks to name."""
+    st.check_array("step(x)", x)
+    if active is not None:
+        st.check_array("step(active)", active)
     dtype = getattr(getattr(state, "k", None), "dtype", None)
-    if dtype is not None and getattr(x, "dtype", None) is not None:
+    if dtype is not None:
         check_x_dtype(x, dtype)
 
 
 class HostCheckedStep:
-    """A jitted step (`jitted`) whose x is checked on the host first (`check_host_x`): a numpy
+    """A jitted step (`jitted`) whose x is checked on the host first (`check_host_args`): a numpy
     float64 x would reach the step as float32, narrowed by jit. `lower(...)` lowers the jitted
     function on the same arguments."""
 
@@ -96,12 +102,12 @@ class HostCheckedStep:
 
     def __call__(self, params, state, x, active=None):
         st.check_live("step(state)", state)
-        check_host_x(state, x)
+        check_host_args(state, x, active)
         return self.jitted(params, state, x, active)
 
     def lower(self, params, state, x, active=None):
         st.check_live("step(state)", state)
-        check_host_x(state, x)
+        check_host_args(state, x, active)
         return self.jitted.lower(params, state, x, active)
 
 
@@ -355,5 +361,5 @@ class Streamer:
         self.params, self.state, self._step_options, self._step = params, state, options, step
 
 
-__all__ = ["HostCheckedStep", "Streamer", "check_host_x", "check_step_inputs", "check_x_dtype", "make_step",
+__all__ = ["HostCheckedStep", "Streamer", "check_host_args", "check_step_inputs", "check_x_dtype", "make_step",
            "step_fn"]

@@ -146,7 +146,7 @@ def test_cli_plot_without_matplotlib_fails_before_the_run(tmp_path, capsys, monk
     assert main(["crosscheck", "--plot", str(tmp_path / "r.png")]) == 1
     err = capsys.readouterr().err.strip()
     assert err == ("personaplex-jax: error: --plot: matplotlib is not installed; "
-                   "pip install personaplex-jax[plot] (or drop --plot)")
+                   "pip install -e '.[plot]' (or drop --plot)")
     assert not list(tmp_path.iterdir())
 
 

@@ -336,3 +336,45 @@ def test_step_docstrings_list_every_kernels_value():
 
     for fn in (jx.step_fn, jx.make_step):
         assert all(f'"{k}"' in fn.__doc__ for k in JAX_KERNELS), fn.__name__
+
+
+def test_jax_steps_refuse_torch_tensors_by_name(tparams):
+    """A torch tensor given to a JAX step is refused naming the argument (jit's own error named neither
+    the argument nor the remedy); `to_jax` shares it without a copy. The steps' outputs are JAX arrays."""
+    import torch
+
+    from jax_impl import codec as jc
+    from jax_impl import depformer as jd
+    from jax_impl import frame as jf
+    from jax_impl import speech_frame as jsf
+    from jax_impl.speech_frame_config import SPEECH_PRESETS
+    from torch_bridge.speech_frame import SpeechFrame
+
+    SPEECH = SPEECH_PRESETS["moshi-tiny"]
+    speech = SpeechFrame.from_config(SPEECH)
+    lm, codec = SPEECH.lm, SPEECH.codec
+    lm_params, codec_params = speech.jax_params().lm, speech.jax_params().codec
+    n = 2
+    flags, ints = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.int32)
+    encode, decode = jc.make_codec_step(codec)
+    cases = [
+        (lambda: jx.make_step(TCFG)(tparams, jx.init_state(TCFG, n), torch.zeros(n, 1, TCFG.dim)), "step(x)"),
+        (lambda: jx.make_step(TCFG)(tparams, jx.init_state(TCFG, n), np.zeros((n, 1, TCFG.dim), np.float32), flags),
+         "step(active)"),
+        (lambda: jf.make_frame_step(lm)(lm_params, jf.init_frame_state(lm, n),
+                                        torch.zeros(n, lm.user_codebooks, dtype=torch.int32)), "user_tokens"),
+        (lambda: jd.make_depformer_step(lm.depformer)(lm_params["depformer"], ints,
+                                                       np.zeros((n, 1, lm.depformer.temporal_dim), np.float32)),
+         "text_token"),
+        (lambda: encode(codec_params, jc.init_codec_state(codec, n), np.zeros((n, 1, codec.frame_size), np.float32),
+                        flags), "encode(active)"),
+        (lambda: decode(codec_params, jc.init_codec_state(codec, n), ints[:, None].expand(n, codec.num_codebooks)),
+         "decode(codes)"),
+        (lambda: jsf.make_speech_frame_step(SPEECH)(speech.jax_params(), jsf.init_speech_frame_state(SPEECH, n),
+                                                   np.zeros((n, 1, SPEECH.frame_size), np.float32), flags),
+         "step(active)"),
+    ]
+    for call, name in cases:
+        with pytest.raises(TypeError, match=re.escape(f"{name}: expected a JAX or numpy array, got torch.Tensor "
+                                                      "(torch_bridge.to_jax shares a tensor with JAX)")):
+            call()

@@ -128,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="twin: both paths on the twin kernels (Triton for torch, Pallas for JAX), bit-identical "
                          "and batch-invariant; reference: each framework's plain path, the torch reference "
                          "(bit-exact with moshi) against XLA, close but not bit-identical (default: twin; reference "
-                         "for the codec, whose twin kernels run interpreted on the CPU at seconds a frame)")
+                         "for the codec and the speech frame, whose twin kernels run interpreted on the CPU at "
+                         "seconds a frame)")
     cc.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     cc.add_argument("--seed", type=_seed, default=0,
                     help="seed of the schedule and weights, >= 0 (default: 0)")
@@ -142,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
                          "1e-05 (float32) / 0.05 (bfloat16), greedy tokens equal but at near ties")
     cc.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     cc.add_argument("--plot", metavar="FILE.png",
-                    help="plot per-step differences and ms/step (needs matplotlib: pip install personaplex-jax[plot])")
+                    help="plot per-step differences and ms/step (needs matplotlib: pip install -e '.[plot]')")
     cc.add_argument("-q", "--quiet", action="store_true",
                     help="no progress on stderr (a bar on a terminal, else a line every few seconds)")
     sp = sub.add_parser("speak", help="a WAV file through the JAX speech frame, the model's reply to a WAV file",
@@ -267,7 +268,7 @@ def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("--plot: matplotlib is not installed; pip install personaplex-jax[plot] "
+        raise ValueError("--plot: matplotlib is not installed; pip install -e '.[plot]' "
                          "(or drop --plot)") from None
 
 
