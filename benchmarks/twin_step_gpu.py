@@ -76,6 +76,17 @@ def jax_side(module, kernels="twin", layer_loop="scan"):
     return params, state, step
 
 
+def profile(fn):
+    """`timing.kernel_profile(fn)` on the GPU; (None, None) on the CPU (--small), where there are no CUDA kernels."""
+    return kernel_profile(fn) if DEVICE == "cuda" else (None, None)
+
+
+def synchronize():
+    """Wait for the GPU (the CPU's torch ops return done)."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def outs(o):
     return o if isinstance(o, tuple) else (o,)
 
@@ -218,7 +229,7 @@ def jax_speed(module, x, rec, with_auto, with_loop, with_mosaic=False):
     rec["jax_twin_first_call_s"] = time.perf_counter() - t0
     state = jax_side(module)[1]._replace(offset=jnp.full((B,), module.config.capacity, jnp.int32))
     rec["jax_twin_sync_ms"], rec["jax_twin_pipelined_ms"], state = time_step(step, params, state, xj, None, 40)
-    rec["jax_twin_kernels"], rec["jax_twin_top_kernels"] = kernel_profile(
+    rec["jax_twin_kernels"], rec["jax_twin_top_kernels"] = profile(
         lambda: jax.block_until_ready(step(params, state, xj, None)[0]))
     if with_auto:
         _, s2, auto = jax_side(module, kernels="auto", layer_loop="python")
@@ -235,7 +246,7 @@ def jax_speed(module, x, rec, with_auto, with_loop, with_mosaic=False):
         rec["jax_twin_python_loop_first_call_s"] = time.perf_counter() - t0
         rec["jax_twin_python_loop_sync_ms"], rec["jax_twin_python_loop_pipelined_ms"], s3 = time_step(
             looped, params, s3, xj, None, 40)
-        rec["jax_twin_python_loop_kernels"], _ = kernel_profile(
+        rec["jax_twin_python_loop_kernels"], _ = profile(
             lambda: jax.block_until_ready(looped(params, s3, xj, None)[0]))
 
 
@@ -257,7 +268,7 @@ def mosaic_speed(module, params, xj, step, rec):
     rec["jax_mosaic_identical"] = all(np.array_equal(bits(a), bits(b))  # bits: a NaN equals its own bits
                                       for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
     rec["jax_mosaic_sync_ms"], rec["jax_mosaic_pipelined_ms"], state = time_step(mosaic, params, state, xj, None, 40)
-    rec["jax_mosaic_kernels"], rec["jax_mosaic_top_kernels"] = kernel_profile(
+    rec["jax_mosaic_kernels"], rec["jax_mosaic_top_kernels"] = profile(
         lambda: jax.block_until_ready(mosaic(params, state, xj, None)[0]))
 
 
@@ -274,22 +285,23 @@ def speed(kind, B, out, with_auto=False, with_jax=True, with_loop=False, with_mo
         module.step(x)
     def torch_step_sync():
         torch_step()
-        torch.cuda.synchronize()
+        synchronize()
 
     for _ in range(3):
         torch_step_sync()
     rec["torch_twin_eager_sync_ms"] = host_ms(torch_step_sync, 20)
-    rec["torch_twin_kernels"], rec["torch_twin_top_kernels"] = kernel_profile(torch_step)
-    try:
-        replay = torch_graph(torch_step)
+    rec["torch_twin_kernels"], rec["torch_twin_top_kernels"] = profile(torch_step)
+    if DEVICE == "cuda":  # CUDA graphs: none on the CPU (--small)
+        try:
+            replay = torch_graph(torch_step)
 
-        def replay_sync():
-            replay()
-            torch.cuda.synchronize()
+            def replay_sync():
+                replay()
+                torch.cuda.synchronize()
 
-        rec["torch_twin_graph_sync_ms"] = host_ms(replay_sync, 30)
-    except Exception as err:  # noqa: BLE001 (recorded: a capture failure is a result)
-        rec["torch_twin_graph_error"] = f"{type(err).__name__}: {err}"[:500]
+            rec["torch_twin_graph_sync_ms"] = host_ms(replay_sync, 30)
+        except Exception as err:  # noqa: BLE001 (recorded: a capture failure is a result)
+            rec["torch_twin_graph_error"] = f"{type(err).__name__}: {err}"[:500]
     record(f"speed_{kind}_B{B}", rec, out)
 
 

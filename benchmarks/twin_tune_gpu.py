@@ -271,6 +271,8 @@ def main():
     global LANES_STAGE, STAGES, PALLAS, TRITON, PREFETCH
     TRITON = not args.no_triton_sweep
     PREFETCH = tuple(int(v) for v in args.prefetch.split(",")) if args.prefetch else PREFETCH
+    if min(PREFETCH) < 1:  # the contract constant is not checked where the kernel reads it
+        parser.error(f"--prefetch: depths of at least 1, got {args.prefetch}")
     LANES_STAGE = args.lanes
     STAGES = tuple(int(v) for v in args.stages.split(",")) if args.stages else (None,)
     PALLAS = not args.no_pallas_sweep

@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas import backend
 from kernels_pallas.contract.numerics import INT32_MAX, sixteen_bit
+from kernels_pallas.twin_math import layer_index
 
 MIN_QUERIES = 16  # tensor-core tiles need at least 16 rows
 TARGET_PROGRAMS = 2048  # default splits: about this many programs in all (best measured for the 7B ring)
@@ -133,7 +134,8 @@ def ring_attention(q: jax.Array, ring_k: jax.Array, ring_v: jax.Array, layer, po
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     options = _Options(context, block_c, splits, num_warps, interpret, ring_k.shape[0])
-    return _differentiable(options, q, ring_k, ring_v, jnp.asarray(layer, jnp.int32), positions, q_pos)
+    layer = layer_index("ring_attention", layer, ring_k.shape[0])  # out of range: another layer's, or no, memory
+    return _differentiable(options, q, ring_k, ring_v, layer, positions, q_pos)
 
 
 class _Options(NamedTuple):

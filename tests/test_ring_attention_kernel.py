@@ -50,6 +50,11 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match=f"at most {MIN_QUERIES}"):
         ring_attention(jnp.zeros((1, 1, MIN_QUERIES + 1, 16)), ring, ring, 0, jnp.zeros((1, 8), jnp.int32),
                        jnp.zeros((1, MIN_QUERIES + 1), jnp.int32), context=8)
+    # a layer past the stack would read another layer's slots (the kernel) or clamp (its reference)
+    for layer in (1, -1, jnp.int32(1)):
+        with pytest.raises(ValueError, match=r"ring_attention\(layer\): expected values in \[0, 1\)"):
+            ring_attention(jnp.zeros((1, 1, 1, 16)), ring, ring, layer, jnp.zeros((1, 8), jnp.int32),
+                           jnp.zeros((1, 1), jnp.int32), context=8)
 
 
 def test_stack_with_pallas_kernels_matches_xla_kernels():
