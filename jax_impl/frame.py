@@ -231,8 +231,7 @@ def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit:
             check_seeds(seeds, B, is_integer_array)
         else:
             seeds = None
-        # the arguments as given (numpy or JAX): jit places host arrays itself, cheaper than jnp.asarray
-        # on the host first (a dispatch each, ~0.2 ms a frame on the CPU)
+        # the arguments as given (numpy or JAX): jit places host arrays itself
         return jitted(params, state, user_tokens, active, replace_audio, seeds)
 
     return step
