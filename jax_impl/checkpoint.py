@@ -255,17 +255,22 @@ def infer_config(shapes: Mapping[str, Sequence[int]], kind: str, prefix: str | N
     probes = {"dim": ("in_proj", 1), **({"hidden": ("linear_out", 1), "text_card": ("text_linear", 0)}
                                         if kind == "temporal" else {"ffn": ("linear1", 0)})}
     sizes, lines = {"dim": 0, "num_layers": max(layers) + 1}, []
+    if len(layers) != max(layers) + 1:  # a stray key would make a stack of its index
+        first = next(i for i in range(len(layers) + 1) if i not in layers)
+        lines.append(f"missing: layer {first} ({max(layers) + 1 - len(layers)} of the {max(layers) + 1} layers that "
+                     f"{base}transformer.layers.{max(layers)}. implies are absent)")
     for field, (name, axis) in probes.items():
         spec = specs[name]
         names = spec.names(base, 0 if spec.per_layer else None)
         key = next((k for k in names if k in shapes), None)
+        shape = None if key is None else shapes[key]
         if key is None:
             lines.append(f"missing: {names[0]} (it gives {field})")
-        elif len(shapes[key]) != len(spec.ckpt_shape):
-            lines.append(f"wrong shape: {key}: expected {len(spec.ckpt_shape)} dimensions, "
-                         f"got {list(shapes[key])}")
+        elif (not isinstance(shape, (tuple, list)) or len(shape) != len(spec.ckpt_shape)
+              or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in shape)):
+            lines.append(f"wrong shape: {key}: expected {len(spec.ckpt_shape)} positive int dimensions, got {shape!r}")
         else:
-            sizes[field] = int(shapes[key][axis])
+            sizes[field] = shape[axis]
     if lines:
         head = f"{where}: cannot infer the {kind} sizes:"
         raise CheckpointError("\n".join([head, *("  " + m for m in lines)]))

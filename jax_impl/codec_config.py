@@ -23,17 +23,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .config import MimiConfig
+from .config import MimiConfig, check_positive_ints, real_number
 
 # EuclideanCodebook's clamp of the cluster usage: entry = embedding_sum / max(cluster_usage, eps).
 CODEBOOK_EPS = 1e-5
-
-
-def _check_positive_ints(config, names) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"CodecConfig.{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -121,12 +114,12 @@ class CodecConfig:
     semantic_codebooks: int = 1
 
     def __post_init__(self):
-        _check_positive_ints(self, ("sample_rate", "dimension", "n_filters", "kernel_size", "last_kernel_size",
+        check_positive_ints(self, ("sample_rate", "dimension", "n_filters", "kernel_size", "last_kernel_size",
                                     "residual_kernel_size", "n_residual_layers", "dilation_base", "compress",
                                     "codebook_size", "codebook_dim", "num_codebooks", "total_codebooks",
                                     "semantic_codebooks"))
         rate = self.frame_rate
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not (math.isfinite(rate) and rate > 0):
+        if not real_number(rate) or not (math.isfinite(rate) and rate > 0):
             raise ValueError(f"CodecConfig.frame_rate must be a finite number > 0, got {rate!r}")
         if (not isinstance(self.ratios, tuple) or not self.ratios
                 or any(not isinstance(r, int) or isinstance(r, bool) or r <= 0 for r in self.ratios)):

@@ -13,39 +13,49 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kernels_pallas.contract.numerics import INT32_MAX
 from kernels_pallas.contract.rope import RING_CONVENTIONS
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 FLOAT32_TINY = 2.0**-149             # the smallest positive float32 (a subnormal)
 
 
+def real_number(value) -> bool:
+    """Whether value is a real number, Python's or numpy's (`numbers.Real`), and not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def positive_float32(value) -> bool:
-    """Whether value is a number (not a bool) > 0 that float32 holds without becoming 0 or inf: the
-    eps of the float32 norms and the sampler's temperature are computed in float32."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and FLOAT32_TINY <= value <= FLOAT32_MAX)
+    """Whether value is a real number (`real_number`) > 0 that float32 holds without becoming 0 or inf:
+    the eps of the float32 norms and the sampler's temperature are computed in float32."""
+    return real_number(value) and math.isfinite(value) and FLOAT32_TINY <= value <= FLOAT32_MAX
 
 
-def _check_positive(config, names: Sequence[str]) -> None:
+def check_positive_ints(config, names: Sequence[str]) -> None:
+    """Each field of a config (named by its class) a Python int in 1..INT32_MAX: the kernels index with
+    int32, and a size past it is no model's (JAX would end the process making a ring of it)."""
     for name in names:
         value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= INT32_MAX:
+            raise ValueError(f"{type(config).__name__}.{name} must be a positive int of at most {INT32_MAX}, "
+                             f"got {value!r}")
 
 
 def _check_common(config) -> None:
-    _check_positive(config, ("dim", "num_layers", "num_heads", "context"))
+    check_positive_ints(config, ("dim", "num_layers", "num_heads", "context"))
     if config.dim % config.num_heads:
         raise ValueError(f"dim ({config.dim}) must be divisible by num_heads ({config.num_heads})")
     if config.head_dim % 2:
         raise ValueError(f"head_dim = dim // num_heads must be even for RoPE, got {config.head_dim}")
     if config.ring_convention not in RING_CONVENTIONS:
         raise ValueError(f"ring_convention must be one of {RING_CONVENTIONS}, got {config.ring_convention!r}")
-    if not config.max_period > 1.0:
-        raise ValueError(f"max_period must be > 1, got {config.max_period!r}")
+    if not (real_number(config.max_period) and math.isfinite(config.max_period) and config.max_period > 1):
+        raise ValueError(f"max_period must be a finite number > 1 (RoPE's longest wavelength), got "
+                         f"{config.max_period!r}")
     if not positive_float32(config.norm_eps):
         raise ValueError(f"norm_eps must be a float > 0 that float32 holds (the norms compute in float32), got "
                          f"{config.norm_eps!r}")
@@ -58,7 +68,7 @@ class _StackGeometry:
 
     def __post_init__(self):
         _check_common(self)
-        _check_positive(self, self._positive)
+        check_positive_ints(self, self._positive)
 
     @property
     def head_dim(self) -> int:

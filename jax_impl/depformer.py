@@ -186,7 +186,9 @@ def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, a
     def step(prev, k, s, table, cache_k, cache_v):
         """Inner step k with weight set s and embedding table `table` (step k - 1's; 0 at k = 0)
         -> (token [B], logits [B, card] float32, cache_k, cache_v)."""
-        if isinstance(k, int):
+        if not cfg.emb_tables:  # one inner step (dep_q 1): the text token's embedding alone
+            token_in = _embed(params["text_emb"], prev)
+        elif isinstance(k, int):
             token_in = _embed(params["text_emb"] if k == 0 else params["emb"][table], prev)
         else:
             token_in = jnp.where(k == 0, _embed(params["text_emb"], prev), _embed(params["emb"][table], prev))

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .checkpoint import check_fit
-from .config import positive_float32
+from .config import check_positive_ints, positive_float32
 
 # The key prefixes of the depformer's tensors in a Moshi/PersonaPlex LM checkpoint; other keys
 # (the temporal stack, its embeddings and heads) are not the depformer's and are ignored.
@@ -59,11 +59,8 @@ class DepformerConfig:
     norm_eps: float = 1e-8
 
     def __post_init__(self):
-        for name in ("dim", "num_layers", "num_heads", "hidden", "dep_q", "weight_sets", "card", "text_card",
-                     "temporal_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"DepformerConfig.{name} must be a positive int, got {value!r}")
+        check_positive_ints(self, ("dim", "num_layers", "num_heads", "hidden", "dep_q", "weight_sets", "card",
+                                   "text_card", "temporal_dim"))
         if self.dim % self.num_heads:
             raise ValueError(f"DepformerConfig.dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
         if self.weight_sets > self.dep_q:

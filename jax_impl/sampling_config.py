@@ -20,7 +20,7 @@ largest logit.
 
 from __future__ import annotations
 
-from .config import positive_float32
+from .config import positive_float32, real_number
 
 HASH_MUL = (0x7FEB352D, 0x846CA68B)   # the multipliers of lowbias32 (shifts 16, 15, 16)
 HASH_SHIFTS = (16, 15, 16)
@@ -37,7 +37,7 @@ def check_sampling(temperature, top_k, vocab: int) -> None:
     """Raise ValueError naming the argument unless temperature is 0 (greedy) or a number float32 holds
     (`config.positive_float32`: the sampler scales the noise by it in float32), and 0 <= top_k <= vocab
     (0: the whole vocabulary)."""
-    if not (temperature == 0 and not isinstance(temperature, bool) or positive_float32(temperature)):
+    if not (real_number(temperature) and temperature == 0 or positive_float32(temperature)):
         raise ValueError(f"temperature must be 0 (greedy) or a float > 0 that float32 holds (the sampler's), got "
                          f"{temperature!r}")
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= vocab:

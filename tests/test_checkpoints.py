@@ -320,6 +320,14 @@ def test_infer_config_reads_the_sizes_and_names_what_it_lacks():
     assert infer_config(mshapes, "mimi", "encoder_transformer") == {"dim": 32, "num_layers": 2, "ffn": 64}
     with pytest.raises(CheckpointError, match="holds no mimi stack: no key starts with decoder_transformer"):
         infer_config(mshapes, "mimi", "decoder_transformer")
+    # a size is a whole number (64.5 was read as 64), a stray key no stack of its index (10**12 layers)
+    key = "transformer.layers.0.self_attn.in_proj_weight"
+    for shape in ((288.0, 96.5), None, (288, True)):
+        with pytest.raises(CheckpointError, match=rf"wrong shape: {re.escape(key)}: expected 2 positive int dimensions"):
+            infer_config({**shapes, key: shape}, "temporal")
+    with pytest.raises(CheckpointError, match=r"missing: layer 3 \(999999999996 of the 1000000000000 layers that "
+                                              r"transformer.layers.999999999999. implies are absent\)"):
+        infer_config({**shapes, "transformer.layers.999999999999.x": (1,)}, "temporal")
     del shapes["text_linear.weight"]
     with pytest.raises(CheckpointError, match=r"missing: text_linear.weight \(it gives text_card\)"):
         infer_config(shapes, "temporal", source="f.safetensors")
@@ -390,6 +398,14 @@ def test_norm_eps_changes_the_torch_model_and_matches_jax(base):
     for eps in (0.0, 1e300, 1e-50):  # inf and 0 in float32, where the norms add it
         with pytest.raises(ValueError, match=rf"norm_eps must be a float > 0 that float32 holds .*, got {re.escape(repr(eps))}"):
             with_options(base, norm_eps=eps)
+    assert with_options(base, norm_eps=np.float32(1e-5)).norm_eps == np.float32(1e-5)  # numpy's reals are numbers
+    # RoPE's longest wavelength: inf made every frequency NaN (every output NaN, on both sides)
+    for period in (float("inf"), float("nan"), "10000", None, 1.0):
+        with pytest.raises(ValueError, match=rf"max_period must be a finite number > 1 .*, got {re.escape(repr(period))}"):
+            with_options(base, max_period=period)
+    # a size past int32 is no model's (JAX ended the process making a ring of context 2**62)
+    with pytest.raises(ValueError, match=r"(Temporal|Mimi)Config.context must be a positive int of at most 2147483647, got "):
+        with_options(base, context=2**62)
 
 
 def test_a_file_of_another_config_is_a_few_lines_naming_infer_config(tmp_path):

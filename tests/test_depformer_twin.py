@@ -150,3 +150,16 @@ def test_twin_unrolled_steps_have_the_bits_of_the_scan():
     codes, logits = dep(text, out, audio, provided, return_logits=True, steps=2, **sampling)
     assert np.array_equal(np.asarray(frames[1][0]), codes.numpy()) and np.array_equal(np.asarray(frames[1][1]),
                                                                                       logits.numpy())
+
+
+def test_one_inner_step_runs_on_both_sides():
+    """dep_q = 1 (no audio table: the text token's embedding alone feeds the one step): the twins'
+    codes and logits identical; before, the JAX frame indexed an empty table stack while tracing."""
+    cfg = jx.DepformerConfig(dim=16, num_layers=1, num_heads=2, hidden=24, dep_q=1, weight_sets=1, card=3,
+                             text_card=5, temporal_dim=16)
+    dep = random_depformer(cfg, torch.float32)
+    dep.kernels = "twin"
+    text, out = torch.tensor([1, -1, 4]), torch.randn(3, 1, cfg.temporal_dim, generator=torch.Generator().manual_seed(0))
+    codes, logits = dep(text, out, return_logits=True)
+    jcodes, jlogits = jax_frame(dep, text, out)
+    assert codes.shape == (3, 1) and torch.equal(jcodes, codes) and torch.equal(jlogits, logits)

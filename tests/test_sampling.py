@@ -3,6 +3,8 @@ the noise and the choice), ties, top-k = 1 = greedy, the distribution, and the a
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,9 +96,12 @@ def test_draws_follow_the_softmax():
 
 def test_bad_arguments():
     logits = torch.zeros(2, 8)
-    for temperature in (-1.0, 1e39, 1e-50, float("nan")):  # 1e39 is inf in float32, 1e-50 is 0
+    # 1e39 is inf in float32, 1e-50 is 0; 0j, an array and a Decimal only compare equal to 0
+    for temperature in (-1.0, 1e39, 1e-50, float("nan"), 0j, np.array(0.0), Decimal(0), "0.5"):
         with pytest.raises(ValueError, match="temperature must be 0 \\(greedy\\) or a float > 0 that float32 holds"):
             tsample.sample(logits, torch.zeros(2, dtype=torch.long), temperature=temperature)
+    for temperature in (np.float32(0.5), np.float64(0.0)):  # numpy's real numbers are numbers
+        tsample.sample(logits, torch.zeros(2, dtype=torch.long), temperature=temperature)
     with pytest.raises(ValueError, match="top_k must be an int in 0..8"):
         tsample.sample(logits, torch.zeros(2, dtype=torch.long), temperature=1.0, top_k=9)
     for seeds in (None, torch.zeros(2), torch.zeros(2, dtype=torch.bool), torch.zeros(3, dtype=torch.long)):
