@@ -92,6 +92,19 @@ def test_bad_types_are_refused():
         to_jax(torch.eye(3).to_sparse(), copy=True)
     with pytest.raises(TypeError, match="expected a jax.Array"):
         to_torch(torch.zeros(2))
+    with pytest.raises(TypeError, match=r"to_jax\(copy\): expected True, False or None, got 0"):
+        to_jax(torch.zeros(2), copy=0)
+
+
+def test_a_lazily_negated_view_is_refused_or_copied_with_its_values():
+    """torch's negative bit: the buffer of `conj().imag` holds +2 where the tensor reads -2; sharing
+    the buffer once gave JAX +2."""
+    negated = torch.tensor([1 + 2j]).conj().imag
+    assert negated.is_neg() and negated.tolist() == [-2.0]
+    with pytest.raises(ValueError, match="a lazily negated view"):
+        to_jax(negated)
+    with pytest.warns(BridgeCopyWarning, match="a lazily negated view"):
+        assert np.asarray(to_jax(negated, copy=True)).tolist() == [-2.0]
 
 
 @pytest.mark.parametrize("name", ["temporal", "mimi"])
@@ -196,6 +209,21 @@ def test_from_torch_of_a_twin_stack_steps_on_the_twins():
     assert torch.equal(module.step(x), dropin.step(x))
     with pytest.raises(ValueError, match="layer_loop must be one of"):
         from_torch(module, layer_loop="bogus")
+    # a buffer replaced, or its storage moved by the torch twin's share_memory(), is viewed again: the
+    # drop-in once stepped on the old weights (or on freed memory)
+    dropin.in_proj = dropin.in_proj * 1.5
+    module.in_proj = module.in_proj * 1.5
+    assert torch.equal(module.step(x), dropin.step(x))
+    module.share_memory()
+    assert torch.equal(module.step(x), dropin.step(x))
+    dropin.in_proj.requires_grad_(True)  # the torch module would record autograd; JAX's step cannot
+    with pytest.raises(TypeError, match="step: the weight in_proj requires grad"):
+        dropin.step(x)
+    # a buffer JAX cannot share is refused by name before the stream is dropped
+    dropin.in_proj = dropin.in_proj.detach().mT.contiguous().mT
+    with pytest.raises(ValueError, match="JaxMimiTransformer: the weight in_proj: to_jax.*not contiguous"):
+        dropin.streaming_init(2)
+    assert dropin.jax_state is not None
 
 
 def test_state_views_are_zero_copy():

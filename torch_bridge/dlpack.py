@@ -143,6 +143,8 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = False) -> jax.Array:
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"to_jax(tensor): expected a torch.Tensor, got {type(tensor).__name__}")
+    if not (copy is None or isinstance(copy, bool)):
+        raise TypeError(f"to_jax(copy): expected True, False or None, got {copy!r}")
     if tensor.dtype not in SUPPORTED:
         raise TypeError(f"to_jax(tensor): dtype {tensor.dtype} is not supported; expected one of {SUPPORTED}")
     if tensor.layout != torch.strided:
@@ -150,6 +152,10 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = False) -> jax.Array:
                         f"(torch.strided: call .to_dense())")
     if tensor.requires_grad:
         tensor = tensor.detach()
+    if tensor.is_neg():  # a lazy negation (e.g. the imaginary part of a conjugate): its buffer holds -values
+        _refuse_or_copy(copy, "it is a lazily negated view (its buffer holds the negated values)",
+                        "Call .resolve_neg()")
+        tensor = tensor.resolve_neg()
     device = jax_device_for(tensor)
     if tensor.dtype == torch.int64 and not jax.config.jax_enable_x64:
         _refuse_or_copy(bool(copy), "int64 needs jax x64 mode (jax.config.update('jax_enable_x64', True))",

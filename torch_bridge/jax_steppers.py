@@ -50,11 +50,37 @@ class JaxBacked:
         self.kernels = kernels  # what steps this module: the JAX step's kernels
         self._layer_loop = layer_loop
         self._streamer: jax_impl.Streamer | None = None
+        self._viewed = None  # the weight buffers the params view (`_identity`)
+
+    @staticmethod
+    def _identity(weights: dict[str, torch.Tensor]) -> tuple:
+        """What a JAX view of each buffer depends on: its memory, dtype, device and shape."""
+        return tuple((w.data_ptr(), w.dtype, w.device, tuple(w.shape)) for w in weights.values())
 
     def jax_params(self) -> dict:
         """The Flax variables, as zero-copy JAX views of this module's weight buffers."""
-        weights = {name: to_jax(w) for name, w in self.weights().items()}
-        return jax_impl.weights.nest_params(self.config, weights)
+        weights, views = self.weights(), {}
+        for name, w in weights.items():
+            try:
+                views[name] = to_jax(w)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{type(self).__name__}: the weight {name}: {err}") from None
+        params = jax_impl.weights.nest_params(self.config, views)
+        self._viewed = self._identity(weights)
+        return params
+
+    def _follow_weights(self) -> None:
+        """Before a step: a buffer replaced or moved since the params were taken (an attribute set, the
+        torch twin's `share_memory()` moving the shared storage) is viewed again, as the torch module
+        would read it; the old views would read the old weights, or freed memory. A weight that
+        requires grad is refused, as x is: JAX's step is outside torch's autograd."""
+        weights = self.weights()
+        if torch.is_grad_enabled() and any(w.requires_grad for w in weights.values()):
+            name = next(n for n, w in weights.items() if w.requires_grad)
+            raise TypeError(f"step: the weight {name} requires grad, and this {type(self).__name__} steps in JAX, "
+                            f"where torch's autograd cannot follow; step the torch module, or detach the weights")
+        if self._identity(weights) != self._viewed:
+            self._streamer.convert(self.jax_params())
 
     @property
     def jax_state(self) -> jax_impl.StreamState | None:
@@ -86,16 +112,19 @@ class JaxBacked:
 
     def streaming_init(self, batch_size: int) -> None:
         """A fresh JAX state for `batch_size` rows; no torch ring is allocated (the torch stack's
-        state stays None), and the previous JAX state is released first."""
+        state stays None). The weights are viewed first (a buffer JAX cannot share is refused with the
+        stream as it was), then the previous JAX state is released, then the new one made."""
         self._check_batch_size(batch_size)
+        params = self.jax_params()
         self._state = None
         self._streamer = None
-        self._streamer = self._new_streamer(batch_size)
+        self._streamer = self._new_streamer(batch_size, params=params)
 
-    def _new_streamer(self, batch_size: int, cls=jax_impl.Streamer, **placement) -> jax_impl.Streamer:
-        """A fresh `cls` stream of this module's weights and options, its state made on the weights'
-        device, or where `placement` says (`ShardedStreamer`'s mesh, axis, output_device)."""
-        params = self.jax_params()
+    def _new_streamer(self, batch_size: int, cls=jax_impl.Streamer, params=None, **placement) -> jax_impl.Streamer:
+        """A fresh `cls` stream of this module's weights (`params`, else viewed here) and options, its state
+        made on the weights' device, or where `placement` says (`ShardedStreamer`'s mesh, axis,
+        output_device)."""
+        params = self.jax_params() if params is None else params
         in_proj = params["params"]["layers"]["in_proj"]
         return cls(self.config, params, batch_size, in_proj.dtype, layer_loop=self._layer_loop,
                    rope_freqs=self.rope_freqs(), kernels=self.kernels,
@@ -196,6 +225,7 @@ class JaxBacked:
             raise TypeError(f"step(x): x requires grad, and this {type(self).__name__} steps in JAX, where torch's "
                             f"autograd cannot follow; differentiate with jax.grad through jax_impl.step_fn, or "
                             f"step the torch module")
+        self._follow_weights()
         outputs = self._streamer.step(to_jax(x, copy=None), None if active is None else to_jax(active, copy=None))
         return jax.tree_util.tree_map(to_torch, outputs)
 
