@@ -35,6 +35,7 @@ from kernels_pallas import backend, twin_conv
 
 from . import state as st
 from .codec_config import CodecConfig, ConvSpec, carry_slots, decoder_plan, encoder_plan, walk_plan
+from .kernel_choice import check_head_dim
 from .snapshot import exact_float_cast
 from .state import StreamState
 from .step import step_fn
@@ -80,8 +81,9 @@ def init_codec_state(cfg: CodecConfig, batch_size: int, dtype=jnp.float32, *, de
     device: a `jax.Device` (default: JAX's default device). The state is committed there: a step's
     outputs are committed (its params are), and a first call with an uncommitted state would
     compile the step a second time."""
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not isinstance(cfg, CodecConfig):
+        raise TypeError(f"init_codec_state(cfg): cfg must be a CodecConfig, got {type(cfg).__name__}")
+    batch_size = st.check_batch_size("init_codec_state", batch_size)
     dtype = st.check_state_dtype("init_codec_state", dtype)
     if device is None:
         device = jax.devices()[0]
@@ -300,6 +302,17 @@ def codec_ops(kernels: str) -> CodecOps:
     return TWIN_OPS if kernels == "twin" else REFERENCE_OPS
 
 
+def check_codec_options(op: str, cfg, kernels) -> CodecOps:
+    """The ops of `kernels` after checking a codec step's maker `op`'s arguments, before anything is
+    traced: cfg a `CodecConfig` (TypeError), kernels one of CODEC_KERNELS, and for "twin" a transformer
+    head dim the twins take (ValueError, `kernel_choice.check_head_dim`)."""
+    if not isinstance(cfg, CodecConfig):
+        raise TypeError(f"{op}(cfg): cfg must be a CodecConfig, got {type(cfg).__name__}")
+    ops = codec_ops(kernels)
+    check_head_dim(f"{op}(kernels)", cfg, kernels)
+    return ops
+
+
 def _transformer_options(kernels: str, rope_freqs) -> dict:
     """The transformers' `step_fn` options: the twin step with torch's RoPE table, or the default."""
     return {"kernels": "twin", "rope_freqs": rope_freqs} if kernels == "twin" else {"rope_freqs": rope_freqs}
@@ -343,9 +356,9 @@ def encode_fn(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple
     zero codes and keep their state. Bad arguments raise when traced, naming the argument.
     kernels: "reference" (XLA; close to the torch reference codec) or "twin" (the twin kernels: the
     bits of `torch_bridge.MimiCodec(kernels="twin")`, whose `rope_freqs()` to pass)."""
+    ops = check_codec_options("encode_fn", cfg, kernels)
     plan = encoder_plan(cfg)
     slots = carry_slots(plan)[0]
-    ops = codec_ops(kernels)
     transformer = step_fn(cfg.transformer, **_transformer_options(kernels, rope_freqs))
 
     def encode(params: CodecParams, state: CodecState, pcm, active=None):
@@ -373,9 +386,9 @@ def decode_fn(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs: tuple
     checks concrete codes on the host; traced, an entry out of range is gathered as NaN: that row's PCM
     is NaN, never a wrapped code). Inactive rows get zeros and keep their state. kernels, rope_freqs:
     as `encode_fn`'s."""
+    ops = check_codec_options("decode_fn", cfg, kernels)
     plan = decoder_plan(cfg)
     slots = carry_slots(plan)[0]
-    ops = codec_ops(kernels)
     transformer = step_fn(cfg.transformer, **_transformer_options(kernels, rope_freqs))
 
     def decode(params: CodecParams, state: CodecState, codes, active=None):
@@ -437,6 +450,7 @@ def make_codec_step(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs:
     on the host for their range before the donated call. Host or uncommitted pcm, codes and active
     are committed to the state's device first (`init_codec_state` commits the state): one program
     each for every call. kernels, rope_freqs: as `encode_fn`'s."""
+    check_codec_options("make_codec_step", cfg, kernels)
     return _codec_steps(cfg, kernels, None if rope_freqs is None else tuple(rope_freqs))
 
 

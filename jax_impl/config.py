@@ -35,6 +35,15 @@ def positive_float32(value) -> bool:
     return real_number(value) and math.isfinite(value) and FLOAT32_TINY <= value <= FLOAT32_MAX
 
 
+def check_batch_size(op: str, batch_size) -> int:
+    """batch_size as an int after checking it: a Python or numpy integer (`numbers.Integral`, not a bool)
+    >= 1, the rule of every state maker on both sides; ValueError naming `op`."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"{op}(batch_size): batch_size must be a positive int (a Python or numpy integer, not a "
+                         f"bool), got {batch_size!r}")
+    return int(batch_size)
+
+
 def check_positive_ints(config, names: Sequence[str]) -> None:
     """Each field of a config (named by its class) a Python int in 1..INT32_MAX: the kernels index with
     int32, and a size past it is no model's (JAX would end the process making a ring of it)."""

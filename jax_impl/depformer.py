@@ -49,6 +49,7 @@ from kernels_pallas.contract.norm import TwinNorm
 
 from . import state as st
 from .depformer_config import DepformerConfig, buffer_shapes
+from .kernel_choice import check_head_dim
 from .sampling import is_integer_array, sample
 from .sampling_config import array_described, check_counter, check_sampling, check_seeds
 
@@ -253,6 +254,7 @@ def make_depformer_step(cfg: DepformerConfig, kernels: str = "reference", *, tem
         raise TypeError(f"cfg must be a DepformerConfig, got {type(cfg).__name__}")
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    check_head_dim("make_depformer_step(kernels)", cfg, kernels)
     check_sampling(temperature, top_k, cfg.card)
     frame = jax.jit(backend.traced_on(functools.partial(depformer_frame, cfg, temperature=temperature, top_k=top_k,
                                                         kernels=kernels, unroll=unroll)))

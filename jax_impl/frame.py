@@ -69,6 +69,9 @@ def init_frame_state(cfg: FrameConfig, batch_size: int, dtype=jnp.float32, *, de
     """A fresh state on `device` (default: JAX's first device): rings zeroed, caches 'not generated'
     (-2), offsets 0. Committed to the device, as the step's outputs are: the second step does not
     compile again."""
+    if not isinstance(cfg, FrameConfig):
+        raise TypeError(f"init_frame_state(cfg): cfg must be a FrameConfig, got {type(cfg).__name__}")
+    batch_size = st.check_batch_size("init_frame_state", batch_size)
     device = device or jax.devices()[0]
     temporal = st.init_state(cfg.temporal, batch_size, dtype, device=device)
     cache = jnp.full((batch_size, cfg.num_codebooks, cfg.cache_len), UNGENERATED_TOKEN, I32, device=device)
@@ -124,6 +127,9 @@ def frame_fn(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit: int | 
     (module docstring). The params' names, shapes and dtypes are checked when traced
     (`check_frame_params`: once a compile, nothing at run time); the other arguments by `make_frame_step`.
     """
+    if not isinstance(cfg, FrameConfig):
+        raise TypeError(f"frame_fn(cfg): cfg must be a FrameConfig, got {type(cfg).__name__}")
+    check_frame_kernels(cfg, kernels, "frame_fn(kernels)")
     D, K, CT = cfg.dep_q, cfg.num_codebooks, cfg.cache_len
     n = D if dep_q_exit is None else dep_q_exit
     delays = np.asarray(cfg.delays, np.int32)
@@ -197,7 +203,7 @@ def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit:
     """
     if not isinstance(cfg, FrameConfig):
         raise TypeError(f"cfg must be a FrameConfig, got {type(cfg).__name__}")
-    check_frame_kernels(cfg, kernels)
+    check_frame_kernels(cfg, kernels, "make_frame_step(kernels)")
     D = cfg.dep_q
     if dep_q_exit is not None and (not isinstance(dep_q_exit, int) or isinstance(dep_q_exit, bool)
                                    or not 1 <= dep_q_exit <= D):

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from .config import TemporalConfig
 from .depformer_config import DEPFORMER_PRESETS, DepformerConfig
+from .kernel_choice import check_head_dim
 
 ZERO_TOKEN = -1          # moshi's zero_token_id: the zero embedding, no input
 UNGENERATED_TOKEN = -2   # moshi's ungenerated_token_id: an output not produced (yet)
@@ -109,16 +110,14 @@ class FrameConfig:
 FRAME_KERNELS = ("reference", "twin")
 
 
-def check_frame_kernels(cfg: FrameConfig, kernels) -> str:
-    """kernels as checked: "reference", or "twin" where the twin attention runs both stacks (its
-    head dim a power of two), refused before any state exists rather than mid-frame."""
+def check_frame_kernels(cfg, kernels, where: str = "kernels") -> str:
+    """kernels as checked: "reference", or "twin" where the twin attention runs every stack of `cfg` (a
+    `FrameConfig`, or a `SpeechFrameConfig`: its codec's transformer too) on a power-of-two head dim
+    (`kernel_choice.check_head_dim`), refused before any state exists rather than mid-frame; ValueError
+    headed by `where`."""
     if kernels not in FRAME_KERNELS:
-        raise ValueError(f"kernels must be one of {FRAME_KERNELS}, got {kernels!r}")
-    if kernels == "twin":
-        for name, head_dim in (("temporal", cfg.temporal.head_dim), ("depformer", cfg.depformer.head_dim)):
-            if head_dim & (head_dim - 1):
-                raise ValueError(f"kernels='twin' needs power-of-two head dims (the twin attention); the {name} "
-                                 f"stack's is {head_dim}")
+        raise ValueError(f"{where}: kernels must be one of {FRAME_KERNELS}, got {kernels!r}")
+    check_head_dim(where, cfg, kernels)
     return kernels
 
 

@@ -31,7 +31,7 @@ from .layers import (
 )
 from .lora import LoRA, check_lora
 from .ops import linear, rms_norm_f32
-from .state import StreamState
+from .state import StreamState, check_stack_config, init_state
 from .tables import rope_freqs, step_tables
 
 
@@ -148,15 +148,16 @@ def stack_module(config: StackConfig, param_dtype=jnp.float32, *, layer_loop: st
     whose address then changes at every call, and the unrolled step's one CUDA graph of 46 nodes is
     brought up to date each time (~180 us), the rolled loop's small ones in ~11 us."""
     check_loop_options(layer_loop, scan_unroll)
+    check_stack_config("stack_module", config)
     cls = TemporalStack if isinstance(config, TemporalConfig) else MimiStack
     return cls(config, param_dtype=jnp.dtype(param_dtype), layer_loop=layer_loop, scan_unroll=scan_unroll,
                exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=kernels, remat_layers=remat_layers)
 
 
 def init_params(config: StackConfig, key: jax.Array, dtype=jnp.float32) -> dict:
-    """Random variables as the torch path's init_weights (matrices N(0, 0.02), norms 1, ...)."""
-    from .state import init_state
-
+    """Random variables as the torch path's init_weights (matrices N(0, 0.02), norms 1, ...). config: a
+    stack's (`TemporalConfig` or `MimiConfig`; TypeError otherwise)."""
+    check_stack_config("init_params", config)
     state = init_state(config, 1, dtype)
     x = jnp.zeros((1, 1, config.dim), dtype)
     return jax.jit(stack_module(config, dtype).init)(key, state, x, jnp.ones((1,), bool))

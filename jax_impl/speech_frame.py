@@ -43,7 +43,7 @@ from . import frame as jframe
 from . import state as st
 from .codec import CodecParams, CodecState
 from .frame import FrameState
-from .frame_config import FRAME_KERNELS, check_frame_kernels
+from .frame_config import check_frame_kernels
 from .sampling import is_integer_array
 from .sampling_config import check_sampling, check_seeds
 from .speech_frame_config import SpeechFrameConfig, SpeechFrameOutput
@@ -75,6 +75,7 @@ def init_speech_frame_state(cfg: SpeechFrameConfig, batch_size: int, dtype=jnp.f
     """A fresh state of `batch_size` rows on `device` (default: JAX's first device), committed there."""
     if not isinstance(cfg, SpeechFrameConfig):
         raise TypeError(f"cfg must be a SpeechFrameConfig, got {type(cfg).__name__}")
+    batch_size = st.check_batch_size("init_speech_frame_state", batch_size)
     device = device or jax.devices()[0]
     return SpeechFrameState(jcodec.init_codec_state(cfg.codec, batch_size, dtype, device=device),
                             jframe.init_frame_state(cfg.lm, batch_size, dtype, device=device))
@@ -119,9 +120,7 @@ def make_speech_frame_step(cfg: SpeechFrameConfig, *, kernels: str = "reference"
     """
     if not isinstance(cfg, SpeechFrameConfig):
         raise TypeError(f"cfg must be a SpeechFrameConfig, got {type(cfg).__name__}")
-    if kernels not in FRAME_KERNELS:
-        raise ValueError(f"kernels must be one of {FRAME_KERNELS}, got {kernels!r}")
-    check_frame_kernels(cfg.lm, kernels)
+    check_frame_kernels(cfg, kernels, "make_speech_frame_step(kernels)")  # the codec's transformer too
     check_sampling(text_temperature, text_top_k, cfg.lm.text_card)
     check_sampling(temperature, top_k, cfg.lm.card)
     sampled = bool(temperature or text_temperature)

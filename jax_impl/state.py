@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_impl.config import StackConfig
+from jax_impl.config import MimiConfig, StackConfig, TemporalConfig, check_batch_size
 
 
 class StreamState(NamedTuple):
@@ -73,6 +73,15 @@ def state_shapes(config: StackConfig, batch_size: int) -> tuple[int, ...]:
     return (c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim)
 
 
+def check_stack_config(op: str, config) -> StackConfig:
+    """config itself after checking it is a stack's config (`TemporalConfig` or `MimiConfig`); TypeError
+    naming `op` (a `FrameConfig` or `CodecConfig` holds stacks: pass its `temporal` / `transformer`)."""
+    if not isinstance(config, (TemporalConfig, MimiConfig)):
+        raise TypeError(f"{op}(config): config must be a TemporalConfig or a MimiConfig (a stack's config), got "
+                        f"{type(config).__name__}")
+    return config
+
+
 def check_state_dtype(op: str, dtype):
     """dtype as a jnp.dtype after checking it: a float dtype, float64 only with jax_enable_x64 (without
     it JAX would make float32 arrays, a silent narrowing); TypeError naming `op`."""
@@ -93,10 +102,10 @@ def init_state(config: StackConfig, batch_size: int, dtype=jnp.float32, *, devic
     is made in place there, never made on the default device and copied: at B=64 a ring is 50 GB,
     which the default device may not have room for next to its own.
     """
-    if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size <= 0:
-        raise ValueError(f"init_state(batch_size): must be a positive int, got {batch_size!r}")
+    check_stack_config("init_state", config)
+    batch_size = check_batch_size("init_state", batch_size)
     dtype = check_state_dtype("init_state", dtype)
-    ring = state_shapes(config, int(batch_size))
+    ring = state_shapes(config, batch_size)
     idx = index_dtype()
 
     def make():

@@ -24,7 +24,7 @@ from kernels_pallas import backend
 
 from . import state as st
 from .config import StackConfig
-from .kernel_choice import JAX_KERNELS, check_kernels
+from .kernel_choice import JAX_KERNELS, check_head_dim, check_kernels
 from .lora import split_lora
 from .model import check_loop_options, stack_module
 from .ops import pick_kernels
@@ -135,7 +135,9 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int =
     params may carry LoRA adapters of the temporal stack under "lora" (`lora.with_lora`), applied
     on kernels "reference" and "pallas".
     """
+    st.check_stack_config("step_fn", config)
     check_kernels("step_fn(kernels)", kernels, JAX_KERNELS)
+    check_head_dim("step_fn(kernels)", config, kernels)
     check_loop_options(layer_loop, scan_unroll)
 
     def step(params, state, x, active=None):
@@ -165,6 +167,9 @@ def make_step(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int
     Cached per arguments, so every caller shares one compiled function per shape and dtype.
     After a donated call the state passed in is invalid: keep only the returned one.
     """
+    st.check_stack_config("make_step", config)
+    check_kernels("make_step(kernels)", kernels, JAX_KERNELS)
+    check_head_dim("make_step(kernels)", config, kernels)
     fn = step_fn(config, layer_loop=layer_loop, scan_unroll=scan_unroll, exact_rope=exact_rope,
                  rope_freqs=rope_freqs, kernels=kernels, capture=capture)
     return HostCheckedStep(jax.jit(backend.traced_on(fn), donate_argnums=(1,) if donate else ()))
@@ -245,8 +250,10 @@ class Streamer:
     def __init__(self, config: StackConfig, params, batch_size: int, dtype=jnp.float32, *,
                  layer_loop: str = "scan", exact_rope: bool = True, rope_freqs: tuple[float, ...] | None = None,
                  device=None, kernels: str = "auto"):
-        self.config = config
+        self.config = st.check_stack_config("Streamer", config)
         check_kernels("Streamer(kernels)", kernels, JAX_KERNELS)
+        check_head_dim("Streamer(kernels)", config, kernels)
+        batch_size = st.check_batch_size("Streamer", batch_size)
         check_params(config, params, dtype=jnp.dtype(dtype), argname="Streamer(params)", adapters=True)
         self.params = params
         self.state = st.init_state(config, batch_size, dtype, device=device)  # made where it lives

@@ -156,3 +156,39 @@ def test_steps_compile_once_whatever_the_inputs_placement():
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert not [name for name in lowered if "encode" in name or "decode" in name], lowered
+
+
+# ------------------------------------------------------------------------------ construction-time refusals
+def odd_head_dim_codec():
+    """mimi-tiny with a transformer of head dim 12 (dim 24, 2 heads)."""
+    return jx.with_codec_options(jx.CODEC_PRESETS["mimi-tiny"], dimension=24,
+                                 transformer=jx.MimiConfig(num_layers=1, dim=24, num_heads=2, context=6, ffn=32,
+                                                           ring_convention="moshi"))
+
+
+def test_codec_steps_refuse_twin_on_a_head_dim_not_a_power_of_two_when_made():
+    """make_codec_step, encode_fn and decode_fn refuse kernels="twin" on a transformer of head dim 12 up
+    front, naming themselves, the stack and its head dim; the reference steps take it."""
+    from jax_impl.codec import decode_fn, encode_fn
+
+    cfg = odd_head_dim_codec()
+    for where, make in (("make_codec_step", make_codec_step), ("encode_fn", encode_fn), ("decode_fn", decode_fn)):
+        with pytest.raises(ValueError, match=rf"^{where}\(kernels\): kernels='twin' needs power-of-two head dims "
+                                             rf"\(.*\); the transformer stack's is 12 \(head_dim = dim 24 // num_heads 2\)"):
+            make(cfg, kernels="twin")
+        make(cfg, kernels="reference")
+        with pytest.raises(TypeError, match=rf"^{where}\(cfg\): cfg must be a CodecConfig, got MimiConfig$"):
+            make(cfg.transformer)
+
+
+def test_init_codec_state_takes_python_and_numpy_integer_batch_sizes_and_a_codec_config_only():
+    cfg = jx.CODEC_PRESETS["mimi-tiny"]
+    for n in (2, np.int64(2), np.int32(2)):
+        state = init_codec_state(cfg, n)
+        assert state.batch_size == 2 and state.encoder.shape[0] == state.encoder_transformer.k.shape[1] == 2
+    for bad in (0, np.int64(0), True, np.bool_(True), 2.0):
+        with pytest.raises(ValueError, match=r"^init_codec_state\(batch_size\): batch_size must be a positive int "
+                                             r"\(a Python or numpy integer, not a bool\), got "):
+            init_codec_state(cfg, bad)
+    with pytest.raises(TypeError, match=r"^init_codec_state\(cfg\): cfg must be a CodecConfig, got TemporalConfig$"):
+        init_codec_state(jx.PRESETS["temporal-small"], 2)

@@ -234,3 +234,33 @@ def test_load_takes_numpy_and_bfloat16_exactly(tiny_checkpoint):
     for k, v in a.state_dict().items():
         assert torch.equal(v, b.state_dict()[k]), k
     assert torch.equal(a.encoder_model_0_conv_conv_weight, good["encoder.model.0.conv.conv.weight"].bfloat16().float())
+
+
+# ------------------------------------------------------------------------------ construction-time refusals
+def test_twin_codec_refuses_a_transformer_head_dim_not_a_power_of_two_when_built():
+    """MimiCodec(kernels="twin") with a transformer of head dim 12: refused by the constructor, naming the
+    codec, the stack and its head dim (it used to fail at the first frame); the reference codec takes it."""
+    cfg = jx.with_codec_options(jx.CODEC_PRESETS["mimi-tiny"], dimension=24,
+                                transformer=jx.MimiConfig(num_layers=1, dim=24, num_heads=2, context=6, ffn=32,
+                                                          ring_convention="moshi"))
+    with pytest.raises(ValueError, match=r"^MimiCodec\(kernels\): kernels='twin' needs power-of-two head dims "
+                                         r"\(.*\); the transformer stack's is 12 \(head_dim = dim 24 // num_heads 2\)"):
+        MimiCodec.from_config(cfg, kernels="twin")
+    codec = MimiCodec.from_config(cfg)
+    codec.streaming_init(2)
+    assert codec.encode_frame(torch.zeros(2, 1, cfg.frame_size)).shape == (2, cfg.num_codebooks)
+
+
+def test_streaming_init_takes_python_and_numpy_integer_batch_sizes_only():
+    """The JAX init_codec_state's rule: a Python or numpy integer >= 1, not a bool."""
+    import numpy as np
+
+    codec = MimiCodec.from_config(jx.CODEC_PRESETS["mimi-tiny"])
+    for n in (2, np.int64(2), np.int32(2)):
+        codec.streaming_init(n)
+        assert codec.state.batch_size == 2 and codec.encoder_transformer.state.batch_size == 2
+    for bad in (0, np.int64(0), True, np.bool_(True), 2.0):
+        with pytest.raises(ValueError, match=r"^MimiCodec\.streaming_init\(batch_size\): batch_size must be a "
+                                             r"positive int \(a Python or numpy integer, not a bool\), got "):
+            codec.streaming_init(bad)
+    assert codec.state.batch_size == 2  # the refused calls left the stream as it was

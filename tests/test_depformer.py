@@ -357,3 +357,31 @@ def test_jax_bad_inputs():
     sampler, seeds = jx.make_depformer_step(cfg, temperature=1.0), jnp.asarray([1, 2])
     assert np.array_equal(sampler(params, text, out, seeds=seeds, counter=5 + 2**32)[0],
                           sampler(params, text, out, seeds=seeds, counter=5)[0])
+
+
+# ------------------------------------------------------------------------------ construction-time refusals
+ODD_HEAD_DIM = dataclasses.replace(SMALL["moshi"], dim=48, num_heads=4)  # head dim 12
+
+
+def test_twin_depformer_refuses_a_head_dim_not_a_power_of_two_when_built():
+    """Depformer(kernels="twin") on head dim 12 is refused by the constructor, naming the stack and its
+    head dim (it used to fail at the first frame, in the twin attention); the reference kernels take it."""
+    with pytest.raises(ValueError, match=r"^Depformer\(kernels\): kernels='twin' needs power-of-two head dims "
+                                         r"\(.*\); the depformer stack's is 12 \(head_dim = dim 48 // num_heads 4\)"):
+        Depformer.from_config(ODD_HEAD_DIM, kernels="twin")
+    dep = Depformer.from_config(ODD_HEAD_DIM)
+    text, out = frame_inputs(ODD_HEAD_DIM, torch.float32)
+    assert dep(text, out).shape == (text.shape[0], ODD_HEAD_DIM.dep_q)
+
+
+def test_jax_depformer_step_refuses_twin_on_a_head_dim_not_a_power_of_two_when_made():
+    import jax_impl as jx
+
+    try:
+        jx.make_depformer_step(ODD_HEAD_DIM, "twin")
+    except ValueError as err:
+        assert str(err).startswith("make_depformer_step(kernels): kernels='twin' needs power-of-two head dims")
+        assert "the depformer stack's is 12 (head_dim = dim 48 // num_heads 4)" in str(err)
+    else:
+        raise AssertionError("make_depformer_step(kernels='twin') took head dim 12")
+    jx.make_depformer_step(ODD_HEAD_DIM, "reference")

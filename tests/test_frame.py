@@ -257,3 +257,44 @@ def test_crosscheck_depformer_and_frame(capsys):
     assert "--size: not taken by --stack depformer" in capsys.readouterr().err
     assert main(["crosscheck", "--stack", "depformer", "--plot", "r.txt"]) != 0  # before the run, not after it
     assert "--plot: expected a .png file name" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ construction-time refusals
+def test_frames_refuse_twin_on_a_depformer_head_dim_not_a_power_of_two_when_made():
+    """The twin frame needs power-of-two head dims in both stacks: a depformer of head dim 12 is refused
+    by LMFrame, make_frame_step and frame_fn up front, naming the depformer and its head dim."""
+    from jax_impl import frame as jf
+
+    cfg = FRAME_PRESETS["moshi-small"]
+    odd = dataclasses.replace(cfg, depformer=dataclasses.replace(cfg.depformer, dim=48, num_heads=4))
+    for where, make in (("LMFrame", lambda k: LMFrame.from_config(odd, kernels=k)),
+                        ("make_frame_step", lambda k: jf.make_frame_step(odd, kernels=k)),
+                        ("frame_fn", lambda k: jf.frame_fn(odd, kernels=k))):
+        with pytest.raises(ValueError, match=rf"^{where}\(kernels\): kernels='twin' needs power-of-two head dims "
+                                             rf"\(.*\); the depformer stack's is 12 \(head_dim = dim 48 // num_heads 4\)"):
+            make("twin")
+        make("reference")
+
+
+def test_frame_state_takes_python_and_numpy_integer_batch_sizes_and_a_frame_config_only():
+    """init_frame_state and LMFrame.streaming_init: one batch-size rule (a Python or numpy integer >= 1,
+    not a bool); init_frame_state refuses a stack's config with a TypeError naming cfg."""
+    from jax_impl import frame as jf
+    from jax_impl.config import PRESETS
+
+    cfg = FRAME_PRESETS["moshi-small"]
+    frame = LMFrame.from_config(cfg)
+    for n in (2, np.int64(2), np.int32(2)):
+        state = jf.init_frame_state(cfg, n)
+        assert state.batch_size == 2 and state.token_cache.shape[0] == state.temporal.k.shape[1] == 2
+        frame.streaming_init(n)
+        assert frame.batch_size == 2 and frame.token_cache.shape[0] == frame.temporal.state.batch_size == 2
+    message = r"\(batch_size\): batch_size must be a positive int \(a Python or numpy integer, not a bool\), got "
+    for bad in (0, np.int64(0), True, np.bool_(True), 2.0):
+        with pytest.raises(ValueError, match=r"^init_frame_state" + message):
+            jf.init_frame_state(cfg, bad)
+        with pytest.raises(ValueError, match=r"^LMFrame\.streaming_init" + message):
+            frame.streaming_init(bad)
+    assert frame.batch_size == 2  # the refused calls left the stream as it was
+    with pytest.raises(TypeError, match=r"^init_frame_state\(cfg\): cfg must be a FrameConfig, got TemporalConfig$"):
+        jf.init_frame_state(PRESETS["temporal-small"], 2)

@@ -378,3 +378,62 @@ def test_jax_steps_refuse_torch_tensors_by_name(tparams):
         with pytest.raises(TypeError, match=re.escape(f"{name}: expected a JAX or numpy array, got torch.Tensor "
                                                       "(torch_bridge.to_jax shares a tensor with JAX)")):
             call()
+
+
+# ------------------------------------------------------------------------------ construction-time refusals
+ODD_HEAD_DIMS = {"temporal": with_options(TCFG, dim=48, num_heads=4), "mimi": with_options(MCFG, dim=24, num_heads=2)}
+
+
+@pytest.mark.parametrize("name", ["temporal", "mimi"])
+@pytest.mark.parametrize("kernels", ["twin", "pallas"])
+def test_steps_refuse_twin_and_pallas_on_a_head_dim_not_a_power_of_two_when_made(name, kernels):
+    """kernels "twin" and "pallas" (the Pallas ring attention) take power-of-two head dims only: every
+    maker refuses head dim 12 up front, naming itself, the stack and its head dim, before any state
+    or compile (the step used to fail at its first call, inside the kernel)."""
+    config = ODD_HEAD_DIMS[name]
+    stack = "temporal" if name == "temporal" else "Mimi transformer"
+    for where, make in (("make_step", lambda: jx.make_step(config, kernels=kernels)),
+                        ("step_fn", lambda: jx.step_fn(config, kernels=kernels)),
+                        ("Streamer", lambda: jx.Streamer(config, None, B, kernels=kernels))):
+        with pytest.raises(ValueError, match=rf"^{where}\(kernels\): kernels='{kernels}' needs power-of-two head "
+                                             rf"dims \(.*\); the {stack} stack's is 12 \(head_dim = dim"):
+            make()
+
+
+@pytest.mark.parametrize("name", ["temporal", "mimi"])
+def test_auto_and_reference_steps_run_a_head_dim_not_a_power_of_two(name):
+    """"auto" falls back to "reference" where the Pallas kernels do not apply: an odd head dim steps."""
+    config = ODD_HEAD_DIMS[name]
+    params = jx.init_params(config, jax.random.key(0))
+    x = np.ones((B, 1, config.dim), np.float32)
+    for kernels in ("auto", "reference"):
+        outputs, state = jx.make_step(config, kernels=kernels)(params, jx.init_state(config, B), x)
+        assert np.all(np.isfinite(np.asarray(jax.tree.leaves(outputs)[0])))
+        np.testing.assert_array_equal(state.offset, [1] * B)
+
+
+def test_stack_functions_refuse_a_config_of_another_type_with_a_type_error():
+    """A frame's or a codec's config where a stack's is expected: TypeError naming the function and the
+    argument (it used to be an AttributeError from deep inside)."""
+    from jax_impl.codec_config import CODEC_PRESETS
+    from jax_impl.frame_config import FRAME_PRESETS
+
+    frame, codec = FRAME_PRESETS["moshi-small"], CODEC_PRESETS["mimi-tiny"]
+    for where, call in (("init_state", lambda c: jx.init_state(c, B)),
+                        ("init_params", lambda c: jx.init_params(c, jax.random.key(0))),
+                        ("make_step", jx.make_step), ("step_fn", jx.step_fn), ("stack_module", jx.stack_module),
+                        ("Streamer", lambda c: jx.Streamer(c, None, B))):
+        for bad in (frame, codec):
+            with pytest.raises(TypeError, match=rf"^{where}\(config\): config must be a TemporalConfig or a "
+                                                rf"MimiConfig \(a stack's config\), got {type(bad).__name__}$"):
+                call(bad)
+
+
+def test_init_state_takes_python_and_numpy_integer_batch_sizes_only():
+    for n in (2, np.int64(2), np.int32(2), np.uint8(2)):
+        state = jx.init_state(TCFG, n)
+        assert state.k.shape[1] == state.batch_size == 2 and state.offset.shape == (2,)
+    for bad in (0, -1, np.int64(0), True, np.bool_(True), 2.0, np.float32(2), "2", None):
+        with pytest.raises(ValueError, match=r"^init_state\(batch_size\): batch_size must be a positive int \(a "
+                                             r"Python or numpy integer, not a bool\), got "):
+            jx.init_state(TCFG, bad)

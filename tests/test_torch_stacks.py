@@ -220,3 +220,47 @@ def test_bfloat16_step_runs_with_float32_tables():
     assert out.dtype == logits.dtype == stack.state.k.dtype == torch.bfloat16
     assert seen[0].cos.dtype == torch.float32
     assert torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------------------ construction-time refusals
+ODD_HEAD_DIMS = {"temporal": with_options(PRESETS["temporal-small"], dim=48, num_heads=4),
+                 "mimi": with_options(PRESETS["mimi-small"], dim=24, num_heads=2)}
+
+
+@pytest.mark.parametrize("name", ["temporal", "mimi"])
+def test_twin_stacks_refuse_a_head_dim_not_a_power_of_two_when_built(name):
+    """kernels="twin" on head dim 12 is refused by the constructor, naming the stack and its head dim
+    (it used to fail at the first step, inside the twin kernel); the reference kernels take it."""
+    config = ODD_HEAD_DIMS[name]
+    cls = TemporalStreaming if name == "temporal" else MimiTransformer
+    stack = "temporal" if name == "temporal" else "Mimi transformer"
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}\(kernels\): kernels='twin' needs power-of-two head "
+                                         rf"dims \(.*\); the {stack} stack's is 12 \(head_dim = dim"):
+        cls.from_config(config, kernels="twin")
+    module = cls.from_config(config, kernels="reference")
+    module.streaming_init(B)
+    module.step(torch.zeros(B, 1, config.dim))
+
+
+def test_from_config_refuses_a_config_of_another_type_with_a_type_error():
+    with pytest.raises(TypeError, match=r"^TemporalStreaming\.from_config\(config\): config must be a "
+                                        r"TemporalConfig, got MimiConfig$"):
+        TemporalStreaming.from_config(PRESETS["mimi-small"])
+    with pytest.raises(TypeError, match=r"^MimiTransformer\.from_config\(config\): config must be a MimiConfig, "
+                                        r"got TemporalConfig$"):
+        MimiTransformer.from_config(PRESETS["temporal-small"])
+
+
+@pytest.mark.parametrize("name", ["temporal", "mimi"])
+def test_streaming_init_takes_python_and_numpy_integer_batch_sizes_only(name):
+    """The JAX init_state's rule: a Python or numpy integer >= 1, not a bool."""
+    stack = make_stack(name)
+    cls = type(stack).__name__
+    for n in (2, np.int64(2), np.int32(2)):
+        stack.streaming_init(n)
+        assert stack.state.batch_size == 2 and stack.state.k.shape[1] == 2
+        assert type(stack.state.batch_size) is int
+    for bad in (0, np.int64(0), True, np.bool_(True), 2.0, "2"):
+        with pytest.raises(ValueError, match=rf"^{cls}\.streaming_init\(batch_size\): batch_size must be a positive "
+                                             rf"int \(a Python or numpy integer, not a bool\), got "):
+            stack.streaming_init(bad)

@@ -43,6 +43,8 @@ from jax_impl.codec_config import (
     encoder_plan,
     quantizer_keys,
 )
+from jax_impl.config import check_batch_size
+from jax_impl.kernel_choice import check_head_dim
 from jax_impl.snapshot import dtype_name, exact_float_cast
 
 from . import quantizer, seanet
@@ -90,6 +92,7 @@ class MimiCodec(ExactLoads, nn.Module):
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
         if kernels not in CODEC_KERNELS:
             raise ValueError(f"kernels must be one of {CODEC_KERNELS} for the codec, got {kernels!r}")
+        check_head_dim("MimiCodec(kernels)", config, kernels)
         if kernels == "twin":
             check_triton_device(device, "MimiCodec(kernels='twin')")
         self.config = config
@@ -227,8 +230,7 @@ class MimiCodec(ExactLoads, nn.Module):
 
     def streaming_init(self, batch_size: int) -> None:
         """A fresh stream of `batch_size` rows: carries zeroed, transformers' rings fresh."""
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        batch_size = check_batch_size("MimiCodec.streaming_init", batch_size)
         self._state = CodecState(seanet.conv_carries(self.encoder_plan, batch_size, self.dtype, self.device),
                                  seanet.conv_carries(self.decoder_plan, batch_size, self.dtype, self.device),
                                  torch.ones(batch_size, dtype=torch.bool, device=self.device))

@@ -29,6 +29,7 @@ from torch import nn
 
 from jax_impl.checkpoint import CheckpointError
 from jax_impl.depformer_config import DEPFORMER_PREFIXES, DepformerConfig, buffer_shapes, load_plan
+from jax_impl.kernel_choice import check_head_dim
 from jax_impl.sampling_config import check_sampling
 
 from .layers import check_triton_device, rms_norm_f32
@@ -75,6 +76,7 @@ class Depformer(ExactLoads, nn.Module):
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        check_head_dim(f"{type(self).__name__}(kernels)", config, kernels)
         self.config, self.kernels = config, kernels
         self._check_device(device)
         for name, shape in buffer_shapes(config).items():

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jax_impl.checkpoint import CheckpointError, check_checkpoint
+from jax_impl.config import check_batch_size
 from jax_impl.depformer_config import DEPFORMER_PREFIXES, load_plan
 from jax_impl.frame_config import (
     TEXT_COUNTER_BASE,
@@ -94,7 +95,7 @@ class LMFrame(ExactLoads, nn.Module):
         super().__init__()
         if not isinstance(config, FrameConfig):
             raise TypeError(f"config must be a FrameConfig, got {type(config).__name__}")
-        self.config, self.kernels = config, check_frame_kernels(config, kernels)
+        self.config, self.kernels = config, check_frame_kernels(config, kernels, "LMFrame(kernels)")
         if kernels == "twin":
             check_triton_device(device, "LMFrame(kernels='twin')")
         self.temporal = TemporalStreaming.from_config(config.temporal, dtype=dtype, device=device, kernels=kernels)
@@ -194,7 +195,9 @@ class LMFrame(ExactLoads, nn.Module):
 
     # ----------------------------------------------------------------------------- streaming
     def streaming_init(self, batch_size: int) -> None:
-        """Fresh state for `batch_size` rows: rings zeroed, caches 'not generated', offsets 0."""
+        """Fresh state for `batch_size` rows (a Python or numpy integer >= 1): rings zeroed, caches 'not
+        generated', offsets 0."""
+        batch_size = check_batch_size("LMFrame.streaming_init", batch_size)
         self.temporal.streaming_init(batch_size)
         c = self.config
         self.token_cache = torch.full((batch_size, c.num_codebooks, c.cache_len), UNGENERATED_TOKEN,

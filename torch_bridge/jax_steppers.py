@@ -19,7 +19,7 @@ import jax
 import torch
 
 import jax_impl
-from jax_impl.kernel_choice import JAX_KERNELS, check_kernels
+from jax_impl.kernel_choice import JAX_KERNELS, check_head_dim, check_kernels
 from jax_impl.model import check_loop_options
 from jax_impl.snapshot import (
     ARRAY_KEYS,
@@ -47,15 +47,16 @@ class JaxBacked:
         check_kernels(f"{type(self).__name__}(kernels)", kernels, JAX_KERNELS)
         check_loop_options(layer_loop)
         super().__init__(*args, **kwargs)
+        check_head_dim(f"{type(self).__name__}(kernels)", self.config, kernels)
         self.kernels = kernels  # what steps this module: the JAX step's kernels
         self._layer_loop = layer_loop
         self._streamer: jax_impl.Streamer | None = None
-        self._viewed = None  # the weight buffers the params view (`_identity`)
+        self._viewed = None  # (names, `_identity`) of the weight buffers the params view
 
     @staticmethod
-    def _identity(weights: dict[str, torch.Tensor]) -> tuple:
+    def _identity(weights) -> tuple:
         """What a JAX view of each buffer depends on: its memory, dtype, device and shape."""
-        return tuple((w.data_ptr(), w.dtype, w.device, tuple(w.shape)) for w in weights.values())
+        return tuple((w.data_ptr(), w.dtype, w.device, w.shape) for w in weights)
 
     def jax_params(self) -> dict:
         """The Flax variables, as zero-copy JAX views of this module's weight buffers."""
@@ -66,7 +67,7 @@ class JaxBacked:
             except (TypeError, ValueError) as err:
                 raise type(err)(f"{type(self).__name__}: the weight {name}: {err}") from None
         params = jax_impl.weights.nest_params(self.config, views)
-        self._viewed = self._identity(weights)
+        self._viewed = tuple(weights), self._identity(weights.values())
         return params
 
     def _follow_weights(self) -> None:
@@ -74,12 +75,13 @@ class JaxBacked:
         torch twin's `share_memory()` moving the shared storage) is viewed again, as the torch module
         would read it; the old views would read the old weights, or freed memory. A weight that
         requires grad is refused, as x is: JAX's step is outside torch's autograd."""
-        weights = self.weights()
-        if torch.is_grad_enabled() and any(w.requires_grad for w in weights.values()):
-            name = next(n for n, w in weights.items() if w.requires_grad)
+        names, viewed = self._viewed
+        weights = [self._buffers[name] for name in names]  # a few us a step (`weights()` takes ~12)
+        if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+            name = next(n for n, w in zip(names, weights) if w.requires_grad)
             raise TypeError(f"step: the weight {name} requires grad, and this {type(self).__name__} steps in JAX, "
                             f"where torch's autograd cannot follow; step the torch module, or detach the weights")
-        if self._identity(weights) != self._viewed:
+        if self._identity(weights) != viewed:
             self._streamer.convert(self.jax_params())
 
     @property

@@ -19,8 +19,8 @@ from torch import nn
 
 from jax_impl import twin_layers
 from jax_impl.checkpoint import WIDENINGS, weight_specs
-from jax_impl.config import MimiConfig, StackConfig, TemporalConfig
-from jax_impl.kernel_choice import TORCH_KERNELS, check_kernels
+from jax_impl.config import MimiConfig, StackConfig, TemporalConfig, check_batch_size
+from jax_impl.kernel_choice import TORCH_KERNELS, check_head_dim, check_kernels
 from jax_impl.snapshot import dtype_name, exact_float_cast
 from kernels_pallas.contract.attention import twin_sems_size
 
@@ -33,7 +33,6 @@ from .weights import ExactLoads, StackWeights
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The exact widenings (jax_impl.checkpoint.WIDENINGS: bf16/f16 -> f32) as torch dtype pairs.
 _LOSSLESS = {(getattr(torch, a), getattr(torch, b)) for a, b in WIDENINGS}
-
 
 
 class StreamingStack(StackWeights, StackStreamIO, ExactLoads, nn.Module):
@@ -53,6 +52,7 @@ class StreamingStack(StackWeights, StackStreamIO, ExactLoads, nn.Module):
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
         check_kernels(f"{type(self).__name__}(kernels)", kernels, TORCH_KERNELS)
+        check_head_dim(f"{type(self).__name__}(kernels)", config, kernels)
         if kernels == "twin":
             check_triton_device(device, f"{type(self).__name__}(kernels='twin')")
         self.config = config
@@ -89,14 +89,14 @@ class StreamingStack(StackWeights, StackStreamIO, ExactLoads, nn.Module):
         """The streaming state (None before `streaming_init`)."""
         return self._state
 
-    @staticmethod
-    def _check_batch_size(batch_size) -> None:
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    def _check_batch_size(self, batch_size, op: str | None = None) -> int:
+        """batch_size as an int (`check_batch_size`); op: the caller named in a refusal (default
+        `<class>.streaming_init`)."""
+        return check_batch_size(op or f"{type(self).__name__}.streaming_init", batch_size)
 
     def streaming_init(self, batch_size: int) -> None:
-        """Allocate a fresh state for `batch_size` rows (zeros, offsets at 0)."""
-        self._check_batch_size(batch_size)
+        """Allocate a fresh state for `batch_size` rows (zeros, offsets at 0): a Python or numpy integer >= 1."""
+        batch_size = self._check_batch_size(batch_size)
         c = self.config
         self._state = None  # the old rings go before the new ones are allocated (one ring at a time)
         self._state = TorchStreamState.zeros(c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim,
@@ -309,6 +309,9 @@ class TemporalStreaming(StreamingStack):
 
     @classmethod
     def from_config(cls, config: TemporalConfig, **kwargs) -> TemporalStreaming:
+        if not isinstance(config, TemporalConfig):
+            raise TypeError(f"{cls.__name__}.from_config(config): config must be a TemporalConfig, got "
+                            f"{type(config).__name__}")
         return cls(dim=config.dim, num_layers=config.num_layers, num_heads=config.num_heads,
                    hidden=config.hidden, context=config.context, text_card=config.text_card,
                    max_period=config.max_period, ring_convention=config.ring_convention,
@@ -342,6 +345,9 @@ class MimiTransformer(StreamingStack):
 
     @classmethod
     def from_config(cls, config: MimiConfig, **kwargs) -> MimiTransformer:
+        if not isinstance(config, MimiConfig):
+            raise TypeError(f"{cls.__name__}.from_config(config): config must be a MimiConfig, got "
+                            f"{type(config).__name__}")
         return cls(num_layers=config.num_layers, dim=config.dim, num_heads=config.num_heads,
                    context=config.context, ffn=config.ffn, max_period=config.max_period,
                    ring_convention=config.ring_convention, norm_eps=config.norm_eps, **kwargs)

@@ -44,7 +44,7 @@ def shard_dropin(module: JaxBacked, mesh=None, axis: str = SESSIONS, *, batch_si
     device = jax_device_for(next(iter(module.weights().values())))
     mesh = session_mesh(axis=axis) if mesh is None else mesh
     if batch_size is not None:
-        module._check_batch_size(batch_size)
+        module._check_batch_size(batch_size, "shard_dropin")
         check_sessions("shard_dropin(batch_size)", batch_size, mesh, axis)
         module._streamer = None  # the old stream goes before the new one is made
         module._streamer = module._new_streamer(batch_size, ShardedStreamer, mesh=mesh, axis=axis,

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from jax_impl.config import check_batch_size
 from jax_impl.frame_config import check_frame_kernels
 from jax_impl.snapshot import exact_float_cast
 from jax_impl.speech_frame_config import SpeechFrameConfig, SpeechFrameOutput
@@ -40,7 +41,7 @@ class SpeechFrame(nn.Module):
         super().__init__()
         if not isinstance(config, SpeechFrameConfig):
             raise TypeError(f"config must be a SpeechFrameConfig, got {type(config).__name__}")
-        self.config, self.kernels = config, check_frame_kernels(config.lm, kernels)
+        self.config, self.kernels = config, check_frame_kernels(config, kernels, "SpeechFrame(kernels)")
         self.codec = MimiCodec.from_config(config.codec, dtype=dtype, device=device, kernels=kernels)
         self.lm = LMFrame.from_config(config.lm, dtype=dtype, device=device, kernels=kernels)
 
@@ -89,7 +90,8 @@ class SpeechFrame(nn.Module):
 
     # ----------------------------------------------------------------------------- streaming
     def streaming_init(self, batch_size: int) -> None:
-        """A fresh stream of `batch_size` rows (the codec's and the LM frame's)."""
+        """A fresh stream of `batch_size` rows (the codec's and the LM frame's): a Python or numpy integer >= 1."""
+        batch_size = check_batch_size("SpeechFrame.streaming_init", batch_size)
         self.codec.streaming_init(batch_size)
         self.lm.streaming_init(batch_size)
 
