@@ -134,7 +134,7 @@ class CodecConfig:
                              f"CodecConfig.compress ({self.compress})")
         frame_size = self.sample_rate / rate
         if frame_size != int(frame_size) or frame_size % self.hop_length:
-            raise ValueError(f"CodecConfig.sample_rate / frame_rate ({frame_size:g}) must be a whole multiple of "
+            raise ValueError(f"CodecConfig.sample_rate / frame_rate ({frame_size!r}) must be a whole multiple of "
                              f"the SEANet hop, the product of CodecConfig.ratios ({self.hop_length})")
         if self.transformer.context < self.downsample_stride:
             raise ValueError(f"CodecConfig.transformer.context ({self.transformer.context}) must hold one step's "

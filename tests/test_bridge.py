@@ -96,6 +96,16 @@ def test_bad_types_are_refused():
         to_jax(torch.zeros(2), copy=0)
 
 
+def test_an_array_split_over_devices_is_refused_by_name():
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("rows",))
+    split = jax.device_put(jnp.zeros((4, 3)), NamedSharding(mesh, PartitionSpec("rows")))
+    with pytest.raises(ValueError, match=r"to_torch\(array\): the array is split over 2 devices"):
+        to_torch(split)
+
+
 def test_a_lazily_negated_view_is_refused_or_copied_with_its_values():
     """torch's negative bit: the buffer of `conj().imag` holds +2 where the tensor reads -2; sharing
     the buffer once gave JAX +2."""
@@ -147,7 +157,7 @@ def serve(stack_class, steps=40):
             model.bump_slot_start(0)
         if step == 30:
             model.reset_rows(torch.tensor([False, False, True]))
-        out, text_logits = model.step(torch.randn(3, 1, 64), active)
+        out, text_logits = model.step(frame_embedding=torch.randn(3, 1, 64), active=active)  # torch's names
         tokens.append(text_logits.argmax(-1).flatten())
     return torch.stack(tokens), out, [int(o) for o in model.state.offset]
 

@@ -192,4 +192,7 @@ def to_torch(array: jax.Array) -> torch.Tensor:
                          "buffer is gone); use the array the call returned")
     if array.dtype not in _JAX_SHAREABLE:
         raise TypeError(f"to_torch(array): dtype {array.dtype} is not supported")
+    if len(array.sharding.device_set) > 1:
+        raise ValueError(f"to_torch(array): the array is split over {len(array.sharding.device_set)} devices, and a "
+                         f"tensor views one buffer; view each shard (array.addressable_shards[i].data) or gather it")
     return torch.from_dlpack(array)

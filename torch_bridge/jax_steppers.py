@@ -236,6 +236,10 @@ class JaxTemporalStreaming(JaxBacked, TemporalStreaming):
     """`TemporalStreaming`, stepped by JAX. step(frame_embedding [B,T,dim], active [B]) ->
     (out [B,T,dim], text_logits [B,1,T,text_card]) as torch tensors."""
 
+    def step(self, frame_embedding: torch.Tensor, active: torch.Tensor | None = None):
+        """`TemporalStreaming.step`'s signature (its argument's name too), stepped by JAX (`JaxBacked.step`)."""
+        return JaxBacked.step(self, frame_embedding, active)
+
 
 class JaxMimiTransformer(JaxBacked, MimiTransformer):
     """`MimiTransformer`, stepped by JAX. step(x [B,T,dim], active [B]) -> [B,T,dim] torch tensor."""
