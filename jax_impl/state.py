@@ -35,6 +35,7 @@ select); nothing per step.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -106,6 +107,9 @@ def init_state(config: StackConfig, batch_size: int, dtype=jnp.float32, *, devic
     batch_size = check_batch_size("init_state", batch_size)
     dtype = check_state_dtype("init_state", dtype)
     ring = state_shapes(config, batch_size)
+    if math.prod(ring) * dtype.itemsize >= 2**62:  # XLA ends the process on a shape whose size overflows
+        raise ValueError(f"init_state: a ring of {list(ring)} {dtype} (batch_size {batch_size}) is more bytes than "
+                         f"any device holds (2**62 or more)")
     idx = index_dtype()
 
     def make():

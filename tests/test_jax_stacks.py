@@ -437,3 +437,12 @@ def test_init_state_takes_python_and_numpy_integer_batch_sizes_only():
         with pytest.raises(ValueError, match=r"^init_state\(batch_size\): batch_size must be a positive int \(a "
                                              r"Python or numpy integer, not a bool\), got "):
             jx.init_state(TCFG, bad)
+
+
+def test_a_ring_no_device_holds_is_refused_before_xla_sees_its_shape():
+    """A shape whose size overflows ended the process inside XLA (absl: overflow in static extent
+    product); every field within int32, the product is checked first."""
+    config = with_options(TCFG, context=2**31 - 1, num_layers=2**20)
+    with pytest.raises(ValueError, match=r"init_state: a ring of \[1048576, 1048576, 4, 2147483647, 16\] float32 "
+                                         r"\(batch_size 1048576\) is more bytes than any device holds"):
+        jx.init_state(config, 2**20)
