@@ -429,16 +429,6 @@ def test_stack_functions_refuse_a_config_of_another_type_with_a_type_error():
                 call(bad)
 
 
-def test_init_state_takes_python_and_numpy_integer_batch_sizes_only():
-    for n in (2, np.int64(2), np.int32(2), np.uint8(2)):
-        state = jx.init_state(TCFG, n)
-        assert state.k.shape[1] == state.batch_size == 2 and state.offset.shape == (2,)
-    for bad in (0, -1, np.int64(0), True, np.bool_(True), 2.0, np.float32(2), "2", None):
-        with pytest.raises(ValueError, match=r"^init_state\(batch_size\): batch_size must be a positive int \(a "
-                                             r"Python or numpy integer, not a bool\), got "):
-            jx.init_state(TCFG, bad)
-
-
 def test_a_ring_no_device_holds_is_refused_before_xla_sees_its_shape():
     """A shape whose size overflows ended the process inside XLA (absl: overflow in static extent
     product); every field within int32, the product is checked first."""
@@ -446,3 +436,45 @@ def test_a_ring_no_device_holds_is_refused_before_xla_sees_its_shape():
     with pytest.raises(ValueError, match=r"init_state: a ring of \[1048576, 1048576, 4, 2147483647, 16\] float32 "
                                          r"\(batch_size 1048576\) is more bytes than any device holds"):
         jx.init_state(config, 2**20)
+
+
+def _state_makers():
+    """(the name a refusal carries, make(n), read() -> the batch size made; read None where nothing is
+    kept) of every state maker, both sides."""
+    from jax_impl import codec as jc
+    from jax_impl import frame as jf
+    from jax_impl import speech_frame as jsf
+    from jax_impl.speech_frame_config import SPEECH_PRESETS
+    from torch_bridge import MimiTransformer, TemporalStreaming
+    from torch_bridge.codec import MimiCodec
+    from torch_bridge.frame import LMFrame
+    from torch_bridge.speech_frame import SpeechFrame
+
+    speech = SPEECH_PRESETS["moshi-tiny"]
+    stack, mimi = TemporalStreaming.from_config(TCFG), MimiTransformer.from_config(MCFG)
+    frame, codec, whole = LMFrame.from_config(speech.lm), MimiCodec.from_config(speech.codec), SpeechFrame.from_config(speech)
+    return [
+        ("init_state", lambda n: jx.init_state(TCFG, n).batch_size, None),
+        ("init_frame_state", lambda n: jf.init_frame_state(speech.lm, n).batch_size, None),
+        ("init_codec_state", lambda n: jc.init_codec_state(speech.codec, n).batch_size, None),
+        ("init_speech_frame_state", lambda n: jsf.init_speech_frame_state(speech, n).batch_size, None),
+        ("TemporalStreaming.streaming_init", stack.streaming_init, lambda: stack.state.batch_size),
+        ("MimiTransformer.streaming_init", mimi.streaming_init, lambda: mimi.state.batch_size),
+        ("LMFrame.streaming_init", frame.streaming_init, lambda: frame.batch_size),
+        ("MimiCodec.streaming_init", codec.streaming_init, lambda: codec.state.batch_size),
+        ("SpeechFrame.streaming_init", whole.streaming_init, lambda: whole.batch_size),
+    ]
+
+
+def test_every_state_maker_takes_one_batch_size_rule():
+    """`config.check_batch_size`, on both sides: a Python or numpy integer >= 1, not a bool, named by the
+    maker refusing it; a refused streaming_init leaves the stream it had."""
+    for name, make, read in _state_makers():
+        for n in (2, np.int64(2), np.int32(2), np.uint8(2)):
+            made = make(n) if read is None else (make(n), read())[1]
+            assert made == 2 and type(made) is int, name
+        for bad in (0, -1, np.int64(0), True, np.bool_(True), 2.0, np.float32(2), "2", None):
+            with pytest.raises(ValueError, match=rf"^{re.escape(name)}\(batch_size\): batch_size must be a positive int "
+                                                 r"\(a Python or numpy integer, not a bool\), got "):
+                make(bad)
+        assert read is None or read() == 2, name

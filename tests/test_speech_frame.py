@@ -354,20 +354,3 @@ def test_twin_speech_frames_refuse_a_codec_head_dim_not_a_power_of_two_when_made
             make("twin")
         make("reference")
 
-
-def test_speech_frame_state_takes_python_and_numpy_integer_batch_sizes_only():
-    """init_speech_frame_state and SpeechFrame.streaming_init: the one batch-size rule of the stacks
-    (a Python or numpy integer >= 1, not a bool), named by the function refusing it."""
-    frame = SpeechFrame.from_config(TINY)
-    for n in (2, np.int64(2), np.int32(2)):
-        state = sf.init_speech_frame_state(TINY, n)
-        assert state.batch_size == state.codec.batch_size == 2
-        frame.streaming_init(n)
-        assert frame.batch_size == frame.codec.state.batch_size == 2
-    message = r"\(batch_size\): batch_size must be a positive int \(a Python or numpy integer, not a bool\), got "
-    for bad in (0, np.int64(0), True, np.bool_(True), 2.0):
-        with pytest.raises(ValueError, match=r"^init_speech_frame_state" + message):
-            sf.init_speech_frame_state(TINY, bad)
-        with pytest.raises(ValueError, match=r"^SpeechFrame\.streaming_init" + message):
-            frame.streaming_init(bad)
-    assert frame.batch_size == 2  # the refused calls left the stream as it was

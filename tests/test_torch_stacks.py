@@ -250,17 +250,3 @@ def test_from_config_refuses_a_config_of_another_type_with_a_type_error():
                                         r"got TemporalConfig$"):
         MimiTransformer.from_config(PRESETS["temporal-small"])
 
-
-@pytest.mark.parametrize("name", ["temporal", "mimi"])
-def test_streaming_init_takes_python_and_numpy_integer_batch_sizes_only(name):
-    """The JAX init_state's rule: a Python or numpy integer >= 1, not a bool."""
-    stack = make_stack(name)
-    cls = type(stack).__name__
-    for n in (2, np.int64(2), np.int32(2)):
-        stack.streaming_init(n)
-        assert stack.state.batch_size == 2 and stack.state.k.shape[1] == 2
-        assert type(stack.state.batch_size) is int
-    for bad in (0, np.int64(0), True, np.bool_(True), 2.0, "2"):
-        with pytest.raises(ValueError, match=rf"^{cls}\.streaming_init\(batch_size\): batch_size must be a positive "
-                                             rf"int \(a Python or numpy integer, not a bool\), got "):
-            stack.streaming_init(bad)
