@@ -93,7 +93,8 @@ class JaxBacked:
         """Torch views (DLPack, no copy) of the JAX state; offsets are int32 unless jax x64 is on.
 
         While a view is alive the next step cannot donate that buffer and copies it instead:
-        look, then let the views go (or `.clone()` what you keep). A stream split over devices
+        look, then let the views go (or `.clone()` what you keep). They are for reading: the host's
+        overflow guard does not see offsets written through them (`restore` a snapshot instead). A stream split over devices
         (`torch_bridge.sharding.shard_dropin`) has no single buffer to view: RuntimeError, pointing
         to `snapshot()` (torch copies on the module's device).
         """
