@@ -248,4 +248,3 @@ def layer_index(who: str, layer, L: int) -> jax.Array:
     index outside [0, L) would read another layer's weights, or memory of none)."""
     check_index(who, "layer", layer, L, host_values(layer), scalar=True)
     return jnp.asarray(layer, jnp.int32).reshape(())
-

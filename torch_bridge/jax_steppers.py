@@ -71,10 +71,11 @@ class JaxBacked:
         return params
 
     def _follow_weights(self) -> None:
-        """Before a step: a buffer replaced or moved since the params were taken (an attribute set, the
-        torch twin's `share_memory()` moving the shared storage) is viewed again, as the torch module
-        would read it; the old views would read the old weights, or freed memory. A weight that
-        requires grad is refused, as x is: JAX's step is outside torch's autograd."""
+        """Before a step: a buffer replaced or moved since the params were taken (an attribute set, a
+        `load_state_dict(assign=True)`, the torch twin's `share_memory()` moving the shared storage) is
+        viewed again, as the torch module would read it; the old views would read the old weights, or
+        freed memory. A weight that requires grad is refused, as x is: JAX's step is outside torch's
+        autograd."""
         names, viewed = self._viewed
         weights = [self._buffers[name] for name in names]  # a few us a step (`weights()` takes ~12)
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
@@ -94,9 +95,9 @@ class JaxBacked:
 
         While a view is alive the next step cannot donate that buffer and copies it instead:
         look, then let the views go (or `.clone()` what you keep). They are for reading: the host's
-        overflow guard does not see offsets written through them (`restore` a snapshot instead). A stream split over devices
-        (`torch_bridge.sharding.shard_dropin`) has no single buffer to view: RuntimeError, pointing
-        to `snapshot()` (torch copies on the module's device).
+        overflow guard does not see offsets written through them (`restore` a snapshot instead). A
+        stream split over devices (`torch_bridge.sharding.shard_dropin`) has no single buffer to view:
+        RuntimeError, pointing to `snapshot()` (torch copies on the module's device).
         """
         s = self.jax_state
         if s is None:
@@ -146,13 +147,6 @@ class JaxBacked:
         # copied (B bools), as the torch path accepts it.
         args = [to_jax(a, copy=None) if isinstance(a, torch.Tensor) else a for a in args]
         getattr(self._streamer, "reset_streaming" if op == "reset" else op)(*args)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        """`nn.Module`'s load (`load_state_dict`), the JAX side following while streaming: a load with
-        assign=True replaces the buffers, and the params become views of the new ones."""
-        super()._load_from_state_dict(*args, **kwargs)
-        if self._streamer is not None:
-            self._streamer.convert(self.jax_params())
 
     def _apply(self, fn, recurse=True):
         """The torch stack's conversions (`.to()`, `.float()`, `.cpu()`, `.share_memory()`, ...; see
