@@ -65,6 +65,15 @@ def collectives(compiled_text: str) -> dict[str, int]:
     return counts
 
 
+def _device_ids(sharding) -> list:
+    """The ids of `sharding`'s devices, in its mesh's order where it has one (a `NamedSharding`'s
+    repr names the mesh's axes, not its devices)."""
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(mesh, Mesh):
+        return mesh.device_ids.tolist()
+    return sorted(d.id for d in sharding.device_set)
+
+
 def check_placed(where: str, tree, want, fix: str) -> None:
     """ValueError unless every array of `tree` is laid out as `want` (a sharding or a tree of them).
 
@@ -83,8 +92,10 @@ def check_placed(where: str, tree, want, fix: str) -> None:
             continue
         if sharding is None or not sharding.is_equivalent_to(w, np.ndim(leaf)):
             name = where[where.find("(") + 1:where.rfind(")")] + jax.tree_util.keystr(path)
-            raise ValueError(f"{where}: {name} is laid out as {sharding}, "
-                             f"expected {w}; {fix}")
+            got, expected = str(sharding), str(w)
+            if got == expected:  # the same layout on other devices, or in another order
+                got, expected = f"{got} on devices {_device_ids(sharding)}", f"{expected} on devices {_device_ids(w)}"
+            raise ValueError(f"{where}: {name} is laid out as {got}, expected {expected}; {fix}")
 
 
 class PlacedStep:

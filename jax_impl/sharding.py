@@ -3,7 +3,8 @@
 Two layouts, one mesh axis each, in two modules; this one is their public namespace:
 
 - `sessions`: the batch of sessions split by row over the axis "sessions" (data parallel, for
-  throughput): no communication at all, every row bit-identical to the one-device step.
+  throughput): no communication at all, every row bit-identical to the one-device step with the
+  twin kernels (batch-invariant); with the others, to the one-device step at batch B/n.
 - `tensor_parallel`: one conversation's heads and FFN split over the axis "model" (for latency,
   temporal stack): two all-reduces a layer, within `TP_MAX_REL` of the one-device step.
 

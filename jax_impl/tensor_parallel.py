@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels_pallas import backend
 
-from .checkpoint import check_fit
+from .checkpoint import CheckpointError, check_fit
 from .config import TemporalConfig, describe
 from .kernel_choice import check_kernels
 from .layers import run_layers, temporal_layer
@@ -132,6 +132,11 @@ def _check_tp_params(config: TemporalConfig, tp) -> None:
     if not isinstance(tp, dict) or not isinstance(tp.get("layers"), dict) or "params" in tp:
         raise TypeError(f"{where}: expected the tensor-parallel parameters of "
                         f"jax_impl.sharding.shard_tensor_parallel (not Flax variables), got {type(tp).__name__}")
+    known = list(tensor_parallel_specs()[0])
+    extra = [k for k in tp if k not in known]
+    if extra:
+        raise CheckpointError(f"{where}: unexpected top-level keys {extra}; expected {known} (LoRA adapters are "
+                              f"not supported by the tensor-parallel step)")
     have = {f"layers/{k}": tuple(v.shape) for k, v in tp["layers"].items()}
     have.update({k: tuple(v.shape) for k, v in tp.items() if k != "layers"})
     check_fit(f"{where} do not fit the tensor-parallel layout of {describe(config)}",
@@ -178,6 +183,9 @@ def make_tensor_parallel_step(config: TemporalConfig, mesh: Mesh, axis: str = MO
         if not jnp.issubdtype(reduce_dtype, jnp.floating):
             raise TypeError(f"make_tensor_parallel_step(reduce_dtype): expected None or a float dtype, got "
                             f"{reduce_dtype}")
+        if reduce_dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+            raise TypeError(f"make_tensor_parallel_step(reduce_dtype): {reduce_dtype} needs jax_enable_x64: without "
+                            f"it JAX would make the partial sums float32, a rounding")
     p_specs, s_specs = tensor_parallel_specs(axis)
     out_linear = _all_reduced(axis, reduce_dtype)
     layer_fn = functools.partial(temporal_layer, out_linear=out_linear)  # the one-device layer, its sums all-reduced
@@ -201,8 +209,10 @@ def make_tensor_parallel_step(config: TemporalConfig, mesh: Mesh, axis: str = MO
         if reduce_dtype is not None and not exact_float_cast(jnp.dtype(state.k.dtype).name, reduce_dtype.name):
             raise TypeError(f"make_tensor_parallel_step(reduce_dtype): {reduce_dtype} would round the partial sums "
                             f"of this {jnp.dtype(state.k.dtype).name} stack; use None or a wider float dtype")
+        # check_vma off: the Pallas calls declare their outputs without a varying-axes type, which the
+        # check refuses; the replicated outputs (P()) come from the psums, whose sums every device holds
         return jax.shard_map(local, mesh=mesh, in_specs=(p_specs, s_specs, P(), P()),
-                             out_specs=(P(), s_specs))(tp, state, x, active)
+                             out_specs=(P(), s_specs), check_vma=False)(tp, state, x, active)
 
     named = functools.partial(jax.tree.map, lambda s: NamedSharding(mesh, s))
     state_sh, rep = named(s_specs), NamedSharding(mesh, P())

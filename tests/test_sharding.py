@@ -4,13 +4,13 @@ Run with XLA_FLAGS=--xla_force_host_platform_device_count=2 (`bash run.sh test` 
 one device the two-device tests skip and say so.
 
 Oracles. Sessions: the one-device step with the same options, bit for bit (`parity.bits`,
-so -0 != +0), for every output, ring and offset after every step and every recycle op; the
-layout checked by spec and per-device shard shape; the compiled sessions step and recycle ops
-hold no collective. Tensor parallel: the one-device step within `TP_MAX_REL` (normwise max rel
-per step, float32), the offsets identical, each device's ring the matching heads of the
-one-device ring, exactly two all-reduces of [B, T, dim] per layer and no other collective, and
-bit-identity on a mesh of one device (where the all-reduce is the identity: what is left is
-the layout and the plumbing).
+so -0 != +0; at batch B/n, and at batch B with the twin kernels or two rows a device), for
+every output, ring and offset after every step and every recycle op; the layout checked by
+spec and per-device shard shape; the compiled sessions step and recycle ops hold no collective.
+Tensor parallel: the one-device step within `TP_MAX_REL` (normwise max rel per step, float32),
+the offsets identical, each device's ring the matching heads of the one-device ring, exactly two
+all-reduces of [B, T, dim] per layer and no other collective, and bit-identity on a mesh of one
+device (where the all-reduce is the identity: what is left is the layout and the plumbing).
 """
 
 from __future__ import annotations
@@ -123,6 +123,40 @@ def test_sessions_step_bit_identical_through_recycling():
     assert not np.asarray(state.k).any() and not np.asarray(state.offset).any()
 
 
+def concat_rows(trees, axes) -> list:
+    """The leaves of per-device results joined along their batch axes (`axes`: one per leaf)."""
+    return [np.concatenate(leaves, axis) for axis, leaves in
+            zip(axes, zip(*(jax.tree.leaves(t) for t in trees), strict=True), strict=True)]
+
+
+@two_devices
+@pytest.mark.parametrize("kernels", ["twin", "pallas", "reference"])
+def test_sessions_step_bits_at_each_batch_per_device(kernels):
+    """Each device runs the one-device step on its B/n rows: every row has that step's bits at batch
+    B/n. With the twin kernels (batch-invariant) that is the one-device step's at batch B too, a row a
+    device included; with the others it is at two rows a device (at one, XLA dots one row otherwise).
+    Pallas and twin run inside the shard_map (their outputs carry no varying-axes type)."""
+    config = jx.PRESETS["temporal-small"]
+    params = init_params(config, 0)
+    mesh = sh.session_mesh()
+    ref_step, step = jx.make_step(config, kernels=kernels), sh.make_sharded_step(config, mesh, kernels=kernels)
+    axes = (0, 0, 1, 1, 0, 0)  # out, logits, then the state: k, v, offset, start_offset
+    for rows in (2, B):
+        half = rows // 2
+        sparams, state = sh.shard_sessions(params, jx.init_state(config, rows), mesh)
+        ref, per_device = jx.init_state(config, rows), [jx.init_state(config, half) for _ in range(2)]
+        for t in range(2):
+            x = frames("temporal", config, t)[:rows]
+            out, state = step(sparams, state, x)
+            out_ref, ref = ref_step(params, ref, x)
+            stepped = [ref_step(params, s, x[i * half:(i + 1) * half]) for i, s in enumerate(per_device)]
+            per_device = [s for _, s in stepped]
+            got = jax.tree.leaves((out, state))
+            assert all(same_bits(a, b) for a, b in zip(got, concat_rows(stepped, axes), strict=True))
+            if kernels == "twin" or half > 1:
+                assert_same_stream(state, ref, out, out_ref)
+
+
 @two_devices
 def test_sessions_refusals_name_the_argument():
     config = jx.PRESETS["temporal-small"]
@@ -147,6 +181,13 @@ def test_sessions_refusals_name_the_argument():
         step(sparams, jx.init_state(config, B), x)
     with pytest.raises(ValueError, match=r"step\(params\): params\['params'\]\['layers'\]\['in_proj'\] is laid out"):
         step(params, state, x)
+    d0, d1 = jax.devices()[:2]  # the same layout on the same devices in another order: the message tells them apart
+    pair = sh.session_mesh([d0, d1])
+    pair_params, _ = sh.shard_sessions(params, jx.init_state(config, B), pair)
+    _, reversed_state = sh.shard_sessions(params, jx.init_state(config, B), sh.session_mesh([d1, d0]))
+    with pytest.raises(ValueError, match=rf"step\(state\): state\.k is laid out as .* on devices \[{d1.id}, "
+                                         rf"{d0.id}\], expected .* on devices \[{d0.id}, {d1.id}\]"):
+        sh.make_sharded_step(config, pair)(pair_params, reversed_state, x)
     with pytest.raises(ValueError, match=r"step\(x\): x must have shape \[B=4, T, dim=64\]"):
         step(sparams, state, x[:, :, :8])
     with pytest.raises(TypeError, match=r"step\(x\): x has dtype float64; .*float64 -> float32 would round x"):
@@ -167,7 +208,8 @@ def test_sessions_refusals_name_the_argument():
         step(sparams, state, x, [True] * B)  # not placed as an array: the step's own check names it
     donated, state = state, sh.sharded_reset_slot(state, 1)
     for op, arg in ((sh.sharded_reset_slot, 0), (sh.sharded_bump_slot_start, 0), (sh.sharded_reset_rows, np.ones(B, bool)),
-                    (sh.sharded_reset_streaming, None), (lambda s: step(sparams, s, x), None)):
+                    (sh.sharded_reset_streaming, None), (lambda s: step(sparams, s, x), None),
+                    (lambda s: sh.shard_sessions(params, s, mesh), None)):
         with pytest.raises(ValueError, match="the state was donated to an earlier call"):
             op(donated, arg) if arg is not None else op(donated)
     streamer = sh.ShardedStreamer(config, params, B, mesh=mesh)
@@ -291,14 +333,40 @@ def test_dropin_on_sharded_state_bit_identical():
     assert all(same_bits(a, b) for o in outs[1:] for a, b in zip(o, outs[0], strict=True))
 
 
+@two_devices
+def test_dropin_of_a_twin_stack_split_a_row_a_device():
+    """A drop-in of a stack built with kernels="twin" steps on the Pallas twins inside the sharded step,
+    a row a device: the torch twin's bits. A fresh stream too large for any device is refused before
+    the stream it had goes: that one still steps."""
+    config = jx.PRESETS["temporal-small"]
+    torch_stack = TemporalStreaming.from_config(config, kernels="twin")
+    torch_stack.init_weights(generator=torch.Generator().manual_seed(3))
+    dropin = from_torch(torch_stack)
+    assert dropin.kernels == "twin"
+    for m in (torch_stack, dropin):
+        m.streaming_init(2)
+    xs = [torch.from_numpy(frames("temporal", config, t)[:2]) for t in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(dropin.step(xs[0]), torch_stack.step(xs[0]), strict=True))
+    before = dropin.jax_state
+    with pytest.raises(ValueError, match=r"shard_dropin\(batch_size\): .*\(batch_size 1152921504606846976\) is more "
+                                         r"bytes than any device holds"):
+        shard_dropin(dropin, batch_size=2**60)
+    assert dropin.jax_state is before  # the stream it had, unchanged
+    assert all(torch.equal(a, b) for a, b in zip(dropin.step(xs[1]), torch_stack.step(xs[1]), strict=True))
+    shard_dropin(dropin)
+    assert [s.data.shape[1] for s in dropin.jax_state.k.addressable_shards] == [1, 1]  # a row a device
+    assert all(torch.equal(a, b) for a, b in zip(dropin.step(xs[2]), torch_stack.step(xs[2]), strict=True))
+
+
 # ------------------------------------------------------------------------------ tensor parallel
 @two_devices
-def test_tensor_parallel_within_bound_of_one_device():
+@pytest.mark.parametrize("kernels", ["auto", "pallas"])
+def test_tensor_parallel_within_bound_of_one_device(kernels):
     config = jx.PRESETS["temporal-small"]
     L, H = config.num_layers, config.num_heads
     params = init_params(config, 2)
     mesh = sh.session_mesh(axis=sh.MODEL)
-    ref_step, step = jx.make_step(config), sh.make_tensor_parallel_step(config, mesh)
+    ref_step, step = jx.make_step(config, kernels=kernels), sh.make_tensor_parallel_step(config, mesh, kernels=kernels)
     ref = jx.init_state(config, B)
     tp, state = sh.shard_tensor_parallel(config, params, jx.init_state(config, B), mesh)
     assert state.k.sharding.spec == jax.P(None, None, sh.MODEL) and state.offset.sharding.is_fully_replicated
@@ -328,11 +396,12 @@ def test_tensor_parallel_within_bound_of_one_device():
     assert worst > 0  # the all-reduce adds in another order: the bits do differ
 
 
-def test_tensor_parallel_on_one_device_is_bit_identical():
+@pytest.mark.parametrize("kernels", ["auto", "pallas"])
+def test_tensor_parallel_on_one_device_is_bit_identical(kernels):
     config = jx.PRESETS["temporal-small"]
     params = init_params(config, 2)
     mesh = sh.session_mesh(jax.devices()[:1], axis=sh.MODEL)
-    ref_step, step = jx.make_step(config), sh.make_tensor_parallel_step(config, mesh)
+    ref_step, step = jx.make_step(config, kernels=kernels), sh.make_tensor_parallel_step(config, mesh, kernels=kernels)
     ref = jx.init_state(config, B)
     tp, state = sh.shard_tensor_parallel(config, params, jx.init_state(config, B), mesh)
     for t in range(3):
@@ -366,6 +435,15 @@ def test_tensor_parallel_refusals_name_the_argument():
             sh.make_tensor_parallel_step(config, mesh, reduce_dtype=dtype)
     with pytest.raises(TypeError, match=r"reduce_dtype\): bfloat16 would round the partial sums of this float32"):
         sh.make_tensor_parallel_step(config, mesh, reduce_dtype=jnp.bfloat16)(tp, state, x)
+    assert not jax.config.jax_enable_x64  # float64 would be made float32 silently
+    with pytest.raises(TypeError, match=r"make_tensor_parallel_step\(reduce_dtype\): float64 needs jax_enable_x64"):
+        sh.make_tensor_parallel_step(config, mesh, reduce_dtype=jnp.float64)
+    lora = jx.init_lora(config, jax.random.key(1), rank=4)
+    with pytest.raises(CheckpointError, match=r"step\(params\): unexpected top-level keys \['lora'\]; expected "
+                                              r"\['layers', 'out_norm_alpha', 'text_linear'\] \(LoRA adapters are not "
+                                              r"supported by the tensor-parallel step\)"):
+        step({**tp, "lora": lora}, state, x)
+    assert not state.k.is_deleted()
 
 
 @two_devices

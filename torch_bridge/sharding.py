@@ -8,7 +8,8 @@
 
 The drop-in's `jax_impl.Streamer` is replaced by a `jax_impl.sharding.ShardedStreamer` going on
 with the same stream: the step is `make_sharded_step` (each device steps its B/n rows, no
-communication; every row bit-identical to the one-device drop-in), the recycle ops the sharded
+communication; every row bit-identical to the one-device drop-in with kernels="twin", which is
+batch-invariant; with the others, to the one-device drop-in at batch B/n), the recycle ops the sharded
 ones, and the outputs and snapshots are gathered on the module's JAX device (a torch tensor
 lives on one device), which is one copy of the outputs per step (B*T*(dim + V) values).
 
@@ -36,7 +37,8 @@ def shard_dropin(module: JaxBacked, mesh=None, axis: str = SESSIONS, *, batch_si
     need not be streaming; a stream it had is dropped once the new one is accepted).
 
     Raises TypeError for another module, RuntimeError before `streaming_init` (without batch_size),
-    ValueError when the batch size is not a positive int or does not split over the mesh (nothing changed).
+    ValueError when the batch size is not a positive int, does not split over the mesh or makes a ring
+    larger than any device holds (nothing changed).
     """
     if not isinstance(module, JaxBacked):
         raise TypeError(f"shard_dropin(module): expected a JAX-backed drop-in (JaxTemporalStreaming, "
@@ -46,8 +48,9 @@ def shard_dropin(module: JaxBacked, mesh=None, axis: str = SESSIONS, *, batch_si
     if batch_size is not None:
         module._check_batch_size(batch_size, "shard_dropin")
         check_sessions("shard_dropin(batch_size)", batch_size, mesh, axis)
+        params = module.jax_params()
         module._streamer = None  # the old stream goes before the new one is made
-        module._streamer = module._new_streamer(batch_size, ShardedStreamer, mesh=mesh, axis=axis,
+        module._streamer = module._new_streamer(batch_size, ShardedStreamer, params, mesh=mesh, axis=axis,
                                                 output_device=device)
         return module
     streamer = module._streamer
