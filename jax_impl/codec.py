@@ -330,12 +330,12 @@ def _check_state(op: str, state) -> None:
 
 def check_pcm(op: str, pcm, batch: int, frame_size: int, dtype) -> None:
     """Refuse, naming `op` and pcm, anything but an array [batch, 1, frame_size] of a float dtype that
-    casts to the state's `dtype` exactly (ValueError for the shape, TypeError for the dtype). On the
+    casts to the state's `dtype` exactly (ValueError for the shape, TypeError for the type or dtype). On the
     host before a call as well as when traced: jit would narrow a float64 numpy array to float32
     before a traced check could see it."""
     shape, pdtype = getattr(pcm, "shape", None), getattr(pcm, "dtype", None)
     if shape is None or pdtype is None:
-        raise ValueError(f"{op}(pcm): pcm must be an array [B={batch}, 1, {frame_size}], got {type(pcm).__name__}")
+        raise TypeError(f"{op}(pcm): pcm must be an array [B={batch}, 1, {frame_size}], got {type(pcm).__name__}")
     if tuple(shape) != (batch, 1, frame_size):
         raise ValueError(f"{op}(pcm): pcm must have shape [B={batch}, 1, frame_size={frame_size}] (rank 3), got "
                          f"{list(shape)}")
@@ -433,6 +433,13 @@ def check_codes_range(cfg: CodecConfig, codes, active=None) -> None:
                          f"codes[{row}, {book}] = {int(values[row, book])}")
 
 
+def codec_offsets(state: CodecState) -> dict[str, jax.Array]:
+    """The transformers' offset arrays [B] by name: encoder_transformer.offset (`downsample_stride` positions
+    an encode), decoder_transformer.offset (as many a decode)."""
+    return {"encoder_transformer.offset": state.encoder_transformer.offset,
+            "decoder_transformer.offset": state.decoder_transformer.offset}
+
+
 def _on_state_device(state: CodecState, x):
     """x committed to the state's device: a jitted step compiles per placement of its arguments, and
     a host or uncommitted array (numpy, `jnp.asarray`) would otherwise make a second program beside
@@ -449,7 +456,11 @@ def make_codec_step(cfg: CodecConfig, *, kernels: str = "reference", rope_freqs:
     shape and dtype checks raise while tracing, before anything runs, and decode reads concrete codes
     on the host for their range before the donated call. Host or uncommitted pcm, codes and active
     are committed to the state's device first (`init_codec_state` commits the state): one program
-    each for every call. kernels, rope_freqs: as `encode_fn`'s."""
+    each for every call. kernels, rope_freqs: as `encode_fn`'s.
+
+    A step that would take a transformer's offset past the index dtype (`state.OffsetBounds`: int32's
+    2**31 - 1 positions, ~2.7 years of frames at `downsample_stride` = 2; no device read a step) raises
+    OverflowError before the call, the state untouched: `jit_codec_reset_slot` the row first."""
     check_codec_options("make_codec_step", cfg, kernels)
     return _codec_steps(cfg, kernels, None if rope_freqs is None else tuple(rope_freqs))
 
@@ -461,11 +472,23 @@ def _codec_steps(cfg: CodecConfig, kernels: str, rope_freqs: tuple[float, ...] |
     jit_encode = jax.jit(backend.traced_on(encode_fn(cfg, kernels=kernels, rope_freqs=rope_freqs)), donate_argnums=(1,))
     jit_decode = jax.jit(backend.traced_on(decode_fn(cfg, kernels=kernels, rope_freqs=rope_freqs)), donate_argnums=(1,))
 
+    T = cfg.downsample_stride  # the transformers' positions a frame
+
+    def stepped(op: str, moved: str, jitted, params, state, x, active):
+        """jitted(...) after checking the room of the offsets (`moved` advances T positions); the bounds
+        of the returned state's offsets noted."""
+        offsets = codec_offsets(state)
+        advance = dict.fromkeys(offsets, 0) | {moved: T}
+        bounds = st.OFFSET_BOUNDS.check(f"{op}(state)", "jit_codec_reset_slot", offsets, advance)
+        out, state = jitted(params, state, _on_state_device(state, x), _on_state_device(state, active))
+        st.OFFSET_BOUNDS.note(bounds, codec_offsets(state))
+        return out, state
+
     def encode(params, state, pcm, active=None):
         _check_state("encode", state)
         check_pcm("encode", pcm, state.batch_size, cfg.frame_size, state.encoder_transformer.k.dtype)
         _check_active("encode", active, state.batch_size)
-        return jit_encode(params, state, _on_state_device(state, pcm), _on_state_device(state, active))
+        return stepped("encode", "encoder_transformer.offset", jit_encode, params, state, pcm, active)
 
     def decode(params, state, codes, active=None):
         _check_state("decode", state)
@@ -473,7 +496,7 @@ def _codec_steps(cfg: CodecConfig, kernels: str, rope_freqs: tuple[float, ...] |
         rows = _check_active("decode", active, state.batch_size)
         if not isinstance(codes, jax.core.Tracer):
             check_codes_range(cfg, codes, None if isinstance(rows, jax.core.Tracer) else rows)
-        return jit_decode(params, state, _on_state_device(state, codes), _on_state_device(state, active))
+        return stepped("decode", "decoder_transformer.offset", jit_decode, params, state, codes, active)
 
     return encode, decode
 

@@ -78,6 +78,11 @@ def init_frame_state(cfg: FrameConfig, batch_size: int, dtype=jnp.float32, *, de
     return FrameState(temporal, cache, jnp.zeros((batch_size,), temporal.offset.dtype, device=device))
 
 
+def frame_offsets(state: FrameState) -> dict[str, jax.Array]:
+    """The state's offset arrays [B] a step advances, by name: temporal.offset, frame_offset (1 a frame each)."""
+    return {"temporal.offset": state.temporal.offset, "frame_offset": state.frame_offset}
+
+
 def check_frame_params(cfg: FrameConfig, params: Mapping) -> dict:
     """The frame's parameters after checking them: {"temporal": the temporal stack's Flax variables,
     "depformer": the depformer's buffers, "text_emb", "emb": the input tables}, one float dtype."""
@@ -199,7 +204,10 @@ def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit:
     replace_audio [B, dep_q - dep_q_exit]. temperature/top_k (audio), text_temperature/text_top_k:
     the sampler's (static; 0: greedy), seeds int [B] then. rope_freqs: the torch stack's RoPE table
     (`TemporalStreaming.rope_freqs()`), shared bit for bit. Every argument is checked on the host
-    before the call (shapes, dtypes, token ids), so a refused call leaves the state valid.
+    before the call (shapes, dtypes, token ids), so a refused call leaves the state valid. So is the
+    offsets' room (`state.OffsetBounds`: no device read a step): a step that would take a row's offset past
+    the index dtype (int32: 2**31 - 1 positions, ~5.4 years of frames) raises OverflowError; the row
+    then needs `jit_reset_rows` (`jit_reset_slot` keeps its positions counting).
     """
     if not isinstance(cfg, FrameConfig):
         raise TypeError(f"cfg must be a FrameConfig, got {type(cfg).__name__}")
@@ -237,8 +245,12 @@ def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit:
             check_seeds(seeds, B, is_integer_array)
         else:
             seeds = None
+        offsets = frame_offsets(state)
+        bounds = st.OFFSET_BOUNDS.check("step(state)", "jit_reset_rows", offsets, dict.fromkeys(offsets, 1))
         # the arguments as given (numpy or JAX): jit places host arrays itself
-        return jitted(params, state, user_tokens, active, replace_audio, seeds)
+        out, state = jitted(params, state, user_tokens, active, replace_audio, seeds)
+        st.OFFSET_BOUNDS.note(bounds, frame_offsets(state))
+        return out, state
 
     return step
 

@@ -22,15 +22,21 @@ into int32 ones only after the values are checked to fit), anything that would r
 refused.
 
 This module is framework-neutral (no torch, no jax): arrays are only asked for `.shape` and
-`.dtype`, and values are passed in as Python ints.
+`.dtype`, and values are passed in as Python ints. So it also holds the rules of a stream that
+both sides apply outside snapshots, the torch side without importing jax: a row index
+(`row_index`), a ring's size (`check_ring_size`) and the guard of `bump_slot_start` (`check_bump`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+import math
+import operator
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from jax_impl.config import StackConfig
 
@@ -61,6 +67,68 @@ def exact_float_cast(src: str, dst: str) -> bool:
 
 def config_fields(config: StackConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
+
+
+def ring_shape(config: StackConfig, batch_size: int) -> tuple[int, ...]:
+    """(L, B, H, C, D) of each ring (k, v) of a `config` stack streaming `batch_size` rows."""
+    c = config
+    return (c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim)
+
+
+def check_ring_size(op: str, config: StackConfig, batch_size: int, dtype) -> None:
+    """ValueError naming `op(batch_size)` where a ring [L, batch_size, H, C, D] of `dtype` (a jax, numpy
+    or torch dtype) is 2**62 bytes or more: no device holds it, XLA ends the process on a shape whose
+    size overflows, torch fails with an error naming no argument. Allocates nothing: a stepper checks
+    before it releases the stream it holds."""
+    ring = ring_shape(config, batch_size)
+    if math.prod(ring) * dtype.itemsize >= 2**62:
+        raise ValueError(f"{op}(batch_size): a ring of {list(ring)} {dtype_name(dtype)} (batch_size {batch_size}) is "
+                         f"more bytes than any device holds (2**62 or more)")
+
+
+def row_index(op: str, b, batch_size: int) -> int:
+    """b as an int after checking it is a row index of a stream of `batch_size` rows: the one rule of
+    every recycle op on both sides (the JAX ops, `Streamer`, the torch stacks, the drop-ins). A row index
+    is a Python or numpy integer, or a 0-d integer array (numpy, jax) or tensor (torch), never a bool;
+    anything else TypeError, a row out of 0..batch_size-1 IndexError, naming `op`. A jax array or a torch
+    tensor is read on the host (a device sync where it lives on one)."""
+    shape = tuple(getattr(b, "shape", ()))
+    try:
+        if isinstance(b, bool) or dtype_name(getattr(b, "dtype", "")) == "bool" or shape:
+            raise TypeError
+        index = operator.index(b)
+    except TypeError:
+        got = f"{type(b).__name__} of {dtype_name(b.dtype)}{list(shape)}" if shape else f"{type(b).__name__} {b!r}"
+        raise TypeError(f"{op}(b): b must be an integer row index (a Python or numpy integer, or a 0-d integer "
+                        f"array or tensor; not a bool), got {got}") from None
+    if not 0 <= index < batch_size:
+        raise IndexError(f"{op}(b): b={index} is out of range for batch_size {batch_size}")
+    return index
+
+
+def check_bump(op: str, b: int, bounds: tuple[int, int], read: Callable[[], tuple[Sequence[int], Sequence[int]]],
+               index: str) -> tuple[int, int]:
+    """The host-side guard of a `bump_slot_start` of row b (`jax_impl.Streamer`'s, the torch stacks'),
+    as `jax_impl.state.check_headroom` is a step's: OverflowError naming `op` and the row, before
+    anything changes, where the bump would take start_offset[b] past the largest `index` position
+    ("int32" or "int64", the offsets' dtype).
+
+    bounds: (offset_bound, start_bound), Python ints such that every row's offset <= offset_bound
+    and its start_offset <= max(offset_bound, start_bound) (start_offset passes offset only by
+    bumps). read() -> (offsets, start_offsets), the rows' values as ints: called only where the
+    bounds cannot rule the overflow out (one device sync). Returns the bounds after the bump.
+    """
+    offset_bound, start_bound = bounds
+    limit = int(np.iinfo(index).max)
+    if max(offset_bound, start_bound) + 1 <= limit:
+        return offset_bound, max(offset_bound, start_bound) + 1
+    offsets, starts = read()
+    start = int(starts[b])
+    if start + 1 > limit:
+        raise OverflowError(f"{op}(b): row {b}'s start_offset is {start}, the largest {index} position: one more "
+                            f"would wrap (refused, nothing changed); reset_rows() the row first"
+                            + (" (or enable jax x64 for int64 offsets)" if index == "int32" else ""))
+    return max(map(int, offsets), default=0), max(max(map(int, starts), default=0), start + 1)
 
 
 def snapshot_metadata(config: StackConfig, dtype: str, batch_size: int) -> dict[str, str]:
@@ -131,8 +199,7 @@ def check_snapshot_layout(config: StackConfig, snapshot, where: str = "restore(s
         if not hasattr(snapshot[key], "shape") or not hasattr(snapshot[key], "dtype"):
             raise TypeError(f"{where}: snapshot[{key!r}] must be an array (torch tensor, jax or numpy "
                             f"array), got {type(snapshot[key]).__name__}")
-    c = config
-    ring = (c.num_layers, B, c.num_heads, c.capacity, c.head_dim)
+    ring = ring_shape(config, B)
     for key, shape in (("k", ring), ("v", ring), ("offset", (B,)), ("start_offset", (B,))):
         got = tuple(snapshot[key].shape)
         if got != shape:
@@ -230,6 +297,6 @@ def write_stream_file(path, arrays: Mapping, metadata: Mapping[str, str], framew
     write_safetensors(path, arrays, framework, metadata, what="stream file")
 
 
-__all__ = ["FORMAT", "KEYS", "SnapshotError", "SnapshotLayout", "check_ring_cast", "check_snapshot_layout",
-           "check_snapshot_values", "dtype_name", "exact_float_cast", "read_stream_file", "snapshot_metadata",
-           "write_stream_file"]
+__all__ = ["FORMAT", "KEYS", "SnapshotError", "SnapshotLayout", "check_bump", "check_ring_cast",
+           "check_ring_size", "check_snapshot_layout", "check_snapshot_values", "dtype_name", "exact_float_cast",
+           "read_stream_file", "ring_shape", "row_index", "snapshot_metadata", "write_stream_file"]

@@ -116,7 +116,11 @@ def make_speech_frame_step(cfg: SpeechFrameConfig, *, kernels: str = "reference"
     [B] (default: every row); seeds int [B] when a temperature is > 0 (the sampler's, as the LM
     frame's). kernels: "reference" or "twin"; codec_rope_freqs / lm_rope_freqs: the torch twin's
     RoPE tables (`SpeechFrame.rope_freqs()`) for the twin bits. Every argument is checked on the
-    host before the call (ValueError naming it), so a refused call leaves the state valid.
+    host before the call (naming it: TypeError for a type or dtype, ValueError for a shape or value),
+    so a refused call leaves the state valid. So is the offsets' room (`state.OffsetBounds`: no device
+    read a step): a step that would take an offset past the index dtype (int32: 2**31 - 1 positions,
+    ~2.7 years of frames for the codec's transformers) raises OverflowError; `jit_speech_reset_slot`
+    the row first.
     """
     if not isinstance(cfg, SpeechFrameConfig):
         raise TypeError(f"cfg must be a SpeechFrameConfig, got {type(cfg).__name__}")
@@ -142,9 +146,23 @@ def make_speech_frame_step(cfg: SpeechFrameConfig, *, kernels: str = "reference"
             seeds = jax.device_put(seeds, where)
         else:
             seeds = None
-        return jitted(params, state, jax.device_put(pcm, where), jax.device_put(active, where), seeds)
+        offsets = speech_offsets(state)
+        T = cfg.codec.downsample_stride
+        advance = {name: T if name.startswith("codec.") else 1 for name in offsets}
+        bounds = st.OFFSET_BOUNDS.check("step(state)", "jit_speech_reset_slot", offsets, advance)
+        out, state = jitted(params, state, jax.device_put(pcm, where), jax.device_put(active, where), seeds)
+        st.OFFSET_BOUNDS.note(bounds, speech_offsets(state))
+        return out, state
 
     return step
+
+
+def speech_offsets(state: SpeechFrameState) -> dict[str, jax.Array]:
+    """The offset arrays [B] a step advances, by name (`speech_state_arrays`'): the codec's transformers'
+    (`codec.codec_offsets`, `downsample_stride` positions a frame each), the LM frame's
+    (`frame.frame_offsets`, 1 a frame each)."""
+    return ({f"codec.{k}": v for k, v in jcodec.codec_offsets(state.codec).items()}
+            | {f"lm.{k}": v for k, v in jframe.frame_offsets(state.lm).items()})
 
 
 # ----------------------------------------------------------------------------- recycling

@@ -15,7 +15,10 @@ positions: at 12.5 Hz frames (temporal, T=1) that is ~5.4 years of continuous st
 Mimi at 25 Hz (T=2 per 12.5 Hz step) ~2.7 years. The pure `step` does not look at values (that
 would need a device->host sync or recompiles); the `Streamer` wrapper keeps a host-side upper
 bound of every row's offset and refuses a step that could overflow, before launching it (a
-Python integer comparison, no sync, no recompilation) -- see `check_headroom`. RoPE angles are
+Python integer comparison, no sync, no recompilation) -- see `check_headroom`. `bump_slot_start`
+takes a row's start_offset one further, past its offset too: the same bound applies (a bump that
+would take start_offset past 2**31 - 1 wraps in the pure function, is refused by the `Streamer`
+and the torch stacks, `snapshot.check_bump`; `check_headroom(state, 1)` covers it). RoPE angles are
 computed in float32 from `offset` exactly as the torch path does, so positions past 2**24
 (~15.5 days at 12.5 Hz) are no longer exact in the angle; that is shared with torch and Moshi.
 
@@ -35,7 +38,9 @@ select); nothing per step.
 
 from __future__ import annotations
 
-import math
+import functools
+import weakref
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -44,6 +49,7 @@ import numpy as np
 from jax import lax
 
 from jax_impl.config import MimiConfig, StackConfig, TemporalConfig, check_batch_size
+from jax_impl.snapshot import check_ring_size, ring_shape, row_index
 
 
 class StreamState(NamedTuple):
@@ -70,8 +76,8 @@ def index_max(dtype=None) -> int:
 
 
 def state_shapes(config: StackConfig, batch_size: int) -> tuple[int, ...]:
-    c = config
-    return (c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim)
+    """(L, B, H, C, D) of each ring (`snapshot.ring_shape`)."""
+    return ring_shape(config, batch_size)
 
 
 def check_stack_config(op: str, config) -> StackConfig:
@@ -106,10 +112,8 @@ def init_state(config: StackConfig, batch_size: int, dtype=jnp.float32, *, devic
     check_stack_config("init_state", config)
     batch_size = check_batch_size("init_state", batch_size)
     dtype = check_state_dtype("init_state", dtype)
+    check_ring_size("init_state", config, batch_size, dtype)
     ring = state_shapes(config, batch_size)
-    if math.prod(ring) * dtype.itemsize >= 2**62:  # XLA ends the process on a shape whose size overflows
-        raise ValueError(f"init_state: a ring of {list(ring)} {dtype} (batch_size {batch_size}) is more bytes than "
-                         f"any device holds (2**62 or more)")
     idx = index_dtype()
 
     def make():
@@ -158,15 +162,11 @@ def _is_concrete(x) -> bool:
 
 
 def row_mask(op: str, state: StreamState, b):
-    """The [B] bool mask of row b, after validating b (a concrete b must be an in-range integer:
-    TypeError / IndexError naming `op`; a traced one a scalar integer)."""
+    """The [B] bool mask of row b, after validating b (a concrete b: `row_index`'s rule, TypeError /
+    IndexError naming `op`; a traced one a scalar integer)."""
     B = state.offset.shape[0]
     if _is_concrete(b):
-        arr = np.asarray(b)
-        if arr.shape != () or not np.issubdtype(arr.dtype, np.integer) or isinstance(b, bool):
-            raise TypeError(f"{op}(b): b must be an integer row index, got {b!r}")
-        if not 0 <= int(arr) < B:
-            raise IndexError(f"{op}(b): b={int(arr)} is out of range for batch_size {B}")
+        b = row_index(op, b, B)  # a Python int: a torch tensor b compares with no jax array
     else:
         if b.shape != () or not jnp.issubdtype(b.dtype, jnp.integer):
             raise TypeError(f"{op}(b): b must be a scalar integer, got {b.dtype}{list(b.shape)}")
@@ -226,9 +226,8 @@ def reset_slot(state: StreamState, b) -> StreamState:
 
 
 def check_row(op: str, state: StreamState, b) -> int:
-    """A concrete row index b, validated (TypeError / IndexError naming `op`)."""
-    row_mask(op, state, b)
-    return int(np.asarray(b))
+    """A concrete row index b of `state` as an int, validated (`row_index`: TypeError / IndexError naming `op`)."""
+    return row_index(op, b, state.offset.shape[0])
 
 
 def bump_slot_start(state: StreamState, b) -> StreamState:
@@ -238,6 +237,10 @@ def bump_slot_start(state: StreamState, b) -> StreamState:
     takes start_offset past offset, which hides the row's next write (the "sacrifice tick"
     that masks the one spurious frame following a recycle, as PersonaPlex's stepper does).
     A query that sees no slot gets a zero attention output, as torch's SDPA returns.
+
+    Like the pure step, it does not look at values: a start_offset at the index dtype's maximum
+    wraps. The caller checks the headroom, as for a step: `check_headroom(state, 1)` (one sync), or
+    a host bound as the `Streamer` keeps (`snapshot.check_bump`), which refuses such a bump.
     """
     row = row_mask("bump_slot_start", state, b)
     return state._replace(start_offset=jnp.where(row, state.start_offset + 1, state.start_offset))
@@ -263,16 +266,19 @@ def reset_streaming(state: StreamState) -> StreamState:
 
 
 def check_headroom(state_or_bound, T: int, dtype=None) -> None:
-    """Raise OverflowError if a step of T positions could take an offset past the index dtype.
+    """Raise OverflowError if a step of T positions could take an offset past the index dtype, or
+    T `bump_slot_start`s a start_offset (the pure functions leave this check to their caller).
 
-    state_or_bound: a `StreamState` (its offsets are read on the host: one device sync, fine
-    for an occasional check; dtype defaults to its offsets' dtype), or a host-side int upper
-    bound of every row's offset (what the `Streamer` keeps: no sync). T: positions of the next
-    step (an int >= 0). dtype: the offsets' dtype (default `index_dtype()`).
+    state_or_bound: a `StreamState` (its offsets and start_offsets are read on the host: one
+    device sync, fine for an occasional check; dtype defaults to its offsets' dtype; a donated
+    state is refused, `check_live`), or a host-side int upper bound of every row's offset (what
+    the `Streamer` keeps: no sync). T: positions of the next step, or bumps (an int >= 0).
+    dtype: the offsets' dtype (default `index_dtype()`).
     """
     if isinstance(state_or_bound, StreamState):
+        check_live("check_headroom(state_or_bound)", state_or_bound)
         dtype = state_or_bound.offset.dtype if dtype is None else dtype
-        offsets = np.asarray(state_or_bound.offset)
+        offsets = np.concatenate([np.asarray(state_or_bound.offset), np.asarray(state_or_bound.start_offset)])
         offset_bound = int(offsets.max()) if offsets.size else 0
     elif isinstance(state_or_bound, (int, np.integer)) and not isinstance(state_or_bound, bool):
         offset_bound = int(state_or_bound)
@@ -287,3 +293,57 @@ def check_headroom(state_or_bound, T: int, dtype=None) -> None:
             f"step: offsets could reach {offset_bound + T} > {limit}, the largest "
             f"{np.dtype(dtype or index_dtype()).name} position; reset_rows() the long-running rows "
             f"(or enable jax x64 for int64 offsets) before stepping further")
+
+
+class OffsetBounds:
+    """Host-side upper bounds of the offset arrays [B] the jitted steps returned (the LM frame's, the
+    codec's, the speech frame's), so that a step refuses, before anything runs or is donated, one that
+    would take an offset past its dtype's largest value (`state.index_max`: int32's 2**31 - 1 unless
+    jax's x64 mode is on; a wrapped offset would go on silently at -2**31) without reading the device
+    each step, as `step.Streamer`'s `offset_bound` does for a stack.
+
+    A returned array's bound is its input's plus the positions the step advances it (whatever
+    `active` says). Cost: a dict lookup an array a step; an array no step returned (a fresh state, a
+    recycled one, one made by hand) is read on the host once, one device sync, and so is one whose
+    bound says it could overflow (its rows left inactive stayed below the bound). Traced offsets
+    (the step called inside the caller's own jit) are not checked. Entries go with their arrays
+    (weak references): nothing is kept alive."""
+
+    def __init__(self):
+        self._known: dict[int, tuple[weakref.ref, int]] = {}
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        if self._known.get(key, (None,))[0] is ref:
+            del self._known[key]
+
+    def check(self, where: str, recycle: str, offsets: Mapping[str, jax.Array],
+              advance: Mapping[str, int]) -> dict[str, int] | None:
+        """The arrays' bounds after a step that advances each of `offsets` (name -> int [B]) by
+        advance[name] positions (None when traced). OverflowError headed by `where`, naming the array,
+        the row and `recycle` (what puts a row's positions back to 0), if the step could take an offset
+        past its dtype; nothing is changed then."""
+        if any(isinstance(a, jax.core.Tracer) for a in offsets.values()):
+            return None
+        bounds = {}
+        for name, a in offsets.items():
+            entry, T, limit = self._known.get(id(a)), advance[name], index_max(a.dtype)
+            bound = entry[1] if entry is not None and entry[0]() is a else None
+            if bound is None or bound + T > limit:
+                host = np.asarray(a)
+                bound = int(host.max())
+                if bound + T > limit:
+                    raise OverflowError(
+                        f"{where}: {name}[{int(host.argmax())}] is {bound}: {T} more position(s) would pass "
+                        f"{limit}, the largest {np.dtype(a.dtype).name} offset; recycle the row first ({recycle}: "
+                        f"its positions back to 0), or enable jax x64 for int64 offsets")
+            bounds[name] = bound + T
+        return bounds
+
+    def note(self, bounds: Mapping[str, int] | None, offsets: Mapping[str, jax.Array]) -> None:
+        """Remember `bounds` (`check`'s; None: nothing) as those of a step's returned `offsets` (by name)."""
+        for name, bound in (bounds or {}).items():
+            key = id(offsets[name])
+            self._known[key] = (weakref.ref(offsets[name], functools.partial(self._forget, key)), bound)
+
+
+OFFSET_BOUNDS = OffsetBounds()  # one table for every step: a speech frame's state holds a codec's and a frame's

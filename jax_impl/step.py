@@ -28,7 +28,7 @@ from .kernel_choice import JAX_KERNELS, check_head_dim, check_kernels
 from .lora import split_lora
 from .model import check_loop_options, stack_module
 from .ops import pick_kernels
-from .snapshot import check_restore_batch, check_snapshot_layout, exact_float_cast
+from .snapshot import check_bump, check_restore_batch, check_snapshot_layout, exact_float_cast
 from .state import StreamState
 from .stream_io import read_stream, state_from_snapshot, state_snapshot, write_stream
 from .weights import check_params
@@ -81,11 +81,14 @@ def check_x_dtype(x, dtype) -> None:
 
 def check_host_args(state, x, active=None) -> None:
     """A step's x and active on the host, before a jitted call: JAX or numpy arrays (jit would fail
-    to read a torch tensor with an error of its own) and x's dtype (`check_x_dtype`: jit would narrow
-    a numpy float64 x to float32, `HostCheckedStep`). A state the step cannot take passes, for the
-    step's own checks to name."""
+    to read a torch tensor with an error of its own), x's dtype (`check_x_dtype`: jit would narrow
+    a numpy float64 x to float32, `HostCheckedStep`) and active's (`check_row_flags` on the argument
+    as given: jit would take a list, and narrow an int64 mask to int32 before the step's own check).
+    A state the step cannot take passes, for the step's own checks to name."""
     st.check_array("step(x)", x)
-    if active is not None:
+    if active is not None and isinstance(state, StreamState):
+        st.check_row_flags("step", "active", active, state.batch_size)
+    elif active is not None:
         st.check_array("step(active)", active)
     dtype = getattr(getattr(state, "k", None), "dtype", None)
     if dtype is not None:
@@ -182,8 +185,8 @@ _jit_reset_rows = jax.jit(st.reset_rows, donate_argnums=(0,))
 _jit_reset_streaming = jax.jit(st.reset_streaming, donate_argnums=(0,))
 
 
-def _check_recycle_args(op: str, state, b=None, mask=None) -> None:
-    """Host-side checks of a jitted recycle op's arguments, before the donated call.
+def _check_recycle_args(op: str, state, mask=None) -> None:
+    """Host-side checks of a jitted recycle op's arguments, before the donated call (b: `_row_arg`).
 
     Inside `jax.jit` a Python int b is traced, so the op itself could not refuse an out-of-range
     row (it would match no row: a silent no-op), and a refusal raised while tracing comes after
@@ -195,27 +198,34 @@ def _check_recycle_args(op: str, state, b=None, mask=None) -> None:
     if not isinstance(state, StreamState):
         raise TypeError(f"{op}(state): expected a jax_impl.StreamState, got {type(state).__name__}")
     st.check_live(f"{op}(state)", state)
-    if b is not None and st._is_concrete(b):
-        st.check_row(op, state, b)  # a concrete b: an in-range integer (reads a jax scalar on the host)
     if mask is not None:
         st.check_mask(op, state, mask)  # dtype and shape: static, also for a traced mask
+
+
+def _row_arg(op: str, state: StreamState, b):
+    """The b to pass a jitted recycle op: a concrete b checked (`snapshot.row_index`, after the state's
+    own checks) and passed as a numpy int32 (a torch tensor is no jit argument, a jax scalar is read
+    once); a traced b as it is."""
+    _check_recycle_args(op, state)
+    return np.int32(st.check_row(op, state, b)) if st._is_concrete(b) else b
 
 
 def jit_reset_slot(state: StreamState, b) -> StreamState:
     """`reset_slot` jitted once for every row (b traced), state donated: keep only the result.
 
-    b: an int row index (Python int, numpy or jax integer scalar); a concrete b is checked on
-    the host first (refused: IndexError / TypeError, state untouched).
+    b: a row index (`snapshot.row_index`'s rule: a Python or numpy integer, a 0-d integer array or
+    tensor) or a traced integer scalar; a concrete b is checked on the host first (refused:
+    IndexError / TypeError, state untouched).
     """
-    _check_recycle_args("reset_slot", state, b=b)
-    return _jit_reset_slot(state, b)
+    return _jit_reset_slot(state, _row_arg("reset_slot", state, b))
 
 
 def jit_bump_slot_start(state: StreamState, b) -> StreamState:
     """`bump_slot_start` (start_offset[b] += 1, never saturated) jitted, state donated; b as in
-    `jit_reset_slot`."""
-    _check_recycle_args("bump_slot_start", state, b=b)
-    return _jit_bump_slot_start(state, b)
+    `jit_reset_slot`. As the jitted step, it reads no values: a start_offset at the index dtype's
+    maximum would wrap, so the caller checks the headroom first (`check_headroom(state, 1)`; the
+    `Streamer` keeps a host bound and refuses such a bump)."""
+    return _jit_bump_slot_start(state, _row_arg("bump_slot_start", state, b))
 
 
 def jit_reset_streaming(state: StreamState) -> StreamState:
@@ -234,6 +244,23 @@ def jit_reset_rows(state: StreamState, mask) -> StreamState:
 KEEP = object()  # Streamer.convert: keep the step's rope_freqs
 
 
+def _check_one_device(where: str, device) -> None:
+    """ValueError naming `where` for a placement (`init_state`'s device: a Device, a Sharding, a StreamState
+    of Shardings) spanning several devices: `Streamer`'s step and recycle ops leave a split state to
+    XLA, which gathers it across the devices (the whole ring in every `reset_slot`); the sessions step
+    runs each device on its own rows. Anything else passes, for `init_state` to name."""
+    shardings = device if isinstance(device, StreamState) else [device]
+    devices = set()
+    for sharding in shardings:
+        if isinstance(sharding, jax.sharding.Sharding):
+            devices |= sharding.device_set
+    if len(devices) > 1:
+        raise ValueError(f"{where}: the state would span {len(devices)} devices; a Streamer steps a state on one "
+                         f"device (its step and recycle ops would gather a split one whole across them): use "
+                         f"jax_impl.sharding.ShardedStreamer(config, params, batch_size, mesh=...) for a stream "
+                         f"split by row")
+
+
 class Streamer:
     """Stateful convenience around the pure functions: params + state + host-side overflow guard.
 
@@ -241,10 +268,14 @@ class Streamer:
     (+T per step whatever `active` says, back to 0 when every row is reset). A step that could
     take it past the index dtype's maximum reads the offsets once (rows reset since may have
     lowered them) and raises OverflowError before launching anything if it still could:
-    otherwise no device sync, no extra work or recompilation in the jitted step.
+    otherwise no device sync, no extra work or recompilation in the jitted step. `bump_slot_start`
+    is guarded the same way (`snapshot.check_bump`), with `start_bound`: every row's start_offset is
+    at most max(offset_bound, start_bound).
 
-    device: where the state is made (`init_state`'s: a Device, a Sharding or a StreamState of them;
-    default: JAX's default device), in place, never copied there from the default device.
+    device: where the state is made (`init_state`'s: a Device, or a Sharding or a StreamState of
+    them on one device; default: JAX's default device), in place, never copied there from the
+    default device. A state split over several devices is `sharding.ShardedStreamer`'s: this
+    step and these recycle ops would gather it whole (ValueError).
     """
 
     def __init__(self, config: StackConfig, params, batch_size: int, dtype=jnp.float32, *,
@@ -255,9 +286,11 @@ class Streamer:
         check_head_dim("Streamer(kernels)", config, kernels)
         batch_size = st.check_batch_size("Streamer", batch_size)
         check_params(config, params, dtype=jnp.dtype(dtype), argname="Streamer(params)", adapters=True)
+        if self._ops is Streamer._ops:  # a subclass with recycle ops of its own layout places its state
+            _check_one_device("Streamer(device)", device)
         self.params = params
         self.state = st.init_state(config, batch_size, dtype, device=device)  # made where it lives
-        self.offset_bound = 0
+        self.offset_bound = self.start_bound = 0
         if kernels == "auto" and next(iter(self.state.k.devices())).platform != "gpu":
             kernels = "reference"  # the state is on the CPU (even on a GPU host): no compiled Pallas there
         self._step_options = {"layer_loop": layer_loop, "exact_rope": exact_rope, "rope_freqs": rope_freqs,
@@ -275,9 +308,7 @@ class Streamer:
         except OverflowError:  # the bound outlives rows reset since (reset_rows of some): read the offsets once
             self.offset_bound = int(np.max(np.asarray(self.state.offset)))
             st.check_headroom(self.offset_bound, T, self.state.offset.dtype)
-        if active is not None and not isinstance(active, jax.Array):
-            active = jnp.asarray(active)
-        outputs, self.state = self._step(self.params, self.state, x, active)
+        outputs, self.state = self._step(self.params, self.state, x, active)  # x, active checked as given
         self.offset_bound += T
         return outputs
 
@@ -290,18 +321,28 @@ class Streamer:
         self.state = self._ops["reset_slot"](self.state, np.int32(b))  # a host scalar: no device read
 
     def bump_slot_start(self, b: int) -> None:
+        """start_offset[b] += 1 (`state.bump_slot_start`); OverflowError naming the row, nothing
+        changed, where that would pass the index dtype's maximum (`snapshot.check_bump`: no device read
+        unless the host bounds come near it)."""
         b = st.check_row("bump_slot_start", self.state, b)
+        st.check_live("bump_slot_start(state)", self.state)
+        bounds = check_bump("bump_slot_start", b, (self.offset_bound, self.start_bound), self._read_offsets,
+                            self.state.start_offset.dtype.name)
         self.state = self._ops["bump_slot_start"](self.state, np.int32(b))
+        self.offset_bound, self.start_bound = bounds
+
+    def _read_offsets(self) -> tuple[list[int], list[int]]:
+        """(offsets, start_offsets) of the state as ints: one host read."""
+        return np.asarray(self.state.offset).tolist(), np.asarray(self.state.start_offset).tolist()
 
     def reset_rows(self, mask) -> None:
-        mask_np = np.asarray(mask)
-        self.state = self._ops["reset_rows"](self.state, jnp.asarray(mask))
-        if mask_np.dtype == bool and mask_np.all():
-            self.offset_bound = 0
+        self.state = self._ops["reset_rows"](self.state, mask)  # mask checked as given
+        if np.asarray(mask).all():
+            self.offset_bound = self.start_bound = 0
 
     def reset_streaming(self) -> None:
         self.state = self._ops["reset_streaming"](self.state)
-        self.offset_bound = 0
+        self.offset_bound = self.start_bound = 0
 
     # ------------------------------------------------------------------ snapshots, conversion
     def snapshot(self) -> dict:
@@ -315,8 +356,8 @@ class Streamer:
         Replaces the state with validated copies on this state's device: a snapshot of this
         Streamer's batch size, or of any with `resize=True` (its batch size then replaces this
         one); rings widen exactly to this Streamer's dtype, a narrowing is refused; on a refusal
-        nothing changes. `offset_bound` becomes the restored offsets' maximum (one host read), so
-        the overflow guard holds for the restored stream too.
+        nothing changes. `offset_bound` and `start_bound` become the restored offsets' and
+        start_offsets' maxima (one host read), so the overflow guard holds for the restored stream too.
         """
         self._restore(snapshot, resize, "restore(snapshot)")
 
@@ -325,8 +366,14 @@ class Streamer:
         layout = check_snapshot_layout(self.config, snapshot, where)
         check_restore_batch(layout.batch_size, self.batch_size, resize, where)
         device = next(iter(self.state.k.devices()))
-        state = state_from_snapshot(self.config, snapshot, self.state.k.dtype, device, where)
-        self.state, self.offset_bound = state, int(np.max(np.asarray(state.offset)))
+        self._take_restored(state_from_snapshot(self.config, snapshot, self.state.k.dtype, device, where))
+
+    def _take_restored(self, state: StreamState) -> None:
+        """Go on with `state` (a restored stream): the guard's bounds become its offsets' and
+        start_offsets' maxima (one host read)."""
+        self.state = state
+        offsets, starts = self._read_offsets()
+        self.offset_bound, self.start_bound = max(offsets), max(starts)
 
     def save_stream(self, path) -> None:
         """Write the stream to a safetensors file (`restore`s on either side through `load_stream`)."""
@@ -355,11 +402,12 @@ class Streamer:
         """Go on with `params` of another dtype and/or on another device (the drop-ins' `.to()`).
 
         params: this config's variables, all of one dtype. The state moves to `device` (None: the
-        params' device) and its rings are cast to the params' dtype, an exact widening only
-        (bf16/f16 -> f32): a cast that would round the ring raises TypeError. Offsets and
-        `offset_bound` are kept. rope_freqs: a new table for the step (default: keep the one in
-        use). Checked first: on a refusal nothing changes.
+        params' device; a Device, or a Sharding on one device: as `Streamer(device)`) and its rings
+        are cast to the params' dtype, an exact widening only (bf16/f16 -> f32): a cast that would
+        round the ring raises TypeError. Offsets and the guard's bounds are kept. rope_freqs: a new
+        table for the step (default: keep the one in use). Checked first: on a refusal nothing changes.
         """
+        _check_one_device("convert(device)", device)
         dtype, options = self._convert_plan(params, rope_freqs)
         step = make_step(self.config, **options)
         leaf = jax.tree_util.tree_leaves(params)[0]

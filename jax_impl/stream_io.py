@@ -26,12 +26,15 @@ from .snapshot import (
     snapshot_metadata,
     write_stream_file,
 )
-from .state import StreamState, index_dtype, index_max
+from .state import StreamState, check_live, index_dtype, index_max
 
 
 def _check_state(where: str, state) -> StreamState:
+    """state after checking it is a `StreamState` (TypeError) whose arrays no call took by donation
+    (`check_live`: ValueError), both naming `where`."""
     if not isinstance(state, StreamState):
         raise TypeError(f"{where}: expected a jax_impl.StreamState, got {type(state).__name__}")
+    check_live(where, state)
     return state
 
 
@@ -46,9 +49,18 @@ def state_snapshot(config: StackConfig, state: StreamState) -> dict:
     return {**arrays, "metadata": snapshot_metadata(config, jnp.dtype(state.k.dtype).name, state.batch_size)}
 
 
+def _detached(x):
+    """x, or its values where it is a torch tensor recording autograd (a snapshot taken after a
+    differentiable torch step): neither numpy nor DLPack reads such a tensor; torch's own restore
+    takes it, so this side does too. Duck-typed: no torch import."""
+    if isinstance(x, (jax.Array, np.ndarray)) or not callable(getattr(x, "detach", None)):
+        return x
+    return x.detach()
+
+
 def _host_ints(where: str, key: str, x) -> np.ndarray:
     try:
-        return np.asarray(x)
+        return np.asarray(_detached(x))
     except (TypeError, ValueError, RuntimeError) as err:
         raise TypeError(f"{where}: snapshot[{key!r}] ({type(x).__name__}) cannot be read on the host: {err}; "
                         f"pass a jax or numpy array") from None
@@ -58,7 +70,7 @@ def _ring_array(where: str, key: str, x) -> jax.Array | np.ndarray:
     if isinstance(x, (jax.Array, np.ndarray)):
         return x
     try:
-        return jnp.from_dlpack(x)  # e.g. a torch tensor, read in place (copied below)
+        return jnp.from_dlpack(_detached(x))  # e.g. a torch tensor, read in place (copied below)
     except (TypeError, ValueError, RuntimeError, BufferError, AttributeError) as err:
         raise TypeError(f"{where}: snapshot[{key!r}] ({type(x).__name__}) cannot be read as a jax array: "
                         f"{err}; pass a jax or numpy array") from None
@@ -66,7 +78,8 @@ def _ring_array(where: str, key: str, x) -> jax.Array | np.ndarray:
 
 def state_from_snapshot(config: StackConfig, snapshot, dtype=None, device=None,
                         where: str = "restore(snapshot)") -> StreamState:
-    """A `StreamState` of fresh arrays from a snapshot (jax / numpy arrays, or torch CPU tensors).
+    """A `StreamState` of fresh arrays from a snapshot (jax / numpy arrays, or torch CPU tensors,
+    also ones recording autograd: their values).
 
     dtype: the rings' dtype wanted (None: the snapshot's); the snapshot's k, v are cast to it
     only when that is exact (bf16/f16 -> f32, ...), else TypeError. Offsets are read on the host

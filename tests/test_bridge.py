@@ -262,3 +262,20 @@ def test_drop_in_streaming_init_allocates_no_torch_ring(cls, monkeypatch):
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         module.streaming_init(0)
     assert module.jax_state.k.shape[1] == 3  # the refused call left the stream as it was
+
+
+def test_drop_in_refuses_an_impossible_batch_size_with_its_stream_kept():
+    """The drop-in released its JAX stream before init_state refused the batch size (the error was
+    clear, the stream gone). Refused first now, naming batch_size; the stream goes on as it was."""
+    model = JaxMimiTransformer(num_layers=2, dim=32, num_heads=4, context=10, ffn=64)
+    model.streaming_init(2)
+    model.step(torch.randn(2, 2, 32))
+    before = {k: v.clone() for k, v in model.snapshot().items() if k != "metadata"}
+    with pytest.raises(ValueError, match=r"^JaxMimiTransformer\.streaming_init\(batch_size\): a ring of "
+                                         r"\[2, 1152921504606846976, 4, \d+, 8\] float32 \(batch_size "
+                                         r"1152921504606846976\) is more bytes than any device holds"):
+        model.streaming_init(2**60)
+    after = model.snapshot()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    model.step(torch.randn(2, 2, 32))
+    assert model.state.offset.tolist() == [4, 4]

@@ -126,6 +126,36 @@ def test_bad_inputs_are_refused_and_the_state_stays_valid():
             fn(*args)
 
 
+@pytest.mark.parametrize("side", ["encode", "decode"])
+def test_a_frame_past_the_offsets_dtype_is_refused(side):
+    """A frame from one below the index dtype's largest offset (downsample_stride positions a frame)
+    steps to it; the next raises OverflowError naming the transformer's offset, its row and
+    jit_codec_reset_slot, before the donated call: every state array bit-equal, nothing donated. The
+    other step, which does not move that offset, still steps; so does the recycled row."""
+    from jax_impl.state import index_max
+
+    cfg = jx.CODEC_PRESETS["mimi-tiny"]
+    params = MimiCodec.from_config(cfg).jax_params()
+    steps = dict(zip(("encode", "decode"), make_codec_step(cfg), strict=True))
+    inputs = {"encode": jnp.asarray(frames(cfg, 1)[0].numpy()), "decode": jnp.zeros((B, cfg.num_codebooks), jnp.int32)}
+    other = "decode" if side == "encode" else "encode"
+    T, top, ring = cfg.downsample_stride, index_max(), f"{side}r_transformer"
+    state = init_codec_state(cfg, B)
+    near = [jnp.array([0, top - T, 5], getattr(state, ring).offset.dtype) for _ in range(2)]
+    state = state._replace(**{ring: getattr(state, ring)._replace(offset=near[0], start_offset=near[1])})
+    _, state = steps[side](params, state, inputs[side])
+    assert np.asarray(getattr(state, ring).offset).tolist() == [T, top, 5 + T]
+    before = [np.array(a) for a in jax.tree.leaves(state)]
+    with pytest.raises(OverflowError, match=rf"{side}\(state\): {ring}.offset\[1\] is {top}: {T} more .* would "
+                                            rf"pass {top}.*jit_codec_reset_slot"):
+        steps[side](params, state, inputs[side])
+    assert not any(a.is_deleted() for a in jax.tree.leaves(state))
+    assert all(np.array_equal(a, b) for a, b in zip(before, jax.tree.leaves(state), strict=True))
+    _, state = steps[other](params, state, inputs[other])
+    _, state = steps[side](params, jit_codec_reset_slot(state, 1), inputs[side])
+    assert np.asarray(getattr(state, ring).offset).tolist() == [2 * T, T, 5 + 2 * T]
+
+
 def test_steps_compile_once_whatever_the_inputs_placement():
     """Host, uncommitted and committed inputs, a fresh or recycled state: after the first frame no step
     is lowered again (a step's outputs are committed; an uncommitted first state or input would

@@ -166,7 +166,7 @@ def bad_calls(cfg):
         ("decode_frame", (codes.float(),), TypeError, "int32 or int64"),
         ("decode_frame", (codes[:, :-1],), ValueError, "num_codebooks"),
         ("reset_slot", (2,), IndexError, "out of range"),
-        ("reset_slot", (True,), TypeError, "int row index"),
+        ("reset_slot", (True,), TypeError, "row index"),
     ]
 
 
@@ -184,6 +184,37 @@ def test_bad_inputs_are_refused_and_change_nothing():
             getattr(codec, method)(*args)
         after = state_of(codec)
         assert all(torch.equal(before[k], after[k]) for k in before), (method, match)
+
+
+@pytest.mark.parametrize("side", ["encode", "decode"])
+def test_a_frame_past_the_offsets_dtype_is_refused(side):
+    """As the JAX codec's steps (tests/test_codec_jax.py), whose index dtype bounds the offsets here too
+    (int64 alone would go on): a frame from one below the largest offset steps to it, the next raises
+    OverflowError naming the transformer's offset, its row and reset_slot, nothing changed; the other
+    step, which does not move that offset, still steps; so does the recycled row."""
+    from jax_impl.state import index_max
+
+    cfg = jx.CODEC_PRESETS["mimi-tiny"]
+    codec = MimiCodec.from_config(cfg)
+    codec.streaming_init(3)
+    T, top, name = cfg.downsample_stride, index_max(), f"{side}r_transformer"
+    ring = getattr(codec, name).state
+    for t in (ring.offset, ring.start_offset):
+        t.copy_(torch.tensor([0, top - T, 5]))
+    pcm, codes = pcm_frames(cfg, 1, 3)[0], torch.zeros(3, cfg.num_codebooks, dtype=torch.int64)
+    calls = {"encode": lambda: codec.encode_frame(pcm), "decode": lambda: codec.decode_frame(codes)}
+    calls[side]()
+    assert ring.offset.tolist() == [T, top, 5 + T]
+    before = state_of(codec)
+    with pytest.raises(OverflowError, match=rf"{side}_frame: {name}.offset\[1\] is {top}: {T} more .* would "
+                                            rf"pass {top}.*reset_slot"):
+        calls[side]()
+    after = state_of(codec)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    calls["decode" if side == "encode" else "encode"]()
+    codec.reset_slot(1)
+    calls[side]()
+    assert ring.offset.tolist() == [2 * T, T, 5 + 2 * T]
 
 
 @pytest.fixture(scope="module")

@@ -239,6 +239,57 @@ def test_bad_input_is_refused_and_changes_nothing():
             call()
 
 
+def test_a_frame_past_the_offsets_dtype_is_refused_on_both_sides():
+    """A frame from one below the index dtype's largest offset steps (to it); the next, from the
+    returned state or a state made by hand (frame_offset), raises OverflowError naming the offset, its
+    row and the recycling op, before anything runs: every state array bit-equal, nothing donated (the
+    recycled row then steps). The torch frame refuses the same frame, its int64 offsets notwithstanding."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_impl import frame as jf
+    from jax_impl.state import index_dtype, index_max
+    from torch_bridge.frame import jax_frame_params
+
+    cfg, top, idx = FRAME_PRESETS["moshi-small"], index_max(), np.dtype(index_dtype()).name
+    frame = random_frame(cfg)
+    params = jax_frame_params(frame)
+    step = jf.make_frame_step(cfg, rope_freqs=frame.temporal.rope_freqs())
+    user = np.zeros((2, cfg.user_codebooks), np.int32)
+    state = jf.init_frame_state(cfg, 2)
+    near = [jnp.array([3, top - 1], state.temporal.offset.dtype) for _ in range(2)]  # two buffers: both donated
+    _, state = step(params, state._replace(temporal=state.temporal._replace(offset=near[0], start_offset=near[1])),
+                    user)
+    assert np.asarray(state.temporal.offset).tolist() == [4, top]
+    by_hand = jf.init_frame_state(cfg, 2)
+    by_hand = by_hand._replace(frame_offset=jnp.array([top, 0], by_hand.frame_offset.dtype))
+    for bad, name in ((state, r"temporal.offset\[1\]"), (by_hand, r"frame_offset\[0\]")):
+        before = [np.array(a) for a in jax.tree.leaves(bad)]
+        with pytest.raises(OverflowError, match=rf"step\(state\): {name} is {top}: 1 more .* would pass {top}, "
+                                                rf"the largest {idx} offset; .*jit_reset_rows"):
+            step(params, bad, user)
+        assert not any(a.is_deleted() for a in jax.tree.leaves(bad))
+        assert all(np.array_equal(a, b) for a, b in zip(before, jax.tree.leaves(bad), strict=True))
+    _, state = step(params, jf.jit_reset_rows(state, np.array([False, True])), user)
+    assert np.asarray(state.temporal.offset).tolist() == [5, 1]
+
+    frame.streaming_init(2)
+    for t in (frame.temporal.state.offset, frame.temporal.state.start_offset):
+        t.copy_(torch.tensor([3, top - 1]))
+    frame.step(torch.from_numpy(user))
+    assert frame.temporal.state.offset.tolist() == [4, top]
+    ring = frame.temporal.state
+    tensors = (frame.token_cache, frame.frame_offset, ring.k, ring.v, ring.offset, ring.start_offset)
+    before = [t.clone() for t in tensors]
+    with pytest.raises(OverflowError, match=rf"step: temporal.offset\[1\] is {top}: 1 more .* would pass {top}, "
+                                            rf"the largest {idx} offset.*reset_rows"):
+        frame.step(torch.from_numpy(user))
+    assert all(torch.equal(a, b) for a, b in zip(before, tensors, strict=True))
+    frame.reset_rows(torch.tensor([False, True]))
+    frame.step(torch.from_numpy(user))
+    assert frame.temporal.state.offset.tolist() == [5, 1]
+
+
 def test_crosscheck_depformer_and_frame(capsys):
     """`crosscheck --stack depformer|frame --kernels reference`: tokens and integer state identical,
     floats close; the CLI runs it and refuses the flags it does not take."""

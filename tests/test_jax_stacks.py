@@ -433,9 +433,38 @@ def test_a_ring_no_device_holds_is_refused_before_xla_sees_its_shape():
     """A shape whose size overflows ended the process inside XLA (absl: overflow in static extent
     product); every field within int32, the product is checked first."""
     config = with_options(TCFG, context=2**31 - 1, num_layers=2**20)
-    with pytest.raises(ValueError, match=r"init_state: a ring of \[1048576, 1048576, 4, 2147483647, 16\] float32 "
+    with pytest.raises(ValueError, match=r"init_state\(batch_size\): a ring of \[1048576, 1048576, 4, 2147483647, 16\] float32 "
                                          r"\(batch_size 1048576\) is more bytes than any device holds"):
         jx.init_state(config, 2**20)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 JAX devices: run with "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=2 (bash run.sh test sets it)")
+def test_streamer_refuses_a_state_over_several_devices(tparams):
+    """jx.Streamer took a state split over devices and stepped and recycled it with XLA gathering the
+    whole ring across them; it is ShardedStreamer's (the sessions step and recycle ops), which still
+    takes it. Streamer itself keeps a state on one device, where convert() can move it too."""
+    from jax_impl import sharding as sh
+
+    mesh = sh.session_mesh()
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+    for device in (sh.session_shardings(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())):
+        with pytest.raises(ValueError, match=r"^Streamer\(device\): the state would span 2 devices; .*use "
+                                             r"jax_impl\.sharding\.ShardedStreamer"):
+            jx.Streamer(TCFG, tparams, 2, device=device)
+    s = jx.Streamer(TCFG, tparams, 2, device=jx.StreamState(*[one] * 4))
+    x = np.ones((2, 1, TCFG.dim), np.float32)
+    s.step(x)
+    before = jax.tree.map(np.array, s.state)
+    with pytest.raises(ValueError, match=r"^convert\(device\): the state would span 2 devices"):
+        s.convert(tparams, device=sh.session_shardings(mesh).k)
+    assert s.state.k.devices() == {jax.devices()[1]}
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), s.state, before)))
+    sharded = sh.ShardedStreamer(TCFG, tparams, 2, mesh=mesh)
+    sharded.step(x)
+    sharded.reset_slot(1)
+    assert len(sharded.state.k.sharding.device_set) == 2
+    assert np.asarray(sharded.state.start_offset).tolist() == [0, 1]
 
 
 def _state_makers():

@@ -143,3 +143,51 @@ def test_checkpoint_and_stacked_weights_agree(stack):
         tm2.load_weights(back, prefix)
         for name, w in tm.weights().items():
             assert torch.equal(w, tm2.weights()[name]), name
+
+
+
+def _same(a, b) -> bool:
+    """a, b (torch tensors, jax or numpy arrays) hold the same bits (floats, bf16 included) or the same
+    integers (offsets: int64 on torch, int32 on JAX)."""
+    def host(x):
+        if isinstance(x, torch.Tensor):
+            x = x.detach()
+            x = x.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else x.numpy()
+        x = np.asarray(x)
+        return x if x.dtype.kind in "iu" else x.view(f"u{x.dtype.itemsize}")
+    a, b = host(a), host(b)
+    return a.dtype.kind == b.dtype.kind and np.array_equal(a, b)
+
+
+def test_snapshots_one_side_takes_the_other_takes(tmp_path):
+    """A torch stack refused a bf16 snapshot as numpy arrays (`jx.read_stream`'s dict, np.asarray of a
+    bf16 Streamer.snapshot(): DLPack has no bf16 numpy dtype) and Streamer.restore a torch snapshot
+    taken after a differentiable step (its ring records autograd); the drop-in took both. Both sides
+    take them now, bit for bit."""
+    cfg = PRESETS["temporal-small"]
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), jx.init_params(cfg, jax.random.key(0)))
+    streamer = jx.Streamer(cfg, params, 2, jnp.bfloat16)
+    for _ in range(3):
+        streamer.step(rng.standard_normal((2, 1, cfg.dim)).astype(jnp.bfloat16))
+    streamer.save_stream(tmp_path / "s.safetensors")
+    snap = streamer.snapshot()
+    as_numpy = {k: v if k == "metadata" else np.asarray(v) for k, v in snap.items()}
+    for given in (jx.read_stream(tmp_path / "s.safetensors"), as_numpy):
+        assert isinstance(given["k"], np.ndarray) and given["k"].dtype.name == "bfloat16"
+        stack = TemporalStreaming.from_config(cfg, dtype=torch.bfloat16)
+        stack.restore(given)
+        for key in ("k", "v", "offset", "start_offset"):
+            assert _same(getattr(stack.state, key), snap[key]), key
+    assert np.asarray(snap["k"]).any() and np.asarray(snap["offset"]).tolist() == [3, 3]
+    stack = TemporalStreaming.from_config(cfg)
+    stack.init_weights(generator=torch.Generator().manual_seed(0))
+    stack.streaming_init(2)
+    stack.step(torch.randn(2, 1, cfg.dim, requires_grad=True))
+    graph = stack.snapshot()
+    assert graph["k"].requires_grad
+    back = jx.Streamer(cfg, jx.params_from_stacked(cfg, {k: v.detach() for k, v in stack.weights().items()}), 2)
+    back.restore(graph)
+    got = back.snapshot()
+    for key in ("k", "v", "offset", "start_offset"):
+        assert _same(got[key], graph[key]), key

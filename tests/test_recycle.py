@@ -13,6 +13,7 @@ stream; torch's `reset_rows` with its ring clearing stays bit-identical to moshi
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import jax
@@ -151,6 +152,78 @@ def test_pure_and_traced_bump_do_not_saturate():
     np.testing.assert_array_equal(jax.jit(jx.bump_slot_start)(s, jnp.int32(1)).start_offset, [4, 10])  # traced
     np.testing.assert_array_equal(jx.jit_bump_slot_start(s, 0).start_offset, [5, 9])
     assert not hasattr(jx.state, "check_can_bump")
+
+
+def test_check_headroom_covers_a_bump():
+    """The pure bump reads no values (as the pure step); the caller's check, check_headroom(state, 1),
+    also looks at the start_offsets: one at the largest position is refused, though no offset is."""
+    top = jx.state.index_max()
+    s = jx.init_state(config("temporal"), 2)._replace(offset=jnp.array([top - 1, 0], jnp.int32),
+                                                       start_offset=jnp.array([top - 1, 0], jnp.int32))
+    jx.check_headroom(s, 1)
+    s = jx.jit_bump_slot_start(s, 0)
+    with pytest.raises(OverflowError, match="2147483648 > 2147483647"):
+        jx.check_headroom(s, 1)
+    assert np.asarray(s.start_offset).tolist() == [top, 0]
+
+
+LIMITS = {"jax": jx.state.index_max(), "torch": torch.iinfo(torch.long).max, "dropin": jx.state.index_max()}
+
+
+class Stepper:
+    """`jx.Streamer`, a torch stack or a drop-in behind one interface (recycle ops, snapshot, restore)."""
+
+    def __init__(self, path: str, cfg, batch: int = 2):
+        self.path = path
+        if path == "jax":
+            self.module = jx.Streamer(cfg, jx.init_params(cfg, jax.random.key(0)), batch)
+        else:
+            self.module = torch_stack(cfg) if path == "torch" else from_torch(torch_stack(cfg))
+            self.module.streaming_init(batch)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        snap = self.module.snapshot()
+        return {k: np.asarray(v) for k, v in snap.items() if k != "metadata"}
+
+    def restore_offsets(self, offset, start_offset):
+        snap = self.module.snapshot()
+        ints = (lambda a: torch.tensor(a)) if self.path == "torch" else (lambda a: np.array(a, np.int32))
+        self.module.restore({**snap, "offset": ints(offset), "start_offset": ints(start_offset)})
+
+
+@pytest.mark.parametrize("path", ["jax", "torch", "dropin"])
+def test_a_bump_past_the_largest_position_is_refused(path):
+    """bump_slot_start took start_offset past the offsets' largest value: int32 wrapped to -2**31 on the
+    JAX side, which the torch stack's int64 did not do. Every stepper refuses it, naming the row, with
+    the state unchanged; the other rows (and the row once reset) still bump."""
+    top = LIMITS[path]
+    run = Stepper(path, config("temporal"))
+    run.restore_offsets([top, 5], [top - 1, 5])
+    run.module.bump_slot_start(0)  # to the largest position: taken
+    before = run.arrays()
+    assert before["start_offset"].tolist() == [top, 5]
+    with pytest.raises(OverflowError, match=rf"^bump_slot_start\(b\): row 0's start_offset is {top}, the largest "
+                                            rf"int(32|64) position: one more would wrap \(refused, nothing changed\)"):
+        run.module.bump_slot_start(0)
+    after = run.arrays()
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    run.module.bump_slot_start(1)
+    run.module.reset_rows(torch.tensor([True, False]) if path != "jax" else np.array([True, False]))
+    run.module.bump_slot_start(0)
+    assert run.arrays()["start_offset"].tolist() == [1, 6]
+
+
+def test_streamer_bump_guard_reads_nothing_far_from_the_limit(monkeypatch):
+    """The guard is the step's: host bounds, a device read only near the largest position."""
+    run = Stepper("jax", config("temporal"))
+    monkeypatch.setattr(run.module, "_read_offsets", lambda: pytest.fail("read the offsets far from the limit"))
+    for _ in range(3):
+        run.module.step(np.zeros((2, 1, run.module.config.dim), np.float32))
+    run.module.reset_slot(1)
+    run.module.bump_slot_start(1)
+    run.module.bump_slot_start(1)
+    assert run.arrays()["start_offset"].tolist() == [0, 5]
+    assert run.module.offset_bound == 3 and run.module.start_bound == 5
 
 
 def test_sacrifice_tick_through_crosscheck(monkeypatch):
@@ -362,7 +435,7 @@ def test_reset_rows_with_ring_clearing_stays_bit_identical_to_moshi(kind):
 
 
 # ------------------------------------------------------------------------------ 4. jitted recycle ops
-def test_jitted_recycle_ops_refuse_bad_concrete_arguments_before_donating():
+def test_jitted_recycle_ops_refuse_bad_concrete_arguments_before_donating(tmp_path):
     cfg = config("temporal")
     s = jx.init_state(cfg, 2)
     s = s._replace(k=s.k + 1, v=s.v - 1, offset=jnp.array([5, 3], jnp.int32), start_offset=jnp.array([1, 0], jnp.int32))
@@ -406,6 +479,85 @@ def test_jitted_recycle_ops_refuse_bad_concrete_arguments_before_donating():
             op(old, arg)
     with pytest.raises(TypeError, match=r"reset_streaming\(state\): expected a jax_impl.StreamState, got dict"):
         jx.jit_reset_streaming({"k": s.k})
+    # so are the host readers of a state (they gave JAX's "Array has been deleted")
+    cfg = config("temporal")
+    for name, call in (("state_snapshot(state)", lambda: jx.state_snapshot(cfg, old)),
+                       ("write_stream(state)", lambda: jx.write_stream(cfg, old, tmp_path / "s.safetensors")),
+                       ("check_headroom(state_or_bound)", lambda: jx.check_headroom(old, 1))):
+        with pytest.raises(ValueError, match=rf"^{re.escape(name)}: the state was donated to an earlier call"):
+            call()
+    assert not (tmp_path / "s.safetensors").exists()
+
+
+ROWS = [1, np.int64(1), np.uint8(1), np.array(1), jnp.int32(1), torch.tensor(1)]
+NOT_ROWS = [True, np.True_, np.array(True), torch.tensor(True), 1.0, torch.tensor(1.0), np.array([1]),
+            torch.tensor([1]), jnp.array([1]), "1", None]
+
+
+@pytest.mark.parametrize("path", ["jit", "jax", "torch", "dropin"])
+def test_one_row_index_rule_on_every_side(path):
+    """A row index is a Python or numpy integer or a 0-d integer array / tensor (numpy, jax, torch),
+    never a bool, on every side: the torch stacks refused np.array(1) and torch.tensor(1), which the
+    JAX ops took."""
+    cfg = config("mimi")
+    if path == "jit":
+        state = jx.init_state(cfg, 2)
+
+        def op(name, b):
+            nonlocal state
+            state = getattr(jx, f"jit_{name}")(state, b)
+
+        def offsets():
+            return np.asarray(state.start_offset).tolist()
+    else:
+        run = Stepper(path, cfg)
+
+        def op(name, b):
+            getattr(run.module, name)(b)
+
+        def offsets():
+            return run.arrays()["start_offset"].tolist()
+    for b in ROWS:
+        op("bump_slot_start", b)
+        op("reset_slot", b)
+    assert offsets() == [0, 0]
+    op("bump_slot_start", torch.tensor(1))
+    assert offsets() == [0, 1]
+    for name in ("reset_slot", "bump_slot_start"):
+        for bad in NOT_ROWS:
+            with pytest.raises(TypeError, match=rf"^{name}\(b\): b must be an integer row index \(a Python or numpy "
+                                                r"integer, or a 0-d integer array or tensor; not a bool\), got "):
+                op(name, bad)
+        for bad in (2, np.array(2), torch.tensor(-1), jnp.int32(2)):
+            with pytest.raises(IndexError, match=rf"^{name}\(b\): b=-?[12] is out of range for batch_size 2"):
+                op(name, bad)
+    assert offsets() == [0, 1]
+
+
+def test_streamer_takes_the_masks_the_jitted_ops_take():
+    """Streamer.step and Streamer.reset_rows converted active / mask with jnp.asarray before the check:
+    a list was taken (the jitted ops and the torch stacks refuse it) and an int64 mask was narrowed,
+    then refused as int32. Checked as given now, on both sides."""
+    cfg = config("mimi")
+    run = Stepper("jax", cfg)
+    s = run.module
+    x = np.zeros((2, FRAMES["mimi"], cfg.dim), np.float32)
+    s.step(x)
+    before = run.arrays()
+    step = jx.make_step(cfg)
+    for call, pattern in ((lambda m: s.reset_rows(m), r"^reset_rows\(mask\): mask must be a bool array, got "),
+                          (lambda m: s.step(x, m), r"^step\(active\): active must be a bool array, got "),
+                          (lambda m: step(s.params, s.state, x, m), r"^step\(active\): active must be a bool array, got ")):
+        for bad, got in (([True, False], "list"), (np.array([1, 0], np.int64), "int64")):
+            with pytest.raises(TypeError, match=pattern + got):
+                call(bad)
+    after = run.arrays()
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    stack = torch_stack(cfg)
+    stack.streaming_init(2)
+    for call in (lambda: stack.reset_rows([True, False]), lambda: stack.step(torch.from_numpy(x), [True, False])):
+        with pytest.raises(TypeError, match="must be a torch.bool tensor, got list"):
+            call()
 
 
 def test_streamer_guard_reads_the_offsets_once_it_would_refuse():

@@ -158,11 +158,17 @@ def test_bad_input_is_refused_and_changes_nothing(reference_step):
     frame.streaming_init(B)
     for bad, match, error in ((pcm[:, :, :-1], "shape", ValueError), (pcm[:, 0], "rank 3", ValueError),
                               (pcm.astype(np.float64), "dtype float64", TypeError),
-                              (pcm.astype(np.int16), "dtype int16", TypeError), ([[0.0]], "array", ValueError)):
+                              (pcm.astype(np.int16), "dtype int16", TypeError), ([[0.0]], "array", TypeError)):
         with pytest.raises(error, match=f"pcm.*{match}|{match}.*pcm"):
             step(params, state, bad)
-        with pytest.raises((ValueError, TypeError), match="pcm"):
+        with pytest.raises(error, match=r"step\(pcm\): pcm"):  # the same type on the torch side
             frame.step(torch.as_tensor(np.asarray(bad)) if not isinstance(bad, list) else bad)
+    # a row mask's dtype is a TypeError, its shape a ValueError, on both sides
+    for bad, error in ((np.ones(B, np.int64), TypeError), (np.ones(B + 1, bool), ValueError)):
+        with pytest.raises(error, match=r"step\(active\): active must"):
+            step(params, state, pcm, bad)
+        with pytest.raises(error, match=r"step\(active\): active must"):
+            frame.step(torch.as_tensor(pcm), torch.as_tensor(bad))
     with pytest.raises(TypeError, match="pcm must be a JAX or numpy array"):
         step(params, state, torch.as_tensor(pcm))
     # sampling arguments the LM frame refuses are refused before the encoder's state moves
@@ -172,8 +178,6 @@ def test_bad_input_is_refused_and_changes_nothing(reference_step):
             frame.step(torch.as_tensor(pcm), **kwargs)
     with pytest.raises(IndexError, match="reset_slot"):
         sf.speech_reset_slot(state, -1)
-    with pytest.raises(ValueError, match="active"):
-        step(params, state, pcm, np.ones(B + 1, bool))
     with pytest.raises(IndexError):
         sf.jit_speech_reset_slot(state, B)
     for name, value in host_state(state).items():
@@ -183,6 +187,51 @@ def test_bad_input_is_refused_and_changes_nothing(reference_step):
     for call in (lambda: step(params, state, pcm), lambda: sf.jit_speech_reset_slot(state, 0)):
         with pytest.raises(ValueError, match="donated to an earlier call"):
             call()
+
+
+def replaced(tree, path: list[str], value):
+    """tree (nested NamedTuples) with the leaf at `path` (field names) replaced by value."""
+    head, *rest = path
+    return tree._replace(**{head: replaced(getattr(tree, head), rest, value) if rest else value})
+
+
+def test_a_frame_past_the_offsets_dtype_is_refused_on_both_sides(reference_step):
+    """Each offset a frame advances (the codec's transformers downsample_stride positions, the LM's 1),
+    one frame below the index dtype's largest offset, steps; one more and the frame raises OverflowError
+    naming it, its row and the recycling op, before anything runs: every state array bit-equal, nothing
+    donated; the torch frame the same (its int64 offsets alone would go on)."""
+    import jax
+
+    from jax_impl.state import index_max
+
+    cfg, B, top = TINY, 3, index_max()
+    params, step = reference_step
+    frame = random_frame(cfg)
+    pcm = pcm_frames(cfg, 1, B)[0]
+    T = cfg.codec.downsample_stride
+    for name, moved in (("codec.encoder_transformer.offset", T), ("codec.decoder_transformer.offset", T),
+                        ("lm.temporal.offset", 1), ("lm.frame_offset", 1)):
+        for start in (top - moved, top - moved + 1):
+            state = sf.init_speech_frame_state(cfg, B)
+            values = np.array([0, start, 0], sf.speech_state_arrays(state)[name].dtype)
+            state = replaced(state, name.split("."), jax.device_put(values, state.lm.frame_offset.sharding))
+            frame.streaming_init(B)
+            frame.state_arrays()[name].copy_(torch.from_numpy(values))
+            if start + moved <= top:
+                _, state = step(params, state, pcm)
+                frame.step(torch.as_tensor(pcm))
+                reached = start if "decoder" in name else top  # the decoder waits for the LM's delays
+                assert host_state(state)[name][1] == int(frame.state_arrays()[name][1]) == reached, name
+                continue
+            before, before_torch = host_state(state), {k: v.clone() for k, v in frame.state_arrays().items()}
+            message = rf"{name}\[1\] is {start}: {moved} more .* would pass {top}"
+            with pytest.raises(OverflowError, match=rf"step\(state\): {message}.*jit_speech_reset_slot"):
+                step(params, state, pcm)
+            with pytest.raises(OverflowError, match=rf"step: {message}.*reset_slot"):
+                frame.step(torch.as_tensor(pcm))
+            assert not any(a.is_deleted() for a in jax.tree.leaves(state)), name
+            assert all(np.array_equal(v, before[k]) for k, v in host_state(state).items()), name
+            assert all(torch.equal(v, before_torch[k]) for k, v in frame.state_arrays().items()), name
 
 
 def write_test_wav(path, samples: int, rate: int = 24000, channels: int = 1) -> None:
@@ -281,6 +330,89 @@ def test_read_wav_skips_pad_bytes_and_refuses_half_a_sample(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"personaplex-jax: error: --input {src}: malformed: its data chunk declares 1 bytes")
     assert err.count("\n") == 1 and not out.exists()
+
+
+def test_read_wav_refuses_chunks_past_the_end_second_data_chunks_and_disagreeing_fmt(tmp_path, capsys):
+    """Refused naming the file and what is wrong, through the command line in one line (a chunk past the
+    file's end was once a bare RuntimeError's traceback), no reply written: a LIST chunk declaring more
+    than the file holds; an odd LIST chunk without its pad byte (the data chunk after it read a byte off);
+    a data chunk of 9 bytes cut to 8 (half a sample, once read as 4 samples); a second data chunk (once
+    dropped); a fmt chunk whose block size or byte rate is not mono 16-bit PCM's at its rate (once
+    ignored); bytes after the last chunk too few for a chunk. Kept readable: a RIFF size of 0xFFFFFFFF
+    (a streaming writer's), an 18-byte fmt chunk, bytes after the RIFF chunk's declared end."""
+    import struct
+
+    from torch_bridge.cli import main
+    from torch_bridge.speak import read_wav
+
+    src, out = tmp_path / "in.wav", tmp_path / "out.wav"
+    samples = np.array([1, -2, 32767, -32768], "<i2")
+    s = samples.tobytes()
+    no_pad = riff_wav((b"LIST", b"INFOx", None), (b"data", s, None))
+    no_pad = no_pad.replace(b"INFOx\0", b"INFOx")  # the RIFF size, one byte more than the file: read to its end
+    fmt = struct.pack("<IIH", 24000, 48000, 2)  # rate, byte rate, block size
+    refused = {
+        riff_wav((b"LIST", b"INFO", 100)): "malformed: its 'LIST' chunk at byte 36 declares 100 bytes, 4 follow it "
+                                           "in the file",
+        no_pad: "malformed: its 'ata\\x08' chunk at byte 50 declares 16777216 bytes, 7 follow it in the file (the "
+                "'LIST' chunk before it has an odd size: without the pad byte RIFF requires",
+        riff_wav((b"data", s, 9)): "malformed: its data chunk declares 9 bytes, not a whole number of 2-byte samples",
+        riff_wav((b"data", s, None), (b"data", s, None)): "malformed: a second data chunk at byte 52",
+        riff_wav((b"data", s, None)).replace(fmt, struct.pack("<IIH", 24000, 96000, 4)):
+            "malformed: its fmt chunk declares 4-byte blocks at 96000 bytes a second, not mono 16-bit PCM's at "
+            "24000 Hz (2-byte blocks at 48000 bytes a second)",
+        riff_wav((b"data", s, None)).replace(fmt, struct.pack("<IIH", 24000, 24000, 2)):
+            "malformed: its fmt chunk declares 2-byte blocks at 24000 bytes a second",
+        riff_wav((b"data", s, 6)): "malformed: 2 bytes after its last chunk, too few for a chunk's 8-byte header",
+    }
+    for wav, message in refused.items():
+        src.write_bytes(wav)
+        with pytest.raises(ValueError) as err:
+            read_wav(str(src), 24000)
+        assert str(err.value).startswith(f"--input {src}: {message}"), str(err.value)
+    src.write_bytes(riff_wav((b"LIST", b"INFO", 100)))
+    assert main(["speak", "--input", str(src), "--output", str(out), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"personaplex-jax: error: --input {src}: malformed: its 'LIST' chunk")
+    assert err.count("\n") == 1 and not out.exists()
+
+    streamed = bytearray(riff_wav((b"data", s, None)))
+    streamed[4:8] = struct.pack("<I", 0xFFFFFFFF)
+    long_fmt = bytearray(riff_wav((b"data", s, None)).replace(b"fmt " + struct.pack("<I", 16), b"fmt " + struct.pack(
+        "<I", 18)).replace(b"\x10\x00data", b"\x10\x00\x00\x00data"))  # cbSize 0 after the bits per sample
+    long_fmt[4:8] = struct.pack("<I", len(long_fmt) - 8)
+    for wav in (bytes(streamed), bytes(long_fmt), riff_wav((b"data", s, None)) + b"\x01\x02\x03"):
+        src.write_bytes(wav)
+        assert np.array_equal(read_wav(str(src), 24000), samples / np.float32(32768))
+
+
+def test_speak_says_how_bfloat16_rounds_the_input(tmp_path):
+    """The step takes PCM in the run's dtype: a bfloat16 run rounds the 16-bit input and says, once, how
+    many samples that changed and by how much at most (counted here by torch's rounding); a float32 run
+    changes nothing and says nothing of it."""
+    import wave
+
+    from torch_bridge.speak import speak
+
+    cfg = SPEECH_PRESETS["personaplex-tiny"]
+    x = np.random.default_rng(0).integers(-32768, 32768, 2 * cfg.frame_size + 5).astype("<i2")
+    x[:7] = [0, 1, -255, 256, 32767, -32768, 12345]  # bfloat16 holds 0 to 256 and -1.0; 32767 becomes 1.0
+    src, out = tmp_path / "in.wav", tmp_path / "out.wav"
+    with wave.open(str(src), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(cfg.codec.sample_rate)
+        f.writeframes(x.tobytes())
+    exact = torch.from_numpy(x.astype(np.float32) / 32768)
+    change = (exact.to(torch.bfloat16).float() - exact).abs()
+    changed, steps = int(change.count_nonzero()), round(float(change.max()) * 32768)
+    assert 0 < changed < x.size
+    said = (f"input rounded to bfloat16 (the step's PCM dtype): {changed} of {x.size} samples changed, by at most "
+            f"{float(change.max()):.3g} ({steps} 16-bit steps)")
+    for dtype, expected in (("bfloat16", [said]), ("float32", [])):
+        lines = []
+        speak(str(src), str(out), preset="personaplex-tiny", dtype=dtype, device="cpu", say=lines.append)
+        assert [line for line in lines if "rounded" in line] == expected, lines
 
 
 def test_speak_cli_counts_every_problem_of_a_grouped_checkpoint_error(tmp_path, capsys):

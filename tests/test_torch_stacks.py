@@ -118,9 +118,12 @@ def test_bad_input_is_refused_and_state_unchanged(name):
         (lambda: stack.step(torch.zeros(B, T, dim).numpy()), TypeError, "torch.Tensor"),
         (lambda: stack.reset_slot(B), IndexError, "out of range"),
         (lambda: stack.reset_slot(-1), IndexError, "out of range"),
-        (lambda: stack.reset_slot(1.0), TypeError, "int row index"),
-        (lambda: stack.reset_slot(np.bool_(True)), TypeError, "int row index"),
+        (lambda: stack.reset_slot(1.0), TypeError, r"reset_slot\(b\): b must be an integer row index"),
+        (lambda: stack.reset_slot(np.bool_(True)), TypeError, "integer row index"),
+        (lambda: stack.reset_slot(torch.tensor(True)), TypeError, "integer row index"),
+        (lambda: stack.reset_slot(torch.tensor([1])), TypeError, "integer row index"),
         (lambda: stack.reset_slot(np.int64(B)), IndexError, "out of range"),
+        (lambda: stack.reset_slot(torch.tensor(B)), IndexError, f"b={B} is out of range"),
         (lambda: stack.bump_slot_start(B), IndexError, "out of range"),
         (lambda: stack.reset_rows(torch.ones(B)), TypeError, r"reset_rows\(mask\)"),
         (lambda: stack.reset_rows(torch.ones(2 * B, dtype=torch.bool)), ValueError, r"reset_rows\(mask\)"),
@@ -130,10 +133,32 @@ def test_bad_input_is_refused_and_state_unchanged(name):
             call()
         assert_state_unchanged(stack, before)
     stack.reset_slot(np.int64(1))  # a numpy integer row, as the JAX recycle ops take
+    stack.reset_slot(torch.tensor(1))  # and a 0-d integer tensor or array
+    stack.reset_slot(np.array(1))
     stack.bump_slot_start(0)
     stack.bump_slot_start(0)  # start_offset 2 == offset 2
     stack.bump_slot_start(0)  # and past it: a plain += 1 (the sacrifice tick), no refusal
     assert stack.state.start_offset[0] == stack.state.offset[0] + 1
+
+
+@pytest.mark.parametrize("name", ["temporal", "mimi"])
+def test_an_impossible_batch_size_leaves_the_stream(name):
+    """streaming_init released the stream before allocating: a batch size whose ring no device holds
+    failed inside torch ("Storage size calculation overflowed", naming no argument) and left the stack
+    without a stream. Refused first now, naming batch_size, the stream as it was."""
+    stack = make_stack(name)
+    stack.streaming_init(2)
+    T = 1 if name == "temporal" else 2
+    stack.step(torch.randn(2, T, stack.config.dim))
+    before = snapshot(stack)
+    cls = type(stack).__name__
+    with pytest.raises(ValueError, match=rf"^{cls}\.streaming_init\(batch_size\): a ring of \[\d+, 1152921504606846976, "
+                                         r"\d+, \d+, \d+\] float32 \(batch_size 1152921504606846976\) is more bytes "
+                                         r"than any device holds"):
+        stack.streaming_init(2**60)
+    assert_state_unchanged(stack, before)
+    stack.step(torch.randn(2, T, stack.config.dim))
+    assert stack.state.offset.tolist() == [2 * T, 2 * T]
 
 
 def test_inactive_rows_are_inert():

@@ -18,7 +18,9 @@ Streaming state (`CodecState`): each convolution's carry (`seanet.py`), the down
 flags, and the transformers' rings. Per row: `active` (an inactive row's state does not move and
 its outputs are zeros) and `reset_slot(b)` (a fresh session in row b: carries zeroed, the
 transformers' rows reset, so nothing of the old session, a NaN neither, reaches the new one).
-Rows never mix: a NaN in one row's PCM reaches no other row.
+Rows never mix: a NaN in one row's PCM reaches no other row. A frame that would take a transformer's
+offset past the JAX codec's index dtype (int32 unless jax's x64 mode is on) raises OverflowError with
+nothing changed (`check_room`), as the JAX codec's steps do: `reset_slot` the row first.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from jax_impl.kernel_choice import check_head_dim
 from jax_impl.snapshot import dtype_name, exact_float_cast
 
 from . import quantizer, seanet
+from .frame import check_offset_room
 from .layers import check_triton_device
 from .model import FLOAT_DTYPES, MimiTransformer
 from .state import check_row
@@ -255,7 +258,39 @@ class MimiCodec(ExactLoads, nn.Module):
         self.encoder_transformer.reset_rows(rows)
         self.decoder_transformer.reset_rows(rows)
 
-    def _check_active(self, op: str, active, state: CodecState) -> torch.Tensor:
+    def offsets(self) -> dict[str, torch.Tensor]:
+        """The transformers' offsets (int64 [B]) by name, as `jax_impl.codec.codec_offsets` names the JAX
+        state's: encoder_transformer.offset, decoder_transformer.offset (`downsample_stride` positions a
+        frame each, on encode and on decode)."""
+        return {"encoder_transformer.offset": self.encoder_transformer.state.offset,
+                "decoder_transformer.offset": self.decoder_transformer.state.offset}
+
+    def check_room(self, op: str, moved: str) -> None:
+        """OverflowError headed by `op` (`frame.check_offset_room`) if a frame advancing `moved` (an
+        `offsets()` name) would take an offset past the JAX steps' index dtype: `reset_slot` the row."""
+        offsets = self.offsets()
+        advance = dict.fromkeys(offsets, 0) | {moved: self.config.downsample_stride}
+        check_offset_room(op, "reset_slot", offsets, advance)
+
+    def check_pcm(self, op: str, pcm) -> None:
+        """Refuse, naming `op` and pcm, anything but a tensor [B, 1, frame_size] (B: the stream's) on the
+        codec's device of a float dtype that casts to the codec's exactly: TypeError for the type or
+        dtype, ValueError for the shape or device (`jax_impl.codec.check_pcm`'s rule)."""
+        state = self._require_state(op)
+        if not isinstance(pcm, torch.Tensor):
+            raise TypeError(f"{op}(pcm): pcm must be a torch.Tensor, got {type(pcm).__name__}")
+        if tuple(pcm.shape) != (state.batch_size, 1, self.config.frame_size):
+            raise ValueError(f"{op}(pcm): pcm must have shape [B={state.batch_size}, 1, "
+                             f"frame_size={self.config.frame_size}] (rank 3), got {list(pcm.shape)}")
+        if not pcm.is_floating_point() or not exact_float_cast(dtype_name(pcm), dtype_name(self.dtype)):
+            raise TypeError(f"{op}(pcm): pcm has dtype {pcm.dtype}; the codec holds {self.dtype} and "
+                            f"takes only a dtype that casts to it exactly")
+        if pcm.device != self.device:
+            raise ValueError(f"{op}(pcm): pcm is on {pcm.device}; the codec is on {self.device}")
+
+    def check_active(self, op: str, active, state: CodecState) -> torch.Tensor:
+        """active itself (a torch.bool [B] on the codec's device; None: every row) after checking it:
+        TypeError for the type or dtype, ValueError for the shape or device, naming `op`."""
         if active is None:
             return torch.ones(state.batch_size, dtype=torch.bool, device=self.device)
         if not isinstance(active, torch.Tensor) or active.dtype != torch.bool:
@@ -272,17 +307,9 @@ class MimiCodec(ExactLoads, nn.Module):
         [B, num_codebooks]; inactive rows get zeros and keep their state."""
         state = self._require_state("encode_frame")
         c = self.config
-        if not isinstance(pcm, torch.Tensor):
-            raise TypeError(f"encode_frame(pcm): pcm must be a torch.Tensor, got {type(pcm).__name__}")
-        if tuple(pcm.shape) != (state.batch_size, 1, c.frame_size):
-            raise ValueError(f"encode_frame(pcm): pcm must have shape [B={state.batch_size}, 1, "
-                             f"frame_size={c.frame_size}], got {list(pcm.shape)}")
-        if not pcm.is_floating_point() or not exact_float_cast(dtype_name(pcm), dtype_name(self.dtype)):
-            raise TypeError(f"encode_frame(pcm): pcm has dtype {pcm.dtype}; the codec holds {self.dtype} and "
-                            f"takes only a dtype that casts to it exactly")
-        if pcm.device != self.device:
-            raise ValueError(f"encode_frame(pcm): pcm is on {pcm.device}; the codec is on {self.device}")
-        active = self._check_active("encode_frame", active, state)
+        self.check_pcm("encode_frame", pcm)
+        active = self.check_active("encode_frame", active, state)
+        self.check_room("encode_frame", "encoder_transformer.offset")
         weights = self.conv_weights()
         plan, carries = self.encoder_plan, state.encoder
         emb, new = seanet.run_plan(plan[:-1], weights, carries[:-1], pcm.to(self.dtype), active, state.first,
@@ -310,12 +337,13 @@ class MimiCodec(ExactLoads, nn.Module):
                              f"num_codebooks={c.num_codebooks}], got {list(codes.shape)}")
         if codes.device != self.device:
             raise ValueError(f"decode_frame(codes): codes are on {codes.device}; the codec is on {self.device}")
-        active = self._check_active("decode_frame", active, state)
+        active = self.check_active("decode_frame", active, state)
         bad = ((codes < 0) | (codes >= c.codebook_size)) & active[:, None]
         if bad.any():
             row, book = (int(i) for i in bad.nonzero()[0])
             raise ValueError(f"decode_frame(codes): codes must be in 0..{c.codebook_size - 1} (codebook_size); "
                              f"codes[{row}, {book}] = {int(codes[row, book])}")
+        self.check_room("decode_frame", "decoder_transformer.offset")
         weights = self.conv_weights()
         plan, carries = self.decoder_plan, state.decoder
         safe = torch.where(active[:, None], codes.long(), torch.zeros_like(codes, dtype=torch.long))

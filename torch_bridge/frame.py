@@ -86,6 +86,24 @@ def check_tokens(name: str, x, shape: tuple[int, ...], high: int, device) -> tor
     return check_ids(name, int_tensor(name, x, shape, device), high)
 
 
+def check_offset_room(where: str, recycle: str, offsets: Mapping[str, torch.Tensor],
+                      advance: Mapping[str, int]) -> None:
+    """Refuse (OverflowError headed by `where`, naming the tensor, the row and `recycle`: what puts a
+    row's positions back to 0) a step that would advance some row of `offsets` (name -> int64 [B]) by
+    advance[name] positions past int32's 2**31 - 1: the JAX frames' offsets are int32 (unless jax's
+    x64 mode is on) and refuse that step (`jax_impl.state.OffsetBounds`), so both sides refuse the
+    same step where int64 offsets alone would go on. Cost: the offsets' maxima read on the host, once
+    a call (a device sync on a GPU, as the steps' token and code checks make)."""
+    limit = int(np.iinfo(np.int32).max)
+    tops = torch.stack([t.max() for t in offsets.values()]).tolist()
+    for (name, t), top in zip(offsets.items(), tops, strict=True):
+        if top + advance[name] > limit:
+            raise OverflowError(
+                f"{where}: {name}[{int(t.argmax())}] is {top}: {advance[name]} more position(s) would pass "
+                f"{limit}, the largest int32 offset of the JAX steps; recycle the row first ({recycle}: its "
+                f"positions back to 0)")
+
+
 class LMFrame(ExactLoads, nn.Module):
     """The temporal stack, its input tables, the text head and sampling, and the depformer, as one frame.
 
@@ -210,6 +228,11 @@ class LMFrame(ExactLoads, nn.Module):
             raise RuntimeError("the frame is not streaming: call streaming_init(batch_size) first")
         return self.frame_offset.shape[0]
 
+    def offsets(self) -> dict[str, torch.Tensor]:
+        """The offsets (int64 [B]) a step advances, by name, as `jax_impl.frame.frame_offsets` names the JAX
+        state's: temporal.offset, frame_offset (1 a frame each)."""
+        return {"temporal.offset": self.temporal.state.offset, "frame_offset": self.frame_offset}
+
     def check_row(self, op: str, b) -> int:
         """b as an int, after checking it is a row index of the stream (`state.check_row`)."""
         return check_row(op, b, self.batch_size)
@@ -269,6 +292,8 @@ class LMFrame(ExactLoads, nn.Module):
         this frame (None when there are none). active bool [B] (default: every row).
         dep_q_exit, replace_audio [B, dep_q - dep_q_exit] int: see the module docstring.
         seeds [B] int: the rows' sampling seeds (needed when a temperature is > 0).
+        A frame that would take an offset past the JAX steps' index dtype (`check_offset_room`) raises
+        OverflowError, nothing changed: `reset_rows` the row first (`reset_slot` keeps its positions).
         """
         c = self.config
         B = self.batch_size
@@ -284,6 +309,8 @@ class LMFrame(ExactLoads, nn.Module):
         tail = None if replace_audio is None else check_tokens("replace_audio", replace_audio, (B, c.dep_q - n),
                                                                 c.card, self.device)
         self.check_sampling_args(seeds, temperature, top_k, text_temperature, text_top_k)
+        offsets = self.offsets()
+        check_offset_room("step", "reset_rows", offsets, dict.fromkeys(offsets, 1))
 
         # every argument is checked above, before anything moves; the token cache and frame offsets are
         # copied back at the end, but the temporal stack's ring and offsets move when it steps: an error

@@ -116,8 +116,9 @@ class JaxBacked:
 
     def streaming_init(self, batch_size: int) -> None:
         """A fresh JAX state for `batch_size` rows; no torch ring is allocated (the torch stack's
-        state stays None). The weights are viewed first (a buffer JAX cannot share is refused with the
-        stream as it was), then the previous JAX state is released, then the new one made."""
+        state stays None). The batch size is checked and the weights viewed first (a batch size whose
+        ring no device holds, a buffer JAX cannot share: refused with the stream as it was), then the
+        previous JAX state is released, then the new one made."""
         self._check_batch_size(batch_size)
         params = self.jax_params()
         self._state = None

@@ -21,7 +21,7 @@ from jax_impl import twin_layers
 from jax_impl.checkpoint import WIDENINGS, weight_specs
 from jax_impl.config import MimiConfig, StackConfig, TemporalConfig, check_batch_size
 from jax_impl.kernel_choice import TORCH_KERNELS, check_head_dim, check_kernels
-from jax_impl.snapshot import dtype_name, exact_float_cast
+from jax_impl.snapshot import check_bump, check_ring_size, dtype_name, exact_float_cast
 from kernels_pallas.contract.attention import twin_sems_size
 
 from .layers import check_triton_device, mimi_layer, rms_norm_f32, temporal_layer, triton_twins
@@ -62,6 +62,9 @@ class StreamingStack(StackWeights, StackStreamIO, ExactLoads, nn.Module):
         self._twins = triton_twins() if kernels == "twin" else None
         self._layer_fn: Callable = self._run_layer  # carry, layer, tables, active -> carry (hooks wrap it)
         self._state: TorchStreamState | None = None
+        # (offset_bound, start_bound): host ints bounding the offsets, as jax_impl.Streamer's guard keeps
+        # them (`jax_impl.snapshot.check_bump`), so bump_slot_start refuses a wrap without reading the device
+        self._bounds = (0, 0)
         for spec in weight_specs(config):
             shape = spec.stacked_shape(config.num_layers)
             self.register_buffer(spec.name, torch.empty(shape, dtype=dtype, device=device))
@@ -90,17 +93,23 @@ class StreamingStack(StackWeights, StackStreamIO, ExactLoads, nn.Module):
         return self._state
 
     def _check_batch_size(self, batch_size, op: str | None = None) -> int:
-        """batch_size as an int (`check_batch_size`); op: the caller named in a refusal (default
+        """batch_size as an int (`check_batch_size`) whose ring is under 2**62 bytes (`check_ring_size`),
+        checked before a stream held is released; op: the caller named in a refusal (default
         `<class>.streaming_init`)."""
-        return check_batch_size(op or f"{type(self).__name__}.streaming_init", batch_size)
+        op = op or f"{type(self).__name__}.streaming_init"
+        batch_size = check_batch_size(op, batch_size)
+        check_ring_size(op, self.config, batch_size, self.dtype)
+        return batch_size
 
     def streaming_init(self, batch_size: int) -> None:
-        """Allocate a fresh state for `batch_size` rows (zeros, offsets at 0): a Python or numpy integer >= 1."""
+        """Allocate a fresh state for `batch_size` rows (zeros, offsets at 0): a Python or numpy integer >= 1.
+        A refused batch size (ValueError) leaves the stream held as it was."""
         batch_size = self._check_batch_size(batch_size)
         c = self.config
         self._state = None  # the old rings go before the new ones are allocated (one ring at a time)
         self._state = TorchStreamState.zeros(c.num_layers, batch_size, c.num_heads, c.capacity, c.head_dim,
                                        self.dtype, self.device)
+        self._bounds = (0, 0)
 
     def _require_state(self, op: str):
         if self._state is None:
@@ -121,11 +130,20 @@ class StreamingStack(StackWeights, StackStreamIO, ExactLoads, nn.Module):
         return mask
 
     def _state_op(self, op: str, *args) -> None:
-        """Run a validated state operation (`TorchStreamState.<op>`); the JAX steppers override this.
+        """Run a validated state operation (`TorchStreamState.<op>`), keeping the offsets' host bounds:
+        a bump that would take start_offset past int64's maximum is refused (OverflowError, nothing
+        changed; `check_bump` reads the offsets only where the bounds come near it). The JAX steppers
+        override this (their `jax_impl.Streamer` keeps its own guard).
 
         (Not `_apply`: that name is `nn.Module`'s conversion hook, see `_apply` below.)
         """
-        getattr(self._state, op)(*args)
+        s = self._state
+        if op == "bump_slot_start":
+            self._bounds = check_bump(op, args[0], self._bounds, lambda: (s.offset.tolist(), s.start_offset.tolist()),
+                                      "int64")
+        getattr(s, op)(*args)
+        if op == "reset":
+            self._bounds = (0, 0)
 
     def reset_streaming(self) -> None:
         """Every row back to a fresh stream; rings zeroed."""
@@ -146,7 +164,9 @@ class StreamingStack(StackWeights, StackStreamIO, ExactLoads, nn.Module):
         Right after `reset_slot(b)` (start_offset == offset) it takes start_offset past offset:
         the row's next write is hidden (the "sacrifice tick" that masks the one spurious frame
         following a recycle, as PersonaPlex's stepper does) and that step's queries see nothing
-        (zero attention output, as SDPA returns).
+        (zero attention output, as SDPA returns). A bump that would take start_offset past the
+        offsets' largest value is refused (OverflowError naming the row, nothing changed), as
+        `jax_impl.Streamer` refuses it.
         """
         self._state_op("bump_slot_start", self._check_row("bump_slot_start", b))
 
@@ -286,6 +306,7 @@ class StreamingStack(StackWeights, StackStreamIO, ExactLoads, nn.Module):
         for layer in range(c.num_layers):
             carry = self._layer_fn(carry, layer, tables, active)
         state.offset.copy_(tables.end_offset)
+        self._bounds = (self._bounds[0] + x.shape[1], self._bounds[1])
         return self._head(carry[0])
 
     def _head(self, x: torch.Tensor):

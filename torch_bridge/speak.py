@@ -3,9 +3,11 @@
     result = speak("in.wav", "out.wav")                     # random weights: the reply is noise
     result = speak("in.wav", "out.wav", checkpoint_dir="personaplex-7b-v1/", preset="personaplex")
 
-The input is read with the standard library's `wave`: mono 16-bit PCM at the codec's rate (24 kHz
-in the real sizes) is expected, anything else is refused naming the file and what it holds (no
-resampling: nothing this package ships resamples exactly). It is cut in frames of `frame_size`
+The input's RIFF chunks are read by `read_wav`: mono 16-bit PCM at the codec's rate (24 kHz in the
+real sizes) is expected, anything else (or a malformed file) is refused naming the file and what it
+holds (no resampling: nothing this package ships resamples exactly). The step takes PCM in the run's
+dtype: in bfloat16 the 16-bit samples are rounded, and the run says how many that changed and by how
+much at most (on the host, before streaming; nothing in float32). It is cut in frames of `frame_size`
 samples (80 ms), the last one zero-padded (said when it is), and streamed one frame a step through
 `jax_impl.speech_frame` (B = 1); the reply has one frame out per frame in, so as many samples as the
 padded input, at the same rate, 16-bit (samples outside [-1, 1] clipped, and counted). The reply
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import os
+import struct
 import time
 import wave
 from typing import NamedTuple
@@ -55,35 +58,83 @@ class SpeakResult(NamedTuple):
 
 
 def read_wav(path: str, rate: int) -> np.ndarray:
-    """The samples of a mono 16-bit PCM WAV at `rate` Hz as float32 in [-1, 1); ValueError naming
-    the file and what it holds otherwise. RIFF pads an odd-sized chunk to an even size with a byte its
-    size does not count (`wave` skips it); a data chunk whose size is not a whole number of samples is
-    malformed, refused rather than its last byte dropped."""
-    try:
-        with wave.open(path, "rb") as f:
-            channels, width, found, n = f.getnchannels(), f.getsampwidth(), f.getframerate(), f.getnframes()
-            data = f.readframes(n + 1)  # the data chunk to its declared end: a partial frame there shows
-    except EOFError:
-        raise ValueError(f"--input {path}: not a PCM WAV file (it ends inside its header)") from None
-    except wave.Error as err:
-        extensible = "65534" in str(err)  # WAVE_FORMAT_EXTENSIBLE, which Python's wave module does not read
-        raise ValueError(f"--input {path}: not a PCM WAV file ({err}" + (
+    """The samples of a mono 16-bit PCM WAV at `rate` Hz as float32 [n] in [-1, 1); ValueError naming
+    the file and what it holds otherwise. The RIFF chunks are walked here rather than by the standard
+    library's `wave`, which stops at the first data chunk (a second one's samples would go unread) and
+    raises a bare RuntimeError on a chunk past the file's end. A chunk is a 4-byte id, a little-endian
+    uint32 size and that many bytes, an odd size followed by a pad byte the size does not count (one
+    missing shifts every chunk after it, which then reads as garbage: a chunk past the end, or no data
+    chunk; the last chunk's may be missing, nothing follows it). The walk ends at the RIFF chunk's
+    declared end, or the file's where that is sooner (a streaming writer's 0xFFFFFFFF).
+    Refused rather than read in part: a chunk past that end (the data chunk's: "truncated"), a second
+    fmt or data chunk, a data chunk before the fmt chunk, a fmt chunk whose block size or byte rate
+    disagrees with its channels, sample width and rate, a data chunk whose size is not a whole number
+    of samples. Other chunks (LIST, junk, ...) are skipped."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 12:
+        raise ValueError(f"--input {path}: not a PCM WAV file (it ends inside its header)")
+    if raw[:4] != b"RIFF" or raw[8:12] != b"WAVE":
+        raise ValueError(f"--input {path}: not a PCM WAV file (it starts {raw[:4]!r}...{raw[8:12]!r}, not "
+                         f"b'RIFF'...b'WAVE')")
+    end = min(8 + struct.unpack_from("<I", raw, 4)[0], len(raw))
+    where = "file" if end == len(raw) else f"RIFF chunk (its size says {end - 8} bytes)"
+    found = {}  # b"fmt " and b"data": (where its bytes start, its declared size)
+    at, odd = 12, ""  # odd: the chunk before, where its size is odd (then its pad byte may be missing)
+    while at < end:
+        if end - at < 8:
+            if b"data" not in found:
+                raise ValueError(f"--input {path}: not a PCM WAV file (it ends inside its header)")
+            raise ValueError(f"--input {path}: malformed: {end - at} bytes after its last chunk, too few for a "
+                             f"chunk's 8-byte header")
+        name, size = raw[at:at + 4], struct.unpack_from("<I", raw, at + 4)[0]
+        if name in found:
+            raise ValueError(f"--input {path}: malformed: a second {name.decode().strip()} chunk at byte {at} (a "
+                             f"WAV file holds one)")
+        if name == b"data" and b"fmt " not in found:
+            raise ValueError(f"--input {path}: not a PCM WAV file (data chunk before fmt chunk)")
+        if name in (b"fmt ", b"data"):
+            found[name] = at + 8, size
+        if at + 8 + size > end:
+            if name == b"data":
+                break  # truncated: said below, after what its fmt chunk holds
+            raise ValueError(f"--input {path}: malformed: its {name.decode('latin-1')!r} chunk at byte {at} "
+                             f"declares {size} bytes, {end - at - 8} follow it in the {where}" + (
+                                 f" (the {odd} chunk before it has an odd size: without the pad byte RIFF "
+                                 f"requires after it, every chunk after it is read a byte off)" if odd else ""))
+        odd = repr(name.decode("latin-1")) if size % 2 else ""
+        at += 8 + size + size % 2
+    missing = [name.decode().strip() for name in (b"fmt ", b"data") if name not in found]
+    if missing:
+        raise ValueError(f"--input {path}: not a PCM WAV file (no {' and no '.join(missing)} chunk)")
+    fmt_at, fmt_size = found[b"fmt "]
+    if fmt_size < 16:
+        raise ValueError(f"--input {path}: not a PCM WAV file (its fmt chunk holds {fmt_size} bytes, PCM's 16)")
+    tag, channels, hz, byte_rate, block_align, bits = struct.unpack_from("<HHIIHH", raw, fmt_at)
+    if tag != 1:  # 0xFFFE: WAVE_FORMAT_EXTENSIBLE, its sample format in a sub-header
+        raise ValueError(f"--input {path}: not a PCM WAV file (format tag {tag}, PCM's is 1" + (
             "; a WAVE_FORMAT_EXTENSIBLE header: write it as plain PCM first, e.g. sox in.wav -e signed -b 16 out.wav"
-            if extensible else "") + ")") from None
-    if (channels, width, found) != (1, 2, rate):
+            if tag == 0xFFFE else "") + ")")
+    width = (bits + 7) // 8
+    if (channels, width, hz) != (1, 2, rate):
         raise ValueError(f"--input {path}: expected mono 16-bit PCM at {rate} Hz, found {channels} channel(s), "
-                         f"{8 * width}-bit, {found} Hz (convert it first, e.g. sox in.wav -r {rate} -c 1 -b 16 "
+                         f"{8 * width}-bit, {hz} Hz (convert it first, e.g. sox in.wav -r {rate} -c 1 -b 16 "
                          f"out.wav)")
-    if len(data) > 2 * n:  # n = the chunk's size // 2: a byte more is half a sample
-        raise ValueError(f"--input {path}: malformed: its data chunk declares {len(data)} bytes, not a whole "
+    if (block_align, byte_rate) != (2, 2 * rate):
+        raise ValueError(f"--input {path}: malformed: its fmt chunk declares {block_align}-byte blocks at "
+                         f"{byte_rate} bytes a second, not mono 16-bit PCM's at {rate} Hz (2-byte blocks at "
+                         f"{2 * rate} bytes a second)")
+    data_at, size = found[b"data"]
+    if size % 2:
+        raise ValueError(f"--input {path}: malformed: its data chunk declares {size} bytes, not a whole "
                          f"number of 2-byte samples (a RIFF pad byte after an odd-sized chunk is not counted in "
                          f"its size)")
-    if not n:
+    if not size:
         raise ValueError(f"--input {path}: no samples")
-    if len(data) != 2 * n:
-        raise ValueError(f"--input {path}: truncated: its header says {n} samples, it holds {len(data)} bytes "
-                         f"of them")
-    return np.frombuffer(data, "<i2").astype(np.float32) / 32768.0
+    if data_at + size > end:
+        raise ValueError(f"--input {path}: truncated: its header says {size // 2} samples, it holds "
+                         f"{end - data_at} bytes of them")
+    return np.frombuffer(raw, "<i2", size // 2, data_at).astype(np.float32) / 32768.0
 
 
 def write_wav(path: str, samples: np.ndarray, rate: int) -> int:
@@ -168,6 +219,11 @@ def speak(input_path: str, output_path: str, *, preset: str | None = None, check
     step = sf.make_speech_frame_step(cfg, kernels=kernels, codec_rope_freqs=codec_freqs, lm_rope_freqs=lm_freqs)
     say(f"{preset} ({dtype}, kernels {kernels}) on {where}: {input_path}, {samples.size} samples = {frames} frames "
         f"of {fs}" + (f" (the last zero-padded by {padded} samples)" if padded else ""))
+    # the step takes PCM in the state's dtype: in bfloat16 the 16-bit samples are rounded, which is said
+    change = np.abs(samples.astype(params.codec.codebooks.dtype).astype(np.float32) - samples)
+    if change.any():
+        say(f"input rounded to {dtype} (the step's PCM dtype): {np.count_nonzero(change)} of {samples.size} "
+            f"samples changed, by at most {change.max():.3g} ({change.max() * 32768:.0f} 16-bit steps)")
 
     source = np.pad(samples, (0, padded)).reshape(frames, 1, 1, fs)
     reply = np.empty((frames, fs), np.float32)

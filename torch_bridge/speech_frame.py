@@ -27,11 +27,10 @@ from torch import nn
 
 from jax_impl.config import check_batch_size
 from jax_impl.frame_config import check_frame_kernels
-from jax_impl.snapshot import exact_float_cast
 from jax_impl.speech_frame_config import SpeechFrameConfig, SpeechFrameOutput
 
 from .codec import MimiCodec
-from .frame import LMFrame, jax_frame_params
+from .frame import LMFrame, check_offset_room, jax_frame_params
 
 
 class SpeechFrame(nn.Module):
@@ -107,6 +106,13 @@ class SpeechFrame(nn.Module):
         self.codec.reset_slot(b)
         self.lm.reset_rows(torch.arange(self.batch_size, device=self.device) == b)
 
+    def offsets(self) -> dict[str, torch.Tensor]:
+        """The offsets (int64 [B]) a step advances, by name, as `jax_impl.speech_frame.speech_offsets` names
+        the JAX state's: the codec's (`MimiCodec.offsets`, `downsample_stride` positions a frame each) and
+        the LM frame's (`LMFrame.offsets`, 1 a frame each), prefixed codec. and lm."""
+        return ({f"codec.{k}": v for k, v in self.codec.offsets().items()}
+                | {f"lm.{k}": v for k, v in self.lm.offsets().items()})
+
     def state_arrays(self) -> dict[str, torch.Tensor]:
         """Every state tensor by name, as `jax_impl.speech_frame.speech_state_arrays` names the JAX
         state's: the tensors themselves, but for each side's carries, concatenated into one [B, N]
@@ -129,27 +135,19 @@ class SpeechFrame(nn.Module):
              top_k: int = 0, text_temperature: float = 0.0, text_top_k: int = 0) -> SpeechFrameOutput:
         """One frame for every row: pcm [B, 1, frame_size] (the frame's dtype, or one that widens to it
         exactly) -> `SpeechFrameOutput`. active bool [B] (default: every row; an inactive row is inert).
-        seeds, temperature, top_k, text_temperature, text_top_k: the LM frame's sampling."""
-        c, B = self.config, self.batch_size
-        if not isinstance(pcm, torch.Tensor):
-            raise TypeError(f"pcm must be a torch tensor [B={B}, 1, {c.frame_size}], got {type(pcm).__name__}")
-        if tuple(pcm.shape) != (B, 1, c.frame_size):
-            raise ValueError(f"pcm must have shape [B={B}, 1, frame_size={c.frame_size}] (rank 3), got "
-                             f"{list(pcm.shape)}")
-        have, want = str(pcm.dtype).removeprefix("torch."), str(self.dtype).removeprefix("torch.")
-        if not pcm.is_floating_point() or not exact_float_cast(have, want):
-            raise ValueError(f"pcm has dtype {have}; the frame holds {want} and takes only a float dtype that casts "
-                             f"to it exactly")
-        if pcm.device != self.device:
-            raise ValueError(f"pcm is on {pcm.device}; the frame is on {self.device}")
-        if active is None:
-            active = torch.ones(B, dtype=torch.bool, device=self.device)
-        elif not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (B,):
-            raise ValueError(f"active must be a torch.bool tensor of shape [{B}], got "
-                             f"{getattr(active, 'dtype', type(active).__name__)} {list(getattr(active, 'shape', []))}")
+        seeds, temperature, top_k, text_temperature, text_top_k: the LM frame's sampling.
+        Checked before anything moves, naming the argument: TypeError for a type or dtype, ValueError for a
+        shape, device or value, and OverflowError for a frame that would take an offset past the JAX steps'
+        index dtype (`frame.check_offset_room`): `reset_slot` the row first."""
+        c = self.config
+        self.codec.check_pcm("step", pcm)
+        active = self.codec.check_active("step", active, self.codec.state)
         sampling = {"seeds": seeds, "temperature": temperature, "top_k": top_k, "text_temperature": text_temperature,
                     "text_top_k": text_top_k}
         self.lm.check_sampling_args(**sampling)  # before the encoder's state moves
+        offsets = self.offsets()
+        advance = {name: c.codec.downsample_stride if name.startswith("codec.") else 1 for name in offsets}
+        check_offset_room("step", "reset_slot", offsets, advance)
         codes = self.codec.encode_frame(pcm, active)
         if c.user_path == "user_tokens":
             out = self.lm.step(codes, active, **sampling)

@@ -18,18 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+
+from jax_impl.snapshot import row_index
 
 
 def check_row(op: str, b, batch_size: int) -> int:
-    """b as an int after checking it is a row index of a stream of batch_size rows: a Python or numpy
-    integer (as the JAX recycle ops take), not a bool; TypeError / IndexError naming `op`."""
-    if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)):
-        raise TypeError(f"{op}(b): b must be an int row index, got {type(b).__name__}")
-    if not 0 <= b < batch_size:
-        raise IndexError(f"{op}(b): b={b} is out of range for batch_size {batch_size}")
-    return int(b)
+    """b as an int after checking it is a row index of a stream of batch_size rows, by the rule of the
+    JAX recycle ops (`jax_impl.snapshot.row_index`: a Python or numpy integer, or a 0-d integer array or
+    tensor, not a bool); TypeError / IndexError naming `op`."""
+    return row_index(op, b, batch_size)
 
 
 @dataclass

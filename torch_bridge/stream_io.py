@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from jax_impl.snapshot import (
@@ -32,10 +33,16 @@ def read_torch_stream(path: str | os.PathLike) -> dict:
 
 
 def _as_torch(where: str, key: str, x) -> torch.Tensor:
-    """A snapshot array as a torch tensor (a jax array or anything with __dlpack__ is viewed, not copied)."""
+    """A snapshot array as a torch tensor (a jax array or anything with __dlpack__ is viewed, not copied).
+
+    A numpy bfloat16 array (ml_dtypes: what `jax_impl.read_stream` and `np.asarray` of a bf16 jax array
+    give) has no DLPack dtype: its bits are viewed as uint16 and those as torch.bfloat16, exactly.
+    """
     if isinstance(x, torch.Tensor):
         return x
     try:
+        if isinstance(x, np.ndarray) and x.dtype.name == "bfloat16":
+            return torch.from_dlpack(x.view(np.uint16)).view(torch.bfloat16)
         return torch.from_dlpack(x)
     except (TypeError, ValueError, RuntimeError, BufferError) as err:
         raise TypeError(f"{where}: snapshot[{key!r}] ({type(x).__name__}) cannot be read as a torch tensor: "
@@ -83,6 +90,7 @@ class StackStreamIO:
         idx = {key: t[key].to(device=self.device, dtype=torch.long, copy=True)
                for key in ("offset", "start_offset")}
         self._state = TorchStreamState(**ring, **idx)
+        self._bounds = max(t["offset"].tolist()), max(t["start_offset"].tolist())  # the bump guard's
 
     def save_stream(self, path: str | os.PathLike) -> None:
         """Write `snapshot()` to a safetensors file: the four arrays as tensors, "metadata" in the header;
