@@ -23,7 +23,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .config import MimiConfig, check_positive_ints, real_number
+from .config import MimiConfig, check_positive_ints, finite_real
 
 # EuclideanCodebook's clamp of the cluster usage: entry = embedding_sum / max(cluster_usage, eps).
 CODEBOOK_EPS = 1e-5
@@ -119,7 +119,7 @@ class CodecConfig:
                                     "codebook_size", "codebook_dim", "num_codebooks", "total_codebooks",
                                     "semantic_codebooks"))
         rate = self.frame_rate
-        if not real_number(rate) or not (math.isfinite(rate) and rate > 0):
+        if not (finite_real(rate) and rate > 0):
             raise ValueError(f"CodecConfig.frame_rate must be a finite number > 0, got {rate!r}")
         if (not isinstance(self.ratios, tuple) or not self.ratios
                 or any(not isinstance(r, int) or isinstance(r, bool) or r <= 0 for r in self.ratios)):

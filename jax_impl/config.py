@@ -29,10 +29,20 @@ def real_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def finite_real(value) -> bool:
+    """Whether value is a real number (`real_number`) that a float holds finite: NaN, the infinities and
+    an int past float's range (10**400, which `math.isfinite` cannot even convert) are not."""
+    try:
+        return real_number(value) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def positive_float32(value) -> bool:
     """Whether value is a real number (`real_number`) > 0 that float32 holds without becoming 0 or inf:
-    the eps of the float32 norms and the sampler's temperature are computed in float32."""
-    return real_number(value) and math.isfinite(value) and FLOAT32_TINY <= value <= FLOAT32_MAX
+    the eps of the float32 norms and the sampler's temperature are computed in float32. Compared, not
+    converted: an int past float64's range (10**400) is simply too large, and NaN compares false."""
+    return real_number(value) and FLOAT32_TINY <= value <= FLOAT32_MAX
 
 
 def check_batch_size(op: str, batch_size) -> int:
@@ -62,7 +72,7 @@ def _check_common(config) -> None:
         raise ValueError(f"head_dim = dim // num_heads must be even for RoPE, got {config.head_dim}")
     if config.ring_convention not in RING_CONVENTIONS:
         raise ValueError(f"ring_convention must be one of {RING_CONVENTIONS}, got {config.ring_convention!r}")
-    if not (real_number(config.max_period) and math.isfinite(config.max_period) and config.max_period > 1):
+    if not (finite_real(config.max_period) and config.max_period > 1):
         raise ValueError(f"max_period must be a finite number > 1 (RoPE's longest wavelength), got "
                          f"{config.max_period!r}")
     if not positive_float32(config.norm_eps):

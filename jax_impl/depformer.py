@@ -48,7 +48,7 @@ from kernels_pallas import backend, twin_attention, twin_linear
 from kernels_pallas.contract.norm import TwinNorm
 
 from . import state as st
-from .depformer_config import DepformerConfig, buffer_shapes
+from .depformer_config import DepformerConfig, buffer_shapes, check_steps
 from .kernel_choice import check_head_dim
 from .sampling import is_integer_array, sample
 from .sampling_config import array_described, check_counter, check_sampling, check_seeds
@@ -165,7 +165,7 @@ def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, a
     [B, dep_q] int and audio_provided [B, dep_q] bool (teacher forcing) or None; seeds [B],
     counter: sampling (`jax_impl.sampling`, step k at counter * dep_q + k) when temperature > 0.
     kernels: "reference" or "twin" (module docstring).
-    steps (static): run the first `steps` inner steps only (None: all); codes [B, steps].
+    steps (static): run the first `steps` inner steps only (1..dep_q, `check_steps`; None: all); codes [B, steps].
     unroll (static): the inner steps as a Python loop (the step, its weight set and embedding table
     static: no loop bookkeeping, no index arithmetic between the kernels) rather than a `lax.scan`;
     the same bits. None: unrolled on the twins compiled for the GPU; a scan elsewhere (interpreted on
@@ -173,6 +173,7 @@ def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, a
     """
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    check_steps(steps, cfg.dep_q)
     params = check_depformer_params(cfg, params)  # traced: shapes and dtypes, once a compile
     twin = kernels == "twin"
     if unroll is None:

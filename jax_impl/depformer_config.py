@@ -90,6 +90,13 @@ class DepformerConfig:
         return tuple((k - 1) % self.weight_sets for k in range(1, self.dep_q))
 
 
+def check_steps(steps, dep_q: int) -> None:
+    """Raise ValueError naming `steps` unless it is None (every inner step) or an int in 1..dep_q (not a
+    bool): a frame's first `steps` inner steps, the depformer's `steps` argument on both sides."""
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= dep_q):
+        raise ValueError(f"steps must be an int in 1..{dep_q} or None, got {steps!r}")
+
+
 DEPFORMER_PRESETS: dict[str, DepformerConfig] = {
     "personaplex": DepformerConfig(),
     "moshi": DepformerConfig(dep_q=8),

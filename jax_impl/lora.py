@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import StackConfig, TemporalConfig
+from .config import StackConfig, TemporalConfig, finite_real
 from .ops import acc_dtype, linear
 
 LORA_TARGETS = ("q", "v", "linear_in", "linear_out")
@@ -63,7 +63,7 @@ def init_lora(config: TemporalConfig, key: jax.Array, rank: int, *, scale: float
         raise ValueError(f"init_lora(rank): must be a positive int, got {rank!r}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"init_lora(scale): expected a real number, got {type(scale).__name__} {scale!r}")
-    if not math.isfinite(scale):
+    if not finite_real(scale):
         raise ValueError(f"init_lora(scale): expected a finite number, got {scale!r}")
     dtype = check_adapter_dtype("init_lora(dtype)", dtype)
     check_targets("init_lora(targets)", targets)

@@ -15,6 +15,8 @@ from jax import lax
 from kernels_pallas.twin_math import mul
 
 from .sampling_config import (
+    FLUSH_BELOW,
+    FLUSH_PRODUCT_BELOW,
     HASH_MUL,
     HASH_SHIFTS,
     LN2_HI,
@@ -23,6 +25,7 @@ from .sampling_config import (
     SQRT2,
     UNIFORM_SCALE,
     UNIFORM_SHIFT,
+    check_counter,
     check_sampling,
     check_seeds,
 )
@@ -69,6 +72,12 @@ def gumbel(seeds, counter, vocab: int):
     return -log(-log(u))
 
 
+def flush(x, below: float = FLUSH_BELOW):
+    """x (float32, any shape) with every value of magnitude below `below` as +0: the sampler's explicit
+    flush of subnormals (`sampling_config.FLUSH_BELOW`), whatever the backend does with them."""
+    return jnp.where(jnp.abs(x) < F32(below), F32(0.0), x)
+
+
 def top_k_mask(logits, k: int):
     """bool [B, V]: the k largest logits of each row, ties broken by the lower index."""
     threshold = lax.top_k(logits, k)[0][:, k - 1:]
@@ -84,16 +93,20 @@ def is_integer_array(x) -> bool:
 
 
 def sample(logits, seeds=None, counter=0, *, temperature: float = 0.0, top_k: int = 0):
-    """Tokens [B] int32 from logits [B, V] float32; seeds [B] uint32/int32, counter: int or [B].
-    temperature, top_k: static (python numbers); temperature 0: greedy (seeds not read)."""
+    """Tokens [B] int32 from logits [B, V] float32; seeds [B] uint32/int32, counter: int or integer [] / [B]
+    (`check_counter`, as the torch side's). temperature, top_k: static (python numbers); temperature 0:
+    greedy (seeds and counter not read). Subnormals are flushed (`sampling_config.FLUSH_BELOW`)."""
     if logits.dtype != F32 or logits.ndim != 2:
         raise ValueError(f"logits must be float32 [B, V], got {logits.dtype} {list(logits.shape)}")
     B, V = logits.shape
     check_sampling(temperature, top_k, V)
+    logits = flush(logits)
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    counter = check_counter(counter, B, is_integer_array)
     check_seeds(seeds, B, is_integer_array)
-    scores = logits + _mul(gumbel(seeds, counter, V), temperature)
+    noise = flush(_mul(gumbel(seeds, counter, V), flush(jnp.asarray(temperature, F32))), FLUSH_PRODUCT_BELOW)
+    scores = flush(logits + noise)
     if top_k:
         scores = jnp.where(top_k_mask(logits, top_k), scores, -jnp.inf)
     return jnp.argmax(scores, axis=-1).astype(jnp.int32)

@@ -16,6 +16,11 @@ polynomial written with correctly rounded float32 operations, each product round
 largest logits, ties broken by the lower index (`top_k = 1` is greedy, exactly); ties of the
 scores go to the lower index too (both sides' argmax). `temperature = 0` is greedy: the first
 largest logit.
+
+Subnormal float32 (magnitude below 2**-126) are flushed to +0 by both samplers themselves, wherever
+one can be read or made, since backends differ there (XLA on the CPU reads and writes them as zeros,
+torch keeps them): the temperature and the logits as given, the scaled noise temperature * g and the
+scores (`FLUSH_BELOW`, `FLUSH_PRODUCT_BELOW`). A subnormal temperature is therefore greedy.
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ LN2_HI, LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split so that e * LN2_HI is
 # log(m) = 2 s (1 + z/3 + z^2/5 + ...), s = (m - 1) / (m + 1), z = s^2 <= 0.0295: Horner's rule,
 # highest power first.
 LOG_POLY = (1 / 13, 1 / 11, 1 / 9, 1 / 7, 1 / 5, 1 / 3, 1.0)
+# The flush: x becomes +0 where |x| < the bound (NaN and inf kept; every zero +0, so ties of zeros go to the
+# lower index on both sides). FLUSH_BELOW, the smallest normal float32: the temperature and the logits as
+# given and the scores (logits + noise: a sum of two float32, exact when it is below 2**-126).
+# FLUSH_PRODUCT_BELOW, one float32 further, for the rounded product temperature * g: an exact product just
+# below 2**-126 rounds up to 2**-126 where subnormals are kept and to 0 where results are flushed.
+FLUSH_BELOW = 2.0**-126
+FLUSH_PRODUCT_BELOW = 2.0**-126 * (1 + 2.0**-23)
 
 
 def check_sampling(temperature, top_k, vocab: int) -> None:

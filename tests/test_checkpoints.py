@@ -400,7 +400,7 @@ def test_norm_eps_changes_the_torch_model_and_matches_jax(base):
             with_options(base, norm_eps=eps)
     assert with_options(base, norm_eps=np.float32(1e-5)).norm_eps == np.float32(1e-5)  # numpy's reals are numbers
     # RoPE's longest wavelength: inf made every frequency NaN (every output NaN, on both sides)
-    for period in (float("inf"), float("nan"), "10000", None, 1.0):
+    for period in (float("inf"), float("nan"), 10**400, "10000", None, 1.0):  # 10**400: no float holds it
         with pytest.raises(ValueError, match=rf"max_period must be a finite number > 1 .*, got {re.escape(repr(period))}"):
             with_options(base, max_period=period)
     # a size past int32 is no model's (JAX ended the process making a ring of context 2**62)

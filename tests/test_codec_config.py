@@ -45,6 +45,7 @@ def test_presets_are_consistent(name):
     ({"ratios": [8, 6]}, "ratios"),
     ({"ratios": (8, -1)}, "ratios"),
     ({"frame_rate": float("nan")}, "frame_rate"),
+    ({"frame_rate": 10**400}, "frame_rate"),
     ({"frame_rate": 11.0}, "frame_rate"),
     ({"dimension": 256}, "transformer.dim"),
     ({"num_codebooks": 33}, "num_codebooks"),

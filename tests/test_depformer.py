@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 import sys
 import types
 
@@ -127,6 +128,7 @@ def test_config_defaults_and_maps():
     ({"weight_sets": 17}, "weight_sets .* at most dep_q"),
     ({"dep_q": 2.0}, "DepformerConfig.dep_q must be a positive int"),
     ({"norm_eps": float("nan")}, "DepformerConfig.norm_eps"),
+    ({"norm_eps": 10**400}, "DepformerConfig.norm_eps"),  # past float64: too large, not an OverflowError
     ({"card": True}, "DepformerConfig.card"),
 ])
 def test_config_refuses(change, match):
@@ -282,6 +284,30 @@ def test_sampled_frame_is_deterministic_and_greedy_at_top1():
                        dep(text, out, temperature=0.9, seeds=seeds, counter=200))
     with pytest.raises(ValueError, match="top_k must be an int in 0..40"):
         dep(text, out, temperature=0.9, top_k=41, seeds=seeds)
+
+
+def test_steps_refused_alike_on_both_sides():
+    """`steps` is checked (`check_steps`) on both sides, the scan and the unrolled JAX frame alike: no
+    slice from the end, no bool, no empty frame."""
+    import jax.numpy as jnp
+
+    import jax_impl as jx
+
+    cfg = SMALL["moshi"]
+    dep = random_depformer(cfg, torch.float32)
+    params = _jax_params(dep)
+    text, out = frame_inputs(cfg, torch.float32)
+    jtext, jout = jnp.asarray(text.numpy()), jnp.asarray(out.numpy())
+    for steps in (-1, 0, 9, True, 2.0):
+        match = f"steps must be an int in 1..8 or None, got {steps!r}"
+        with pytest.raises(ValueError, match=re.escape(match)):
+            dep(text, out, steps=steps)
+        for unroll in (False, True):
+            with pytest.raises(ValueError, match=re.escape(match)):
+                jx.depformer_frame(cfg, params, jtext, jout, steps=steps, unroll=unroll)
+    codes = dep(text, out, steps=3)
+    assert codes.shape == (3, 3) and torch.equal(codes, dep(text, out)[:, :3])
+    assert np.array_equal(np.asarray(jx.depformer_frame(cfg, params, jtext, jout, steps=3)[0]), codes.numpy())
 
 
 # ----------------------------------------------------------------------------- JAX vs torch

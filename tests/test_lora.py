@@ -112,7 +112,7 @@ def test_bad_adapters_are_refused(params):
         jx.init_lora(TCFG, jax.random.key(1), 2, targets=("q", "k"))
     with pytest.raises(TypeError, match=r"init_lora\(targets\): expected a sequence of target names, got the string"):
         jx.init_lora(TCFG, jax.random.key(1), 2, targets="qv")
-    for scale, kind in (("2", TypeError), (True, TypeError), (float("nan"), ValueError)):
+    for scale, kind in (("2", TypeError), (True, TypeError), (float("nan"), ValueError), (10**400, ValueError)):
         with pytest.raises(kind, match=r"init_lora\(scale\)"):
             jx.init_lora(TCFG, jax.random.key(1), 2, scale=scale)
     for dtype in (jnp.int32, np.float64):  # float64 without jax_enable_x64 would be made float32

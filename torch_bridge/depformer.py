@@ -28,7 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from jax_impl.checkpoint import CheckpointError
-from jax_impl.depformer_config import DEPFORMER_PREFIXES, DepformerConfig, buffer_shapes, load_plan
+from jax_impl.depformer_config import (
+    DEPFORMER_PREFIXES,
+    DepformerConfig,
+    buffer_shapes,
+    check_steps,
+    load_plan,
+)
 from jax_impl.kernel_choice import check_head_dim
 from jax_impl.sampling_config import check_sampling
 
@@ -180,10 +186,8 @@ class Depformer(ExactLoads, nn.Module):
 
     # ----------------------------------------------------------------------------- one frame
     def _check_steps(self, steps) -> None:
-        """`steps` (run the first `steps` inner steps only): None or an int in 1..dep_q."""
-        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool)
-                                  or not 1 <= steps <= self.config.dep_q):
-            raise ValueError(f"steps must be an int in 1..{self.config.dep_q} or None, got {steps!r}")
+        """`steps` (run the first `steps` inner steps only): None or an int in 1..dep_q (`check_steps`)."""
+        check_steps(steps, self.config.dep_q)
 
     def _check_inputs(self, text_token, transformer_out, audio_tokens, audio_provided):
         c = self.config

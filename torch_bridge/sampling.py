@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from jax_impl.sampling_config import (
+    FLUSH_BELOW,
+    FLUSH_PRODUCT_BELOW,
     HASH_MUL,
     HASH_SHIFTS,
     LN2_HI,
@@ -66,6 +68,12 @@ def gumbel(seeds: torch.Tensor, counter, vocab: int) -> torch.Tensor:
     return -log(-log(u))
 
 
+def flush(x: torch.Tensor, below: float = FLUSH_BELOW) -> torch.Tensor:
+    """x (float32, any shape) with every value of magnitude below `below` as +0: the sampler's explicit
+    flush of subnormals (`sampling_config.FLUSH_BELOW`), the JAX side's."""
+    return torch.where(x.abs() < below, 0.0, x)
+
+
 def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
     """bool [B, V]: the k largest logits of each row, ties broken by the lower index."""
     threshold = torch.topk(logits, k, dim=-1).values[:, k - 1:]
@@ -96,16 +104,19 @@ def check_randomness(seeds, counter, B: int, device, sampled: bool):
 def sample(logits: torch.Tensor, seeds: torch.Tensor | None = None, counter=0, *, temperature: float = 0.0,
            top_k: int = 0) -> torch.Tensor:
     """Tokens [B] int64 from logits [B, V] float32; seeds [B] int (each row's stream, taken mod 2**32),
-    counter: int or [B] int (e.g. the frame and step). temperature 0: greedy (seeds not read)."""
+    counter: int or [B] int (e.g. the frame and step). temperature 0: greedy (seeds not read). Subnormals are
+    flushed (`sampling_config.FLUSH_BELOW`)."""
     if not isinstance(logits, torch.Tensor) or logits.dtype != torch.float32 or logits.dim() != 2:
         raise ValueError(f"logits must be a float32 torch tensor [B, V], got "
                          f"{getattr(logits, 'dtype', type(logits).__name__)} {list(getattr(logits, 'shape', []))}")
     B, V = logits.shape
     check_sampling(temperature, top_k, V)
+    logits = flush(logits)
     if temperature == 0:
         return logits.argmax(dim=-1)
     seeds, counter = check_randomness(seeds, counter, B, logits.device, True)
-    scores = logits + torch.tensor(temperature, dtype=torch.float32) * gumbel(seeds, counter, V)
+    noise = flush(flush(torch.tensor(temperature, dtype=torch.float32)) * gumbel(seeds, counter, V), FLUSH_PRODUCT_BELOW)
+    scores = flush(logits + noise)
     if top_k:
         scores = torch.where(top_k_mask(logits, top_k), scores, float("-inf"))
     return scores.argmax(dim=-1)
