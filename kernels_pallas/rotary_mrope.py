@@ -308,11 +308,16 @@ def _rotate_qk_bwd(plan, residuals, cotangents):
         return dq, dk, d_cos.astype(a.dtype), d_sin.astype(b.dtype)
     d_rows = jnp.concatenate([d_cos, d_sin], -1)  # [num_tokens, rotary_dim]
     d_cache = jnp.zeros(b.shape, jnp.float32)
+    P = b.shape[0]
+
+    def read(i):  # a position outside the cache read no row (check_positions=False): it credits none
+        return jnp.where((i >= 0) & (i < P), i, P)  # P: dropped (a negative index would wrap)
+
     if plan.num_streams == 1:
-        return dq, dk, None, d_cache.at[a].add(d_rows)
+        return dq, dk, None, d_cache.at[read(a)].add(d_rows, mode="drop")
     sel = jnp.concatenate([sel, sel])  # the cos half and the sin half of a row
     for s in range(3):
-        d_cache = d_cache.at[a[s]].add(jnp.where(sel == s, d_rows, 0))
+        d_cache = d_cache.at[read(a[s])].add(jnp.where(sel == s, d_rows, 0), mode="drop")
     return dq, dk, None, d_cache
 
 

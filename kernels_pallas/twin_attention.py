@@ -73,7 +73,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas import backend
+from kernels_pallas import backend, twin_grad
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract import attention as contract
 from kernels_pallas.contract.attention import (
@@ -323,14 +323,18 @@ def _differentiable_fwd(o: _Options, q, ring_k, ring_v, layer, positions, q_pos,
     """The output, and the residuals: the layer's slots (a slice: under a scan over layers the
     residuals are stacked per layer, the stacked rings would be L times over), the integer tables."""
     k, v = (lax.dynamic_index_in_dim(r, layer, keepdims=False) for r in (ring_k, ring_v))
-    return _forward(o, q, ring_k, ring_v, layer, positions, q_pos, sems), (q, k, v, layer, positions, q_pos)
+    return _differentiable(o, q, ring_k, ring_v, layer, positions, q_pos, sems), (q, k, v, layer, positions, q_pos)
 
 
 def _differentiable_bwd(o: _Options, residuals, cotangents):
-    q, k, v, layer, positions, q_pos = residuals
+    """`_bwd` on the output's cotangent as an array (the counters' have none)."""
     d_out = cotangents[0]
-    if isinstance(d_out, SymbolicZero):
-        d_out = jnp.zeros(d_out.shape, d_out.dtype)
+    return _bwd(o, residuals, jnp.zeros(d_out.shape, d_out.dtype) if isinstance(d_out, SymbolicZero) else d_out)
+
+
+@twin_grad.first_order("attention")
+def _bwd(o: _Options, residuals, d_out):
+    q, k, v, layer, positions, q_pos = residuals
     dq, dk, dv = attention_bwd(d_out, q, k, v, positions, q_pos, context=o.context, interpret=o.interpret)
 
     def ring(d):  # the layer's cotangent placed in the stacked rings' shape

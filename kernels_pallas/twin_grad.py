@@ -19,9 +19,31 @@ from kernels_pallas import backend
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.grad import INV_SQRT_2PI, GradBlocks
 from kernels_pallas.contract.linear import LINEAR_ACTS
-from kernels_pallas.contract.numerics import SQRT1_2
+from kernels_pallas.contract.numerics import SQRT1_2, check_twin_dtype
 
 F32 = tm.F32
+
+
+def first_order(name: str):
+    """Decorates a twin's `jax.custom_vjp` backward bwd(static, residuals, cotangents) (its nondiff
+    argument first, the cotangents arrays: no `SymbolicZero`): the twin kernels have no derivative of
+    their own, so differentiating the backward (a second derivative) raises NotImplementedError naming
+    the twin rather than JAX's linearization error from inside a pallas_call. The first derivative is
+    bwd's, unchanged (the torch twins: `kernels_triton.twin_grad.first_order`)."""
+
+    def wrap(bwd):
+        @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+        def checked(static, residuals, cotangents):
+            return bwd(static, residuals, cotangents)
+
+        @checked.defjvp
+        def _refuse(static, primals, tangents):
+            raise NotImplementedError(f"{name}: the twin kernels have no second derivative; use "
+                                      "kernels=\"reference\" (the *_native functions)")
+
+        return checked
+
+    return wrap
 
 
 def stacked(w: jax.Array, g: jax.Array, layer) -> jax.Array:
@@ -58,9 +80,11 @@ def epilogue_grad_math(g, p, s, act, dtype, gpu):
 
 
 def check_epilogue_grad(dy, pre, scale, act):
-    """(M, N_out, parts) of an epilogue_grad call (parts: 2 for the gate's halves, else 1), checked."""
+    """(M, N_out, parts) of an epilogue_grad call (parts: 2 for the gate's halves, else 1), checked: dy
+    (and pre, of its dtype) of a dtype the twins compute on (`numerics.check_twin_dtype`)."""
     if act not in LINEAR_ACTS:
         raise ValueError(f"epilogue_grad(act): must be one of {LINEAR_ACTS}, got {act!r}")
+    check_twin_dtype("epilogue_grad", "dy", dy)
     if len(dy.shape) != 2:
         raise ValueError(f"epilogue_grad(dy): expected [M, N_out], got shape {tuple(dy.shape)}")
     M, N_out = dy.shape
@@ -166,8 +190,11 @@ def _batch_sum_kernel(t_ref, o_ref, *, M, BN):
     o_ref[...] = tm.to_dtype(acc, o_ref.dtype)
 
 
-def check_batch_sum(t):
-    """(M, N) of a batch_sum call, checked."""
+def check_batch_sum(t, dtype):
+    """(M, N) of a batch_sum call, checked: t and the requested dtype of dtypes the twins
+    compute on (`numerics.check_twin_dtype`: a float64 sum would be narrowed to float32)."""
+    check_twin_dtype("batch_sum", "t", t)
+    check_twin_dtype("batch_sum", "dtype", jax.ShapeDtypeStruct((), dtype))
     if len(t.shape) != 2 or t.shape[0] < 1:
         raise ValueError(f"batch_sum(t): expected [M >= 1, N], got shape {tuple(t.shape)}")
     return tuple(t.shape)
@@ -177,7 +204,7 @@ def batch_sum(t: jax.Array, dtype, *, interpret: bool | None = None) -> jax.Arra
     """Each column's sum of t [M, N] (float32 or 16-bit) over the rows: float32 from +0, rows in
     increasing order, rounded once to dtype. Returns [N] in dtype. On Mosaic GPU where
     `kernels_pallas.backend` says so and `twin_grad_mgpu` takes the columns."""
-    M, N = check_batch_sum(t)
+    M, N = check_batch_sum(t, dtype)
     if backend.on_mosaic():
         from kernels_pallas import twin_grad_mgpu
 
@@ -201,7 +228,7 @@ def batch_sum(t: jax.Array, dtype, *, interpret: bool | None = None) -> jax.Arra
 
 def batch_sum_native(t, dtype, **_):
     """The plain jax.numpy reference of `batch_sum`: the same signature and bits, without Pallas."""
-    check_batch_sum(t)
+    check_batch_sum(t, dtype)
     acc = lax.fori_loop(0, t.shape[0], lambda m, acc: acc + t[m].astype(F32), jnp.zeros(t.shape[1:], F32))
     return tm.to_dtype(acc, dtype)
 

@@ -105,7 +105,7 @@ def _epilogue_kernel(layer_gmem, dy_gmem, pre_gmem, *refs, N_out, parts, act, ha
 def batch_sum(t: jax.Array, dtype, *, interpret: bool | None = None) -> jax.Array:
     """`twin_grad.batch_sum`: each column's float32 sum of t [M, N] over the rows, from +0 in increasing
     row order, rounded once to dtype. Returns [N] in dtype."""
-    M, N = check_batch_sum(t)
+    M, N = check_batch_sum(t, dtype)
     interpret, lanes, gpu = _prepare("batch_sum", N, interpret)
     call = plgpu.kernel(functools.partial(_batch_sum_kernel, M=M, lanes=lanes, gpu=gpu),
                         out_type=jax.ShapeDtypeStruct((N,), dtype), grid=(N // LANES,), grid_names=("n",),

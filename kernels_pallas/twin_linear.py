@@ -88,6 +88,7 @@ from kernels_pallas.contract.norm import (
     twin_norm_unroll,
 )
 from kernels_pallas.contract.numerics import check_launch, twin_lanes
+from kernels_pallas.contract.rope import check_write_slots
 
 
 def _epilogue(acc, dtype, act, scale, residual, gpu):
@@ -272,6 +273,7 @@ def _linear_fwd(x, w, layer, scale, residual, nw, nb, alpha, ss, opts: _LinearOp
     return out, (x, w, layer, scale, nw, nb, alpha, ss, y)
 
 
+@twin_grad.first_order("linear")
 def _linear_bwd(opts: _LinearOpts, saved, cotangent):
     """The linear's backward (`contract.grad`, steps 1-4, and the split norm's halves) on the twin kernels."""
     x, w, layer, scale, nw, nb, alpha, ss, y = saved
@@ -512,8 +514,9 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     Differentiable in x, w, the norm's weights, rms.ss and the rings (the one kernel: a `jax.custom_vjp`,
     rope_write's backward then the linear's, `contract.grad`); cos and sin are refused, as `rope_write` does.
     """
-    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask,
-                                         tm.host_values(write_index))
+    slots = tm.host_values(write_index)
+    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask, slots)
+    check_write_slots("linear_rope_write", slots, tm.host_values(write_mask))
     check_launch("linear_rope_write", num_warps, num_stages)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -614,9 +617,16 @@ def _qkv_fwd(opts: _QkvOpts, x, w, layers, nw, nb, ss, cos, sin, ring_k, ring_v,
 
 
 def _qkv_bwd(opts: _QkvOpts, saved, cotangents):
+    """`_qkv_arrays_bwd` on (dq, d_ring_k, d_ring_v) as arrays."""
+    return _qkv_arrays_bwd(opts, saved, tuple(jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c
+                                              for c in cotangents))
+
+
+@twin_grad.first_order("linear_rope_write")
+def _qkv_arrays_bwd(opts: _QkvOpts, saved, cotangents):
     """rope_write's backward (`twin_rope.rope_write_bwd`), then the linear's (`_linear_bwd`)."""
     x, w, layers, nw, nb, ss, cos, sin, write_index, write_mask = saved
-    dq, d_ring_k, d_ring_v = (jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cotangents)
+    dq, d_ring_k, d_ring_v = cotangents
     d_qkv, d_ring_k, d_ring_v = twin_rope.rope_write_bwd(dq, cos, sin, d_ring_k, d_ring_v, layers[1], write_index,
                                                          write_mask, interpret=opts.interpret)
     dx, dw, _, _, _, dnw, dnb, _, dss = _linear_bwd(opts.linear, (x, w, layers[0], None, nw, nb, None, ss, None),
@@ -660,8 +670,9 @@ def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index,
                              ring_layer=None, form=None, **_):
     """The plain jax.numpy reference of `linear_rope_write`'s lane form: `linear_native` then
     `twin_rope.rope_write_native`, the same signature and bits (the MMA form's bits are the tensor cores')."""
-    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask,
-                                    tm.host_values(write_index))
+    slots = tm.host_values(write_index)
+    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask, slots)
+    check_write_slots("linear_rope_write", slots, tm.host_values(write_mask))
     qkv = linear_native(x, w, layer, norm=norm, form=form).reshape(B, T, 3, H, D)
     return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
                                        write_index, write_mask)

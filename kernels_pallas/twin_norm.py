@@ -39,7 +39,7 @@ from kernels_pallas.contract.norm import (
     check_twin_norm,
     twin_norm_unroll,
 )
-from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, check_launch, twin_lanes
+from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, check_launch, check_twin_dtype, twin_lanes
 
 
 def row_sum(load, D, BK, unroll, tree=tm.tree_sum):
@@ -141,6 +141,7 @@ def _norm_fwd(x, weight, bias, layer, opts):
     return _norm_vjp(x, weight, bias, layer, opts), (x, weight, bias, layer)
 
 
+@twin_grad.first_order("norm")
 def _norm_bwd(opts, saved, dy):
     x, weight, bias, layer = saved
     kind, eps, block_m, _, interpret = opts
@@ -241,9 +242,10 @@ def _split_vjp(interpret, x, weight, layer):
 
 
 def _split_fwd(interpret, x, weight, layer):
-    return _split(x, weight, layer, interpret), (x, weight, layer)
+    return _split_vjp(interpret, x, weight, layer), (x, weight, layer)
 
 
+@twin_grad.first_order("split")
 def _split_bwd(interpret, saved, cotangents):
     x, weight, layer = saved
     du, dss = cotangents
@@ -440,8 +442,9 @@ def _split_grad_kernel(row_ref, y_ref, du_ref, dss_ref, alpha_ref, *refs, has_dy
 
 
 def check_split_grad(y, du, dss, weight, dy):
-    """(M, N) of a split_grad call, checked: y, du (and dy) [M, N] of one dtype, dss float32 [M, N / G],
-    weight [L, N]."""
+    """(M, N) of a split_grad call, checked: y, du (and dy) [M, N] of one dtype, one the twins compute on
+    (`numerics.check_twin_dtype`), dss float32 [M, N / G], weight [L, N]."""
+    check_twin_dtype("split_grad", "y", y)
     if len(y.shape) != 2 or y.shape[1] % TWIN_SPLIT_GROUP:
         raise ValueError(f"split_grad(y): expected [M, N] with N a multiple of {TWIN_SPLIT_GROUP}, got shape "
                          f"{tuple(y.shape)}")
@@ -535,8 +538,9 @@ def _split_rms_grad_kernel(u_ref, dxn_ref, ss_ref, xn_ref, du_ref, dss_ref, *, K
 
 
 def check_split_rms_grad(u, dxn, ss):
-    """(M, K) of a split_rms_grad call, checked: u, dxn [M, K] of one dtype, ss float32 [M, K / G]
-    with a power-of-two count of groups."""
+    """(M, K) of a split_rms_grad call, checked: u, dxn [M, K] of one dtype, one the twins compute on
+    (`numerics.check_twin_dtype`), ss float32 [M, K / G] with a power-of-two count of groups."""
+    check_twin_dtype("split_rms_grad", "u", u)
     if len(u.shape) != 2:
         raise ValueError(f"split_rms_grad(u): expected [M, K], got shape {tuple(u.shape)}")
     M, K = u.shape

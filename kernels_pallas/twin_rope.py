@@ -12,7 +12,9 @@ Contract (beside `twin_math`'s):
     write:   ring_k[layer, b, h, write_index[b, t]] = k'[b, h, t], ring_v[...] = v[b, h, t] where
              write_mask[b, t] (`StepTables.write_mask`: the row is active and the position not
              recycled away); nothing else of the ring is touched (rings aliased to the outputs, so
-             under donation the write is in place).
+             under donation the write is in place). A row's written tokens write distinct slots
+             (`contract.rope.check_write_slots`: refused where the slots are on the host; traced
+             ones are the caller's to keep distinct, as the step's tables do)
 
 Everything is elementwise per (b, t): batch-invariant by construction.
 
@@ -43,7 +45,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas import backend
+from kernels_pallas import backend, twin_grad
 from kernels_pallas import twin_math as tm
 from kernels_pallas.contract.numerics import next_pow2
 from kernels_pallas.contract.rope import check_rope_tables, check_twin_rope
@@ -156,7 +158,8 @@ def rope_write(qkv: jax.Array, cos: jax.Array | None, sin: jax.Array | None, rin
     (or int32, nonzero where written: the kernel reads int32).
     q comes back as [B, H, T, D]. Differentiable in qkv and the rings (module docstring).
     """
-    check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask, tm.host_values(write_index))
+    check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask, tm.host_values(write_index),
+                    tm.host_values(write_mask))
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     return _differentiable(interpret, qkv, cos, sin, ring_k, ring_v, tm.layer_index("rope_write", layer, ring_k.shape[0]),
@@ -204,12 +207,19 @@ def _differentiable_fwd(interpret, qkv, cos, sin, ring_k, ring_v, layer, write_i
         raise NotImplementedError("rope_write(cos, sin): the RoPE tables have no derivative here (functions of "
                                   "integer positions); differentiate qkv and the rings only")
     args = [None if a is None else a.value for a in (qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask)]
-    return _forward(interpret, *args), (args[1], args[2], args[5], args[6], args[7])
+    return _differentiable(interpret, *args), (args[1], args[2], args[5], args[6], args[7])
 
 
 def _differentiable_bwd(interpret, residuals, cotangents):
+    return _bwd(interpret, residuals,
+                tuple(jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cotangents))
+
+
+@twin_grad.first_order("rope_write")
+def _bwd(interpret, residuals, cotangents):
+    """`_differentiable_bwd` on (dq, d_ring_k, d_ring_v) as arrays."""
     cos, sin, layer, write_index, write_mask = residuals
-    dq, d_ring_k, d_ring_v = (jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cotangents)
+    dq, d_ring_k, d_ring_v = cotangents
     d_qkv, d_ring_k, d_ring_v = rope_write_bwd(dq, cos, sin, d_ring_k, d_ring_v, layer, write_index, write_mask,
                                                interpret=interpret)
     return d_qkv, None, None, d_ring_k, d_ring_v, None, None, None
@@ -273,7 +283,7 @@ def rope_write_bwd(dq: jax.Array, cos: jax.Array | None, sin: jax.Array | None, 
     """
     B, H, T, D = dq.shape
     check_twin_rope(jax.ShapeDtypeStruct((B, T, 3, H, D), dq.dtype), cos, sin, d_ring_k, d_ring_v, write_index,
-                    write_mask)
+                    write_mask, tm.host_values(write_index), tm.host_values(write_mask))
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if backend.on_mosaic():
@@ -313,7 +323,7 @@ def rotate_and_write(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_ma
     float32 of one shape, cos, sin broadcasting to it), the rest XLA's data movement: the Mosaic GPU
     backend's rope write (`twin_rope_mgpu`) passes its elementwise kernel."""
     B, T, H, D, (L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask,
-                                         tm.host_values(write_index))
+                                         tm.host_values(write_index), tm.host_values(write_mask))
     layer = tm.layer_index("rope_write", layer, L)
     if cos is None:  # no rotation: q and k as projected
         q, k = (qkv[:, :, p].transpose(0, 2, 1, 3) for p in (0, 1))                # [B, H, T, D]

@@ -51,6 +51,7 @@ from kernels_pallas.contract.mrope import (
     pick_num_warps,
 )
 from kernels_pallas.contract.numerics import INT32_MAX, next_pow2
+from kernels_triton import twin_grad
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import check_device, interpreting
 
@@ -513,13 +514,17 @@ class _Rotate(torch.autograd.Function):
         return mrope_(_fresh(q), _fresh(k), a, b, *args, **kwargs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @twin_grad.first_order("mrope")
     def backward(ctx, dq_out, dk_out):
         q, k, a, b = ctx.saved_tensors
         mrope_section, head_size, rotary_dim, interleaved, is_neox_style = ctx.args
         half = rotary_dim // 2
         if ctx.from_cache:  # rotate back with the gathered rows, through the table form
-            rows = b[a.long()]
+            pos, max_position = a.long(), b.shape[0]
+            read = (pos >= 0) & (pos < max_position)  # the rest (check_positions=False) read nothing: NaN rows
+            # ...whose cotangents rotate back with the Pallas twin's row (JAX's gather: a negative position
+            # counts from the end, then clamped into the cache) and reach no row of it
+            rows = b[torch.where(pos < 0, pos + max_position, pos).clamp(0, max_position - 1)]
             cos, sin = rows[..., :half], rows[..., half:]
         else:
             cos, sin = a, b
@@ -537,11 +542,11 @@ class _Rotate(torch.autograd.Function):
         d_rows = torch.cat([d_cos, d_sin], -1)  # [num_tokens, rotary_dim]
         d_cache = torch.zeros(b.shape, dtype=torch.float32, device=b.device)
         if sel is None:
-            d_cache.index_add_(0, a.long(), d_rows)
+            d_cache.index_add_(0, pos[read], d_rows[read])
         else:
             sel = torch.cat([sel, sel])  # the cos half and the sin half of a row
             for s in range(3):
-                d_cache.index_add_(0, a[s].long(), torch.where(sel == s, d_rows, 0))
+                d_cache.index_add_(0, pos[s][read[s]], torch.where(sel == s, d_rows, 0)[read[s]])
         return dq, dk, None, d_cache, None, None, None
 
 

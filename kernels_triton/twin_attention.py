@@ -21,6 +21,7 @@ from kernels_pallas.contract.attention import (
     twin_sems_size,
 )
 from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, check_index
+from kernels_triton import twin_grad
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -209,6 +210,7 @@ class _Attention(torch.autograd.Function):
         return res
 
     @staticmethod
+    @twin_grad.first_order("attention")
     def backward(ctx, d_out, *_):
         q, k, v, positions, q_pos, at = ctx.saved_tensors
         dq, dk, dv = attention_bwd(d_out.contiguous(), q, k, v, positions, q_pos, context=ctx.context)

@@ -4,13 +4,15 @@ references (`*_native`) beside them."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels_pallas.contract.grad import INV_SQRT_2PI, GradBlocks
 from kernels_pallas.contract.linear import LINEAR_ACTS
-from kernels_pallas.contract.numerics import SQRT1_2
+from kernels_pallas.contract.numerics import SQRT1_2, check_twin_dtype
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -24,6 +26,24 @@ def needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def first_order(name: str):
+    """Decorates a twin's `autograd.Function.backward`: the twin kernels record no graph, so a backward
+    with create_graph=True (the way to a second derivative) is refused (NotImplementedError) rather
+    than handing back a first derivative whose own derivative would silently be zero."""
+
+    def wrap(backward):
+        @functools.wraps(backward)
+        def checked(ctx, *cotangents):
+            if torch.is_grad_enabled():
+                raise NotImplementedError(f"{name}: the twin kernels have no second derivative (a backward with "
+                                          "create_graph=True); use kernels=\"reference\" (the *_native functions)")
+            return backward(ctx, *cotangents)
+
+        return checked
+
+    return wrap
+
+
 def stacked(w: torch.Tensor, g: torch.Tensor, layer_t: torch.Tensor) -> torch.Tensor:
     """The cotangent of a stacked weight w [L, ...] read at layer_t (an int32 tensor [1]): g (one
     layer's, [...]) in its row of an [L, ...] of zeros (`contract.grad`)."""
@@ -34,6 +54,7 @@ def check_epilogue_grad(dy, pre, scale, act):
     """(M, N_out, parts) of an epilogue_grad call, checked (the Pallas twin's check)."""
     if act not in LINEAR_ACTS:
         raise ValueError(f"epilogue_grad(act): must be one of {LINEAR_ACTS}, got {act!r}")
+    check_twin_dtype("epilogue_grad", "dy", dy)
     if dy.dim() != 2:
         raise ValueError(f"epilogue_grad(dy): expected [M, N_out], got shape {tuple(dy.shape)}")
     M, N_out = dy.shape
@@ -150,8 +171,10 @@ def _batch_sum_kernel(t_ptr, o_ptr, M, N: tl.constexpr, BN: tl.constexpr, INTERP
     tl.store(o_ptr + n, tm.to_dtype(acc, o_ptr.dtype.element_ty, INTERPRETED))
 
 
-def check_batch_sum(t):
-    """(M, N) of a batch_sum call, checked."""
+def check_batch_sum(t, dtype):
+    """(M, N) of a batch_sum call, checked (the Pallas twin's check)."""
+    check_twin_dtype("batch_sum", "t", t)
+    check_twin_dtype("batch_sum", "dtype", torch.empty(0, dtype=dtype, device="meta"))
     if t.dim() != 2 or t.shape[0] < 1:
         raise ValueError(f"batch_sum(t): expected [M >= 1, N], got shape {tuple(t.shape)}")
     return tuple(t.shape)
@@ -159,7 +182,7 @@ def check_batch_sum(t):
 
 def batch_sum(t: torch.Tensor, dtype) -> torch.Tensor:
     """Each column's sum of t [M, N] over the rows in increasing order (the Pallas twin's bits)."""
-    M, N = check_batch_sum(t)
+    M, N = check_batch_sum(t, dtype)
     t = t.contiguous()
     out = torch.empty((N,), dtype=dtype, device=t.device)
     interpreted = interpreting(_batch_sum_kernel)
@@ -171,7 +194,7 @@ def batch_sum(t: torch.Tensor, dtype) -> torch.Tensor:
 
 def batch_sum_native(t, dtype, **_):
     """The plain torch reference of `batch_sum`: the same signature and bits, without Triton."""
-    check_batch_sum(t)
+    check_batch_sum(t, dtype)
     acc = torch.zeros(t.shape[1:], dtype=torch.float32, device=t.device)
     for m in range(t.shape[0]):
         acc = acc + t[m].float()

@@ -19,7 +19,7 @@ from kernels_pallas.contract.norm import (
     check_twin_norm,
     twin_norm_unroll,
 )
-from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, check_launch, twin_lanes
+from kernels_pallas.contract.numerics import TWIN_MMA_ROWS, check_launch, check_twin_dtype, twin_lanes
 from kernels_triton import twin_grad
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
@@ -128,6 +128,7 @@ class _Norm(torch.autograd.Function):
         return _norm(x, weight, bias, layer_t, kind=kind, eps=eps, block_m=block_m, num_warps=num_warps)
 
     @staticmethod
+    @twin_grad.first_order("norm")
     def backward(ctx, dy):
         x, weight, bias, layer_t = ctx.saved_tensors
         kind, eps, block_m, _ = ctx.opts
@@ -222,6 +223,7 @@ class _Split(torch.autograd.Function):
         return _split(x, weight, layer_t)
 
     @staticmethod
+    @twin_grad.first_order("split")
     def backward(ctx, du, dss):
         x, weight, layer_t = ctx.saved_tensors
         dx, ta = split_grad(x, du.contiguous(), dss.contiguous(), weight, layer_t)
@@ -399,6 +401,7 @@ def _split_grad_kernel(row_ptr, y_ptr, du_ptr, dss_ptr, alpha_ptr, dy_ptr, dx_pt
 
 def check_split_grad(y, du, dss, weight, dy):
     """(M, N) of a split_grad call, checked (the Pallas twin's check)."""
+    check_twin_dtype("split_grad", "y", y)
     if y.dim() != 2 or y.shape[1] % TWIN_SPLIT_GROUP:
         raise ValueError(f"split_grad(y): expected [M, N] with N a multiple of {TWIN_SPLIT_GROUP}, got shape "
                          f"{tuple(y.shape)}")
@@ -473,6 +476,7 @@ def _split_rms_grad_kernel(u_ptr, dxn_ptr, ss_ptr, xn_ptr, du_ptr, dss_ptr, M, e
 
 def check_split_rms_grad(u, dxn, ss):
     """(M, K) of a split_rms_grad call, checked (the Pallas twin's check)."""
+    check_twin_dtype("split_rms_grad", "u", u)
     if u.dim() != 2:
         raise ValueError(f"split_rms_grad(u): expected [M, K], got shape {tuple(u.shape)}")
     M, K = u.shape

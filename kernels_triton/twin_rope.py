@@ -11,6 +11,7 @@ import triton.language as tl
 
 from kernels_pallas.contract.numerics import check_index, next_pow2
 from kernels_pallas.contract.rope import check_rope_tables, check_twin_rope
+from kernels_triton import twin_grad
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
@@ -117,7 +118,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | 
 def _forward(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_mask):
     """The forward kernel: `rope_write` without autograd."""
     B, T, H, D, (L, C) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask,
-                                         tm.host_values(write_index))
+                                         tm.host_values(write_index), tm.host_values(write_mask))
     for name, t in (("qkv", qkv), ("ring_k", ring_k), ("ring_v", ring_v), ("cos", cos), ("sin", sin)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"rope_write({name}): must be contiguous, got strides {t.stride()}")
@@ -146,6 +147,7 @@ class _RopeWrite(torch.autograd.Function):
         return out
 
     @staticmethod
+    @twin_grad.first_order("rope_write")
     def backward(ctx, dq, d_ring_k, d_ring_v):
         cos, sin, write_index, write_mask = ctx.saved_tensors
         d_qkv, d_ring_k, d_ring_v = rope_write_bwd(dq.contiguous(), cos, sin, d_ring_k.clone(memory_format=torch.contiguous_format),
@@ -196,7 +198,8 @@ def rope_write_bwd(dq: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor
     d_ring_k, d_ring_v), the rings' cotangents updated in place (the written slots set to 0)."""
     B, H, T, D = dq.shape
     _, _, _, _, (L, C) = check_twin_rope(torch.empty((B, T, 3, H, D), dtype=dq.dtype, device="meta"), cos, sin,
-                                         d_ring_k, d_ring_v, write_index, write_mask)
+                                         d_ring_k, d_ring_v, write_index, write_mask, tm.host_values(write_index),
+                                         tm.host_values(write_mask))
     for name, t in (("dq", dq), ("d_ring_k", d_ring_k), ("d_ring_v", d_ring_v), ("cos", cos), ("sin", sin)):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"rope_write_bwd({name}): must be contiguous, got strides {t.stride()}")
@@ -221,7 +224,7 @@ def rope_write_native(qkv, cos, sin, ring_k, ring_v, layer, write_index, write_m
     """The plain torch reference of `rope_write`: the same signature and bits (the rings written in
     place where write_mask says; returns (q [B, H, T, D], ring_k, ring_v)), without Triton."""
     B, T, H, D, (L, _) = check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask,
-                                         tm.host_values(write_index))
+                                         tm.host_values(write_index), tm.host_values(write_mask))
     check_index("rope_write", "layer", layer, L, tm.host_values(layer), scalar=True)
     x = qkv.float().reshape(B, T, 3, H, D // 2, 2)
 

@@ -87,6 +87,64 @@ def test_rope_write_refuses_a_differentiated_table():
                       to_torch(wi), to_torch(wm))
 
 
+def test_rope_write_refuses_one_slot_written_twice_in_a_row():
+    """Two written tokens of one batch row at one slot (write_mask says which are written): which write
+    lands is not fixed, and the backwards would credit different ones; refused on both sides wherever
+    the slots are on the host, the rings untouched. A token not written may share a written one's slot."""
+    qkv, cos, sin, rk, rv, wi, wm, cts = _rope_case("float32")  # B=2, T=3, C=5; token 2 of row 0 not written
+    dup, shared = wi.copy(), wi.copy()
+    dup[1, 2] = dup[1, 0]
+    shared[0, 2] = shared[0, 0]
+    x = np.random.default_rng(6).standard_normal((2 * 3, 16)).astype(np.float32)
+    w = np.random.default_rng(7).standard_normal((2, 3 * 2 * 8, 16)).astype(np.float32)
+    sides = {"pallas": (pr, pli, jnp.asarray), "triton": (tr, tli, to_torch)}
+    for side, (rope, lin, put) in sides.items():
+        rings = [put(rk), put(rv)]
+        for fn in (rope.rope_write, rope.rope_write_native):
+            with pytest.raises(ValueError, match=r"^rope_write\(write_index\): expected distinct slots among a batch "
+                                                 r"row's written tokens \(write_mask\), got slot 2 twice in row 1$"):
+                fn(put(qkv), put(cos), put(sin), *rings, 1, put(dup), put(wm))
+            fn(put(qkv), put(cos), put(sin), put(rk), put(rv), 1, put(shared), put(wm))
+        with pytest.raises(ValueError, match=r"^rope_write\(write_index\): expected distinct slots"):
+            rope.rope_write_bwd(put(cts[0]), put(cos), put(sin), put(cts[1]), put(cts[2]), 1, put(dup), put(wm))
+        for fn in (lin.linear_rope_write, lin.linear_rope_write_native):
+            with pytest.raises(ValueError, match=r"^linear_rope_write\(write_index\): expected distinct slots"):
+                fn(put(x), put(w), 1, put(cos), put(sin), *rings, put(dup), put(wm))
+        for ring, before in zip(rings, (rk, rv)):
+            assert_same(np.asarray(ring), before, what=f"{side}: the rings")
+
+
+def test_a_second_derivative_through_attention_or_rope_write_is_refused():
+    """The twin kernels have no derivative of their own: torch's backward with create_graph=True (whose
+    first derivative would differentiate to zero) and JAX's derivative of rope_write's and attention's
+    backward raise NotImplementedError naming the twin."""
+    qkv, cos, sin, rk, rv, wi, wm, _ = _rope_case("float32")
+    q, ak, av, positions, q_pos = attention_case(2, 2, 2, 8, 10, "float32")
+    tq = to_torch(q).requires_grad_()
+    with pytest.raises(NotImplementedError, match=r"^attention: the twin kernels have no second derivative"):
+        out = ta.attention(tq, to_torch(ak), to_torch(av), 1, torch.from_numpy(positions), torch.from_numpy(q_pos),
+                           context=10)
+        torch.autograd.grad((out ** 2).sum(), tq, create_graph=True)
+    tqkv = to_torch(qkv).requires_grad_()
+    with pytest.raises(NotImplementedError, match=r"^rope_write: the twin kernels have no second derivative"):
+        out = tr.rope_write(tqkv, to_torch(cos), to_torch(sin), to_torch(rk), to_torch(rv), 1, to_torch(wi),
+                            to_torch(wm))[0]
+        torch.autograd.grad((out ** 2).sum(), tqkv, create_graph=True)
+    J = jnp.asarray
+
+    def first(a):
+        return jax.grad(lambda a: jnp.sum(pr.rope_write(a, J(cos), J(sin), J(rk), J(rv), 1, J(wi), J(wm))[0] ** 2))(a)
+
+    def first_attention(a):
+        return jax.grad(lambda a: jnp.sum(pa.attention(a, J(ak), J(av), jnp.int32(1), J(positions), J(q_pos),
+                                                       context=10) ** 2))(a)
+
+    for who, f, a in (("rope_write", first, J(qkv)), ("attention", first_attention, J(q))):
+        assert np.abs(np.asarray(f(a))).max() > 0  # the first derivative stands
+        with pytest.raises(NotImplementedError, match=rf"^{who}: the twin kernels have no second derivative"):
+            jax.grad(lambda a, f=f: jnp.sum(f(a) ** 2))(a)
+
+
 def _dense_attention(q, k, v, positions, q_pos, context):
     """The reference layer's attention (`ops.masked_attention`, XLA) on one layer's slots: [B, T, H, D]."""
     delta = q_pos[:, :, None] - positions[:, None, :]

@@ -7,6 +7,8 @@ reference (`*_native`, differentiated by each framework's own autodiff), within 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -113,6 +115,55 @@ def test_batch_sum_adds_the_rows_in_increasing_order_on_both_sides(dtype):
     assert_same_bits(out, pg.batch_sum_native(jnp.asarray(t), jdt), "native")
     for f in (tg.batch_sum, tg.batch_sum_native):
         assert_same_bits(out, f(torch.from_numpy(t), tdt), f.__name__)
+
+
+@pytest.mark.parametrize("side", ["pallas", "triton"])
+def test_the_backward_kernels_refuse_a_dtype_they_would_narrow_alike_on_both_sides(side):
+    """The backward kernels compute in float32: a float64 argument (or requested batch_sum dtype) would
+    come back narrowed, an integer one cast; both are refused naming the argument, as the forwards do."""
+    put, grad, norm, (f32, f64) = {"pallas": (np.asarray, pg, pn, (jnp.float32, jnp.float64)),  # jnp.asarray narrows
+                                   "triton": (torch.from_numpy, tg, tn, (torch.float32, torch.float64))}[side]
+    M, N = 2, 64
+    ss, alpha = put(np.ones((M, N // 64), np.float32)), put(np.ones((1, N), np.float32))
+    for dtype in ("float64", "int32"):
+        bad = put(np.ones((M, N), dtype))
+        calls = (("epilogue_grad(dy)", grad.epilogue_grad, (bad, None), {}),
+                 ("batch_sum(t)", grad.batch_sum, (bad, f32), {}),
+                 ("split_grad(y)", norm.split_grad, (bad, bad, ss, alpha, 0), {}),
+                 ("split_rms_grad(u)", norm.split_rms_grad, (bad, bad, ss), {"eps": 1e-5}))
+        for arg, fn, args, kw in calls:
+            with pytest.raises(TypeError, match=rf"^{re.escape(arg)}: expected one of float32, bfloat16, float16, "
+                                                rf"got {dtype}$"):
+                fn(*args, **kw)
+    for fn in (grad.batch_sum, grad.batch_sum_native):
+        with pytest.raises(TypeError, match=r"^batch_sum\(dtype\): expected one of .*, got float64$"):
+            fn(put(np.ones((M, N), np.float32)), f64)
+
+
+def test_a_second_derivative_is_refused_not_silently_zero():
+    """The twin kernels have no derivative of their own: torch's backward with create_graph=True (which
+    would hand back a first derivative whose derivative is silently zero) and JAX's derivative of the
+    backward (a linearization error from inside a pallas_call) raise NotImplementedError naming the twin."""
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal((1, 128))).astype(np.float32)
+    wl = (0.1 * rng.standard_normal((1, 32, 128))).astype(np.float32)
+    torch_twins = {"norm": lambda x: tn.norm(x, torch.from_numpy(w), None, 0, kind="rms", eps=1e-5),
+                   "split": lambda x: tn.split(x, torch.from_numpy(w), 0)[0],
+                   "linear": lambda x: tli.linear(x, torch.from_numpy(wl), 0, act="gelu")}
+    for who, f in torch_twins.items():
+        tx = torch.from_numpy(x).requires_grad_()
+        with pytest.raises(NotImplementedError, match=rf"^{who}: the twin kernels have no second derivative"):
+            torch.autograd.grad((f(tx) ** 2).sum(), tx, create_graph=True)
+    jax_twins = {"norm": lambda x: pn.norm(x, w, None, 0, kind="rms", eps=1e-5), "split": lambda x: pn.split(x, w, 0)[0],
+                 "linear": lambda x: pli.linear(x, wl, 0, act="gelu")}
+    for who, f in jax_twins.items():
+        def first(x, f=f):
+            return jax.grad(lambda x: jnp.sum(f(x) ** 2))(x)
+
+        assert np.abs(np.asarray(first(x))).max() > 0  # the first derivative stands
+        with pytest.raises(NotImplementedError, match=rf"^{who}: the twin kernels have no second derivative"):
+            jax.grad(lambda x, first=first: jnp.sum(first(x) ** 2))(x)
 
 
 # ------------------------------------------------------------------ the differentiable kernels

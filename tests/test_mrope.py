@@ -449,6 +449,35 @@ def test_out_of_range_positions_under_jit_give_nan_not_garbage():
         assert bad[2].any() and not bad[[0, 1, 3]].any()
 
 
+@pytest.mark.parametrize("streams", [1, 3])
+def test_out_of_range_positions_without_the_check_reach_no_cache_row_in_the_backward(streams):
+    """check_positions=False: an out-of-range position reads no cache row (its frequencies NaN), so the
+    torch backward gathers none for it either (it raised IndexError) and credits the cache nothing;
+    q's and k's cotangents are the Pallas twin's (jit: the positions traced), bit for bit, and the
+    cache's is the Pallas twin's (which credits no row to those tokens either) up to the order of the sums."""
+    q, k, _cos, _sin, pos, cache = make_case(6, 4, 2, 1, 8, 8, "float32", streams, max_position=16)
+    pos = np.minimum(pos, 14)  # row 15: read by no valid position
+    bad = (2, 3) if streams == 1 else ((1, 2), (2, 3))  # whole tokens; or token 2's h and token 3's w stream
+    pos[bad[0]], pos[bad[1]] = 16, -1  # past the end (JAX's gather clamps it to 15), before the start (wraps)
+    kw = {"mrope_section": None if streams == 1 else [1, 2, 1], "head_size": 8, "rotary_dim": 8}
+    rng = np.random.default_rng(1)
+    weights = [rng.standard_normal(x.shape, np.float32) for x in (q, k)]
+    for nan_rows in ("weighted", "zero"):
+        if nan_rows == "zero":
+            for w in weights:
+                w[2:] = 0
+        tq, tk, tc = _loss_grads_torch(functools.partial(kt.mrope_from_cache, check_positions=False, **kw),
+                                       (to_torch(pos),), map(to_torch, (q, k, cache)), [to_torch(w) for w in weights])
+        jq, jk, jc = _loss_grads_jax(functools.partial(kp.mrope_from_cache, **kw),
+                                     [jnp.asarray(x) for x in (pos, q, k, cache)], [jnp.asarray(w) for w in weights],
+                                     (1, 2, 3))
+        assert_same_bits(bits_jax(jq), bits_torch(tq), f"dq, {nan_rows}")
+        assert_same_bits(bits_jax(jk), bits_torch(tk), f"dk, {nan_rows}")
+        tc = tc.cpu().numpy()
+        assert not tc[15].any() and np.isfinite(tc).all() and np.abs(tc).max() > 0.1
+        np.testing.assert_allclose(np.asarray(jc), tc, rtol=1e-5, atol=1e-5)  # neither credits row 15 (-1's wrap)
+
+
 # ------------------------------------------------------------------------- JAX transformations
 
 
@@ -558,6 +587,18 @@ def test_in_place_forms_refuse_autograd():
                              [1, 2, 1], 16, 8)
     with torch.no_grad():  # outside autograd the in-place form is fine
         kt.mrope_(tq, tk, to_torch(cos), to_torch(sin), [1, 2, 1], 16, 8)
+
+
+def test_a_second_derivative_is_refused_not_silently_zero():
+    """The out-of-place forms' backward runs the kernel, which records no graph: a backward with
+    create_graph=True raises NotImplementedError rather than a gradient whose own derivative is zero."""
+    q, k, cos, sin, pos, cache = make_case(2, 4, 2, 1, 16, 8, "float32", 3)
+    tq = to_torch(q).requires_grad_()
+    for call in (lambda: kt.mrope(tq, to_torch(k), to_torch(cos), to_torch(sin), [1, 2, 1], 16, 8),
+                 lambda: kt.mrope_from_cache(to_torch(pos), tq, to_torch(k), to_torch(cache), [1, 2, 1], 16, 8)):
+        out = call()[0]
+        with pytest.raises(NotImplementedError, match=r"^mrope: the twin kernels have no second derivative"):
+            torch.autograd.grad((out ** 2).sum(), tq, create_graph=True)
 
 
 # ----------------------------------------------------------------------------------- errors

@@ -63,6 +63,13 @@ composes with anything that uses u or ss):
 `linear_rope_write`'s one-kernel form differentiates as the two calls it fuses: `twin_rope.rope_write_bwd`,
 then steps 1-5 (no epilogue: no pre). Integer arguments (the layer index) have no cotangent.
 
+First derivatives only: the backward kernels have no derivative of their own. A torch backward with
+create_graph=True (the way to a second derivative, which would otherwise come out zero) raises
+NotImplementedError naming the twin (`kernels_triton.twin_grad.first_order`); differentiating a JAX
+backward fails, with NotImplementedError naming the twin where its custom_vjp's backward is wrapped
+in `twin_grad.first_order`. The references (`*_native`) differentiate twice. The backward kernels
+take the forwards' dtypes (`numerics.check_twin_dtype`: a float64 would be narrowed, an integer cast).
+
 Standard library only.
 """
 

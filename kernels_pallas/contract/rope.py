@@ -24,10 +24,29 @@ def check_rope_tables(offset, T, freqs) -> tuple[int, int]:
     return offset.shape[0], half
 
 
-def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask, slots=None):
+def check_write_slots(who: str, slots, written) -> None:
+    """Refuse, naming `who`'s write_index, two written tokens of one batch row at one slot (ValueError):
+    which of the writes lands is not fixed (the programs run in parallel), and the backwards would
+    credit different ones. slots, written: the values of write_index and write_mask [B, T] where the
+    caller reads them without waiting on a device (`numerics.check_index`), else None: not read, so
+    distinct slots are then the caller's to keep, as slots inside the ring are (the step's tables,
+    (offset + t) % C for T <= C queries, keep both)."""
+    if slots is None or written is None:
+        return
+    for b, (row, row_written) in enumerate(zip(slots.tolist(), written.tolist())):
+        seen = set()
+        for slot in (s for s, w in zip(row, row_written) if w):
+            if slot in seen:
+                raise ValueError(f"{who}(write_index): expected distinct slots among a batch row's written tokens "
+                                 f"(write_mask), got slot {slot} twice in row {b}")
+            seen.add(slot)
+
+
+def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask, slots=None, written=None):
     """(B, T, H, D, (L, C)) of a twin rope_write call, after checking every shape; cos and sin may
-    both be None (no rotation). slots: the values of write_index where the caller reads them without
-    waiting on a device (`numerics.check_index`): a slot outside the ring would be written anyway."""
+    both be None (no rotation). slots, written: the values of write_index and write_mask where the
+    caller reads them without waiting on a device (`numerics.check_index`): a slot outside the ring
+    would be written anyway, and one slot written twice in a row is refused (`check_write_slots`)."""
     check_twin_dtype("rope_write", "qkv", qkv)
     if len(qkv.shape) != 5 or qkv.shape[2] != 3:
         raise ValueError(f"rope_write(qkv): expected [B, T, 3, H, D], got shape {tuple(qkv.shape)}")
@@ -49,6 +68,7 @@ def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask, slot
         raise ValueError(f"rope_write: write_index and write_mask must be [{B}, {T}], got "
                          f"{tuple(write_index.shape)} and {tuple(write_mask.shape)}")
     check_index("rope_write", "write_index", write_index, ring_k.shape[3], slots)
+    check_write_slots("rope_write", slots, written)
     return B, T, H, D, (ring_k.shape[0], ring_k.shape[3])
 
 
