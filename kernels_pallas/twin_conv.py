@@ -71,7 +71,6 @@ def _check_float(who: str, name: str, x) -> None:
 def elu(x: jax.Array, *, interpret: bool | None = None) -> jax.Array:
     """The contract's ELU of every element of x (any shape, float); x's shape and dtype. On Mosaic GPU
     where `kernels_pallas.backend` says so (`twin_conv_mgpu.elu`)."""
-    _check_float("elu", "x", x)
     check_elu(x)
     if backend.on_mosaic():
         from kernels_pallas import twin_conv_mgpu
@@ -98,7 +97,6 @@ def elu(x: jax.Array, *, interpret: bool | None = None) -> jax.Array:
 
 def elu_native(x, **_):
     """The plain jax.numpy reference of `elu`: the same signature and bits."""
-    _check_float("elu", "x", x)
     check_elu(x)
     return tm.to_dtype(_elu_f32(x.astype(tm.F32), False), x.dtype)
 
@@ -225,8 +223,8 @@ def taps_native(x, *, kernel_size, stride=1, dilation=1, elu=False, carry=None, 
                 first=None, replicate=False, **_):
     """The plain jax.numpy reference of `taps`: the same signature and bits (no carry written in place)."""
     B, C, _ = check_signal("taps", x)
+    check_stream("taps", x, carry, active, first, replicate, carry_slot)
     if carry_slot is not None:  # the convolution's carry out of the packed state, and back into it after
-        check_stream("taps", x, carry, active, first, replicate, carry_slot)
         (offset, width), packed = carry_slot, carry
         X, new = taps_native(x, kernel_size=kernel_size, stride=stride, dilation=dilation, elu=elu,
                              carry=packed[:, offset:offset + C * width].reshape(B, C, width), active=active,

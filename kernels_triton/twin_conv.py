@@ -30,11 +30,6 @@ from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
 
 
-def _check_float(who: str, name: str, x: torch.Tensor) -> None:
-    if not x.is_floating_point():
-        raise TypeError(f"{who}({name}): expected a float tensor, got {x.dtype}")
-
-
 @triton.jit
 def _elu_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -46,7 +41,6 @@ def _elu_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr)
 
 def elu(x: torch.Tensor) -> torch.Tensor:
     """The contract's ELU of every element of x (any shape, float); x's shape and dtype."""
-    _check_float("elu", "x", x)
     check_elu(x)
     flat = x.contiguous().reshape(-1)
     out = torch.empty_like(flat)
@@ -60,7 +54,6 @@ def elu(x: torch.Tensor) -> torch.Tensor:
 
 def elu_native(x: torch.Tensor, **_) -> torch.Tensor:
     """The plain torch reference of `elu`: the same signature and bits (torch ops, one rounding each)."""
-    _check_float("elu", "x", x)
     check_elu(x)
     xf = x.float()
     return torch.where(xf > 0, xf, exp_native(xf) - 1.0).to(x.dtype)
@@ -174,8 +167,8 @@ def taps_native(x: torch.Tensor, *, kernel_size: int, stride: int = 1, dilation:
                 active: torch.Tensor | None = None, first: torch.Tensor | None = None, replicate: bool = False, **_):
     """The plain torch reference of `taps`: the same signature and bits."""
     B, C, _ = check_signal("taps", x)
+    check_stream("taps", x, carry, active, first, replicate, carry_slot)
     if carry_slot is not None:  # the convolution's carry out of the packed state, and into a copy of it after
-        check_stream("taps", x, carry, active, first, replicate, carry_slot)
         (offset, width), packed = carry_slot, carry.clone()
         X, new = taps_native(x, kernel_size=kernel_size, stride=stride, dilation=dilation, elu=elu,
                              carry=packed[:, offset:offset + C * width].reshape(B, C, width), active=active,

@@ -56,6 +56,13 @@ def randn(*shape, dtype, seed, scale=1.0):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
 
 
+def cast(a, name: str):
+    """a in dtype `name`, in its framework: a JAX array as a numpy array (JAX would narrow float64)."""
+    if isinstance(a, torch.Tensor):
+        return a.to(getattr(torch, name))
+    return np.asarray(a).astype(jax.numpy.dtype(name))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_elu(dtype):
     x = randn(3, 5, 37, dtype=dtype, seed=1, scale=4.0)
@@ -194,7 +201,32 @@ def test_nearest(dtype, N, D, split):
     (lambda m, x: m.conv_transpose1d(x, x[:, :1], groups=2), ValueError, r"conv_transpose1d\(groups\)"),
     (lambda m, x: m.nearest(x[0], x[0, :0]), ValueError, r"nearest\(entries\)"),
     (lambda m, x: m.nearest(x[0], x[0], split=2), ValueError, r"nearest\(split\): expected a positive divisor of the 5"),
-    (lambda m, x: m.conv1d(x, x, carry=x[:, :2]), ValueError, r"conv1d\(carry\): expected \[B=5, in=5, W\]"),
+    (lambda m, x: m.conv1d(x, x, carry=x[:, :2]), ValueError, r"conv1d\(carry\): expected \[B=5, in=5, W > 0\]"),
+    (lambda m, x: m.conv1d(x, x[..., :3], carry=x[..., :0]), ValueError,
+     r"conv1d\(carry\): expected \[B=5, in=5, W > 0\], got shape \(5, 5, 0\)"),
+    (lambda m, x: m.taps(x, kernel_size=3, carry=x[..., :0]), ValueError, r"taps\(carry\): expected \[B=5, in=5, W > 0\]"),
+    (lambda m, x: m.taps_native(x, kernel_size=3, carry=x[..., :0]), ValueError, r"taps\(carry\): expected \[B=5"),
+    (lambda m, x: m.conv1d(x[..., :0], x[..., :3], carry=x), ValueError,
+     r"conv1d\(x\): expected at least one sample \(L\), got shape \(5, 5, 0\)"),
+    (lambda m, x: m.taps(x[..., :0], kernel_size=3, carry=x), ValueError, r"taps\(x\): expected at least one sample"),
+    (lambda m, x: m.conv1d(x, x[..., :3], cast(x[0, 0], "float64")), TypeError,
+     r"conv1d\(bias\): dtype \S*float64 differs from x's \S*float32"),
+    (lambda m, x: m.conv1d(cast(x, "bfloat16"), cast(x[..., :3], "bfloat16"), x[0, 0]), TypeError,
+     r"conv1d\(bias\): dtype \S*float32 differs from x's \S*bfloat16"),
+    (lambda m, x: m.conv1d(x, x[..., :3], residual=cast(x[..., :3], "float64")), TypeError,
+     r"conv1d\(residual\): dtype \S*float64 differs from x's \S*float32"),
+    (lambda m, x: m.conv_transpose1d(x, x[:, :1], cast(x[0, 0], "float64"), groups=5), TypeError,
+     r"conv_transpose1d\(bias\): dtype \S*float64 differs from x's \S*float32"),
+    (lambda m, x: m.conv_transpose1d(cast(x, "float64"), cast(x[:, :1], "float64"), groups=5), TypeError,
+     r"conv_transpose1d\(x\): expected one of float32, bfloat16, float16, got float64"),
+    (lambda m, x: m.conv_transpose1d(cast(x, "int32"), cast(x[:, :1], "int32"), groups=5), TypeError,
+     r"conv_transpose1d\(x\): expected one of .*, got int32"),
+    (lambda m, x: m.conv_transpose1d(cast(x, "float64"), cast(x, "float64")), TypeError,
+     r"conv_transpose1d\(x\): expected one of .*, got float64"),
+    (lambda m, x: m.elu(cast(x, "float64")), TypeError, r"elu\(x\): expected one of .*, got float64"),
+    (lambda m, x: m.elu_native(cast(x, "int32")), TypeError, r"elu\(x\): expected one of .*, got int32"),
+    (lambda m, x: m.taps(cast(x, "float64"), kernel_size=3, elu=True), TypeError,
+     r"taps\(x\): expected one of .*, got float64"),
     (lambda m, x: m.conv1d(x, x, active=x[:, 0, 0] > 0), ValueError, r"conv1d\(carry\): active, first"),
     (lambda m, x: m.conv1d(x, x, carry=x, replicate=True), ValueError, r"conv1d\(first\)"),
     (lambda m, x: m.conv1d(x, x, carry=x[:, :, 0], carry_slot=(3, 1)), ValueError,

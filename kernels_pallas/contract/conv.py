@@ -22,17 +22,20 @@ def next_pow2(n: int) -> int:
 
 
 def check_signal(who: str, x, frames: bool = False) -> tuple[int, int, int]:
-    """(B, in, L) of `who`'s x [B, in, L] with at least one batch row and channel (`numerics.check_nonempty`):
-    a convolution's samples are its window's to count, with the carry's (`check_taps`); a transposed
-    convolution's x [B, in, T] (`frames`) needs at least one frame too."""
+    """(B, in, L) of `who`'s x [B, in, L] (a transposed convolution's [B, in, T]: `frames`) of a twin
+    dtype (`numerics.check_twin_dtype`) with at least one batch row, channel and sample
+    (`numerics.check_nonempty`): a carry's samples do not stand in for x's, the kernels index x's
+    last sample."""
+    check_twin_dtype(who, "x", x)
     if len(x.shape) != 3:
         raise ValueError(f"{who}(x): expected [B, in, {'T' if frames else 'L'}], got shape {tuple(x.shape)}")
-    check_nonempty(who, "x", x.shape, ("batch row (B)", "channel (in)", "frame (T)")[:3 if frames else 2])
+    check_nonempty(who, "x", x.shape, ("batch row (B)", "channel (in)", "frame (T)" if frames else "sample (L)"))
     return tuple(x.shape)
 
 
 def check_elu(x) -> None:
-    """An ELU's x (any shape): at least one element."""
+    """An ELU's x (any shape): a twin dtype (`numerics.check_twin_dtype`), at least one element."""
+    check_twin_dtype("elu", "x", x)
     check_nonempty("elu", "x", x.shape, ("element",) * len(x.shape))
 
 
@@ -71,7 +74,6 @@ def check_conv1d(x, w, bias, residual, stride: int, dilation: int,
                  width: int = 0) -> tuple[int, int, int, int, int, int]:
     """(B, in, L, out, k, T) of a twin conv1d call, after checking shapes, dtypes and the geometry;
     L counts the carry's `width` samples before x's."""
-    check_twin_dtype("conv1d", "x", x)
     for name, v in (("stride", stride), ("dilation", dilation)):
         if not positive_int(v):
             raise ValueError(f"conv1d({name}): expected a positive int, got {v!r}")
@@ -91,6 +93,9 @@ def check_conv1d(x, w, bias, residual, stride: int, dilation: int,
         raise ValueError(f"conv1d(bias): expected [{cout}], got shape {tuple(bias.shape)}")
     if residual is not None and tuple(residual.shape) != (B, cout, T):
         raise ValueError(f"conv1d(residual): expected [{B}, {cout}, {T}], got shape {tuple(residual.shape)}")
+    for name, v in (("bias", bias), ("residual", residual)):
+        if v is not None and str(v.dtype) != str(x.dtype):
+            raise TypeError(f"conv1d({name}): dtype {v.dtype} differs from x's {x.dtype}")
     return B, cin, L, cout, k, T
 
 
@@ -104,8 +109,8 @@ def check_stream(who: str, x, carry, active, first, replicate: bool, slot=None) 
             raise ValueError(f"{who}(carry): active, first, replicate and carry_slot stream a carry; got no carry")
         return 0
     if slot is None:
-        if len(carry.shape) != 3 or tuple(carry.shape[:2]) != (B, cin):
-            raise ValueError(f"{who}(carry): expected [B={B}, in={cin}, W], got shape {tuple(carry.shape)}")
+        if len(carry.shape) != 3 or tuple(carry.shape[:2]) != (B, cin) or carry.shape[2] <= 0:
+            raise ValueError(f"{who}(carry): expected [B={B}, in={cin}, W > 0], got shape {tuple(carry.shape)}")
         width = carry.shape[2]
     else:
         if (not isinstance(slot, tuple) or len(slot) != 2
@@ -154,6 +159,8 @@ def check_conv_transpose1d(x, w, bias, stride: int, groups: int) -> tuple[int, i
                          f"got groups={groups!r} with w {tuple(w.shape)}")
     if bias is not None and tuple(bias.shape) != (cout,):
         raise ValueError(f"conv_transpose1d(bias): expected [{cout}], got shape {tuple(bias.shape)}")
+    if bias is not None and str(bias.dtype) != str(x.dtype):
+        raise TypeError(f"conv_transpose1d(bias): dtype {bias.dtype} differs from x's {x.dtype}")
     return B, cin, T, cout, w.shape[2]
 
 

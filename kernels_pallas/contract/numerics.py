@@ -15,7 +15,10 @@ CPU, with the operations of `kernels_pallas.twin_math` and `kernels_triton.twin_
   half the instructions. The CPU paths round first. The one caveat: a product that leaves
   float32's normal range (under 2**-126, an activation times a weight below ~1e-38, or past
   3e38) is not exact, and there a GPU result may differ from a CPU one. The two GPU twins
-  always agree with each other, as do the two CPU twins.
+  always agree with each other: both compile through Triton, which keeps subnormals (products
+  near that range gave the same bits on an H200). The two CPU twins agree but where a value is
+  subnormal (magnitude under 2**-126, in or out of an operation): XLA's CPU backend flushes it
+  to zero, the Triton interpreter keeps it.
 * Division and square root are correctly rounded (``div.rn`` / ``sqrt.rn``; IEEE on the CPU).
 * A sum over an axis is `tree_sum`: the halves ``x[..., :n/2] + x[..., n/2:]``, halved again
   until one element is left. The order is a fixed function of the axis length, so it does not
