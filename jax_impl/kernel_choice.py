@@ -22,6 +22,9 @@ KERNELS = {
 }
 TORCH_KERNELS = ("reference", "twin")
 JAX_KERNELS = ("auto", "reference", "pallas", "twin")
+# What a JAX stack module runs (`model.stack_module`): a name itself, "auto" resolved first by the step
+# that knows the batch and T it applies to (`ops.pick_kernels`).
+STACK_KERNELS = ("reference", "pallas", "twin")
 
 
 def check_kernels(where: str, kernels, accepted: tuple[str, ...]) -> str:

@@ -16,10 +16,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import twin_layers
 from .checkpoint import weight_specs
-from .config import StackConfig, TemporalConfig
+from .config import StackConfig, TemporalConfig, finite_real, real_number
+from .kernel_choice import STACK_KERNELS, check_head_dim, check_kernels
 from .layers import (
     LAYER_LOOPS,
     PALLAS_TWINS,
@@ -77,6 +79,13 @@ class _StackBase(nn.Module):
     kernels: str = "reference"       # "reference", "pallas" (see ops.attend) or "twin" (twin_layers)
     remat_layers: bool = False       # each layer under jax.checkpoint (layers.run_layers)
 
+    def __post_init__(self):
+        """The options checked where the module is made (`check_stack_options`), not at its first apply."""
+        check_stack_options(type(self).__name__, self.config, layer_loop=self.layer_loop,
+                            scan_unroll=self.scan_unroll, exact_rope=self.exact_rope, rope_freqs=self.rope_freqs,
+                            kernels=self.kernels, remat_layers=self.remat_layers)
+        super().__post_init__()
+
     def _layers(self, layer_fn, state: StreamState, x, active, lora: LoRA | None):
         c = self.config
         stacked = _LayerWeights(c, self.param_dtype, name="layers")()
@@ -91,7 +100,7 @@ class _StackBase(nn.Module):
             active = jnp.ones((x.shape[0],), bool) if active is None else active
             tables = step_tables(c, state.offset, state.start_offset, active, x.shape[1], self.rope_freqs)
             carry, layer_tables = (x, state.k, state.v), tables
-        self.sow("intermediates", "tables", tables)  # what every layer used (step_fn(capture=...))
+        self.sow(CAPTURED[0], "tables", tables)  # what every layer used (step_fn(capture=...))
         x, k, v = run_layers(layer_fn, c, stacked, carry, layer_tables, active,
                              layer_loop=self.layer_loop, scan_unroll=self.scan_unroll,
                              exact_rope=self.exact_rope, kernels=self.kernels, remat_layers=self.remat_layers)
@@ -126,6 +135,10 @@ class MimiStack(_StackBase):
         return self._layers(mimi_layer, state, x, active, lora)
 
 
+# The Flax collections a stack sows into: what `step_fn(capture=...)` may ask for.
+CAPTURED = ("intermediates",)
+
+
 def check_loop_options(layer_loop, scan_unroll=1) -> None:
     """ValueError naming the option unless layer_loop is one of LAYER_LOOPS and scan_unroll a positive
     int: checked where a step or stepper is made, not at its first step."""
@@ -133,6 +146,82 @@ def check_loop_options(layer_loop, scan_unroll=1) -> None:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     if not isinstance(scan_unroll, int) or isinstance(scan_unroll, bool) or scan_unroll < 1:
         raise ValueError(f"scan_unroll must be a positive int, got {scan_unroll!r}")
+
+
+def check_flag(where: str, value) -> bool:
+    """value as a bool (a Python or numpy bool); else TypeError naming `where`: a string such as
+    "False" would act as True."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: expected a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def check_capture(where: str, capture) -> tuple[str, ...]:
+    """capture (a tuple or list of collection names, each one of `CAPTURED`) as a tuple; else
+    TypeError / ValueError naming `where`: a string or a misspelt name would capture nothing."""
+    if not isinstance(capture, (tuple, list)) or not all(isinstance(name, str) for name in capture):
+        raise TypeError(f"{where}: expected a tuple of collection names (e.g. {CAPTURED}), got "
+                        f"{type(capture).__name__} {capture!r}")
+    unknown = [name for name in capture if name not in CAPTURED]
+    if unknown:
+        raise ValueError(f"{where}: a stack sows only into {list(CAPTURED)}, got {unknown}")
+    return tuple(capture)
+
+
+def check_rope_freqs(where: str, rope_freqs, head_dim: int) -> tuple[float, ...] | None:
+    """None, or rope_freqs as a tuple of head_dim // 2 Python floats (hashable: what the step caches
+    key on). rope_freqs: a tuple or list of finite real numbers, or a 1-D float numpy / JAX array, each
+    entry converted exactly (a float64 holds every narrower float). Else TypeError / ValueError naming
+    `where`: a table of another length would broadcast against the [B, 1, T, D/2] tables or fail at
+    the first step."""
+    if rope_freqs is None:
+        return None
+    n = head_dim // 2
+    if hasattr(rope_freqs, "shape") and hasattr(rope_freqs, "dtype"):  # a numpy or JAX array
+        table = np.asarray(rope_freqs)
+        if table.ndim != 1 or not jnp.issubdtype(table.dtype, jnp.floating):
+            raise TypeError(f"{where}: expected a [head_dim/2 = {n}] float table, got {table.dtype}"
+                            f"{list(table.shape)}")
+        values = table.astype(np.float64).tolist()
+    elif isinstance(rope_freqs, (tuple, list)):
+        values = list(rope_freqs)
+    else:
+        raise TypeError(f"{where}: expected None or a [head_dim/2 = {n}] table (a tuple of floats), got "
+                        f"{type(rope_freqs).__name__}")
+    if len(values) != n:
+        raise ValueError(f"{where}: expected head_dim/2 = {n} frequencies, got {len(values)}")
+    for i, value in enumerate(values):
+        if not real_number(value):
+            raise TypeError(f"{where}: entry {i} must be a real number, got {type(value).__name__} {value!r}")
+        if not finite_real(value) or float(value) != value:
+            raise ValueError(f"{where}: entry {i} must be a finite number a float holds exactly, got {value!r}")
+    return tuple(float(value) for value in values)
+
+
+def check_stack_options(where: str, config: StackConfig, *, layer_loop, scan_unroll, exact_rope, rope_freqs,
+                        kernels, remat_layers, accepted: tuple[str, ...] = STACK_KERNELS) -> dict:
+    """The stack options (`_StackBase`'s fields; kernels one of `accepted`) normalized: the bools as
+    bool, rope_freqs a tuple of floats or None (`check_rope_freqs`). Checked where a stack, step or
+    stepper is made, before any cache keys on them; TypeError / ValueError naming `where` and the
+    option. Refused too: what the kernels would ignore, exact_rope=False on "pallas" or "twin"
+    (their RoPE rounds each product: exact always) and remat_layers=True on "twin" (its layer program
+    is not rematerialized)."""
+    check_kernels(f"{where}(kernels)", kernels, accepted)
+    check_head_dim(f"{where}(kernels)", config, kernels)
+    check_loop_options(layer_loop, scan_unroll)
+    exact_rope = check_flag(f"{where}(exact_rope)", exact_rope)
+    remat_layers = check_flag(f"{where}(remat_layers)", remat_layers)
+    if not exact_rope and kernels in ("pallas", "twin"):
+        raise ValueError(f"{where}(exact_rope, kernels): exact_rope=False fuses the reference RoPE's products; "
+                         f"kernels={kernels!r} runs its own RoPE, exact always: pass exact_rope=True, or "
+                         f"kernels='reference'")
+    if remat_layers and kernels == "twin":
+        raise ValueError(f"{where}(remat_layers, kernels): remat_layers=True rematerializes the reference layers; "
+                         f"kernels='twin' runs the twin layer program, which it does not: pass "
+                         f"remat_layers=False, or kernels 'reference' or 'pallas'")
+    return {"layer_loop": layer_loop, "scan_unroll": scan_unroll, "exact_rope": exact_rope,
+            "rope_freqs": check_rope_freqs(f"{where}(rope_freqs)", rope_freqs, config.head_dim),
+            "kernels": kernels, "remat_layers": remat_layers}
 
 
 def stack_module(config: StackConfig, param_dtype=jnp.float32, *, layer_loop: str = "scan",
@@ -146,12 +235,15 @@ def stack_module(config: StackConfig, param_dtype=jnp.float32, *, layer_loop: st
     0.78 ms against 0.44 rolled on an H200 for a caller that holds each step's output while it
     calls the next (RESULTS.md, "Waiting for a step"): XLA puts temporaries into the output's allocation,
     whose address then changes at every call, and the unrolled step's one CUDA graph of 46 nodes is
-    brought up to date each time (~180 us), the rolled loop's small ones in ~11 us."""
-    check_loop_options(layer_loop, scan_unroll)
+    brought up to date each time (~180 us), the rolled loop's small ones in ~11 us.
+    kernels: one of `STACK_KERNELS` ("auto" is resolved by the step, `ops.pick_kernels`); the options
+    are checked here (`check_stack_options`)."""
     check_stack_config("stack_module", config)
+    options = check_stack_options("stack_module", config, layer_loop=layer_loop, scan_unroll=scan_unroll,
+                                  exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=kernels,
+                                  remat_layers=remat_layers)
     cls = TemporalStack if isinstance(config, TemporalConfig) else MimiStack
-    return cls(config, param_dtype=jnp.dtype(param_dtype), layer_loop=layer_loop, scan_unroll=scan_unroll,
-               exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=kernels, remat_layers=remat_layers)
+    return cls(config, param_dtype=jnp.dtype(param_dtype), **options)
 
 
 def init_params(config: StackConfig, key: jax.Array, dtype=jnp.float32) -> dict:

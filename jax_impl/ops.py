@@ -182,12 +182,13 @@ def ring_attention(h, in_proj, out_proj, head_dim: int, ring_k, ring_v, layer, t
     return out_linear(out, out_proj), ring_k, ring_v
 
 
-def pick_kernels(kernels: str, config, batch_size: int, T: int) -> str:
+def pick_kernels(kernels: str, config, batch_size: int, T: int, exact_rope: bool = True) -> str:
     """Resolve kernels="auto": "pallas" on a GPU where the Pallas kernels apply (power-of-two
-    head dim, T <= MIN_QUERIES, int32 offsets into the ring), else "reference"."""
+    head dim, T <= MIN_QUERIES, int32 offsets into the ring, exact_rope: the Pallas RoPE has no
+    fused form), else "reference"."""
     if check_kernels("kernels", kernels, JAX_KERNELS) != "auto":
         return kernels
     D = config.head_dim
     fits = fits_int32((config.num_layers, batch_size, config.num_heads, config.capacity, D))
-    ok = jax.default_backend() == "gpu" and fits and not D & (D - 1) and T <= MIN_QUERIES
+    ok = jax.default_backend() == "gpu" and fits and not D & (D - 1) and T <= MIN_QUERIES and exact_rope
     return "pallas" if ok else "reference"

@@ -24,9 +24,9 @@ from kernels_pallas import backend
 
 from . import state as st
 from .config import StackConfig
-from .kernel_choice import JAX_KERNELS, check_head_dim, check_kernels
-from .lora import split_lora
-from .model import check_loop_options, stack_module
+from .kernel_choice import JAX_KERNELS
+from .lora import check_lora, split_lora
+from .model import check_capture, check_flag, check_rope_freqs, check_stack_options, stack_module
 from .ops import pick_kernels
 from .snapshot import check_bump, check_restore_batch, check_snapshot_layout, exact_float_cast
 from .state import StreamState
@@ -122,33 +122,40 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int =
     outputs: (out [B, T, dim], text_logits [B, 1, T, text_card]) for the temporal stack, out [B, T, dim]
     for Mimi. state: k, v [L, B, H, C, D] (the batch on axis 1), offset, start_offset [B] (axis 0).
     layer_loop: "scan" (one `lax.scan` over the stacked layers) or "python" (a Python loop,
-    static layer indexes: longer to compile, what the GPU runs fastest today).
+    static layer indexes: longer to compile, what the GPU runs fastest today). The two give the same
+    bits in float32, and on kernels="twin" in any dtype; in bfloat16 on "reference" and "pallas" they
+    may differ by XLA's excess precision (some bf16 intermediates kept in float32, differently in
+    the inlined layers and in the scan body).
     scan_unroll: `lax.scan`'s unroll factor when layer_loop="scan" (`model.stack_module` says why 1).
-    rope_freqs: a [D/2] RoPE frequency table (tuple of floats) instead of `tables.rope_freqs`;
-    the torch bridge passes the torch path's own table so both share its exact bits.
+    rope_freqs: a [D/2] RoPE frequency table (a tuple of floats; a list or 1-D float array is taken
+    as one, `model.check_rope_freqs`) instead of `tables.rope_freqs`; the torch bridge passes the
+    torch path's own table so both share its exact bits.
     kernels (`kernel_choice`: the one vocabulary of the torch stacks, the drop-ins and these steps):
     "auto" (the default: "pallas" on a GPU where its kernels apply, else "reference"), "reference"
     (jax.numpy through XLA), "pallas" (the Pallas RoPE and ring-attention kernels in the reference
     layer) or "twin" (every float operation on the Pallas twins: the bits of the torch stack's
     kernels="twin").
-    capture: Flax collections the stack sows into (e.g. ("intermediates",): the `StepTables`
-    the layers used); when given, the step returns (outputs, new_state, captured).
+    exact_rope: keep the reference RoPE's products unfused (bit-identical to torch's); False fuses
+    them, on "reference" ("auto" then resolves to it), refused on "pallas" and "twin" (exact always).
+    capture: Flax collections the stack sows into (`model.CAPTURED`: ("intermediates",), the
+    `StepTables` the layers used); when given, the step returns (outputs, new_state, captured).
     remat_layers: each layer under `jax.checkpoint` (its activations recomputed in a backward pass;
-    `layers.REMAT_POLICY` says what it keeps).
+    `layers.REMAT_POLICY` says what it keeps); refused on "twin".
+    Every option is checked here (`model.check_stack_options`): TypeError / ValueError naming it.
     params may carry LoRA adapters of the temporal stack under "lora" (`lora.with_lora`), applied
     on kernels "reference" and "pallas".
     """
     st.check_stack_config("step_fn", config)
-    check_kernels("step_fn(kernels)", kernels, JAX_KERNELS)
-    check_head_dim("step_fn(kernels)", config, kernels)
-    check_loop_options(layer_loop, scan_unroll)
+    options = check_stack_options("step_fn", config, layer_loop=layer_loop, scan_unroll=scan_unroll,
+                                  exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=kernels,
+                                  remat_layers=remat_layers, accepted=JAX_KERNELS)
+    capture = check_capture("step_fn(capture)", capture)
 
     def step(params, state, x, active=None):
         active = check_step_inputs(config, params, state, x, active)
         x = jnp.asarray(x).astype(state.k.dtype)  # an exact widening (checked), or x itself
-        impl = pick_kernels(kernels, config, state.batch_size, x.shape[1])
-        module = stack_module(config, state.k.dtype, layer_loop=layer_loop, scan_unroll=scan_unroll,
-                              exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=impl, remat_layers=remat_layers)
+        impl = pick_kernels(kernels, config, state.batch_size, x.shape[1], options["exact_rope"])
+        module = stack_module(config, state.k.dtype, **{**options, "kernels": impl})
         variables, lora = split_lora(params)
         if not capture:
             return module.apply(variables, state, x, active, lora)
@@ -158,23 +165,31 @@ def step_fn(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int =
     return step
 
 
-@backend.per_backend
 def make_step(config: StackConfig, *, layer_loop: str = "scan", scan_unroll: int = 1, exact_rope: bool = True,
               donate: bool = True, rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto",
               capture: tuple[str, ...] = ()) -> HostCheckedStep:
     """`jax.jit(step_fn(config, ...))` with the state donated (rings updated in place), x's dtype
     checked on the host first (`HostCheckedStep`; `.jitted` is the jax.jit function).
 
-    The arguments are `step_fn`'s: kernels "auto" (the default), "reference", "pallas" or "twin".
+    The arguments are `step_fn`'s: kernels "auto" (the default), "reference", "pallas" or "twin";
+    donate a bool.
 
-    Cached per arguments, so every caller shares one compiled function per shape and dtype.
+    Cached per arguments (checked and normalized first: a list rope_freqs keys as its tuple), so every
+    caller shares one compiled function per shape and dtype.
     After a donated call the state passed in is invalid: keep only the returned one.
     """
     st.check_stack_config("make_step", config)
-    check_kernels("make_step(kernels)", kernels, JAX_KERNELS)
-    check_head_dim("make_step(kernels)", config, kernels)
-    fn = step_fn(config, layer_loop=layer_loop, scan_unroll=scan_unroll, exact_rope=exact_rope,
-                 rope_freqs=rope_freqs, kernels=kernels, capture=capture)
+    options = check_stack_options("make_step", config, layer_loop=layer_loop, scan_unroll=scan_unroll,
+                                  exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=kernels,
+                                  remat_layers=False, accepted=JAX_KERNELS)
+    return _make_step(config, donate=check_flag("make_step(donate)", donate),
+                      capture=check_capture("make_step(capture)", capture), **options)
+
+
+@backend.per_backend
+def _make_step(config: StackConfig, *, donate: bool, **options) -> HostCheckedStep:
+    """`make_step` of checked, hashable options: the cached part."""
+    fn = step_fn(config, **options)
     return HostCheckedStep(jax.jit(backend.traced_on(fn), donate_argnums=(1,) if donate else ()))
 
 
@@ -261,6 +276,27 @@ def _check_one_device(where: str, device) -> None:
                          f"split by row")
 
 
+def _check_adapters(config: StackConfig, params, kernels: str) -> None:
+    """The LoRA adapters params may carry under "lora" checked for `config` on `kernels`
+    (`lora.check_lora`: the twin kernels and the Mimi stack refuse them) where a stepper takes
+    them, rather than when its step is first traced."""
+    _, lora = split_lora(params)
+    if lora is not None:
+        check_lora(config, lora, kernels)
+
+
+def _check_params_device(where: str, params, state: StreamState) -> None:
+    """ValueError naming `where` for a params leaf committed to a device other than the state's
+    (one device): jit would refuse the pair only at the first step ("incompatible devices").
+    Uncommitted leaves pass: jit moves them to the state's device."""
+    device = next(iter(state.k.devices()))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if isinstance(leaf, jax.Array) and leaf.committed and leaf.devices() != {device}:
+            raise ValueError(f"{where}: params{jax.tree_util.keystr(path)} is committed to "
+                             f"{sorted(map(str, leaf.devices()))}, the state to {device}: put the params there "
+                             f"(jax.device_put(params, device)) or make the state where they are")
+
+
 class Streamer:
     """Stateful convenience around the pure functions: params + state + host-side overflow guard.
 
@@ -282,19 +318,24 @@ class Streamer:
                  layer_loop: str = "scan", exact_rope: bool = True, rope_freqs: tuple[float, ...] | None = None,
                  device=None, kernels: str = "auto"):
         self.config = st.check_stack_config("Streamer", config)
-        check_kernels("Streamer(kernels)", kernels, JAX_KERNELS)
-        check_head_dim("Streamer(kernels)", config, kernels)
+        options = check_stack_options("Streamer", config, layer_loop=layer_loop, scan_unroll=1, exact_rope=exact_rope,
+                                      rope_freqs=rope_freqs, kernels=kernels, remat_layers=False,
+                                      accepted=JAX_KERNELS)
         batch_size = st.check_batch_size("Streamer", batch_size)
         check_params(config, params, dtype=jnp.dtype(dtype), argname="Streamer(params)", adapters=True)
-        if self._ops is Streamer._ops:  # a subclass with recycle ops of its own layout places its state
+        _check_adapters(config, params, kernels)
+        plain = self._ops is Streamer._ops  # a subclass with recycle ops of its own layout places its state
+        if plain:
             _check_one_device("Streamer(device)", device)
-        self.params = params
-        self.state = st.init_state(config, batch_size, dtype, device=device)  # made where it lives
+        state = st.init_state(config, batch_size, dtype, device=device)  # made where it lives
+        if plain:
+            _check_params_device("Streamer(params, device)", params, state)
+        self.params, self.state = params, state
         self.offset_bound = self.start_bound = 0
         if kernels == "auto" and next(iter(self.state.k.devices())).platform != "gpu":
             kernels = "reference"  # the state is on the CPU (even on a GPU host): no compiled Pallas there
-        self._step_options = {"layer_loop": layer_loop, "exact_rope": exact_rope, "rope_freqs": rope_freqs,
-                              "kernels": kernels}
+        self._step_options = {"layer_loop": layer_loop, "exact_rope": options["exact_rope"],
+                              "rope_freqs": options["rope_freqs"], "kernels": kernels}
         self._step = make_step(config, **self._step_options)
 
     @property
@@ -395,7 +436,7 @@ class Streamer:
                             f"new stream in {dtype}")
         options = dict(self._step_options)
         if rope_freqs is not KEEP:
-            options["rope_freqs"] = rope_freqs
+            options["rope_freqs"] = check_rope_freqs("convert(rope_freqs)", rope_freqs, self.config.head_dim)
         return dtype, options
 
     def convert(self, params, *, device=None, rope_freqs=KEEP) -> None:
@@ -412,6 +453,7 @@ class Streamer:
         step = make_step(self.config, **options)
         leaf = jax.tree_util.tree_leaves(params)[0]
         state = jax.device_put(self.state, device if device is not None else next(iter(leaf.devices())))
+        _check_params_device("convert(params, device)", params, state)
         state = state._replace(k=state.k.astype(dtype), v=state.v.astype(dtype))
         self.params, self.state, self._step_options, self._step = params, state, options, step
 

@@ -14,6 +14,8 @@ import pytest
 import jax_impl as jx
 from jax_impl.checkpoint import CheckpointError
 from jax_impl.config import PRESETS, TemporalConfig, with_options
+from jax_impl.ops import pick_kernels
+from jax_impl.tables import rope_freqs
 from kernels_pallas.contract.numerics import INT32_MAX
 
 TCFG = PRESETS["temporal-small"]
@@ -507,3 +509,137 @@ def test_every_state_maker_takes_one_batch_size_rule():
                                                  r"\(a Python or numpy integer, not a bool\), got "):
                 make(bad)
         assert read is None or read() == 2, name
+
+
+# ------------------------------------------------------------------------------ step options
+def test_rope_freqs_is_checked_where_the_step_is_made(tparams):
+    """rope_freqs must be None or head_dim/2 finite numbers: a 1-entry table was broadcast (other
+    outputs), a 3-entry one failed at the first step, a list or array failed in the step cache
+    ("unhashable"). A list or float32 array is taken as the tuple of its exact values."""
+    table = rope_freqs(TCFG.head_dim, TCFG.max_period)  # float32 [8]
+    makers = {"make_step": lambda f: jx.make_step(TCFG, kernels="reference", rope_freqs=f),
+              "step_fn": lambda f: jx.step_fn(TCFG, rope_freqs=f),
+              "stack_module": lambda f: jx.stack_module(TCFG, rope_freqs=f),
+              "Streamer": lambda f: jx.Streamer(TCFG, tparams, 2, rope_freqs=f)}
+    for where, make in makers.items():
+        for bad in ((1.0,), (1.0, 0.5, 0.25), (float("nan"),) * 8, np.ones((2, 4), np.float32)):
+            with pytest.raises((ValueError, TypeError), match=rf"^{where}\(rope_freqs\): expected"
+                                                              r"|entry 0 must be a finite"):
+                make(bad)
+        for bad in ("abcdefgh", ("a",) * 8, np.arange(8)):
+            with pytest.raises(TypeError, match=rf"^{where}\(rope_freqs\): "):
+                make(bad)
+    step = jx.make_step(TCFG, kernels="reference", rope_freqs=tuple(table.tolist()))
+    assert jx.make_step(TCFG, kernels="reference", rope_freqs=list(table)) is step
+    assert jx.make_step(TCFG, kernels="reference", rope_freqs=table) is step
+    x = np.ones((2, 1, TCFG.dim), np.float32)
+    (out, _), _ = step(tparams, jx.init_state(TCFG, 2), x)
+    (default, _), _ = jx.make_step(TCFG, kernels="reference")(tparams, jx.init_state(TCFG, 2), x)
+    np.testing.assert_array_equal(out, default)
+    s = jx.Streamer(TCFG, tparams, 2)
+    with pytest.raises(ValueError, match=r"^convert\(rope_freqs\): expected head_dim/2 = 8 frequencies, got 1$"):
+        s.convert(tparams, rope_freqs=(0.5,))
+    assert s._step_options["rope_freqs"] is None
+
+
+def test_bool_and_capture_options_are_type_checked(tparams):
+    """A string where a bool is expected acted as True (donate="False" donated), a string or misspelt
+    capture captured nothing, a list capture or layer_loop failed in the step cache ("unhashable")."""
+    for kw, err, msg in (({"donate": "False"}, TypeError, r"make_step\(donate\): expected a bool, got str"),
+                         ({"exact_rope": "False"}, TypeError, r"make_step\(exact_rope\): expected a bool"),
+                         ({"capture": "intermediates"}, TypeError, r"make_step\(capture\): expected a tuple"),
+                         ({"capture": ("intermediate",)}, ValueError,
+                          r"make_step\(capture\): a stack sows only into \['intermediates'\], got \['intermediate'\]"),
+                         ({"layer_loop": ["scan"]}, ValueError, r"layer_loop must be one of")):
+        with pytest.raises(err, match=msg):
+            jx.make_step(TCFG, **kw)
+    with pytest.raises(TypeError, match=r"^step_fn\(remat_layers\): expected a bool, got str 'no'"):
+        jx.step_fn(TCFG, remat_layers="no")
+    with pytest.raises(TypeError, match=r"^Streamer\(exact_rope\): expected a bool"):
+        jx.Streamer(TCFG, tparams, 2, exact_rope="False")
+    x = np.ones((2, 1, TCFG.dim), np.float32)
+    state = jx.init_state(TCFG, 2)
+    _, _, captured = jx.make_step(TCFG, donate=np.bool_(False), capture=["intermediates"])(tparams, state, x)
+    assert not state.k.is_deleted()
+    assert captured["intermediates"]["tables"][0].end_offset.tolist() == [1, 1]
+
+
+def test_stack_modules_check_kernels_and_head_dims_where_made(mparams):
+    """The Flax stacks ran the reference layer for any kernels value ("bogus", "auto", None); they take
+    the names they run ("auto" is the step's to resolve) and refuse a head dim their kernels do not take."""
+    for bad in ("bogus", "auto", None):
+        with pytest.raises(ValueError, match=r"^stack_module\(kernels\): kernels must be one of "
+                                             r"\['reference', 'pallas', 'twin'\]"):
+            jx.stack_module(MCFG, kernels=bad)
+        with pytest.raises(ValueError, match=r"^MimiStack\(kernels\): kernels must be one of"):
+            jx.MimiStack(MCFG, kernels=bad)
+    with pytest.raises(ValueError, match=r"^stack_module\(kernels\): kernels='twin' needs power-of-two head dims"):
+        jx.stack_module(ODD_HEAD_DIMS["mimi"], kernels="twin")
+    with pytest.raises(ValueError, match=r"^TemporalStack\(kernels\): kernels='pallas' needs power-of-two"):
+        jx.TemporalStack(ODD_HEAD_DIMS["temporal"], kernels="pallas")
+    s, x = jx.init_state(MCFG, 2), jnp.ones((2, 1, MCFG.dim))
+    assert jx.stack_module(MCFG, kernels="reference").apply(mparams, s, x, None)[0].shape == (2, 1, MCFG.dim)
+
+
+def test_options_the_kernels_would_ignore_are_refused():
+    """remat_layers=True on "twin" (its layer program ran without jax.checkpoint) and exact_rope=False on
+    "pallas" / "twin" (their RoPE is exact always) were accepted and ignored."""
+    with pytest.raises(ValueError, match=r"^step_fn\(remat_layers, kernels\): remat_layers=True .*kernels='twin'"):
+        jx.step_fn(TCFG, kernels="twin", remat_layers=True)
+    for kernels in ("pallas", "twin"):
+        for make in (jx.make_step, jx.step_fn, jx.stack_module):
+            with pytest.raises(ValueError, match=rf"^{make.__name__}\(exact_rope, kernels\): exact_rope=False .*"
+                                                 rf"kernels='{kernels}'"):
+                make(TCFG, kernels=kernels, exact_rope=False)
+    assert pick_kernels("auto", TCFG, 2, 1, exact_rope=False) == "reference"
+    jx.step_fn(TCFG, kernels="auto", exact_rope=False)
+    jx.step_fn(TCFG, kernels="pallas", remat_layers=True)
+
+
+def test_streamer_refuses_adapters_its_step_would_refuse_when_made(tparams, mparams):
+    """LoRA adapters with kernels="twin", or on the Mimi stack, were refused only when the step was
+    first traced; Streamer refuses them where it takes the params."""
+    lora = jx.init_lora(TCFG, jax.random.key(2), rank=2)
+    with pytest.raises(ValueError, match=r"^lora: adapters run on kernels 'reference' or 'pallas', not 'twin'"):
+        jx.Streamer(TCFG, jx.with_lora(tparams, lora), 2, kernels="twin")
+    with pytest.raises(TypeError, match=r"^lora: adapters apply to the temporal stack only, got a MimiConfig"):
+        jx.Streamer(MCFG, jx.with_lora(mparams, lora), 2)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 JAX devices: run with "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=2 (bash run.sh test sets it)")
+def test_streamer_refuses_params_committed_to_another_device(tparams):
+    """Params committed to one device with the state on another failed only at the first step
+    (jit: "incompatible devices"); Streamer and convert refuse them, nothing changed."""
+    d0, d1 = jax.devices()[:2]
+    on_d0 = jax.device_put(tparams, d0)
+    with pytest.raises(ValueError, match=r"^Streamer\(params, device\): params\['params'\]\['layers'\]\['in_proj'\] "
+                                         r"is committed to \['cpu:0'\], the state to cpu:1"):
+        jx.Streamer(TCFG, on_d0, 2, device=d1)
+    s = jx.Streamer(TCFG, on_d0, 2, device=d0)
+    x = np.ones((2, 1, TCFG.dim), np.float32)
+    s.step(x)
+    with pytest.raises(ValueError, match=r"^convert\(params, device\): params.* is committed to \['cpu:0'\], the "
+                                         r"state to cpu:1"):
+        s.convert(on_d0, device=d1)
+    assert s.state.k.devices() == {d0} and s.params is on_d0
+    s.convert(jax.device_put(tparams, d1), device=d1)
+    s.step(x)
+    assert s.state.k.devices() == {d1}
+    np.testing.assert_array_equal(s.state.offset, [2, 2])
+
+
+def test_layer_loops_give_the_same_bits_where_the_docs_say():
+    """layer_loop "python" and "scan" are bit-identical in float32 (kernels "reference") and on the twin
+    kernels in bfloat16 (`step_fn`'s docstring; bf16 on "reference" may differ by XLA's excess precision)."""
+    for kernels, dtype in (("reference", jnp.float32), ("twin", jnp.bfloat16)):
+        params = jx.init_params(TCFG, jax.random.key(0), dtype)
+        x = jax.random.normal(jax.random.key(1), (2, 1, TCFG.dim)).astype(dtype)
+        outs = {}
+        for loop in ("scan", "python"):
+            step, state = jx.make_step(TCFG, layer_loop=loop, kernels=kernels), jx.init_state(TCFG, 2, dtype)
+            for _ in range(2):
+                (out, _), state = step(params, state, x)
+            outs[loop] = (np.asarray(out.astype(jnp.float32)), np.asarray(state.k.astype(jnp.float32)))
+        np.testing.assert_array_equal(outs["scan"][0], outs["python"][0])
+        np.testing.assert_array_equal(outs["scan"][1], outs["python"][1])
