@@ -38,8 +38,8 @@ from kernels_pallas import backend
 
 from .checkpoint import CheckpointError, check_fit
 from .config import TemporalConfig, describe
-from .kernel_choice import check_kernels
 from .layers import run_layers, temporal_layer
+from .model import check_flag, check_stack_options
 from .ops import linear, pick_kernels, rms_norm_f32
 from .placement import MODEL, PlacedStep, axis_size, check_divisible
 from .snapshot import exact_float_cast
@@ -154,7 +154,6 @@ def _all_reduced(axis: str, reduce_dtype) -> Callable:
     return out_linear
 
 
-@backend.per_backend
 def make_tensor_parallel_step(config: TemporalConfig, mesh: Mesh, axis: str = MODEL, *, layer_loop: str = "scan",
                               scan_unroll: int = 1, exact_rope: bool = True,
                               rope_freqs: tuple[float, ...] | None = None, kernels: str = "auto",
@@ -166,14 +165,16 @@ def make_tensor_parallel_step(config: TemporalConfig, mesh: Mesh, axis: str = MO
     for you); the outputs replicated. Two `lax.psum`s per layer (after the attention
     out-projection and after the FFN), of [B, T, dim] in `reduce_dtype` (None: the activations'
     dtype; jnp.float32 sums bf16 partial products in float32, twice the bytes, closer to the
-    one-device bits). Options as `make_step`'s; kernels "twin" is not split (ValueError).
-    num_heads and hidden must be divisible by the axis' size.
+    one-device bits). Options as `make_step`'s, checked as its are (`model.check_stack_options`);
+    kernels "twin" is not split (ValueError). num_heads and hidden must be divisible by the axis' size.
     """
-    _check_tensor_parallel("make_tensor_parallel_step", config, mesh, axis)
+    where = "make_tensor_parallel_step"
+    _check_tensor_parallel(where, config, mesh, axis)
     if kernels == "twin":
-        raise ValueError(f"make_tensor_parallel_step(kernels): 'twin' is not split over devices; use one of "
-                         f"{list(TP_KERNELS)}")
-    check_kernels("make_tensor_parallel_step(kernels)", kernels, TP_KERNELS)
+        raise ValueError(f"{where}(kernels): 'twin' is not split over devices; use one of {list(TP_KERNELS)}")
+    options = check_stack_options(where, config, layer_loop=layer_loop, scan_unroll=scan_unroll,
+                                  exact_rope=exact_rope, rope_freqs=rope_freqs, kernels=kernels,
+                                  remat_layers=False, accepted=TP_KERNELS)
     if reduce_dtype is not None:
         try:
             reduce_dtype = jnp.dtype(reduce_dtype)
@@ -186,6 +187,16 @@ def make_tensor_parallel_step(config: TemporalConfig, mesh: Mesh, axis: str = MO
         if reduce_dtype.itemsize == 8 and not jax.config.jax_enable_x64:
             raise TypeError(f"make_tensor_parallel_step(reduce_dtype): {reduce_dtype} needs jax_enable_x64: without "
                             f"it JAX would make the partial sums float32, a rounding")
+    del options["remat_layers"]  # False: the tensor-parallel step has no backward option
+    return _make_tensor_parallel_step(config, mesh, axis, reduce_dtype=reduce_dtype,
+                                      donate=check_flag(f"{where}(donate)", donate), **options)
+
+
+@backend.per_backend
+def _make_tensor_parallel_step(config: TemporalConfig, mesh: Mesh, axis: str, *, layer_loop: str, scan_unroll: int,
+                               exact_rope: bool, rope_freqs: tuple[float, ...] | None, kernels: str, reduce_dtype,
+                               donate: bool) -> PlacedStep:
+    """`make_tensor_parallel_step` of checked, hashable options: the cached part."""
     p_specs, s_specs = tensor_parallel_specs(axis)
     out_linear = _all_reduced(axis, reduce_dtype)
     layer_fn = functools.partial(temporal_layer, out_linear=out_linear)  # the one-device layer, its sums all-reduced
@@ -194,7 +205,7 @@ def make_tensor_parallel_step(config: TemporalConfig, mesh: Mesh, axis: str = MO
     def local(tp, state, x, active):
         x = x.astype(state.k.dtype)
         T = x.shape[1]
-        impl = pick_kernels(kernels, c, state.batch_size, T)
+        impl = pick_kernels(kernels, c, state.batch_size, T, exact_rope)
         tables = step_tables(c, state.offset, state.start_offset, active, T, rope_freqs)
         x, k, v = run_layers(layer_fn, c, tp["layers"], (x, state.k, state.v), tables, active,
                              layer_loop=layer_loop, scan_unroll=scan_unroll, exact_rope=exact_rope, kernels=impl)

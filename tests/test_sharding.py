@@ -435,6 +435,17 @@ def test_tensor_parallel_refusals_name_the_argument():
             sh.make_tensor_parallel_step(config, mesh, reduce_dtype=dtype)
     with pytest.raises(TypeError, match=r"reduce_dtype\): bfloat16 would round the partial sums of this float32"):
         sh.make_tensor_parallel_step(config, mesh, reduce_dtype=jnp.bfloat16)(tp, state, x)
+    # the options are make_step's, checked as its are: a table of the wrong length, a truthy string, and
+    # exact_rope=False on the Pallas kernels (whose RoPE is exact always) refused by name
+    with pytest.raises(ValueError, match=r"make_tensor_parallel_step\(rope_freqs\)"):
+        sh.make_tensor_parallel_step(config, mesh, rope_freqs=(1.0,))
+    with pytest.raises(TypeError, match=r"make_tensor_parallel_step\(donate\)"):
+        sh.make_tensor_parallel_step(config, mesh, donate="False")
+    with pytest.raises(ValueError, match=r"make_tensor_parallel_step\(exact_rope, kernels\)"):
+        sh.make_tensor_parallel_step(config, mesh, exact_rope=False, kernels="pallas")
+    freqs = tuple(float(f) for f in np.linspace(1.0, 1e-3, config.head_dim // 2, dtype=np.float32))
+    assert sh.make_tensor_parallel_step(config, mesh, rope_freqs=list(freqs)) is \
+        sh.make_tensor_parallel_step(config, mesh, rope_freqs=freqs)  # a list keys as its tuple: one step
     assert not jax.config.jax_enable_x64  # float64 would be made float32 silently
     with pytest.raises(TypeError, match=r"make_tensor_parallel_step\(reduce_dtype\): float64 needs jax_enable_x64"):
         sh.make_tensor_parallel_step(config, mesh, reduce_dtype=jnp.float64)
