@@ -298,7 +298,7 @@ def check_headroom(state_or_bound, T: int, dtype=None) -> None:
 class OffsetBounds:
     """Host-side upper bounds of the offset arrays [B] the jitted steps returned (the LM frame's, the
     codec's, the speech frame's), so that a step refuses, before anything runs or is donated, one that
-    would take an offset past its dtype's largest value (`state.index_max`: int32's 2**31 - 1 unless
+    would take an offset past its dtype's largest value (`index_max`: int32's 2**31 - 1 unless
     jax's x64 mode is on; a wrapped offset would go on silently at -2**31) without reading the device
     each step, as `step.Streamer`'s `offset_bound` does for a stack.
 
