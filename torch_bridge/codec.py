@@ -47,13 +47,12 @@ from jax_impl.codec_config import (
 )
 from jax_impl.config import check_batch_size
 from jax_impl.kernel_choice import check_head_dim
-from jax_impl.snapshot import dtype_name, exact_float_cast
+from jax_impl.snapshot import dtype_name, exact_float_cast, row_index
 
 from . import quantizer, seanet
 from .frame import check_offset_room
 from .layers import check_triton_device
 from .model import FLOAT_DTYPES, MimiTransformer
-from .state import check_row
 from .weights import ExactLoads, as_tensor, source_problem
 
 # "reference": torch's ops, bit-exact with moshi; "twin": the twin kernels (`kernels_triton.twin_conv`
@@ -250,7 +249,7 @@ class MimiCodec(ExactLoads, nn.Module):
         """Row b starts a fresh session: its carries zeroed, its first-frame flag set, the transformers'
         row reset to position 0 with zeroed rings (`MimiTransformer.reset_rows`)."""
         state = self._require_state("reset_slot")
-        b = check_row("reset_slot", b, state.batch_size)
+        b = row_index("reset_slot", b, state.batch_size)
         for carry in state.encoder + state.decoder:
             carry[b].zero_()
         state.first[b] = True

@@ -185,10 +185,6 @@ class Depformer(ExactLoads, nn.Module):
         return rows.to(device=self.device, dtype=self.dtype).reshape(dst.shape)
 
     # ----------------------------------------------------------------------------- one frame
-    def _check_steps(self, steps) -> None:
-        """`steps` (run the first `steps` inner steps only): None or an int in 1..dep_q (`check_steps`)."""
-        check_steps(steps, self.config.dep_q)
-
     def _check_inputs(self, text_token, transformer_out, audio_tokens, audio_provided):
         c = self.config
         if not isinstance(transformer_out, torch.Tensor):
@@ -253,7 +249,7 @@ class Depformer(ExactLoads, nn.Module):
         c = self.config
         B = transformer_out.shape[0]
         check_sampling(temperature, top_k, c.card)
-        self._check_steps(steps)
+        check_steps(steps, self.config.dep_q)
         seeds, counter = check_randomness(seeds, counter, B, self.device, bool(temperature))
         shape = (c.num_layers, B, c.num_heads, c.dep_q, c.head_dim)
         cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)

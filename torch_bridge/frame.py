@@ -51,12 +51,12 @@ from jax_impl.frame_config import (
     embedding_shapes,
 )
 from jax_impl.sampling_config import check_sampling
+from jax_impl.snapshot import row_index
 
 from .depformer import Depformer, check_ids, int_tensor
 from .layers import check_triton_device
 from .model import TemporalStreaming
 from .sampling import check_randomness, sample
-from .state import check_row
 from .weights import ExactLoads, as_tensor, source_problem
 
 EMBEDDING_PREFIXES = ("text_emb.", "emb.")
@@ -234,8 +234,8 @@ class LMFrame(ExactLoads, nn.Module):
         return {"temporal.offset": self.temporal.state.offset, "frame_offset": self.frame_offset}
 
     def check_row(self, op: str, b) -> int:
-        """b as an int, after checking it is a row index of the stream (`state.check_row`)."""
-        return check_row(op, b, self.batch_size)
+        """b as an int, after checking it is a row index of the stream (`snapshot.row_index`)."""
+        return row_index(op, b, self.batch_size)
 
     def _check_mask(self, name: str, mask) -> torch.Tensor:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:

@@ -20,6 +20,7 @@ import jax
 import torch
 
 from jax_impl.depformer import depformer_frame
+from jax_impl.depformer_config import check_steps
 from jax_impl.sampling_config import check_sampling
 
 from .depformer import Depformer
@@ -81,7 +82,7 @@ class JaxDepformer(Depformer):
                 steps: int | None = None):
         """`Depformer.forward`'s arguments, checks and results (there), computed by JAX."""
         self._check_inputs(text_token, transformer_out, audio_tokens, audio_provided)
-        self._check_steps(steps)
+        check_steps(steps, self.config.dep_q)
         c = self.config
         B = transformer_out.shape[0]
         check_sampling(temperature, top_k, c.card)

@@ -21,11 +21,11 @@ from jax_impl import twin_layers
 from jax_impl.checkpoint import WIDENINGS, weight_specs
 from jax_impl.config import MimiConfig, StackConfig, TemporalConfig, check_batch_size
 from jax_impl.kernel_choice import TORCH_KERNELS, check_head_dim, check_kernels
-from jax_impl.snapshot import check_bump, check_ring_size, dtype_name, exact_float_cast
+from jax_impl.snapshot import check_bump, check_ring_size, dtype_name, exact_float_cast, row_index
 from kernels_pallas.contract.attention import twin_sems_size
 
 from .layers import check_triton_device, mimi_layer, rms_norm_f32, temporal_layer, triton_twins
-from .state import TorchStreamState, check_row
+from .state import TorchStreamState
 from .stream_io import StackStreamIO
 from .tables import TorchStepTables, build_step_tables, rope_freqs, twin_tables
 from .weights import ExactLoads, StackWeights
@@ -117,7 +117,7 @@ class StreamingStack(StackWeights, StackStreamIO, ExactLoads, nn.Module):
         return self._state
 
     def _check_row(self, op: str, b) -> int:
-        return check_row(op, b, self._require_state(op).batch_size)
+        return row_index(op, b, self._require_state(op).batch_size)
 
     def _check_row_mask(self, name: str, mask, state: TorchStreamState) -> torch.Tensor:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:

@@ -20,15 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from jax_impl.snapshot import row_index
-
-
-def check_row(op: str, b, batch_size: int) -> int:
-    """b as an int after checking it is a row index of a stream of batch_size rows, by the rule of the
-    JAX recycle ops (`jax_impl.snapshot.row_index`: a Python or numpy integer, or a 0-d integer array or
-    tensor, not a bool); TypeError / IndexError naming `op`."""
-    return row_index(op, b, batch_size)
-
 
 @dataclass
 class TorchStreamState:
