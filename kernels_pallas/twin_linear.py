@@ -88,7 +88,6 @@ from kernels_pallas.contract.norm import (
     twin_norm_unroll,
 )
 from kernels_pallas.contract.numerics import check_launch, twin_lanes
-from kernels_pallas.contract.rope import check_write_slots
 
 
 def _epilogue(acc, dtype, act, scale, residual, gpu):
@@ -514,9 +513,8 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     Differentiable in x, w, the norm's weights, rms.ss and the rings (the one kernel: a `jax.custom_vjp`,
     rope_write's backward then the linear's, `contract.grad`); cos and sin are refused, as `rope_write` does.
     """
-    slots = tm.host_values(write_index)
-    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask, slots)
-    check_write_slots("linear_rope_write", slots, tm.host_values(write_mask))
+    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask,
+                                         tm.host_values(write_index), tm.host_values(write_mask))
     check_launch("linear_rope_write", num_warps, num_stages)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -670,9 +668,8 @@ def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index,
                              ring_layer=None, form=None, **_):
     """The plain jax.numpy reference of `linear_rope_write`'s lane form: `linear_native` then
     `twin_rope.rope_write_native`, the same signature and bits (the MMA form's bits are the tensor cores')."""
-    slots = tm.host_values(write_index)
-    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask, slots)
-    check_write_slots("linear_rope_write", slots, tm.host_values(write_mask))
+    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask,
+                                    tm.host_values(write_index), tm.host_values(write_mask))
     qkv = linear_native(x, w, layer, norm=norm, form=form).reshape(B, T, 3, H, D)
     return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
                                        write_index, write_mask)

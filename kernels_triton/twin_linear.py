@@ -39,7 +39,6 @@ from kernels_pallas.contract.norm import (
     twin_norm_unroll,
 )
 from kernels_pallas.contract.numerics import check_index, check_launch, twin_lanes
-from kernels_pallas.contract.rope import check_write_slots
 from kernels_triton import twin_grad, twin_norm, twin_rope
 from kernels_triton import twin_math as tm
 from kernels_triton.twin_math import interpreting
@@ -446,9 +445,8 @@ def linear_rope_write(x: torch.Tensor, w: torch.Tensor, layer, cos: torch.Tensor
     twin's signature and bits): `linear` then `twin_rope.rope_write`, one kernel in the MMA form;
     cos = sin = None: no rotation; ring_layer: the rings' layer where not `layer`. Returns (q [B, H, T, D], ring_k, ring_v), the rings written in place.
     Differentiable as the Pallas twin (the one kernel: `_QkvRopeWrite`); without gradients, the kernels run directly."""
-    slots = tm.host_values(write_index)
-    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask, slots)
-    check_write_slots("linear_rope_write", slots, tm.host_values(write_mask))
+    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask,
+                                         tm.host_values(write_index), tm.host_values(write_mask))
     check_launch("linear_rope_write", num_warps, num_stages)
     interpreted = interpreting(_qkv_kernel)
     chosen, BN = twin_qkv_plan(N, K, D, x.dtype, not interpreted, form, block_n)
@@ -557,9 +555,8 @@ def linear_rope_write_native(x, w, layer, cos, sin, ring_k, ring_v, write_index,
                              ring_layer=None, form=None, **_):
     """The plain torch reference of `linear_rope_write`'s lane form: `linear_native` then
     `twin_rope.rope_write_native` (the rings written in place), the same signature and bits."""
-    slots = tm.host_values(write_index)
-    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask, slots)
-    check_write_slots("linear_rope_write", slots, tm.host_values(write_mask))
+    B, T, H, D, *_ = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask,
+                                    tm.host_values(write_index), tm.host_values(write_mask))
     qkv = linear_native(x, w, layer, norm=norm, form=form).reshape(B, T, 3, H, D)
     return twin_rope.rope_write_native(qkv, cos, sin, ring_k, ring_v, layer if ring_layer is None else ring_layer,
                                        write_index, write_mask)

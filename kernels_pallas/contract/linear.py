@@ -384,15 +384,17 @@ class Shaped(NamedTuple):
     dtype: Any
 
 
-def check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask, slots=None):
+def check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask, slots=None, written=None):
     """(B, T, H, D, M, K, N) of a `linear_rope_write` call, after checking every shape: the
-    linear's, rope_write's, and that x is [B*T, K] and w [L, 3*H*D, K]."""
+    linear's, rope_write's (slots, written: `check_twin_rope`'s), and that x is [B*T, K] and w
+    [L, 3*H*D, K]."""
     if len(ring_k.shape) != 5 or len(write_index.shape) != 2:
         raise ValueError(f"linear_rope_write: ring_k must be [L, B, H, C, D] and write_index [B, T], got "
                          f"{tuple(ring_k.shape)} and {tuple(write_index.shape)}")
     (B, T), H, D = write_index.shape, ring_k.shape[2], ring_k.shape[4]
     M, K, N, _ = check_twin_linear(x, w, None, None, None, norm)
-    check_twin_rope(Shaped((B, T, 3, H, D), x.dtype), cos, sin, ring_k, ring_v, write_index, write_mask, slots)
+    check_twin_rope(Shaped((B, T, 3, H, D), x.dtype), cos, sin, ring_k, ring_v, write_index, write_mask, slots,
+                    written, who="linear_rope_write")
     if (M, N) != (B * T, 3 * H * D):
         raise ValueError(f"linear_rope_write: x must be [B*T={B * T}, K] and w [L, 3*H*D={3 * H * D}, K], got x "
                          f"{tuple(x.shape)} and w {tuple(w.shape)}")

@@ -42,11 +42,13 @@ def check_write_slots(who: str, slots, written) -> None:
             seen.add(slot)
 
 
-def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask, slots=None, written=None):
+def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask, slots=None, written=None,
+                    who: str = "rope_write"):
     """(B, T, H, D, (L, C)) of a twin rope_write call, after checking every shape; cos and sin may
     both be None (no rotation). slots, written: the values of write_index and write_mask where the
     caller reads them without waiting on a device (`numerics.check_index`): a slot outside the ring
-    would be written anyway, and one slot written twice in a row is refused (`check_write_slots`)."""
+    would be written anyway, and one slot written twice in a row is refused (`check_write_slots`,
+    naming `who`: the op the caller runs)."""
     check_twin_dtype("rope_write", "qkv", qkv)
     if len(qkv.shape) != 5 or qkv.shape[2] != 3:
         raise ValueError(f"rope_write(qkv): expected [B, T, 3, H, D], got shape {tuple(qkv.shape)}")
@@ -68,7 +70,7 @@ def check_twin_rope(qkv, cos, sin, ring_k, ring_v, write_index, write_mask, slot
         raise ValueError(f"rope_write: write_index and write_mask must be [{B}, {T}], got "
                          f"{tuple(write_index.shape)} and {tuple(write_mask.shape)}")
     check_index("rope_write", "write_index", write_index, ring_k.shape[3], slots)
-    check_write_slots("rope_write", slots, written)
+    check_write_slots(who, slots, written)
     return B, T, H, D, (ring_k.shape[0], ring_k.shape[3])
 
 
