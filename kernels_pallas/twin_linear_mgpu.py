@@ -224,7 +224,8 @@ def linear_rope_write(x: jax.Array, w: jax.Array, layer, cos: jax.Array | None, 
     32-bit word, and every row of the tile is stored (TMA) to its own place: q's row (b*H + h)*T + t,
     or the ring slot write_index[b, t] where write_mask[b, t].
     """
-    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask)
+    B, T, H, D, M, K, N = check_twin_qkv(x, w, norm, cos, sin, ring_k, ring_v, write_index, write_mask,
+                                         tm.host_values(write_index), tm.host_values(write_mask))
     if rms is not None and not isinstance(rms, TwinRms):
         raise TypeError(f"linear_rope_write(rms): expected a TwinRms or None, got {type(rms).__name__}")
     check_twin_split(None, rms, norm, M, K, N, "mma", "linear_rope_write")
