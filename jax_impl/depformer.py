@@ -184,6 +184,7 @@ def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, a
     alphas = _twin_alphas(cfg, params) if twin else None
     shape = (cfg.num_layers, B, cfg.num_heads, cfg.dep_q, cfg.head_dim)
     caches = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    inputs = _twin_inputs(cfg, params, x_in, steps) if twin else None
 
     def step(prev, k, s, table, cache_k, cache_v):
         """Inner step k with weight set s and embedding table `table` (step k - 1's; 0 at k = 0)
@@ -195,7 +196,10 @@ def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, a
         else:
             token_in = jnp.where(k == 0, _embed(params["text_emb"], prev), _embed(params["emb"][table], prev))
         if twin:
-            x = twin_linear.linear(x_in, params["depformer_in"], s, residual=token_in)
+            if inputs is None:
+                x = twin_linear.linear(x_in, params["depformer_in"], s, residual=token_in)
+            else:  # the input projection's epilogue: its residual add, as the kernel makes it
+                x = (token_in.astype(F32) + inputs[:, s].astype(F32)).astype(dtype)
             x, cache_k, cache_v = _twin_layers(cfg, params, alphas, x, s, k, cache_k, cache_v)
             logits = twin_linear.linear(x, params["linears"], s).astype(F32)
         else:
@@ -295,3 +299,21 @@ def make_depformer_step(cfg: DepformerConfig, kernels: str = "reference", *, tem
                      counter)
 
     return step
+
+
+def _twin_inputs(cfg: DepformerConfig, params, x_in, steps: int | None):
+    """The twin input projections of every weight set, [B, weight_sets, dim] in the params' dtype, from
+    one linear over the sets' weights viewed as [weight_sets * dim, temporal_dim] (a reshape, no copy),
+    where the frame's steps read every set; else None (each step projects its own).
+
+    They depend on the temporal output alone, not on the tokens the steps draw: one launch reads each
+    set's 8 MB once, where the steps' own launches read a set each (PersonaPlex's 16 steps read 8 sets
+    twice). The same bits: a column's sum is the same whatever the columns beside it (the twin linear's
+    tiles change the speed, never the bits), and the step then adds the token's embedding as the
+    kernel's epilogue does (`twin_linear._epilogue`: both rounded to the dtype, added in float32,
+    rounded once), an exact operation XLA does not reorder."""
+    if set(cfg.step_sets[:steps]) != set(range(cfg.weight_sets)):
+        return None
+    w = params["depformer_in"]
+    y = twin_linear.linear(x_in, w.reshape(w.shape[0] * w.shape[1], w.shape[2]))
+    return y.reshape(x_in.shape[0], w.shape[0], w.shape[1])
