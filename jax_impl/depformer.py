@@ -26,7 +26,9 @@ at step k, slots 0..k attended: causal over the inner steps, no positional embed
   holds position c, queried at the step index: slots 0..k visible, no positional embedding), the
   out-projection with the residual in its epilogue, the RMSNorm and the gated in-projection
   (`act="silu_gate"`, `norm=`), the down-projection with the residual; `depformer_in` with the
-  token's embedding as its residual, the head a twin linear. The inner steps are unrolled: the
+  token's embedding as its residual (where the frame's steps read every weight set, one linear over
+  all the sets at the frame's start, `_twin_inputs`, each step adding its embedding as that
+  epilogue does), the head a twin linear. The inner steps are unrolled: the
   step, its weight set (read in place at index `layer * weight_sets + set` of the buffers viewed
   as `[L * weight_sets, N, K]`, a reshape, no copy) and the step's tables are constants, so
   between the kernels run only the embedding lookup and the sampler, exact (a gather, integer and
