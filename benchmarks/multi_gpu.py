@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec as P
 import jax_impl as jx
 from benchmarks.timing import host_ms, time_step
 from jax_impl import sharding as sh
+from jax_impl.snapshot import ring_shape
 
 TARGETS = {"sessions": 1.15, "tensor_parallel": 0.6, "allreduce_us": 10.0}
 
@@ -72,7 +73,7 @@ def copy_bandwidth(small: bool) -> float:
 def full_state(config, B: int, dtype, sharding=None) -> jx.StreamState:
     """A state whose rings are full (offsets at capacity) of a fixed pattern, built in place on its
     devices (one fused loop per ring, no host copy, no float32 temporary)."""
-    shape = jx.state.state_shapes(config, B)
+    shape = ring_shape(config, B)
 
     def make():
         c, d = (lax.broadcasted_iota(jnp.int32, shape, i) for i in (3, 4))

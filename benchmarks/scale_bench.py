@@ -68,6 +68,7 @@ from benchmarks.timing import (
     torch_graph,
 )
 from jax_impl.config import PRESETS
+from jax_impl.snapshot import ring_shape
 from kernels_pallas import twin_attention
 from kernels_pallas.ring_attention import fits_int32, ring_attention
 from torch_bridge import MimiTransformer, TemporalStreaming
@@ -85,7 +86,7 @@ def full_state(config, B: int, key: int = 1):
     """A JAX state with every slot visible (offsets at capacity), random up to RANDOM_RING_MAX_BYTES
     (the values do not change the kernels' work), else constant. Each ring is made once where it
     lives: no zero ring first and no second ring, ever (at B=64 one is 50 GB)."""
-    shape = jax_impl.state.state_shapes(config, B)
+    shape = ring_shape(config, B)
     offset = jnp.full((B,), config.capacity, jax_impl.state.index_dtype())
     if 2 * 2 * np.prod(shape) <= RANDOM_RING_MAX_BYTES:
         k1, k2 = jax.random.split(jax.random.key(key))

@@ -75,11 +75,6 @@ def index_max(dtype=None) -> int:
     return int(np.iinfo(np.dtype(dtype or index_dtype())).max)
 
 
-def state_shapes(config: StackConfig, batch_size: int) -> tuple[int, ...]:
-    """(L, B, H, C, D) of each ring (`snapshot.ring_shape`)."""
-    return ring_shape(config, batch_size)
-
-
 def check_stack_config(op: str, config) -> StackConfig:
     """config itself after checking it is a stack's config (`TemporalConfig` or `MimiConfig`); TypeError
     naming `op` (a `FrameConfig` or `CodecConfig` holds stacks: pass its `temporal` / `transformer`)."""
@@ -113,7 +108,7 @@ def init_state(config: StackConfig, batch_size: int, dtype=jnp.float32, *, devic
     batch_size = check_batch_size("init_state", batch_size)
     dtype = check_state_dtype("init_state", dtype)
     check_ring_size("init_state", config, batch_size, dtype)
-    ring = state_shapes(config, batch_size)
+    ring = ring_shape(config, batch_size)
     idx = index_dtype()
 
     def make():

@@ -28,7 +28,7 @@ from .kernel_choice import JAX_KERNELS
 from .lora import check_lora, split_lora
 from .model import check_capture, check_flag, check_rope_freqs, check_stack_options, stack_module
 from .ops import pick_kernels
-from .snapshot import check_bump, check_restore_batch, check_snapshot_layout, exact_float_cast
+from .snapshot import check_bump, check_restore_batch, check_snapshot_layout, exact_float_cast, ring_shape
 from .state import StreamState
 from .stream_io import read_stream, state_from_snapshot, state_snapshot, write_stream
 from .weights import check_params
@@ -46,7 +46,7 @@ def check_step_inputs(config: StackConfig, params, state: StreamState, x, active
         raise TypeError(f"step(state): expected a jax_impl.StreamState, got {type(state).__name__}")
     dtype = state.k.dtype
     B = state.offset.shape[0]
-    ring = st.state_shapes(c, B)
+    ring = ring_shape(c, B)
     if tuple(state.k.shape) != ring or tuple(state.v.shape) != ring or state.v.dtype != dtype:
         raise ValueError(f"step(state): rings must be {dtype}{list(ring)} for this config, got "
                          f"k {state.k.dtype}{list(state.k.shape)}, v {state.v.dtype}{list(state.v.shape)}")
