@@ -475,14 +475,11 @@ def _codec_steps(cfg: CodecConfig, kernels: str, rope_freqs: tuple[float, ...] |
     T = cfg.downsample_stride  # the transformers' positions a frame
 
     def stepped(op: str, moved: str, jitted, params, state, x, active):
-        """jitted(...) after checking the room of the offsets (`moved` advances T positions); the bounds
-        of the returned state's offsets noted."""
-        offsets = codec_offsets(state)
-        advance = dict.fromkeys(offsets, 0) | {moved: T}
-        bounds = st.OFFSET_BOUNDS.check(f"{op}(state)", "jit_codec_reset_slot", offsets, advance)
-        out, state = jitted(params, state, _on_state_device(state, x), _on_state_device(state, active))
-        st.OFFSET_BOUNDS.note(bounds, codec_offsets(state))
-        return out, state
+        """jitted(...) after checking the room of the offsets (`moved` advances T positions,
+        `state.OffsetBounds.step`)."""
+        return st.OFFSET_BOUNDS.step(f"{op}(state)", "jit_codec_reset_slot", codec_offsets,
+                                     lambda name: T if name == moved else 0, state,
+                                     lambda s: jitted(params, s, _on_state_device(s, x), _on_state_device(s, active)))
 
     def encode(params, state, pcm, active=None):
         _check_state("encode", state)

@@ -245,12 +245,9 @@ def make_frame_step(cfg: FrameConfig, *, kernels: str = "reference", dep_q_exit:
             check_seeds(seeds, B, is_integer_array)
         else:
             seeds = None
-        offsets = frame_offsets(state)
-        bounds = st.OFFSET_BOUNDS.check("step(state)", "jit_reset_rows", offsets, dict.fromkeys(offsets, 1))
         # the arguments as given (numpy or JAX): jit places host arrays itself
-        out, state = jitted(params, state, user_tokens, active, replace_audio, seeds)
-        st.OFFSET_BOUNDS.note(bounds, frame_offsets(state))
-        return out, state
+        return st.OFFSET_BOUNDS.step("step(state)", "jit_reset_rows", frame_offsets, lambda name: 1, state,
+                                     lambda s: jitted(params, s, user_tokens, active, replace_audio, seeds))
 
     return step
 

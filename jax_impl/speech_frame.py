@@ -146,13 +146,10 @@ def make_speech_frame_step(cfg: SpeechFrameConfig, *, kernels: str = "reference"
             seeds = jax.device_put(seeds, where)
         else:
             seeds = None
-        offsets = speech_offsets(state)
-        T = cfg.codec.downsample_stride
-        advance = {name: T if name.startswith("codec.") else 1 for name in offsets}
-        bounds = st.OFFSET_BOUNDS.check("step(state)", "jit_speech_reset_slot", offsets, advance)
-        out, state = jitted(params, state, jax.device_put(pcm, where), jax.device_put(active, where), seeds)
-        st.OFFSET_BOUNDS.note(bounds, speech_offsets(state))
-        return out, state
+        T = cfg.codec.downsample_stride  # the codec's transformers' positions a frame; the LM's: 1
+        return st.OFFSET_BOUNDS.step(
+            "step(state)", "jit_speech_reset_slot", speech_offsets, lambda name: T if name.startswith("codec.") else 1,
+            state, lambda s: jitted(params, s, jax.device_put(pcm, where), jax.device_put(active, where), seeds))
 
     return step
 

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -311,34 +311,37 @@ class OffsetBounds:
         if self._known.get(key, (None,))[0] is ref:
             del self._known[key]
 
-    def check(self, where: str, recycle: str, offsets: Mapping[str, jax.Array],
-              advance: Mapping[str, int]) -> dict[str, int] | None:
-        """The arrays' bounds after a step that advances each of `offsets` (name -> int [B]) by
-        advance[name] positions (None when traced). OverflowError headed by `where`, naming the array,
-        the row and `recycle` (what puts a row's positions back to 0), if the step could take an offset
-        past its dtype; nothing is changed then."""
-        if any(isinstance(a, jax.core.Tracer) for a in offsets.values()):
-            return None
-        bounds = {}
-        for name, a in offsets.items():
-            entry, T, limit = self._known.get(id(a)), advance[name], index_max(a.dtype)
-            bound = entry[1] if entry is not None and entry[0]() is a else None
-            if bound is None or bound + T > limit:
-                host = np.asarray(a)
-                bound = int(host.max())
-                if bound + T > limit:
-                    raise OverflowError(
-                        f"{where}: {name}[{int(host.argmax())}] is {bound}: {T} more position(s) would pass "
-                        f"{limit}, the largest {np.dtype(a.dtype).name} offset; recycle the row first ({recycle}: "
-                        f"its positions back to 0), or enable jax x64 for int64 offsets")
-            bounds[name] = bound + T
-        return bounds
+    def step(self, where: str, recycle: str, offsets_of: Callable[[Any], Mapping[str, jax.Array]],
+             advance: Callable[[str], int], state, run: Callable[[Any], tuple[Any, Any]]) -> tuple[Any, Any]:
+        """run(state) -> (out, new state), a jitted step, after checking that it cannot take an offset past
+        its dtype: offsets_of(state) are the state's offset arrays by name (int [B]), each advanced
+        advance(name) positions a step. OverflowError headed by `where`, naming the array, the row and
+        `recycle` (what puts a row's positions back to 0), before anything runs; the new state's offsets
+        are then noted with their bounds. Traced offsets (a step inside the caller's own jit) pass."""
+        offsets = offsets_of(state)
+        bounds = None if any(isinstance(a, jax.core.Tracer) for a in offsets.values()) else \
+            {name: self._bound(where, recycle, name, a, advance(name)) for name, a in offsets.items()}
+        out, state = run(state)
+        if bounds is not None:
+            for name, a in offsets_of(state).items():
+                key = id(a)
+                self._known[key] = (weakref.ref(a, functools.partial(self._forget, key)), bounds[name])
+        return out, state
 
-    def note(self, bounds: Mapping[str, int] | None, offsets: Mapping[str, jax.Array]) -> None:
-        """Remember `bounds` (`check`'s; None: nothing) as those of a step's returned `offsets` (by name)."""
-        for name, bound in (bounds or {}).items():
-            key = id(offsets[name])
-            self._known[key] = (weakref.ref(offsets[name], functools.partial(self._forget, key)), bound)
+    def _bound(self, where: str, recycle: str, name: str, a: jax.Array, T: int) -> int:
+        """The bound of offsets `a` after a step advancing it T positions (`step`'s refusal where it passes
+        the dtype's largest value)."""
+        entry, limit = self._known.get(id(a)), index_max(a.dtype)
+        bound = entry[1] if entry is not None and entry[0]() is a else None
+        if bound is None or bound + T > limit:
+            host = np.asarray(a)
+            bound = int(host.max())
+            if bound + T > limit:
+                raise OverflowError(
+                    f"{where}: {name}[{int(host.argmax())}] is {bound}: {T} more position(s) would pass "
+                    f"{limit}, the largest {np.dtype(a.dtype).name} offset; recycle the row first ({recycle}: "
+                    f"its positions back to 0), or enable jax x64 for int64 offsets")
+        return bound + T
 
 
 OFFSET_BOUNDS = OffsetBounds()  # one table for every step: a speech frame's state holds a codec's and a frame's
