@@ -69,7 +69,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -328,8 +327,7 @@ def _differentiable_fwd(o: _Options, q, ring_k, ring_v, layer, positions, q_pos,
 
 def _differentiable_bwd(o: _Options, residuals, cotangents):
     """`_bwd` on the output's cotangent as an array (the counters' have none)."""
-    d_out = cotangents[0]
-    return _bwd(o, residuals, jnp.zeros(d_out.shape, d_out.dtype) if isinstance(d_out, SymbolicZero) else d_out)
+    return _bwd(o, residuals, twin_grad.dense(cotangents[0]))
 
 
 @twin_grad.first_order("attention")

@@ -34,11 +34,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas import backend, twin_rope
+from kernels_pallas import backend, twin_grad, twin_rope
 from kernels_pallas.contract.attention import twin_sems_size
 from kernels_pallas.contract.numerics import check_nonempty, next_pow2, positive_int
 from kernels_pallas.contract.rope import RING_CONVENTIONS
@@ -209,10 +208,7 @@ def _differentiable_fwd(statics, offset, start_offset, active, x, freqs):
 
 
 def _differentiable_bwd(statics, _residuals, cotangents: Entry):
-    dx = cotangents.x
-    if isinstance(dx, SymbolicZero):
-        dx = jnp.zeros(dx.shape, dx.dtype)
-    return None, None, None, dx, None
+    return None, None, None, twin_grad.dense(cotangents.x), None
 
 
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd, symbolic_zeros=True)

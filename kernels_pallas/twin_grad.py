@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -22,6 +23,14 @@ from kernels_pallas.contract.linear import LINEAR_ACTS
 from kernels_pallas.contract.numerics import SQRT1_2, check_twin_dtype
 
 F32 = tm.F32
+
+
+def dense(cotangent):
+    """A cotangent of a `custom_vjp` with symbolic zeros as an array: a `SymbolicZero` (an output
+    nothing downstream used) as zeros of its shape and dtype, what the backward kernels read."""
+    if isinstance(cotangent, SymbolicZero):
+        return jnp.zeros(cotangent.shape, cotangent.dtype)
+    return cotangent
 
 
 def first_order(name: str):

@@ -55,7 +55,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -616,8 +615,7 @@ def _qkv_fwd(opts: _QkvOpts, x, w, layers, nw, nb, ss, cos, sin, ring_k, ring_v,
 
 def _qkv_bwd(opts: _QkvOpts, saved, cotangents):
     """`_qkv_arrays_bwd` on (dq, d_ring_k, d_ring_v) as arrays."""
-    return _qkv_arrays_bwd(opts, saved, tuple(jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c
-                                              for c in cotangents))
+    return _qkv_arrays_bwd(opts, saved, tuple(map(twin_grad.dense, cotangents)))
 
 
 @twin_grad.first_order("linear_rope_write")

@@ -41,7 +41,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -211,8 +210,7 @@ def _differentiable_fwd(interpret, qkv, cos, sin, ring_k, ring_v, layer, write_i
 
 
 def _differentiable_bwd(interpret, residuals, cotangents):
-    return _bwd(interpret, residuals,
-                tuple(jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cotangents))
+    return _bwd(interpret, residuals, tuple(map(twin_grad.dense, cotangents)))
 
 
 @twin_grad.first_order("rope_write")
