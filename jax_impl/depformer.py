@@ -201,7 +201,7 @@ def depformer_frame(cfg: DepformerConfig, params, text_token, transformer_out, a
             if inputs is None:
                 x = twin_linear.linear(x_in, params["depformer_in"], s, residual=token_in)
             else:  # the input projection's epilogue: its residual add, as the kernel makes it
-                x = (token_in.astype(F32) + inputs[:, s].astype(F32)).astype(dtype)
+                x = twin_linear.add_residual(inputs[:, s], token_in)
             x, cache_k, cache_v = _twin_layers(cfg, params, alphas, x, s, k, cache_k, cache_v)
             logits = twin_linear.linear(x, params["linears"], s).astype(F32)
         else:
@@ -312,8 +312,7 @@ def _twin_inputs(cfg: DepformerConfig, params, x_in, steps: int | None):
     set's 8 MB once, where the steps' own launches read a set each (PersonaPlex's 16 steps read 8 sets
     twice). The same bits: a column's sum is the same whatever the columns beside it (the twin linear's
     tiles change the speed, never the bits), and the step then adds the token's embedding as the
-    kernel's epilogue does (`twin_linear._epilogue`: both rounded to the dtype, added in float32,
-    rounded once), an exact operation XLA does not reorder."""
+    kernel's epilogue does (`twin_linear.add_residual`)."""
     if set(cfg.step_sets[:steps]) != set(range(cfg.weight_sets)):
         return None
     w = params["depformer_in"]

@@ -89,6 +89,12 @@ from kernels_pallas.contract.norm import (
 from kernels_pallas.contract.numerics import check_launch, twin_lanes
 
 
+def add_residual(y, residual):
+    """The epilogue's residual add: y and residual (in the output's dtype) summed in float32, rounded
+    once to y's dtype. Exact work XLA does not reorder, so it gives the kernel's bits outside it too."""
+    return tm.to_dtype(residual.astype(tm.F32) + y.astype(tm.F32), y.dtype)
+
+
 def _epilogue(acc, dtype, act, scale, residual, gpu):
     """acc: float32 [..., N'] (silu_gate: a pair (a, b)) -> the output in dtype (module docstring)."""
     f32 = tm.F32
@@ -102,7 +108,7 @@ def _epilogue(acc, dtype, act, scale, residual, gpu):
     if scale is not None:
         y = tm.to_dtype(tm.mul(scale.astype(f32), y.astype(f32), gpu), dtype)
     if residual is not None:
-        y = tm.to_dtype(residual.astype(f32) + y.astype(f32), dtype)
+        y = add_residual(y, residual)
     return y
 
 
